@@ -1,0 +1,49 @@
+# Everything a fresh machine needs goes through these targets: `make serve`, `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+BUF := node_modules/.bin/buf
+HOST ?= 127.0.0.1
+PORT ?= 50051
+ENV ?= echo
+
+.PHONY: install serve test pytest lint proto proto-check clean
+
+# The virtualenv is rebuilt when the project's dependencies change.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+$(BUF): package.json package-lock.json
+	npm ci --no-audit --no-fund --silent
+	touch $@
+
+install: $(VENV)/.installed $(BUF)
+
+## serve: run a server with the default environment on localhost (no Docker)
+serve: $(VENV)/.installed
+	$(VENV)/bin/openenv-grpc serve $(ENV) --host $(HOST) --port $(PORT)
+
+## test: the whole suite: lint, generated-code drift, then every test
+test: lint proto-check pytest
+
+pytest: $(VENV)/.installed
+	$(PY) -m pytest
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check openenv_grpc envs tests scripts
+	$(VENV)/bin/mypy
+	$(BUF) lint
+
+## proto: regenerate Python messages, stubs and type stubs from proto/
+proto: $(VENV)/.installed
+	$(PY) scripts/protogen.py
+
+proto-check: $(VENV)/.installed
+	$(PY) scripts/protogen.py --check
+
+clean:
+	rm -rf $(VENV) node_modules build *.egg-info

@@ -1,0 +1,1 @@
+"""The openenv-grpc environment catalogue (imported as ``openenv_grpc_envs``)."""

@@ -1,0 +1,19 @@
+"""Typed clients for the echo environment: ``step`` takes an EchoAction, and so on."""
+
+from openenv_grpc import AsyncSession, Session
+from openenv_grpc_envs.echo.v1.echo_pb2 import (
+    EchoAction,
+    EchoObservation,
+    EchoResetOptions,
+    EchoState,
+)
+
+__all__ = ["AsyncEchoEnv", "EchoEnv"]
+
+
+class EchoEnv(Session[EchoAction, EchoObservation, EchoState, EchoResetOptions]):
+    """A blocking echo session: ``with EchoEnv("localhost:50051") as env: ...``."""
+
+
+class AsyncEchoEnv(AsyncSession[EchoAction, EchoObservation, EchoState, EchoResetOptions]):
+    """An asyncio echo session: ``async with AsyncEchoEnv("localhost:50051") as env: ...``."""

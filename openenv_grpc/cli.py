@@ -1,0 +1,117 @@
+"""The ``openenv-grpc`` command: ``serve`` an environment, ``info`` about a server, ``list``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+import grpc
+from google.protobuf import json_format
+
+from openenv_grpc._version import __version__
+from openenv_grpc.client.info import fetch_info
+from openenv_grpc.loader import available_envs, load_factory
+from openenv_grpc.server.app import serve
+from openenv_grpc.server.config import ENV_VARS, ServerConfig
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="openenv-grpc", description="Reinforcement-learning environments over gRPC."
+    )
+    parser.add_argument("--version", action="version", version=f"openenv-grpc {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser(
+        "serve",
+        help="serve an environment until SIGTERM/SIGINT",
+        description="Serve ENV. Each option falls back to its environment variable, then "
+        "to its default.",
+    )
+    run.add_argument("env", metavar="ENV", help="a packaged env name (see `list`) or module:factory")
+    defaults = ServerConfig()
+
+    def option(flag: str, field: str, kind: type, help_text: str) -> None:
+        run.add_argument(
+            flag, dest=field, type=kind, default=None,
+            help=f"{help_text} (env {ENV_VARS[field]}; default {getattr(defaults, field)})",
+        )
+
+    option("--host", "host", str, "address to listen on")
+    option("--port", "port", int, "port to listen on; 0 picks a free one")
+    option("--max-concurrent-envs", "max_concurrent_envs", int, "session cap; 0 or -1 = unlimited")
+    option("--idle-timeout", "idle_timeout", float, "seconds before an idle session is closed; 0 = never")
+    option("--grace", "grace_period", float, "seconds running sessions get on SIGTERM")
+    option("--max-message-bytes", "max_message_bytes", int, "largest message in or out")
+    option("--env-threads", "env_threads", int, "threads for blocking sync envs")
+    option("--retry-pushback-ms", "retry_pushback_ms", int, "retry hint sent when full")
+    option("--keepalive-time", "keepalive_time", float, "seconds between keepalive pings")
+    option("--keepalive-timeout", "keepalive_timeout", float, "seconds to wait for a ping's answer")
+    run.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+
+    info = commands.add_parser("info", help="print what a server's Info RPC returns")
+    info.add_argument("target", metavar="TARGET", help="host:port")
+    info.add_argument("--timeout", type=float, default=10.0, help="seconds to wait")
+    info.add_argument(
+        "--descriptors", action="store_true", help="include the FileDescriptorSet (long)"
+    )
+
+    commands.add_parser("list", help="list the packaged environments")
+    return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    fields = (name for name in ENV_VARS if hasattr(args, name))
+    try:
+        config = ServerConfig.from_env(**{name: getattr(args, name) for name in fields})
+        factory = load_factory(args.env)
+    except (ValueError, LookupError) as exc:
+        print(f"openenv-grpc: {exc}", file=sys.stderr)
+        return 2
+    try:
+        serve(factory, config)
+    except (TypeError, RuntimeError) as exc:
+        print(f"openenv-grpc: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    try:
+        info = fetch_info(args.target, timeout=args.timeout)
+    except grpc.RpcError as exc:
+        print(f"openenv-grpc: {args.target}: {exc.code().name}: {exc.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+        return 1
+    if not args.descriptors:
+        files = [file.name for file in info.descriptors.file]
+        info.ClearField("descriptors")
+    as_dict = json_format.MessageToDict(
+        info, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+    if not args.descriptors:
+        as_dict["descriptor_files"] = files
+    print(json.dumps(as_dict, indent=2))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "info":
+        return _info(args)
+    for name in available_envs():
+        print(name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""``AsyncSession``: one environment instance over one stream, for asyncio trainers."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any, ClassVar, Generic, TypeVar
+
+import grpc
+from google.protobuf.message import Message
+
+from openenv_grpc.client.channel import aio_channel
+from openenv_grpc.client.errors import CapacityError, SessionLost
+from openenv_grpc.client.protocol import (
+    SessionProtocol,
+    SessionTypes,
+    StepResult,
+    is_admitted,
+    lost,
+    refusal,
+)
+from openenv_grpc.client.retry import OpenRetry
+from openenv_grpc.v1 import session_pb2 as pb
+from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
+
+__all__ = ["AsyncSession"]
+
+ActionT = TypeVar("ActionT", bound=Message)
+ObservationT = TypeVar("ObservationT", bound=Message)
+StateT = TypeVar("StateT", bound=Message)
+ResetOptionsT = TypeVar("ResetOptionsT", bound=Message)
+
+_Call = grpc.aio.StreamStreamCall[pb.SessionRequest, pb.SessionResponse]
+
+
+class AsyncSession(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
+    """An asyncio session: ``async with AsyncSession(target) as env: await env.reset()``.
+
+    ``target`` is a ``"host:port"`` string (the session owns a channel to it), a
+    ``grpc.aio.Channel`` or an ``EnvServiceStub`` over one; many sessions may share a
+    channel. Subclass it with concrete types (``AsyncSession[A, O, S, R]``) for a typed
+    client that checks what it sends and decodes what it gets; the untyped session
+    decodes any message type imported in this process.
+
+    Calls on one session must not overlap: await each before the next.
+    """
+
+    _types: ClassVar[SessionTypes] = SessionTypes()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._types = SessionTypes.from_generic(cls, (AsyncSession,))
+
+    def __init__(
+        self,
+        target: str | grpc.aio.Channel | pb_grpc.EnvServiceAsyncStub,
+        *,
+        metadata: Sequence[tuple[str, str]] = (),
+        retry: OpenRetry | None = None,
+    ) -> None:
+        self._owned_channel: grpc.aio.Channel | None = None
+        if isinstance(target, str):
+            self._owned_channel = aio_channel(target)
+            target = self._owned_channel
+        if isinstance(target, grpc.aio.Channel):
+            target = pb_grpc.EnvServiceStub(target)
+        self._stub: pb_grpc.EnvServiceAsyncStub = target
+        self._metadata = tuple(metadata)
+        self._retry = retry
+        self._protocol = SessionProtocol(self._types)
+        self._call: _Call | None = None
+        #: A read left running by a timed-out request; its answer is stale when it comes.
+        self._pending: asyncio.Future[Any] | None = None
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    async def __aenter__(self) -> AsyncSession[ActionT, ObservationT, StateT, ResetOptionsT]:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            await self.close()
+        else:
+            await self.abort()
+
+    async def open(self) -> None:
+        """Open the stream; the server creates the environment.
+
+        Raises:
+            CapacityError: the server is full (after the retries ``retry`` allows).
+            SessionRefused: the server is unreachable, draining or refused the caller.
+        """
+        if self._call is not None:
+            raise RuntimeError("session is already open")
+        delays = iter(self._retry.delays()) if self._retry else iter(())
+        while True:
+            try:
+                self._call = await self._open_once()
+                return
+            except CapacityError as exc:
+                bound = next(delays, None)
+                if bound is None:
+                    await self._close_channel()
+                    raise
+                await asyncio.sleep(OpenRetry.wait(bound, exc.retry_after))
+            except BaseException:
+                await self._close_channel()
+                raise
+
+    async def _open_once(self) -> _Call:
+        call = self._stub.Session(metadata=self._metadata)
+        if is_admitted(await call.initial_metadata()):
+            return call
+        code = await call.code()
+        raise refusal(code, await call.details(), await call.trailing_metadata())
+
+    async def close(self) -> None:
+        """Close the environment and the stream. Safe to call twice.
+
+        Raises:
+            EnvError: the environment's ``close`` raised (it is gone all the same).
+        """
+        if self._call is None:
+            return
+        try:
+            response = await self._roundtrip(self._protocol.close_request(), None)
+            self._protocol.close_result(response)
+            await self._call.code()  # the server ends the stream right after its answer
+        except SessionLost:
+            pass  # already ended by the server: nothing left to close
+        finally:
+            self._call = None
+            await self._close_channel()
+
+    async def abort(self) -> None:
+        """Cancel the stream at once; the server closes the environment on its side."""
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+        await self._close_channel()
+
+    async def _close_channel(self) -> None:
+        if self._owned_channel is not None:
+            await self._owned_channel.close()
+            self._owned_channel = None
+
+    # -- commands ---------------------------------------------------------------------
+
+    @property
+    def episode_id(self) -> str:
+        """The current episode's id ("" before the first reset)."""
+        return self._protocol.episode_id
+
+    async def reset(
+        self,
+        *,
+        seed: int | None = None,
+        episode_id: str | None = None,
+        options: ResetOptionsT | None = None,
+        timeout: float | None = None,
+    ) -> StepResult[ObservationT]:
+        """Start a new episode; returns its first observation.
+
+        Raises:
+            EnvError: the options were refused or the environment raised.
+            SessionLost: the stream ended. TimeoutError: no answer within ``timeout``.
+        """
+        request = self._protocol.reset_request(seed, episode_id, options)
+        return self._protocol.step_result(await self._roundtrip(request, timeout))
+
+    async def step(
+        self, action: ActionT, *, timeout: float | None = None
+    ) -> StepResult[ObservationT]:
+        """Apply ``action``; returns the resulting observation, reward and flags.
+
+        Raises:
+            EnvError: INVALID_ARGUMENT (bad action), FAILED_PRECONDITION (no episode
+                running) or INTERNAL (the environment raised).
+            SessionLost: the stream ended. TimeoutError: no answer within ``timeout``.
+        """
+        request = self._protocol.step_request(action)
+        return self._protocol.step_result(await self._roundtrip(request, timeout))
+
+    async def state(self, *, timeout: float | None = None) -> StateT:
+        """The environment's current state.
+
+        Raises:
+            EnvError: the environment raised. SessionLost: the stream ended.
+        """
+        request = self._protocol.state_request()
+        return self._protocol.state_result(  # type: ignore[no-any-return]
+            await self._roundtrip(request, timeout)
+        )
+
+    # -- transport --------------------------------------------------------------------
+
+    async def _roundtrip(self, request: pb.SessionRequest, timeout: float | None) -> Any:
+        call = self._call
+        if call is None:
+            raise RuntimeError("session is not open: use `async with` or await open()")
+        try:
+            await call.write(request)
+            while True:
+                response = await self._read(call, timeout)
+                if response is grpc.aio.EOF:
+                    break
+                if not self._protocol.is_stale(response, request):
+                    return response
+            error = lost(await call.code(), await call.details())
+        except grpc.aio.AioRpcError as exc:
+            error = lost(exc.code(), exc.details())
+        except asyncio.InvalidStateError:  # written after the stream finished cleanly
+            error = lost(await call.code(), await call.details())
+        # The stream is over: forget it and release the channel we own.
+        self._call = None
+        await self._close_channel()
+        raise error
+
+    async def _read(self, call: _Call, timeout: float | None) -> Any:
+        if timeout is None and self._pending is None:
+            return await call.read()  # the fast path: no extra task
+        if self._pending is None:
+            self._pending = asyncio.ensure_future(call.read())
+        try:
+            response = await asyncio.wait_for(asyncio.shield(self._pending), timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"no answer within {timeout}s; the session stays open") from None
+        except BaseException:
+            if self._pending.done():
+                self._pending = None
+            raise
+        self._pending = None
+        return response

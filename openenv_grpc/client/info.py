@@ -1,0 +1,52 @@
+"""Reading a server's Info RPC, and decoding its types without the .proto files."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+from google.protobuf import descriptor_pool, message_factory
+from google.protobuf.message import Message
+
+from openenv_grpc.client.channel import sync_channel
+from openenv_grpc.v1 import session_pb2 as pb
+from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
+
+__all__ = ["fetch_info", "message_classes"]
+
+
+def fetch_info(target: str | grpc.Channel, timeout: float = 10.0) -> pb.InfoResponse:
+    """Call Info on ``target`` ("host:port" or a blocking channel).
+
+    Raises:
+        grpc.RpcError: the server could not be reached in ``timeout`` seconds.
+    """
+    channel = sync_channel(target) if isinstance(target, str) else target
+    try:
+        stub: Any = pb_grpc.EnvServiceStub(channel)
+        return stub.Info(pb.InfoRequest(), timeout=timeout, wait_for_ready=True)  # type: ignore[no-any-return]
+    finally:
+        if isinstance(target, str):
+            channel.close()
+
+
+def message_classes(info: pb.InfoResponse) -> dict[str, type[Message]]:
+    """Message classes for the info's four types, built from its FileDescriptorSet alone.
+
+    Uses a private descriptor pool, so it works in a process that never imported the
+    environment's generated code (and never clashes with one that did).
+    """
+    pool = descriptor_pool.DescriptorPool()
+    for file in info.descriptors.file:
+        pool.Add(file)
+    names = {
+        "action": info.action_type,
+        "observation": info.observation_type,
+        "state": info.state_type,
+        "reset_options": info.reset_options_type,
+    }
+    return {
+        role: message_factory.GetMessageClass(pool.FindMessageTypeByName(name))
+        for role, name in names.items()
+        if name
+    }

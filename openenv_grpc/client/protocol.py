@@ -1,0 +1,260 @@
+"""The transport-free half of a client session, shared by the sync and async sessions.
+
+It builds request envelopes, matches responses to request ids, decodes typed payloads
+and turns errors and final statuses into exceptions, so that ``Session`` and
+``AsyncSession`` differ only in how they move bytes.
+"""
+
+from __future__ import annotations
+
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import grpc
+from google.protobuf import any_pb2, descriptor_pool, message_factory
+from google.protobuf.message import DecodeError, Message
+
+from openenv_grpc.client.errors import (
+    CapacityError,
+    EnvError,
+    ProtocolError,
+    SessionLost,
+    SessionRefused,
+)
+from openenv_grpc.codec import info_from_struct, type_url
+from openenv_grpc.metadata import ADMITTED_KEY, RETRY_PUSHBACK_KEY
+from openenv_grpc.v1 import session_pb2 as pb
+
+__all__ = ["SessionProtocol", "SessionTypes", "StepResult", "is_admitted", "lost", "refusal"]
+
+ObservationT = TypeVar("ObservationT", bound=Message)
+
+Metadata = Sequence[tuple[str, str | bytes]]
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult(Generic[ObservationT]):
+    """What a reset or a step returned.
+
+    Attributes:
+        observation: The typed observation.
+        reward: Reward for the step (0 after a reset).
+        terminated: The episode reached a terminal state of the task.
+        truncated: The episode was cut short by a limit outside the task.
+        episode_id: The episode this result belongs to.
+        step_count: Steps taken in this episode so far (0 after a reset).
+        info: Extra data the environment returned.
+    """
+
+    observation: ObservationT
+    reward: float
+    terminated: bool
+    truncated: bool
+    episode_id: str
+    step_count: int
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def done(self) -> bool:
+        """The episode is over (terminated or truncated): reset before stepping again."""
+        return self.terminated or self.truncated
+
+
+@dataclass(frozen=True, slots=True)
+class SessionTypes:
+    """Message classes a typed client pins; None decodes whatever type the server sent."""
+
+    action: type[Message] | None = None
+    observation: type[Message] | None = None
+    state: type[Message] | None = None
+    reset_options: type[Message] | None = None
+
+    @classmethod
+    def from_generic(cls, klass: type[Any], origins: tuple[type[Any], ...]) -> SessionTypes:
+        """Read ``Session[A, O, S, R]``-style type arguments off a typed client class."""
+        for base_class in klass.__mro__:
+            for base in getattr(base_class, "__orig_bases__", ()):
+                if typing.get_origin(base) in origins:
+                    args = [
+                        a if isinstance(a, type) and issubclass(a, Message) else None
+                        for a in typing.get_args(base)
+                    ]
+                    if any(args):
+                        return cls(*args)
+        return cls()
+
+
+class SessionProtocol:
+    """Request ids, envelopes and decoding for one session."""
+
+    __slots__ = ("_next_id", "_types", "_urls", "episode_id", "step_count")
+
+    def __init__(self, types: SessionTypes) -> None:
+        self._types = types
+        self._urls = {
+            name: type_url(cls) if cls is not None else ""
+            for name, cls in (
+                ("observation", types.observation),
+                ("state", types.state),
+            )
+        }
+        self._next_id = 1
+        self.episode_id = ""
+        self.step_count = 0
+
+    # -- requests ---------------------------------------------------------------------
+
+    def _envelope(self) -> pb.SessionRequest:
+        request = pb.SessionRequest(request_id=self._next_id)
+        self._next_id += 1
+        return request
+
+    def reset_request(
+        self, seed: int | None, episode_id: str | None, options: Message | None
+    ) -> pb.SessionRequest:
+        request = self._envelope()
+        reset = request.reset
+        reset.SetInParent()
+        if seed is not None:
+            reset.seed = seed
+        if episode_id is not None:
+            reset.episode_id = episode_id
+        if options is not None:
+            _pack(reset.options, options, self._types.reset_options, "reset options")
+        return request
+
+    def step_request(self, action: Message) -> pb.SessionRequest:
+        request = self._envelope()
+        _pack(request.step.action, action, self._types.action, "action")
+        return request
+
+    def state_request(self) -> pb.SessionRequest:
+        request = self._envelope()
+        request.state.SetInParent()
+        return request
+
+    def close_request(self) -> pb.SessionRequest:
+        request = self._envelope()
+        request.close.SetInParent()
+        return request
+
+    # -- responses --------------------------------------------------------------------
+
+    def is_stale(self, response: pb.SessionResponse, request: pb.SessionRequest) -> bool:
+        """True for the late answer to an earlier request (one the caller gave up on)."""
+        if response.request_id == request.request_id:
+            return False
+        if response.request_id < request.request_id:
+            return True
+        raise ProtocolError(
+            f"response to request {response.request_id} arrived while waiting for "
+            f"{request.request_id}"
+        )
+
+    def step_result(self, response: pb.SessionResponse) -> StepResult[Any]:
+        result = self._outcome(response, "result")
+        self.episode_id = result.episode_id
+        self.step_count = result.step_count
+        return StepResult(
+            observation=self._decode(result.observation, "observation"),
+            reward=result.reward,
+            terminated=result.terminated,
+            truncated=result.truncated,
+            episode_id=result.episode_id,
+            step_count=result.step_count,
+            info=info_from_struct(result.info),
+        )
+
+    def state_result(self, response: pb.SessionResponse) -> Any:
+        result = self._outcome(response, "state")
+        return self._decode(result.state, "state")
+
+    def close_result(self, response: pb.SessionResponse) -> None:
+        self._outcome(response, "closed")
+
+    def _outcome(self, response: pb.SessionResponse, expected: str) -> Any:
+        outcome = response.WhichOneof("outcome")
+        if outcome == expected:
+            return getattr(response, expected)
+        if outcome == "error":
+            error = response.error
+            raise EnvError(_status_code(error.code), error.message, error.exception_type)
+        raise ProtocolError(f"expected a {expected!r} response, got {outcome!r}")
+
+    def _decode(self, payload: any_pb2.Any, role: str) -> Any:
+        pinned: type[Message] | None = getattr(self._types, role)
+        if pinned is not None:
+            if payload.type_url != self._urls[role]:
+                raise ProtocolError(
+                    f"server sent a {payload.type_url!r} {role}, expected {self._urls[role]!r}"
+                )
+            message_class = pinned
+        else:
+            found = _registered_class(payload.type_url)
+            if found is None:
+                return payload  # type unknown to this process: hand over the raw Any
+            message_class = found
+        try:
+            return message_class.FromString(payload.value)
+        except DecodeError as exc:
+            raise ProtocolError(f"undecodable {role}: {exc}") from exc
+
+
+def _pack(target: any_pb2.Any, message: Message, pinned: type[Message] | None, what: str) -> None:
+    if pinned is not None and not isinstance(message, pinned):
+        raise TypeError(
+            f"{what} must be {pinned.DESCRIPTOR.full_name}, got {type(message).__qualname__}"
+        )
+    if isinstance(message, any_pb2.Any):
+        target.CopyFrom(message)  # already packed by the caller
+        return
+    target.type_url = type_url(type(message))
+    target.value = message.SerializeToString()
+
+
+def _registered_class(url: str) -> type[Message] | None:
+    try:
+        descriptor = descriptor_pool.Default().FindMessageTypeByName(url.rpartition("/")[2])
+    except KeyError:
+        return None
+    return message_factory.GetMessageClass(descriptor)
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def _status_code(value: int) -> grpc.StatusCode:
+    return _CODES.get(value, grpc.StatusCode.UNKNOWN)
+
+
+def refusal(code: grpc.StatusCode, details: str, trailers: Metadata | None) -> SessionRefused:
+    """The exception for a Session call that ended before it was admitted."""
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return CapacityError(code, details, _pushback(trailers))
+    return SessionRefused(code, details)
+
+
+def lost(code: grpc.StatusCode | None, details: str | None) -> SessionLost:
+    """The exception for a stream that ended while the session was in use."""
+    if code is None or code is grpc.StatusCode.OK:
+        return SessionLost(grpc.StatusCode.UNAVAILABLE, "the server ended the session")
+    return SessionLost(code, details or "stream ended")
+
+
+def _pushback(trailers: Metadata | None) -> float | None:
+    for key, value in trailers or ():
+        if key == RETRY_PUSHBACK_KEY:
+            try:
+                return int(value) / 1000.0
+            except (TypeError, ValueError):
+                return None
+    return None
+
+
+def is_admitted(initial_metadata: Metadata | Mapping[str, Any] | None) -> bool:
+    if not initial_metadata:
+        return False
+    items = initial_metadata.items() if isinstance(initial_metadata, Mapping) else initial_metadata
+    return any(key == ADMITTED_KEY for key, _ in items)

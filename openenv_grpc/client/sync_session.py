@@ -1,0 +1,214 @@
+"""``Session``: one environment instance over one stream, for blocking code.
+
+``with Session(stub) as env: env.reset(); env.step(action)``. Built on gRPC's blocking
+API: requests go through a queue that gRPC's sender thread drains, answers are read in
+the caller's thread. For many sessions in one process, prefer :class:`AsyncSession`.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Iterator, Sequence
+from types import TracebackType
+from typing import Any, ClassVar, Generic, TypeVar
+
+import grpc
+from google.protobuf.message import Message
+
+from openenv_grpc.client.channel import sync_channel
+from openenv_grpc.client.errors import CapacityError, SessionLost
+from openenv_grpc.client.protocol import (
+    SessionProtocol,
+    SessionTypes,
+    StepResult,
+    is_admitted,
+    lost,
+    refusal,
+)
+from openenv_grpc.client.retry import OpenRetry
+from openenv_grpc.v1 import session_pb2 as pb
+from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
+
+__all__ = ["Session"]
+
+ActionT = TypeVar("ActionT", bound=Message)
+ObservationT = TypeVar("ObservationT", bound=Message)
+StateT = TypeVar("StateT", bound=Message)
+ResetOptionsT = TypeVar("ResetOptionsT", bound=Message)
+
+
+class _RequestQueue(Iterator[pb.SessionRequest]):
+    """The request side of the stream; ``end()`` half-closes it (and frees gRPC's thread)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[pb.SessionRequest | None] = queue.SimpleQueue()
+
+    def __next__(self) -> pb.SessionRequest:
+        item = self._queue.get()
+        if item is None:
+            self._queue.put(None)  # stay ended for any later next()
+            raise StopIteration
+        return item
+
+    def put(self, request: pb.SessionRequest) -> None:
+        self._queue.put(request)
+
+    def end(self) -> None:
+        self._queue.put(None)
+
+
+class Session(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
+    """A blocking session; see :class:`AsyncSession` for what ``target`` may be.
+
+    ``target`` is a ``"host:port"`` string (the session owns a channel), a
+    ``grpc.Channel``, or an ``EnvServiceStub`` over one.
+    """
+
+    _types: ClassVar[SessionTypes] = SessionTypes()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._types = SessionTypes.from_generic(cls, (Session,))
+
+    def __init__(
+        self,
+        target: str | grpc.Channel | pb_grpc.EnvServiceStub,
+        *,
+        metadata: Sequence[tuple[str, str]] = (),
+        retry: OpenRetry | None = None,
+    ) -> None:
+        self._owned_channel: grpc.Channel | None = None
+        if isinstance(target, str):
+            self._owned_channel = sync_channel(target)
+            target = self._owned_channel
+        if isinstance(target, grpc.Channel):
+            target = pb_grpc.EnvServiceStub(target)
+        self._stub = target
+        self._metadata = tuple(metadata)
+        self._retry = retry
+        self._protocol = SessionProtocol(self._types)
+        self._call: Any = None  # grpc's rendezvous: both the Call and the response iterator
+        self._requests: _RequestQueue | None = None
+
+    def __enter__(self) -> Session[ActionT, ObservationT, StateT, ResetOptionsT]:
+        self.open()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def open(self) -> None:
+        """Open the stream; the server creates the environment.
+
+        Raises:
+            CapacityError: the server is full (after the retries ``retry`` allows).
+            SessionRefused: the server is unreachable, draining or refused the caller.
+        """
+        if self._call is not None:
+            raise RuntimeError("session is already open")
+        delays = iter(self._retry.delays()) if self._retry else iter(())
+        while True:
+            try:
+                self._open_once()
+                return
+            except CapacityError as exc:
+                bound = next(delays, None)
+                if bound is None:
+                    self._close_channel()
+                    raise
+                time.sleep(OpenRetry.wait(bound, exc.retry_after))
+            except BaseException:
+                self._close_channel()
+                raise
+
+    def _open_once(self) -> None:
+        requests = _RequestQueue()
+        call = self._stub.Session(requests, metadata=self._metadata)
+        if is_admitted(call.initial_metadata()):
+            self._call, self._requests = call, requests
+            return
+        requests.end()
+        raise refusal(call.code(), call.details() or "", call.trailing_metadata())
+
+    def close(self) -> None:
+        """Close the environment and the stream. Safe to call twice.
+
+        Raises:
+            EnvError: the environment's ``close`` raised (it is gone all the same).
+        """
+        if self._call is None:
+            return
+        try:
+            self._protocol.close_result(self._roundtrip(self._protocol.close_request()))
+            self._call.code()  # the server ends the stream right after its answer
+        except SessionLost:
+            pass  # already ended by the server: nothing left to close
+        finally:
+            self._finish()
+
+    def abort(self) -> None:
+        """Cancel the stream at once; the server closes the environment on its side."""
+        if self._call is not None:
+            self._call.cancel()
+        self._finish()
+
+    def _finish(self) -> None:
+        if self._requests is not None:
+            self._requests.end()
+        self._call = self._requests = None
+        self._close_channel()
+
+    def _close_channel(self) -> None:
+        if self._owned_channel is not None:
+            self._owned_channel.close()
+            self._owned_channel = None
+
+    @property
+    def episode_id(self) -> str:
+        """The current episode's id ("" before the first reset)."""
+        return self._protocol.episode_id
+
+    def reset(
+        self,
+        *,
+        seed: int | None = None,
+        episode_id: str | None = None,
+        options: ResetOptionsT | None = None,
+    ) -> StepResult[ObservationT]:
+        """Start a new episode; see :meth:`AsyncSession.reset`."""
+        request = self._protocol.reset_request(seed, episode_id, options)
+        return self._protocol.step_result(self._roundtrip(request))
+
+    def step(self, action: ActionT) -> StepResult[ObservationT]:
+        """Apply ``action``; see :meth:`AsyncSession.step`."""
+        return self._protocol.step_result(self._roundtrip(self._protocol.step_request(action)))
+
+    def state(self) -> StateT:
+        """The environment's current state; see :meth:`AsyncSession.state`."""
+        return self._protocol.state_result(  # type: ignore[no-any-return]
+            self._roundtrip(self._protocol.state_request())
+        )
+
+    def _roundtrip(self, request: pb.SessionRequest) -> pb.SessionResponse:
+        call, requests = self._call, self._requests
+        if call is None or requests is None:
+            raise RuntimeError("session is not open: use `with` or call open()")
+        requests.put(request)
+        try:
+            for response in call:
+                if not self._protocol.is_stale(response, request):
+                    return response  # type: ignore[no-any-return]
+            error = lost(call.code(), call.details())
+        except grpc.RpcError as exc:
+            error = lost(exc.code(), exc.details())  # type: ignore[attr-defined]
+        self._finish()  # the stream is over: release gRPC's sender thread and the channel
+        raise error

@@ -1,0 +1,109 @@
+"""Typed payloads in and out of ``google.protobuf.Any``, and info maps in and out of Struct.
+
+Both ends use these so that the type-url convention lives in one place. Packing writes
+the Any's two fields directly (cheaper than ``Any.Pack``, which recomputes the url).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+from google.protobuf import any_pb2, descriptor_pb2, json_format, struct_pb2
+from google.protobuf.descriptor import Descriptor, FileDescriptor
+from google.protobuf.message import DecodeError, Message
+
+__all__ = [
+    "PayloadError",
+    "file_descriptor_set",
+    "info_from_struct",
+    "info_to_struct",
+    "pack_into",
+    "type_url",
+    "unpack",
+]
+
+TYPE_URL_PREFIX = "type.googleapis.com/"
+
+M = TypeVar("M", bound=Message)
+
+
+class PayloadError(ValueError):
+    """An Any payload is missing, of the wrong type, or undecodable."""
+
+
+def type_url(message_class: type[Message]) -> str:
+    """The Any type url of ``message_class``."""
+    return TYPE_URL_PREFIX + message_class.DESCRIPTOR.full_name
+
+
+def pack_into(target: any_pb2.Any, message: Message, url: str) -> None:
+    """Store ``message`` in ``target`` under the precomputed type ``url``."""
+    target.type_url = url
+    target.value = message.SerializeToString()
+
+
+def unpack(payload: any_pb2.Any, message_class: type[M], url: str, what: str) -> M:
+    """Decode ``payload`` as ``message_class`` (whose type url is ``url``).
+
+    Raises:
+        PayloadError: wrong type url or bytes that do not parse; ``what`` names the
+            payload ("action", "reset options", ...) in the message.
+    """
+    if payload.type_url != url:
+        got = payload.type_url.rpartition("/")[2] or "nothing"
+        expected = url.rpartition("/")[2]
+        raise PayloadError(f"{what} must be {expected}, got {got}")
+    try:
+        return message_class.FromString(payload.value)
+    except DecodeError as exc:
+        raise PayloadError(f"{what} is not a valid {message_class.DESCRIPTOR.full_name}: {exc}")
+
+
+def info_to_struct(info: Mapping[str, Any], target: struct_pb2.Struct) -> None:
+    """Copy an env's info map into ``target``; values that JSON cannot hold become strings.
+
+    Nothing is dropped: numpy scalars and arrays go through ``tolist()``, and any other
+    object is sent as its ``repr`` rather than failing the step.
+    """
+    try:
+        target.update(info)
+    except (TypeError, ValueError):
+        target.Clear()
+        target.update({str(key): _jsonable(value) for key, value in info.items()})
+
+
+def _jsonable(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    tolist = getattr(value, "tolist", None)  # numpy scalars and arrays
+    if callable(tolist):
+        return _jsonable(tolist())
+    return repr(value)
+
+
+def info_from_struct(struct: struct_pb2.Struct) -> dict[str, Any]:
+    """The info map of a result as plain Python values."""
+    return json_format.MessageToDict(struct) if struct.fields else {}
+
+
+def file_descriptor_set(*descriptors: Descriptor) -> descriptor_pb2.FileDescriptorSet:
+    """The files defining ``descriptors`` and everything they import, dependencies first."""
+    result = descriptor_pb2.FileDescriptorSet()
+    seen: set[str] = set()
+
+    def add(file: FileDescriptor) -> None:
+        if file.name in seen:
+            return
+        seen.add(file.name)
+        for dependency in file.dependencies:
+            add(dependency)
+        file.CopyToProto(result.file.add())
+
+    for descriptor in descriptors:
+        add(descriptor.file)
+    return result

@@ -1,0 +1,129 @@
+"""Assembles and runs a server process: the gRPC server, health, reflection, signals.
+
+:func:`serve` is what ``openenv-grpc serve`` runs; :class:`EnvServer` is the same
+server for embedding in an asyncio program or a test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from openenv_grpc.server.config import ServerConfig
+from openenv_grpc.server.service import SERVICE_NAME, EnvServicer
+from openenv_grpc.server.session import SessionManager
+from openenv_grpc.server.spec import EnvSpec
+from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
+
+__all__ = ["EnvServer", "serve"]
+
+log = logging.getLogger(__name__)
+
+
+def grpc_options(config: ServerConfig) -> list[tuple[str, Any]]:
+    """Channel arguments: message limits and keepalive that detects dead peers."""
+    return [
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.keepalive_time_ms", int(config.keepalive_time * 1000)),
+        ("grpc.keepalive_timeout_ms", int(config.keepalive_timeout * 1000)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        # Let clients ping as often as every 10 s without being told to go away.
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.max_pings_without_data", 0),
+        # gRPC turns SO_REUSEPORT on by default: a second server would then silently share
+        # the port. Off, so binding a taken port fails loudly.
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+class EnvServer:
+    """One gRPC server hosting one environment; start it, then drain or stop it."""
+
+    def __init__(self, factory: Callable[[], Any], config: ServerConfig | None = None) -> None:
+        self.config = config or ServerConfig.from_env()
+        self.spec = EnvSpec.from_factory(factory)
+        self._pool = ThreadPoolExecutor(self.config.env_threads, thread_name_prefix="openenv-env")
+        self._server: grpc.aio.Server | None = None
+        self._health: health_aio.HealthServicer | None = None
+        self._sessions: SessionManager | None = None
+        self.port = 0
+
+    @property
+    def sessions(self) -> SessionManager:
+        if self._sessions is None:
+            raise RuntimeError("the server has not started")
+        return self._sessions
+
+    async def start(self) -> int:
+        """Bind, start serving and return the bound port.
+
+        Raises:
+            RuntimeError: the address could not be bound.
+        """
+        self._sessions = SessionManager(self.spec, self.config, self._pool)
+        server = grpc.aio.server(options=grpc_options(self.config))
+        pb_grpc.add_EnvServiceServicer_to_server(EnvServicer(self._sessions), server)
+        self._health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME],
+            server,
+        )
+        try:
+            self.port = server.add_insecure_port(self.config.address)
+        except RuntimeError as exc:
+            raise RuntimeError(f"cannot listen on {self.config.address}: {exc}") from exc
+        await server.start()
+        self._server = server
+        await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        self._sessions.start()
+        return self.port
+
+    async def drain(self, grace: float | None = None) -> None:
+        """Report NOT_SERVING, refuse new sessions, let running ones finish within
+        ``grace`` seconds (default: the config's), close every env, stop the server."""
+        if self._server is None or self._health is None or self._sessions is None:
+            return
+        grace = self.config.grace_period if grace is None else grace
+        await self._health.enter_graceful_shutdown()
+        await self._sessions.drain(grace)
+        await self._server.stop(grace=1.0)
+        self._server = None
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def wait_for_termination(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+
+async def _serve(factory: Callable[[], Any], config: ServerConfig) -> None:
+    server = EnvServer(factory, config)
+    port = await server.start()
+    host = config.address.rpartition(":")[0]
+    # Tests and tools wait for this line; it carries the port actually bound.
+    print(f"openenv-grpc: serving {server.spec.name} on {host}:{port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("signal received: draining (grace %.1fs)", config.grace_period)
+    await server.drain()
+    print("openenv-grpc: drained, every environment closed", flush=True)
+
+
+def serve(factory: Callable[[], Any], config: ServerConfig | None = None) -> None:
+    """Serve ``factory``'s environment until SIGTERM or SIGINT, then drain and return."""
+    asyncio.run(_serve(factory, config or ServerConfig.from_env()))

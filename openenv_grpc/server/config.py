@@ -1,0 +1,113 @@
+"""Server settings: one dataclass, filled from arguments and environment variables.
+
+Precedence: an explicit argument, then the environment variable, then the default.
+Nothing is read at import time; :meth:`ServerConfig.from_env` reads the environment when
+the server starts.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+__all__ = ["ServerConfig"]
+
+#: Field name -> environment variable that sets it.
+ENV_VARS: dict[str, str] = {
+    "host": "HOST",
+    "port": "PORT",
+    "max_concurrent_envs": "MAX_CONCURRENT_ENVS",
+    "idle_timeout": "IDLE_TIMEOUT",
+    "grace_period": "GRACE_PERIOD",
+    "max_message_bytes": "MAX_MESSAGE_BYTES",
+    "env_threads": "ENV_THREADS",
+    "retry_pushback_ms": "RETRY_PUSHBACK_MS",
+    "keepalive_time": "KEEPALIVE_TIME",
+    "keepalive_timeout": "KEEPALIVE_TIMEOUT",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """How a server listens, admits sessions and reclaims them.
+
+    Attributes:
+        host: Address to listen on; ``127.0.0.1`` keeps the server local, ``0.0.0.0`` or
+            ``[::]`` exposes it (containers).
+        port: TCP port; 0 picks a free one (the chosen port is printed at start).
+        max_concurrent_envs: Sessions (= env instances) this process admits at once;
+            0 or a negative number means unlimited.
+        idle_timeout: Seconds a session may wait for its client's next request before the
+            server closes it; 0 disables. Reclaims slots of vanished clients.
+        grace_period: Seconds running sessions get to finish after SIGTERM/SIGINT.
+        max_message_bytes: Largest message accepted or sent, in bytes.
+        env_threads: Threads in the shared pool that runs blocking sync envs.
+        retry_pushback_ms: The retry hint sent with RESOURCE_EXHAUSTED.
+        keepalive_time: Seconds between HTTP/2 pings to each client; a peer that does not
+            answer within ``keepalive_timeout`` is dropped and its sessions closed.
+        keepalive_timeout: Seconds to wait for a ping's answer.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    max_concurrent_envs: int = 1024
+    idle_timeout: float = 600.0
+    grace_period: float = 25.0
+    max_message_bytes: int = 16 * 1024 * 1024
+    env_threads: int = min(32, (os.cpu_count() or 1) + 4)
+    retry_pushback_ms: int = 500
+    keepalive_time: float = 30.0
+    keepalive_timeout: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        for name in ("idle_timeout", "grace_period", "retry_pushback_ms"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("max_message_bytes", "env_threads", "keepalive_time", "keepalive_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    @property
+    def capacity(self) -> int:
+        """The session cap, with 0 meaning unlimited."""
+        return max(self.max_concurrent_envs, 0)
+
+    @property
+    def address(self) -> str:
+        """``host:port`` as gRPC wants it (IPv6 hosts bracketed)."""
+        host = self.host
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"{host}:{self.port}"
+
+    @classmethod
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, **overrides: Any
+    ) -> ServerConfig:
+        """Build a config from ``environ`` (default: ``os.environ``), then ``overrides``.
+
+        Overrides whose value is None are ignored, so CLI arguments can be passed as-is.
+
+        Raises:
+            ValueError: a variable or override does not parse or is out of range.
+        """
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for field in fields(cls):
+            var = ENV_VARS.get(field.name)
+            if var is not None and environ.get(var, "").strip():
+                values[field.name] = _parse(var, environ[var].strip(), field.type)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+def _parse(var: str, raw: str, annotation: Any) -> Any:
+    kind = {"int": int, "float": float, "str": str}[str(annotation)]
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ValueError(f"{var}={raw!r} is not a valid {kind.__name__}") from None

@@ -1,0 +1,213 @@
+"""Answers the requests of one session: reset, step, state, close.
+
+This is the per-request half of a session (the stream's lifecycle is in ``session.py``).
+It owns the episode bookkeeping the environment should not have to: the episode id, the
+step count, and whether a step is allowed now. Every failure here becomes an in-band
+``Error`` response; the stream and the neighbouring sessions are untouched.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import uuid
+from typing import Any
+
+import grpc
+from google.protobuf.message import Message
+
+from openenv_grpc.codec import PayloadError, info_to_struct, unpack
+from openenv_grpc.environment import InvalidAction, Transition
+from openenv_grpc.server.runner import EnvRunner
+from openenv_grpc.server.spec import EnvSpec
+from openenv_grpc.v1 import session_pb2 as pb
+
+__all__ = ["EpisodeDriver"]
+
+log = logging.getLogger(__name__)
+
+_INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+_FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION.value[0]
+_INTERNAL = grpc.StatusCode.INTERNAL.value[0]
+
+
+class _Phase(enum.Enum):
+    NO_EPISODE = "no episode yet"
+    RUNNING = "running"
+    TERMINATED = "terminated"
+    TRUNCATED = "truncated"
+    BROKEN = "broken"  # the env raised mid-episode; only a reset may follow
+
+
+_NEEDS_RESET = {
+    _Phase.NO_EPISODE: "step before reset: call reset first",
+    _Phase.TERMINATED: "the episode has terminated: call reset to start a new one",
+    _Phase.TRUNCATED: "the episode was truncated: call reset to start a new one",
+    _Phase.BROKEN: "the environment failed during this episode: call reset",
+}
+
+
+class _RequestError(Exception):
+    """A request failed; carried to the single place that turns it into a response."""
+
+    def __init__(self, code: int, message: str, exception_type: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.exception_type = exception_type
+
+
+class EpisodeDriver:
+    """The request handler of one session, bound to one environment instance."""
+
+    __slots__ = ("_phase", "_runner", "_spec", "closed", "episode_id", "step_count")
+
+    def __init__(self, spec: EnvSpec, runner: EnvRunner) -> None:
+        self._spec = spec
+        self._runner = runner
+        self._phase = _Phase.NO_EPISODE
+        self.episode_id = ""
+        self.step_count = 0
+        #: Set once a close command has been answered: the stream must end.
+        self.closed = False
+
+    async def handle(self, request: pb.SessionRequest) -> pb.SessionResponse:
+        """Answer one request. Never raises for anything the client or env did."""
+        response = pb.SessionResponse(request_id=request.request_id)
+        command = request.WhichOneof("command")
+        try:
+            if command == "step":
+                await self._step(request.step, response.result)
+            elif command == "reset":
+                await self._reset(request.reset, response.result)
+            elif command == "state":
+                await self._state(response.state)
+            elif command == "close":
+                await self._close()
+                response.closed.SetInParent()
+            else:
+                raise _RequestError(
+                    _INVALID_ARGUMENT, "empty request: set one of reset, step, state, close"
+                )
+        except _RequestError as err:
+            response.ClearField("outcome")
+            error = response.error
+            error.code = err.code
+            error.message = err.message
+            error.exception_type = err.exception_type
+        return response
+
+    async def _step(self, command: pb.StepCommand, result: pb.StepResult) -> None:
+        if self._phase is not _Phase.RUNNING:
+            raise _RequestError(_FAILED_PRECONDITION, _NEEDS_RESET[self._phase])
+        spec = self._spec
+        action = _decode(command.action, spec.types.action, spec.action_url, "action")
+        transition = await self._call_env("step", self._runner.env.step, action)
+        self.step_count += 1
+        self._record(transition, result)
+
+    async def _reset(self, command: pb.ResetCommand, result: pb.StepResult) -> None:
+        spec = self._spec
+        options: Message | None = None
+        if command.HasField("options"):
+            options = _decode(
+                command.options, spec.types.reset_options, spec.reset_options_url,
+                "reset options",
+            )
+        episode_id = command.episode_id if command.HasField("episode_id") else uuid.uuid4().hex
+        seed = command.seed if command.HasField("seed") else None
+        transition = await self._call_env(
+            "reset", self._runner.env.reset, seed=seed, episode_id=episode_id, options=options
+        )
+        self.episode_id = episode_id
+        self.step_count = 0
+        self._record(transition, result)
+
+    async def _state(self, result: pb.StateResult) -> None:
+        state = await self._call_env("state", self._runner.env.state, keep_phase=True)
+        if not isinstance(state, self._spec.types.state):
+            raise _RequestError(
+                _INTERNAL, _wrong_type("state", state, self._spec.types.state)
+            )
+        result.state.type_url = self._spec.state_url
+        result.state.value = state.SerializeToString()
+        result.episode_id = self.episode_id
+        result.step_count = self.step_count
+
+    async def _close(self) -> None:
+        self.closed = True
+        try:
+            await self._runner.close()
+        except Exception as exc:
+            log.exception("environment close() raised")
+            raise _RequestError(_INTERNAL, f"close failed: {_describe(exc)}", _qualname(exc))
+
+    async def _call_env(
+        self, what: str, method: Any, *args: Any, keep_phase: bool = False, **kwargs: Any
+    ) -> Any:
+        """Call into the env, mapping its exceptions to in-band errors."""
+        try:
+            return await self._runner.call(method, *args, **kwargs)
+        except InvalidAction as exc:
+            raise _RequestError(_INVALID_ARGUMENT, str(exc), _qualname(exc)) from None
+        except Exception as exc:
+            log.exception("environment %s() raised", what)
+            if not keep_phase:
+                self._phase = _Phase.BROKEN
+            raise _RequestError(
+                _INTERNAL, f"{what} failed: {_describe(exc)}", _qualname(exc)
+            ) from None
+
+    def _record(self, transition: Transition[Any], result: pb.StepResult) -> None:
+        """Copy an env transition into ``result`` and advance the episode phase."""
+        spec = self._spec
+        if not isinstance(transition, Transition):
+            self._phase = _Phase.BROKEN
+            raise _RequestError(
+                _INTERNAL,
+                f"environment returned a {type(transition).__qualname__}, not a Transition",
+            )
+        observation = transition.observation
+        if not isinstance(observation, spec.types.observation):
+            self._phase = _Phase.BROKEN
+            raise _RequestError(
+                _INTERNAL, _wrong_type("observation", observation, spec.types.observation)
+            )
+        result.observation.type_url = spec.observation_url
+        result.observation.value = observation.SerializeToString()
+        result.reward = transition.reward
+        result.terminated = transition.terminated
+        result.truncated = transition.truncated
+        result.episode_id = self.episode_id
+        result.step_count = self.step_count
+        if transition.info:
+            info_to_struct(transition.info, result.info)
+        if transition.terminated:
+            self._phase = _Phase.TERMINATED
+        elif transition.truncated:
+            self._phase = _Phase.TRUNCATED
+        else:
+            self._phase = _Phase.RUNNING
+
+
+def _decode(payload: Any, message_class: type[Message], url: str, what: str) -> Message:
+    try:
+        return unpack(payload, message_class, url, what)
+    except PayloadError as exc:
+        raise _RequestError(_INVALID_ARGUMENT, str(exc)) from None
+
+
+def _wrong_type(what: str, value: object, expected: type[Message]) -> str:
+    return (
+        f"environment returned a {type(value).__qualname__} {what}, "
+        f"declared {expected.DESCRIPTOR.full_name}"
+    )
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _qualname(exc: BaseException) -> str:
+    kind = type(exc)
+    return f"{kind.__module__}.{kind.__qualname__}"

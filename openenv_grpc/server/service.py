@@ -1,0 +1,59 @@
+"""The EnvService servicer: wires the two RPCs to the session manager and the spec."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from openenv_grpc._version import __version__
+from openenv_grpc.server.session import SessionManager
+from openenv_grpc.v1 import session_pb2 as pb
+from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
+
+__all__ = ["PROTOCOL", "SERVICE_NAME", "EnvServicer"]
+
+SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["EnvService"].full_name
+PROTOCOL: str = pb.DESCRIPTOR.package
+
+
+class EnvServicer(pb_grpc.EnvServiceServicer):
+    """Session streams go to the session manager; Info is answered from the spec."""
+
+    def __init__(self, sessions: SessionManager) -> None:
+        self._sessions = sessions
+        spec = sessions.spec
+        # Everything but the capacity is fixed: build it once, copy it per call.
+        self._info = pb.InfoResponse(
+            env_name=spec.name,
+            env_version=spec.version,
+            env_description=spec.description,
+            action_type=spec.types.action.DESCRIPTOR.full_name,
+            observation_type=spec.types.observation.DESCRIPTOR.full_name,
+            state_type=spec.types.state.DESCRIPTOR.full_name,
+            reset_options_type=spec.types.reset_options.DESCRIPTOR.full_name,
+            descriptors=spec.descriptors,
+            server_version=__version__,
+            protocol=PROTOCOL,
+        )
+
+    async def Session(  # type: ignore[override]
+        self,
+        request_iterator: AsyncIterator[pb.SessionRequest],
+        context: grpc.aio.ServicerContext[pb.SessionRequest, pb.SessionResponse],
+    ) -> None:
+        # The manager reads with context.read(): cheaper than the async iterator.
+        await self._sessions.serve(context)
+
+    async def Info(
+        self,
+        request: pb.InfoRequest,
+        context: grpc.aio.ServicerContext[pb.InfoRequest, pb.InfoResponse],
+    ) -> pb.InfoResponse:
+        response = pb.InfoResponse()
+        response.CopyFrom(self._info)
+        limiter = self._sessions.limiter
+        response.capacity.max_sessions = limiter.capacity
+        response.capacity.active_sessions = limiter.active
+        response.capacity.draining = limiter.draining
+        return response

@@ -1,0 +1,195 @@
+"""The session lifecycle: one Session stream, one environment instance, from admission
+to close.
+
+Every path that ends a stream goes through :meth:`SessionManager.serve`'s ``finally``:
+the client closes or cancels, its process dies, keepalive drops the connection, the idle
+reaper or a drain cancels the session. There the env is closed exactly once and the slot
+released exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+from concurrent.futures import Executor
+
+import grpc
+
+from openenv_grpc.metadata import ADMITTED_KEY, RETRY_PUSHBACK_KEY
+from openenv_grpc.server.config import ServerConfig
+from openenv_grpc.server.episode import EpisodeDriver
+from openenv_grpc.server.limiter import Admission, SessionLimiter
+from openenv_grpc.server.runner import EnvRunner
+from openenv_grpc.server.spec import EnvSpec
+from openenv_grpc.v1 import session_pb2 as pb
+
+__all__ = ["SessionManager"]
+
+log = logging.getLogger(__name__)
+
+
+class _EndReason(enum.Enum):
+    """Why the server ended a session itself, and the status the client gets."""
+
+    IDLE = grpc.StatusCode.DEADLINE_EXCEEDED
+    DRAIN = grpc.StatusCode.UNAVAILABLE
+
+
+class _LiveSession:
+    """The handle the reaper and the drain use to end a session from outside."""
+
+    __slots__ = ("end_reason", "task", "waiting_since")
+
+    def __init__(self, task: asyncio.Task[object]) -> None:
+        self.task = task
+        #: Loop time when the session began waiting for its client; None while it works.
+        self.waiting_since: float | None = None
+        self.end_reason: _EndReason | None = None
+
+    def end(self, reason: _EndReason) -> None:
+        if self.end_reason is None:
+            self.end_reason = reason
+            self.task.cancel()
+
+
+class SessionManager:
+    """Admits, runs and ends every session of one server process."""
+
+    def __init__(self, spec: EnvSpec, config: ServerConfig, pool: Executor) -> None:
+        self.spec = spec
+        self.config = config
+        self.limiter = SessionLimiter(config.capacity)
+        self._pool = pool
+        self._live: set[_LiveSession] = set()
+        self._reaper: asyncio.Task[None] | None = None
+        #: Set when a drain's grace period is over: sessions still starting end at once.
+        self._ending: _EndReason | None = None
+
+    async def serve(
+        self,
+        requests: grpc.aio.ServicerContext[pb.SessionRequest, pb.SessionResponse],
+    ) -> None:
+        """Run one Session stream to its end. ``requests`` is the RPC's context."""
+        context = requests
+        admission = self.limiter.try_acquire()
+        if admission is not Admission.ADMITTED:
+            await self._refuse(context, admission)
+            return
+        live: _LiveSession | None = None
+        runner: EnvRunner | None = None
+        try:
+            try:
+                runner = await EnvRunner.create(self.spec, self._pool)
+            except Exception as exc:
+                log.exception("environment factory raised")
+                await context.abort(
+                    grpc.StatusCode.INTERNAL,
+                    f"could not create the environment: {type(exc).__name__}: {exc}",
+                )
+            # Headers now tell the client it was admitted and its env exists.
+            await context.send_initial_metadata(((ADMITTED_KEY, self.spec.name),))
+            live = _LiveSession(asyncio.current_task())  # type: ignore[arg-type]
+            self._live.add(live)
+            if self._ending is not None:
+                live.end(self._ending)
+            await self._loop(context, EpisodeDriver(self.spec, runner), live)
+        except asyncio.CancelledError:
+            if live is None or live.end_reason is None:
+                raise  # the client went away or the server is stopping: nobody to tell
+            await context.abort(live.end_reason.value, self._end_message(live.end_reason))
+        finally:
+            if live is not None:
+                self._live.discard(live)
+            if runner is not None:
+                await self._close_env(runner)
+            self.limiter.release()
+
+    async def _loop(
+        self,
+        context: grpc.aio.ServicerContext[pb.SessionRequest, pb.SessionResponse],
+        driver: EpisodeDriver,
+        live: _LiveSession,
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        read, write, handle = context.read, context.write, driver.handle
+        while True:
+            live.waiting_since = loop.time()
+            request = await read()
+            live.waiting_since = None
+            if request is grpc.aio.EOF:
+                return  # the client half-closed: a clean end
+            await write(await handle(request))  # type: ignore[arg-type]
+            if driver.closed:
+                return
+
+    async def _close_env(self, runner: EnvRunner) -> None:
+        """Close the env, surviving a raising ``close`` and a cancellation mid-close."""
+        try:
+            # Shielded: a second cancellation (server stop) must not skip the close.
+            await asyncio.shield(runner.close())
+        except asyncio.CancelledError:
+            pass
+        except Exception:
+            log.exception("environment close() raised; its session ended anyway")
+
+    async def _refuse(
+        self,
+        context: grpc.aio.ServicerContext[pb.SessionRequest, pb.SessionResponse],
+        admission: Admission,
+    ) -> None:
+        if admission is Admission.DRAINING:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "server is draining: not admitting new sessions"
+            )
+        await context.abort(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"server at {self.limiter.describe()}; retry later or elsewhere",
+            trailing_metadata=((RETRY_PUSHBACK_KEY, str(self.config.retry_pushback_ms)),),
+        )
+
+    def _end_message(self, reason: _EndReason) -> str:
+        if reason is _EndReason.IDLE:
+            return (
+                f"session idle for more than {self.config.idle_timeout:g}s: "
+                "environment closed"
+            )
+        return "server is draining: session ended and environment closed"
+
+    # -- reclaiming sessions ---------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the idle reaper (if an idle timeout is set). Call on the server's loop."""
+        if self.config.idle_timeout > 0 and self._reaper is None:
+            self._reaper = asyncio.create_task(self._reap_idle(), name="openenv-idle-reaper")
+
+    async def _reap_idle(self) -> None:
+        timeout = self.config.idle_timeout
+        # A sweep every quarter timeout ends an idle session within 1.25x the timeout.
+        interval = min(max(timeout / 4, 0.05), 5.0)
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(interval)
+            cutoff = loop.time() - timeout
+            for live in list(self._live):
+                if live.waiting_since is not None and live.waiting_since < cutoff:
+                    live.end(_EndReason.IDLE)
+
+    async def drain(self, grace: float) -> None:
+        """Admit nothing more, give running sessions ``grace`` seconds, then end them all.
+
+        Returns once every session's env is closed.
+        """
+        self.limiter.start_draining()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.limiter.wait_idle(), grace)
+        self._ending = _EndReason.DRAIN
+        for live in list(self._live):
+            live.end(_EndReason.DRAIN)
+        await self.limiter.wait_idle()
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+            self._reaper = None

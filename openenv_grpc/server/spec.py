@@ -1,0 +1,109 @@
+"""What the server knows about the environment it hosts, worked out once at start-up.
+
+A factory is anything called with no arguments that returns a fresh environment: the
+environment class itself, a ``functools.partial`` of it, or a function annotated with
+the environment class it returns (``def make() -> MyEnv``). The class gives the message
+types, so they are checked before the first session, not on the first step.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from google.protobuf import descriptor_pb2
+
+from openenv_grpc.codec import file_descriptor_set, type_url
+from openenv_grpc.environment import (
+    AnyEnvironment,
+    AsyncEnvironment,
+    Environment,
+    EnvironmentTypes,
+    message_types,
+)
+
+__all__ = ["EnvSpec", "ExecutionMode"]
+
+EnvFactory = Callable[[], AnyEnvironment]
+
+
+class ExecutionMode(enum.Enum):
+    """Where an environment's methods run."""
+
+    INLINE = "inline"  # sync env declared cheap: called on the event loop
+    POOL = "pool"  # sync env: called on the shared bounded thread pool
+    ASYNC = "async"  # async env: awaited on the event loop
+
+
+@dataclass(frozen=True, slots=True)
+class EnvSpec:
+    """An environment factory and everything derived from its class."""
+
+    factory: EnvFactory
+    env_class: type[AnyEnvironment]
+    types: EnvironmentTypes
+    mode: ExecutionMode
+    name: str
+    version: str
+    description: str
+    action_url: str
+    observation_url: str
+    state_url: str
+    reset_options_url: str
+    descriptors: descriptor_pb2.FileDescriptorSet
+
+    @classmethod
+    def from_factory(cls, factory: Callable[[], Any]) -> EnvSpec:
+        """Inspect ``factory`` and the environment class it produces.
+
+        Raises:
+            TypeError: the environment class cannot be found or declares bad types.
+        """
+        env_class = _env_class_of(factory)
+        types = message_types(env_class)
+        if issubclass(env_class, AsyncEnvironment):
+            mode = ExecutionMode.ASYNC
+        elif issubclass(env_class, Environment) and env_class.runs_inline:
+            mode = ExecutionMode.INLINE
+        else:
+            mode = ExecutionMode.POOL
+        return cls(
+            factory=factory,
+            env_class=env_class,
+            types=types,
+            mode=mode,
+            name=env_class.name or env_class.__name__,
+            version=env_class.version,
+            description=env_class.description or (env_class.__doc__ or "").strip().split("\n")[0],
+            action_url=type_url(types.action),
+            observation_url=type_url(types.observation),
+            state_url=type_url(types.state),
+            reset_options_url=type_url(types.reset_options),
+            descriptors=file_descriptor_set(
+                types.action.DESCRIPTOR,
+                types.observation.DESCRIPTOR,
+                types.state.DESCRIPTOR,
+                types.reset_options.DESCRIPTOR,
+            ),
+        )
+
+
+def _env_class_of(factory: Callable[[], Any]) -> type[AnyEnvironment]:
+    if isinstance(factory, type):
+        return factory
+    if isinstance(factory, functools.partial):
+        return _env_class_of(factory.func)
+    try:
+        returned = typing.get_type_hints(factory).get("return")
+    except Exception as exc:  # unresolvable annotations: report them, not a traceback
+        raise TypeError(f"cannot read the return annotation of {factory!r}: {exc}") from exc
+    if isinstance(returned, type):
+        return returned
+    raise TypeError(
+        f"{factory!r} must be an Environment class, a partial of one, or a function "
+        "annotated with the Environment class it returns"
+    )
