@@ -7,7 +7,7 @@ HOST ?= 127.0.0.1
 PORT ?= 50051
 ENV ?= echo
 
-.PHONY: install serve test pytest lint proto proto-check clean
+.PHONY: install serve test pytest lint proto proto-check clean bench-echo
 
 # The virtualenv is rebuilt when the project's dependencies change.
 $(VENV)/.installed: pyproject.toml
@@ -47,3 +47,7 @@ proto-check: $(VENV)/.installed
 
 clean:
 	rm -rf $(VENV) node_modules build *.egg-info
+
+## bench-echo: step latency at 1 session and throughput at 64 (numbers go to docs/benchmarks.md)
+bench-echo: $(VENV)/.installed
+	$(PY) -m bench.echo_load --sessions 1 64 --seconds 5

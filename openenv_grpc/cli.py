@@ -33,19 +33,22 @@ def _parser() -> argparse.ArgumentParser:
         description="Serve ENV. Each option falls back to its environment variable, then "
         "to its default.",
     )
-    run.add_argument("env", metavar="ENV", help="a packaged env name (see `list`) or module:factory")
+    run.add_argument("env", metavar="ENV", help="a packaged env (see `list`) or module:factory")
     defaults = ServerConfig()
 
     def option(flag: str, field: str, kind: type, help_text: str) -> None:
         run.add_argument(
-            flag, dest=field, type=kind, default=None,
+            flag,
+            dest=field,
+            type=kind,
+            default=None,
             help=f"{help_text} (env {ENV_VARS[field]}; default {getattr(defaults, field)})",
         )
 
     option("--host", "host", str, "address to listen on")
     option("--port", "port", int, "port to listen on; 0 picks a free one")
     option("--max-concurrent-envs", "max_concurrent_envs", int, "session cap; 0 or -1 = unlimited")
-    option("--idle-timeout", "idle_timeout", float, "seconds before an idle session is closed; 0 = never")
+    option("--idle-timeout", "idle_timeout", float, "seconds an idle session lives; 0 = forever")
     option("--grace", "grace_period", float, "seconds running sessions get on SIGTERM")
     option("--max-message-bytes", "max_message_bytes", int, "largest message in or out")
     option("--env-threads", "env_threads", int, "threads for blocking sync envs")
@@ -88,7 +91,7 @@ def _info(args: argparse.Namespace) -> int:
     try:
         info = fetch_info(args.target, timeout=args.timeout)
     except grpc.RpcError as exc:
-        print(f"openenv-grpc: {args.target}: {exc.code().name}: {exc.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+        print(f"openenv-grpc: {args.target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
     if not args.descriptors:
         files = [file.name for file in info.descriptors.file]

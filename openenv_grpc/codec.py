@@ -10,7 +10,6 @@ from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from google.protobuf import any_pb2, descriptor_pb2, json_format, struct_pb2
-from google.protobuf.descriptor import Descriptor, FileDescriptor
 from google.protobuf.message import DecodeError, Message
 
 __all__ = [
@@ -57,7 +56,8 @@ def unpack(payload: any_pb2.Any, message_class: type[M], url: str, what: str) ->
     try:
         return message_class.FromString(payload.value)
     except DecodeError as exc:
-        raise PayloadError(f"{what} is not a valid {message_class.DESCRIPTOR.full_name}: {exc}")
+        name = message_class.DESCRIPTOR.full_name
+        raise PayloadError(f"{what} is not a valid {name}: {exc}") from None
 
 
 def info_to_struct(info: Mapping[str, Any], target: struct_pb2.Struct) -> None:
@@ -91,12 +91,12 @@ def info_from_struct(struct: struct_pb2.Struct) -> dict[str, Any]:
     return json_format.MessageToDict(struct) if struct.fields else {}
 
 
-def file_descriptor_set(*descriptors: Descriptor) -> descriptor_pb2.FileDescriptorSet:
-    """The files defining ``descriptors`` and everything they import, dependencies first."""
+def file_descriptor_set(*message_classes: type[Message]) -> descriptor_pb2.FileDescriptorSet:
+    """The files defining ``message_classes`` and all they import, dependencies first."""
     result = descriptor_pb2.FileDescriptorSet()
     seen: set[str] = set()
 
-    def add(file: FileDescriptor) -> None:
+    def add(file: Any) -> None:  # a FileDescriptor (pure-Python or upb)
         if file.name in seen:
             return
         seen.add(file.name)
@@ -104,6 +104,6 @@ def file_descriptor_set(*descriptors: Descriptor) -> descriptor_pb2.FileDescript
             add(dependency)
         file.CopyToProto(result.file.add())
 
-    for descriptor in descriptors:
-        add(descriptor.file)
+    for message_class in message_classes:
+        add(message_class.DESCRIPTOR.file)
     return result

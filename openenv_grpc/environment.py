@@ -130,7 +130,7 @@ class Environment(_EnvironmentBase[ActionT, ObservationT, StateT, ResetOptionsT]
         """Return the environment's current state (also valid before the first reset)."""
         raise NotImplementedError
 
-    def close(self) -> None:  # noqa: B027 - optional hook, empty by default
+    def close(self) -> None:
         """Release what the instance holds. Called exactly once, even after errors."""
 
 
@@ -185,7 +185,9 @@ def message_types(env_class: type[Any]) -> EnvironmentTypes:
             origin = typing.get_origin(base)
             if origin in (Environment, AsyncEnvironment):
                 args = typing.get_args(base)
-                for role, arg in zip(("action", "observation", "state", "reset options"), args):
+                for role, arg in zip(
+                    ("action", "observation", "state", "reset options"), args, strict=True
+                ):
                     if not (isinstance(arg, type) and issubclass(arg, Message)):
                         raise TypeError(
                             f"{env_class.__qualname__}: the {role} type must be a protobuf "

@@ -26,11 +26,16 @@ def generate(out: Path) -> None:
     protos = sorted(str(p.relative_to(PROTO_ROOT)) for p in PROTO_ROOT.rglob("*.proto"))
     bindir = Path(sys.executable).parent
     cmd = [
-        sys.executable, "-m", "grpc_tools.protoc", f"-I{PROTO_ROOT}",
+        sys.executable,
+        "-m",
+        "grpc_tools.protoc",
+        f"-I{PROTO_ROOT}",
         f"--plugin=protoc-gen-mypy={bindir / 'protoc-gen-mypy'}",
         f"--plugin=protoc-gen-mypy_grpc={bindir / 'protoc-gen-mypy_grpc'}",
-        f"--python_out={out}", f"--grpc_python_out={out}",
-        f"--mypy_out={out}", f"--mypy_grpc_out={out}",
+        f"--python_out={out}",
+        f"--grpc_python_out={out}",
+        f"--mypy_out={out}",
+        f"--mypy_grpc_out={out}",
         *protos,
     ]
     subprocess.run(cmd, check=True, cwd=PROTO_ROOT)
@@ -65,7 +70,8 @@ def main() -> int:
         expected = set(mapping.values())
         stale = tracked_generated() - expected
         changed = [
-            dst for src, dst in mapping.items()
+            dst
+            for src, dst in mapping.items()
             if not dst.exists() or not filecmp.cmp(src, dst, shallow=False)
         ]
         if args.check:

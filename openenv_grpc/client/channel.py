@@ -6,8 +6,6 @@ from typing import Any
 
 import grpc
 
-from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
-
 __all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "aio_channel", "channel_options", "sync_channel"]
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -33,7 +31,3 @@ def aio_channel(target: str, **kwargs: Any) -> grpc.aio.Channel:
 def sync_channel(target: str, **kwargs: Any) -> grpc.Channel:
     """A plaintext blocking channel to ``target`` ("host:port")."""
     return grpc.insecure_channel(target, options=channel_options(**kwargs))
-
-
-def aio_stub(channel: grpc.aio.Channel) -> pb_grpc.EnvServiceStub:
-    return pb_grpc.EnvServiceStub(channel)  # type: ignore[no-untyped-call]

@@ -8,7 +8,7 @@ and turns errors and final statuses into exceptions, so that ``Session`` and
 from __future__ import annotations
 
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -31,7 +31,7 @@ __all__ = ["SessionProtocol", "SessionTypes", "StepResult", "is_admitted", "lost
 
 ObservationT = TypeVar("ObservationT", bound=Message)
 
-Metadata = Sequence[tuple[str, str | bytes]]
+Metadata = Iterable[tuple[str, Any]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,8 +253,6 @@ def _pushback(trailers: Metadata | None) -> float | None:
     return None
 
 
-def is_admitted(initial_metadata: Metadata | Mapping[str, Any] | None) -> bool:
-    if not initial_metadata:
-        return False
-    items = initial_metadata.items() if isinstance(initial_metadata, Mapping) else initial_metadata
-    return any(key == ADMITTED_KEY for key, _ in items)
+def is_admitted(initial_metadata: Metadata | None) -> bool:
+    """True when the server's headers say the session was admitted and its env exists."""
+    return any(key == ADMITTED_KEY for key, _ in initial_metadata or ())

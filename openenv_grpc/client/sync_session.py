@@ -209,6 +209,6 @@ class Session(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
                     return response  # type: ignore[no-any-return]
             error = lost(call.code(), call.details())
         except grpc.RpcError as exc:
-            error = lost(exc.code(), exc.details())  # type: ignore[attr-defined]
+            error = lost(exc.code(), exc.details())
         self._finish()  # the stream is over: release gRPC's sender thread and the channel
         raise error

@@ -19,10 +19,9 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from openenv_grpc.server.config import ServerConfig
-from openenv_grpc.server.service import SERVICE_NAME, EnvServicer
+from openenv_grpc.server.service import SERVICE_NAME, EnvServicer, add_env_service
 from openenv_grpc.server.session import SessionManager
 from openenv_grpc.server.spec import EnvSpec
-from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
 
 __all__ = ["EnvServer", "serve"]
 
@@ -72,12 +71,15 @@ class EnvServer:
         """
         self._sessions = SessionManager(self.spec, self.config, self._pool)
         server = grpc.aio.server(options=grpc_options(self.config))
-        pb_grpc.add_EnvServiceServicer_to_server(EnvServicer(self._sessions), server)
+        add_env_service(EnvServicer(self._sessions), server)
         self._health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
-            [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME],
+            [
+                SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ],
             server,
         )
         try:
@@ -110,14 +112,15 @@ class EnvServer:
 
 async def _serve(factory: Callable[[], Any], config: ServerConfig) -> None:
     server = EnvServer(factory, config)
-    port = await server.start()
-    host = config.address.rpartition(":")[0]
-    # Tests and tools wait for this line; it carries the port actually bound.
-    print(f"openenv-grpc: serving {server.spec.name} on {host}:{port}", flush=True)
+    # Handlers first: a SIGTERM that arrives as soon as the server is up must drain it.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    port = await server.start()
+    host = config.address.rpartition(":")[0]
+    # Tests and tools wait for this line; it carries the port actually bound.
+    print(f"openenv-grpc: serving {server.spec.name} on {host}:{port}", flush=True)
     await stop.wait()
     log.info("signal received: draining (grace %.1fs)", config.grace_period)
     await server.drain()

@@ -85,9 +85,7 @@ class ServerConfig:
         return f"{host}:{self.port}"
 
     @classmethod
-    def from_env(
-        cls, environ: Mapping[str, str] | None = None, **overrides: Any
-    ) -> ServerConfig:
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> ServerConfig:
         """Build a config from ``environ`` (default: ``os.environ``), then ``overrides``.
 
         Overrides whose value is None are ignored, so CLI arguments can be passed as-is.

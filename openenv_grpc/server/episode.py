@@ -111,7 +111,9 @@ class EpisodeDriver:
         options: Message | None = None
         if command.HasField("options"):
             options = _decode(
-                command.options, spec.types.reset_options, spec.reset_options_url,
+                command.options,
+                spec.types.reset_options,
+                spec.reset_options_url,
                 "reset options",
             )
         episode_id = command.episode_id if command.HasField("episode_id") else uuid.uuid4().hex
@@ -126,9 +128,7 @@ class EpisodeDriver:
     async def _state(self, result: pb.StateResult) -> None:
         state = await self._call_env("state", self._runner.env.state, keep_phase=True)
         if not isinstance(state, self._spec.types.state):
-            raise _RequestError(
-                _INTERNAL, _wrong_type("state", state, self._spec.types.state)
-            )
+            raise _RequestError(_INTERNAL, _wrong_type("state", state, self._spec.types.state))
         result.state.type_url = self._spec.state_url
         result.state.value = state.SerializeToString()
         result.episode_id = self.episode_id
@@ -140,7 +140,9 @@ class EpisodeDriver:
             await self._runner.close()
         except Exception as exc:
             log.exception("environment close() raised")
-            raise _RequestError(_INTERNAL, f"close failed: {_describe(exc)}", _qualname(exc))
+            raise _RequestError(
+                _INTERNAL, f"close failed: {_describe(exc)}", _qualname(exc)
+            ) from None
 
     async def _call_env(
         self, what: str, method: Any, *args: Any, keep_phase: bool = False, **kwargs: Any

@@ -11,7 +11,7 @@ from openenv_grpc.server.session import SessionManager
 from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
 
-__all__ = ["PROTOCOL", "SERVICE_NAME", "EnvServicer"]
+__all__ = ["PROTOCOL", "SERVICE_NAME", "EnvServicer", "add_env_service"]
 
 SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["EnvService"].full_name
 PROTOCOL: str = pb.DESCRIPTOR.package
@@ -39,8 +39,8 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
 
     async def Session(  # type: ignore[override]
         self,
-        request_iterator: AsyncIterator[pb.SessionRequest],
-        context: grpc.aio.ServicerContext[pb.SessionRequest, pb.SessionResponse],
+        request_iterator: AsyncIterator[bytes],
+        context: grpc.aio.ServicerContext[bytes, pb.SessionResponse],
     ) -> None:
         # The manager reads with context.read(): cheaper than the async iterator.
         await self._sessions.serve(context)
@@ -57,3 +57,22 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
         response.capacity.active_sessions = limiter.active
         response.capacity.draining = limiter.draining
         return response
+
+
+def add_env_service(servicer: EnvServicer, server: grpc.aio.Server) -> None:
+    """Register ``servicer`` like the generated ``add_EnvServiceServicer_to_server``, except
+    that Session requests arrive as bytes: the session parses them itself, so a request
+    that does not decode ends the stream with INVALID_ARGUMENT (gRPC would say UNKNOWN).
+    """
+    handlers = {
+        "Session": grpc.stream_stream_rpc_method_handler(
+            servicer.Session, response_serializer=pb.SessionResponse.SerializeToString
+        ),
+        "Info": grpc.unary_unary_rpc_method_handler(
+            servicer.Info,
+            request_deserializer=pb.InfoRequest.FromString,
+            response_serializer=pb.InfoResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)

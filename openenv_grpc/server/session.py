@@ -16,6 +16,7 @@ import logging
 from concurrent.futures import Executor
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from openenv_grpc.metadata import ADMITTED_KEY, RETRY_PUSHBACK_KEY
 from openenv_grpc.server.config import ServerConfig
@@ -28,6 +29,9 @@ from openenv_grpc.v1 import session_pb2 as pb
 __all__ = ["SessionManager"]
 
 log = logging.getLogger(__name__)
+
+#: Session requests arrive as raw bytes; the loop parses them (see service.add_env_service).
+_Context = grpc.aio.ServicerContext[bytes, pb.SessionResponse]
 
 
 class _EndReason(enum.Enum):
@@ -69,7 +73,7 @@ class SessionManager:
 
     async def serve(
         self,
-        requests: grpc.aio.ServicerContext[pb.SessionRequest, pb.SessionResponse],
+        requests: _Context,
     ) -> None:
         """Run one Session stream to its end. ``requests`` is the RPC's context."""
         context = requests
@@ -108,19 +112,28 @@ class SessionManager:
 
     async def _loop(
         self,
-        context: grpc.aio.ServicerContext[pb.SessionRequest, pb.SessionResponse],
+        context: _Context,
         driver: EpisodeDriver,
         live: _LiveSession,
     ) -> None:
         loop = asyncio.get_running_loop()
         read, write, handle = context.read, context.write, driver.handle
+        parse = pb.SessionRequest.FromString
         while True:
             live.waiting_since = loop.time()
-            request = await read()
+            raw: object = await read()
             live.waiting_since = None
-            if request is grpc.aio.EOF:
+            if raw is grpc.aio.EOF:
                 return  # the client half-closed: a clean end
-            await write(await handle(request))  # type: ignore[arg-type]
+            try:
+                request = parse(raw)  # type: ignore[arg-type]
+            except DecodeError as exc:
+                # No request id to answer to: the stream is out of sync, so end it.
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"request is not a valid {pb.SessionRequest.DESCRIPTOR.full_name}: {exc}",
+                )
+            await write(await handle(request))
             if driver.closed:
                 return
 
@@ -136,7 +149,7 @@ class SessionManager:
 
     async def _refuse(
         self,
-        context: grpc.aio.ServicerContext[pb.SessionRequest, pb.SessionResponse],
+        context: _Context,
         admission: Admission,
     ) -> None:
         if admission is Admission.DRAINING:
@@ -151,10 +164,7 @@ class SessionManager:
 
     def _end_message(self, reason: _EndReason) -> str:
         if reason is _EndReason.IDLE:
-            return (
-                f"session idle for more than {self.config.idle_timeout:g}s: "
-                "environment closed"
-            )
+            return f"session idle for more than {self.config.idle_timeout:g}s: environment closed"
         return "server is draining: session ended and environment closed"
 
     # -- reclaiming sessions ---------------------------------------------------------

@@ -84,10 +84,7 @@ class EnvSpec:
             state_url=type_url(types.state),
             reset_options_url=type_url(types.reset_options),
             descriptors=file_descriptor_set(
-                types.action.DESCRIPTOR,
-                types.observation.DESCRIPTOR,
-                types.state.DESCRIPTOR,
-                types.reset_options.DESCRIPTOR,
+                types.action, types.observation, types.state, types.reset_options
             ),
         )
 

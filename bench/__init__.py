@@ -1,0 +1,1 @@
+"""Benchmarks (run with `make bench-echo`); never part of the test suite."""

@@ -1,0 +1,1 @@
+"""Test-only environments and helpers; servers load them as ``support.envs:NAME``."""

@@ -1,0 +1,148 @@
+"""Environments for tests, loaded by real server processes through ``module:factory``.
+
+Each instance records its life in a ledger directory (``OPENENV_TEST_LEDGER``): one file
+per created env, renamed when it closes, so a test can count envs created and closed
+across processes without trusting the server's own word.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from pathlib import Path
+
+from google.protobuf.empty_pb2 import Empty
+
+from openenv_grpc import AsyncEnvironment, Environment, InvalidAction, Transition
+from openenv_grpc_envs.echo import EchoAction, EchoEnvironment, EchoObservation, EchoState
+
+
+class Ledger:
+    """Records creation and close of one env instance."""
+
+    def __init__(self) -> None:
+        root = os.environ.get("OPENENV_TEST_LEDGER")
+        self._path = Path(root) / f"{uuid.uuid4().hex}.open" if root else None
+        if self._path is not None:
+            self._path.touch()
+
+    def closed(self) -> None:
+        if self._path is not None:
+            if not self._path.exists():
+                raise AssertionError("env closed twice")
+            self._path.rename(self._path.with_suffix(".closed"))
+
+
+class CountingEchoEnv(EchoEnvironment):
+    """The echo env, with its creation and close recorded in the ledger."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._ledger = Ledger()
+
+    def close(self) -> None:
+        self._ledger.closed()
+
+
+class PooledEchoEnv(CountingEchoEnv):
+    """The echo env run on the shared thread pool (not declared cheap)."""
+
+    runs_inline = False
+
+
+class AsyncEchoEnv(AsyncEnvironment[EchoAction, EchoObservation, EchoState, Empty]):
+    """An asyncio env: echoes after yielding to the loop."""
+
+    name = "async-echo"
+
+    def __init__(self) -> None:
+        self._ledger = Ledger()
+        self._count = 0
+
+    async def reset(
+        self, *, seed: int | None, episode_id: str, options: Empty | None
+    ) -> Transition[EchoObservation]:
+        self._count = 0
+        await asyncio.sleep(0)
+        return Transition(EchoObservation(echoed_message="async ready"))
+
+    async def step(self, action: EchoAction) -> Transition[EchoObservation]:
+        await asyncio.sleep(0)
+        self._count += 1
+        return Transition(
+            EchoObservation(echoed_message=action.message, message_length=len(action.message)),
+            reward=float(self._count),
+        )
+
+    async def state(self) -> EchoState:
+        return EchoState(total_length=self._count)
+
+    async def close(self) -> None:
+        self._ledger.closed()
+
+
+class FaultyEnv(Environment[EchoAction, EchoObservation, EchoState, Empty]):
+    """Misbehaves on command: the action's message says how.
+
+    ``raise`` raises RuntimeError; ``invalid`` raises InvalidAction; ``wrong-type``
+    returns a state as the observation; ``not-transition`` returns a bare observation;
+    ``sleep:S`` blocks S seconds; ``info`` returns a rich info map; anything else echoes.
+    ``state`` raises after a ``break-state`` step.
+    """
+
+    name = "faulty"
+    runs_inline = False
+
+    def __init__(self) -> None:
+        self._ledger = Ledger()
+        self._state_broken = False
+
+    def reset(
+        self, *, seed: int | None, episode_id: str, options: Empty | None
+    ) -> Transition[EchoObservation]:
+        self._state_broken = False
+        return Transition(EchoObservation(echoed_message=f"episode {episode_id}"))
+
+    def step(self, action: EchoAction) -> Transition[EchoObservation]:
+        command = action.message
+        if command == "raise":
+            raise RuntimeError("boom in step")
+        if command == "invalid":
+            raise InvalidAction("that move is not allowed here")
+        if command == "wrong-type":
+            return Transition(EchoState())  # type: ignore[arg-type]
+        if command == "not-transition":
+            return EchoObservation(echoed_message="bare")  # type: ignore[return-value]
+        if command.startswith("sleep:"):
+            time.sleep(float(command.split(":", 1)[1]))
+        if command == "break-state":
+            self._state_broken = True
+        if command == "info":
+            return Transition(
+                EchoObservation(echoed_message=command),
+                info={"lives": 3, "name": "x", "nested": {"a": [1, 2]}, "obj": object()},
+            )
+        return Transition(EchoObservation(echoed_message=command))
+
+    def state(self) -> EchoState:
+        if self._state_broken:
+            raise ValueError("state is unavailable")
+        return EchoState()
+
+    def close(self) -> None:
+        self._ledger.closed()
+
+
+class RaisingCloseEnv(CountingEchoEnv):
+    """Its close records itself, then raises."""
+
+    def close(self) -> None:
+        super().close()
+        raise OSError("close failed on purpose")
+
+
+def failing_factory() -> CountingEchoEnv:
+    """A factory that never manages to build its env."""
+    raise RuntimeError("no GPU left for this env")

@@ -1,0 +1,265 @@
+"""ServerConfig.from_env, and the ``openenv-grpc`` command run as a real process."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from openenv_grpc_envs.echo import EchoAction, EchoEnv
+
+from openenv_grpc import ServerConfig
+from openenv_grpc.server.config import ENV_VARS
+
+TESTS = Path(__file__).resolve().parent
+
+
+def _cli(*args: str, env: dict[str, str] | None = None, timeout: float = 30.0):  # type: ignore[no-untyped-def]
+    return subprocess.run(
+        [sys.executable, "-m", "openenv_grpc", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+# -- ServerConfig.from_env --------------------------------------------------------------
+
+
+def test_from_env_defaults_with_empty_environ() -> None:
+    assert ServerConfig.from_env({}) == ServerConfig()
+    config = ServerConfig.from_env({})
+    assert (config.max_concurrent_envs, config.idle_timeout, config.grace_period) == (
+        1024,
+        600.0,
+        25.0,
+    )
+    assert config.retry_pushback_ms == 500
+
+
+def test_from_env_parses_every_variable() -> None:
+    environ = {
+        "HOST": "0.0.0.0",
+        "PORT": "6000",
+        "MAX_CONCURRENT_ENVS": "7",
+        "IDLE_TIMEOUT": "1.5",
+        "GRACE_PERIOD": "3",
+        "MAX_MESSAGE_BYTES": "1024",
+        "ENV_THREADS": "2",
+        "RETRY_PUSHBACK_MS": "250",
+        "KEEPALIVE_TIME": "4.5",
+        "KEEPALIVE_TIMEOUT": "0.5",
+    }
+    assert set(environ) == set(ENV_VARS.values())
+    config = ServerConfig.from_env(environ)
+    assert config == ServerConfig(
+        host="0.0.0.0",
+        port=6000,
+        max_concurrent_envs=7,
+        idle_timeout=1.5,
+        grace_period=3.0,
+        max_message_bytes=1024,
+        env_threads=2,
+        retry_pushback_ms=250,
+        keepalive_time=4.5,
+        keepalive_timeout=0.5,
+    )
+    assert isinstance(config.port, int) and isinstance(config.grace_period, float)
+
+
+def test_from_env_strips_whitespace_and_ignores_blank_values() -> None:
+    config = ServerConfig.from_env({"MAX_CONCURRENT_ENVS": " 9 ", "IDLE_TIMEOUT": "   "})
+    assert config.max_concurrent_envs == 9
+    assert config.idle_timeout == ServerConfig().idle_timeout
+
+
+def test_from_env_reads_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MAX_CONCURRENT_ENVS", "11")
+    monkeypatch.setenv("GRACE_PERIOD", "0")
+    config = ServerConfig.from_env()
+    assert config.max_concurrent_envs == 11
+    assert config.grace_period == 0.0
+
+
+def test_from_env_overrides_win_over_environment() -> None:
+    config = ServerConfig.from_env(
+        {"MAX_CONCURRENT_ENVS": "7", "PORT": "6000"}, max_concurrent_envs=2, port=0
+    )
+    assert config.max_concurrent_envs == 2
+    assert config.port == 0
+
+
+def test_from_env_none_overrides_are_ignored() -> None:
+    config = ServerConfig.from_env(
+        {"MAX_CONCURRENT_ENVS": "7"}, max_concurrent_envs=None, idle_timeout=None
+    )
+    assert config.max_concurrent_envs == 7
+    assert config.idle_timeout == ServerConfig().idle_timeout
+
+
+@pytest.mark.parametrize(
+    ("var", "raw"),
+    [
+        ("MAX_CONCURRENT_ENVS", "lots"),
+        ("MAX_CONCURRENT_ENVS", "1.5"),
+        ("PORT", "http"),
+        ("IDLE_TIMEOUT", "soon"),
+        ("GRACE_PERIOD", "1s"),
+        ("RETRY_PUSHBACK_MS", "0.5"),
+    ],
+)
+def test_from_env_bad_value_raises_value_error_naming_the_variable(var: str, raw: str) -> None:
+    with pytest.raises(ValueError) as bad:
+        ServerConfig.from_env({var: raw})
+    assert var in str(bad.value)
+    assert repr(raw) in str(bad.value)
+
+
+@pytest.mark.parametrize(
+    ("var", "raw", "field"),
+    [
+        ("PORT", "70000", "port"),
+        ("PORT", "-1", "port"),
+        ("IDLE_TIMEOUT", "-1", "idle_timeout"),
+        ("GRACE_PERIOD", "-0.5", "grace_period"),
+        ("RETRY_PUSHBACK_MS", "-1", "retry_pushback_ms"),
+        ("MAX_MESSAGE_BYTES", "0", "max_message_bytes"),
+        ("ENV_THREADS", "0", "env_threads"),
+        ("KEEPALIVE_TIME", "0", "keepalive_time"),
+        ("KEEPALIVE_TIMEOUT", "-2", "keepalive_timeout"),
+    ],
+)
+def test_from_env_out_of_range_is_rejected(var: str, raw: str, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        ServerConfig.from_env({var: raw})
+
+
+def test_out_of_range_override_is_rejected() -> None:
+    with pytest.raises(ValueError, match="idle_timeout"):
+        ServerConfig.from_env({}, idle_timeout=-3.0)
+
+
+@pytest.mark.parametrize(("raw", "capacity"), [("0", 0), ("-1", 0), ("-50", 0), ("5", 5)])
+def test_non_positive_max_concurrent_envs_means_unlimited(raw: str, capacity: int) -> None:
+    assert ServerConfig.from_env({"MAX_CONCURRENT_ENVS": raw}).capacity == capacity
+
+
+def test_address_brackets_ipv6_hosts() -> None:
+    assert ServerConfig(host="::", port=5).address == "[::]:5"
+    assert ServerConfig(host="127.0.0.1", port=5).address == "127.0.0.1:5"
+
+
+# -- the command line ---------------------------------------------------------------------
+
+
+def test_serve_unknown_env_exits_2_with_clear_message() -> None:
+    done = _cli("serve", "no-such-env", "--port", "0")
+    assert done.returncode == 2
+    assert "no environment named 'no-such-env'" in done.stderr
+    assert "echo" in done.stderr  # names the packaged envs that do exist
+    assert "Traceback" not in done.stderr
+
+
+def test_serve_unimportable_module_exits_2_with_clear_message() -> None:
+    done = _cli("serve", "no_such_module_xyz:make", "--port", "0")
+    assert done.returncode == 2
+    assert "cannot import 'no_such_module_xyz'" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_serve_bad_env_var_exits_2_naming_the_variable() -> None:
+    done = _cli("serve", "echo", "--port", "0", env={"MAX_CONCURRENT_ENVS": "lots"})
+    assert done.returncode == 2
+    assert "MAX_CONCURRENT_ENVS='lots' is not a valid int" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_serve_on_a_port_in_use_fails_with_clear_message() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = _cli("serve", "echo", "--host", "127.0.0.1", "--port", str(port))
+    assert done.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
+    assert "openenv-grpc: serving" not in done.stdout
+    assert "Traceback" not in done.stderr
+
+
+def test_info_prints_json_with_env_name_and_capacity(start_server) -> None:
+    server = start_server("support.envs:CountingEchoEnv", "--max-concurrent-envs", "3")
+    with EchoEnv(server.target):
+        done = _cli("info", server.target)
+    assert done.returncode == 0, done.stderr
+    info = json.loads(done.stdout)
+    assert info["env_name"] == "echo"
+    assert info["capacity"] == {"max_sessions": 3, "active_sessions": 1, "draining": False}
+    assert info["protocol"] == "openenv_grpc.v1"
+    assert info["observation_type"] == "openenv_grpc_envs.echo.v1.EchoObservation"
+    assert "descriptors" not in info
+    assert any(name.endswith("echo.proto") for name in info["descriptor_files"])
+
+
+def test_info_unreachable_target_fails_non_zero(tmp_path: Path) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    done = _cli("info", f"127.0.0.1:{port}", "--timeout", "1")
+    assert done.returncode == 1
+    assert f"127.0.0.1:{port}" in done.stderr
+    assert "DEADLINE_EXCEEDED" in done.stderr or "UNAVAILABLE" in done.stderr
+
+
+def test_list_prints_echo() -> None:
+    done = _cli("list")
+    assert done.returncode == 0, done.stderr
+    assert "echo" in done.stdout.split()
+
+
+FACTORY_MODULE = textwrap.dedent(
+    """
+    from support.envs import CountingEchoEnv
+
+    def make_env() -> CountingEchoEnv:
+        return CountingEchoEnv()
+
+    def make_unannotated():
+        return CountingEchoEnv()
+    """
+)
+
+
+@pytest.fixture
+def factory_dir(tmp_path: Path) -> Path:
+    directory = tmp_path / "factories"
+    directory.mkdir()
+    (directory / "cli_factories.py").write_text(FACTORY_MODULE)
+    return directory
+
+
+def test_annotated_module_factory_is_served(start_server, factory_dir: Path) -> None:
+    server = start_server("cli_factories:make_env", extra_env={"PYTHONPATH": str(factory_dir)})
+    assert server.info().env_name == "echo"
+    with EchoEnv(server.target) as env:
+        env.reset()
+        assert env.step(EchoAction(message="made")).observation.echoed_message == "made"
+    server.wait_until(lambda: server.closed_envs() == 1, what="env closed")
+    assert server.created() == 1
+
+
+def test_unannotated_module_factory_fails_with_clear_error(factory_dir: Path) -> None:
+    pythonpath = os.pathsep.join([str(factory_dir), str(TESTS), os.environ.get("PYTHONPATH", "")])
+    done = _cli(
+        "serve", "cli_factories:make_unannotated", "--port", "0", env={"PYTHONPATH": pythonpath}
+    )
+    assert done.returncode == 1
+    assert "make_unannotated" in done.stderr
+    assert "annotated with the Environment class it returns" in done.stderr
+    assert "openenv-grpc: serving" not in done.stdout
+    assert "Traceback" not in done.stderr
