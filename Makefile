@@ -34,7 +34,7 @@ pytest: $(VENV)/.installed
 
 lint: install
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check openenv_grpc envs tests scripts
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	$(BUF) lint
 

@@ -28,10 +28,14 @@ async def session(request_iterator: object, context: grpc.aio.ServicerContext) -
             return
         result = response.result
         if request.HasField("step"):
-            result.observation.type_url = "type.googleapis.com/openenv_grpc_envs.echo.v1.EchoObservation"
+            result.observation.type_url = (
+                "type.googleapis.com/openenv_grpc_envs.echo.v1.EchoObservation"
+            )
             result.observation.value = request.step.action.value
         else:
-            result.observation.type_url = "type.googleapis.com/openenv_grpc_envs.echo.v1.EchoObservation"
+            result.observation.type_url = (
+                "type.googleapis.com/openenv_grpc_envs.echo.v1.EchoObservation"
+            )
         await context.write(response)
 
 
@@ -39,9 +43,13 @@ async def main(port: int) -> None:
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     handler = grpc.method_handlers_generic_handler(
         "openenv_grpc.v1.EnvService",
-        {"Session": grpc.stream_stream_rpc_method_handler(
-            session, request_deserializer=pb.SessionRequest.FromString,
-            response_serializer=pb.SessionResponse.SerializeToString)},
+        {
+            "Session": grpc.stream_stream_rpc_method_handler(
+                session,
+                request_deserializer=pb.SessionRequest.FromString,
+                response_serializer=pb.SessionResponse.SerializeToString,
+            )
+        },
     )
     server.add_generic_rpc_handlers((handler,))
     bound = server.add_insecure_port(f"127.0.0.1:{port}")

@@ -29,8 +29,19 @@ def _server(env: str) -> tuple[subprocess.Popen[str], str]:
     if env == "bare":  # the floor: grpc.aio with no framework
         cmd = [sys.executable, "-m", "bench.bare_echo", "0"]
     else:
-        cmd = [sys.executable, "-m", "openenv_grpc", "serve", env, "--port", "0",
-               "--max-concurrent-envs", "0", "--log-level", "WARNING"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "openenv_grpc",
+            "serve",
+            env,
+            "--port",
+            "0",
+            "--max-concurrent-envs",
+            "0",
+            "--log-level",
+            "WARNING",
+        ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -92,7 +103,8 @@ def measure(target: str, pid: int, sessions: int, clients: int, seconds: float) 
     shares = [sessions // clients + (i < sessions % clients) for i in range(clients)]
     procs = [
         mp.Process(target=_client_proc, args=(target, n, seconds, warmup, queue))
-        for n in shares if n
+        for n in shares
+        if n
     ]
     for p in procs:
         p.start()
@@ -126,8 +138,10 @@ def main() -> None:
     try:
         for n in args.sessions:
             row = measure(target, proc.pid, n, args.clients, args.seconds)
-            print(json.dumps({k: round(v, 1) if isinstance(v, float) else v
-                              for k, v in row.items()}), flush=True)
+            print(
+                json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}),
+                flush=True,
+            )
     finally:
         proc.terminate()
         proc.wait(30)

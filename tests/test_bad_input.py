@@ -15,6 +15,10 @@ import random
 import grpc
 import pytest
 from google.protobuf import any_pb2
+
+from openenv_grpc.metadata import ADMITTED_KEY
+from openenv_grpc.v1 import session_pb2 as pb
+from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
 from openenv_grpc_envs.echo import (
     EchoAction,
     EchoEnv,
@@ -22,10 +26,6 @@ from openenv_grpc_envs.echo import (
     EchoResetOptions,
     EchoState,
 )
-
-from openenv_grpc.metadata import ADMITTED_KEY
-from openenv_grpc.v1 import session_pb2 as pb
-from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(20)
 

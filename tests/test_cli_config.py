@@ -11,10 +11,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from openenv_grpc_envs.echo import EchoAction, EchoEnv
 
 from openenv_grpc import ServerConfig
 from openenv_grpc.server.config import ENV_VARS
+from openenv_grpc_envs.echo import EchoAction, EchoEnv
 
 TESTS = Path(__file__).resolve().parent
 

@@ -12,6 +12,9 @@ import time
 
 import grpc
 import pytest
+
+from openenv_grpc import AsyncSession, EnvError, Session, SessionLost
+from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
 from openenv_grpc_envs.echo import (
     AsyncEchoEnv,
     EchoAction,
@@ -20,9 +23,6 @@ from openenv_grpc_envs.echo import (
     EchoResetOptions,
     EchoState,
 )
-
-from openenv_grpc import AsyncSession, EnvError, Session, SessionLost
-from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(20)
 

@@ -23,7 +23,10 @@ from openenv_grpc_envs.echo import (
 def test_types_come_from_the_generic_base() -> None:
     types = message_types(EchoEnvironment)
     assert (types.action, types.observation, types.state, types.reset_options) == (
-        EchoAction, EchoObservation, EchoState, EchoResetOptions,
+        EchoAction,
+        EchoObservation,
+        EchoState,
+        EchoResetOptions,
     )
 
 

@@ -12,9 +12,9 @@ import threading
 
 import grpc
 import pytest
-from openenv_grpc_envs.echo import EchoAction, EchoEnv, EchoObservation, EchoResetOptions
 
 from openenv_grpc import EnvError
+from openenv_grpc_envs.echo import EchoAction, EchoEnv, EchoObservation, EchoResetOptions
 
 pytestmark = pytest.mark.timeout(20)
 

@@ -18,13 +18,6 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
-from openenv_grpc_envs.echo import (
-    AsyncEchoEnv,
-    EchoAction,
-    EchoEnv,
-    EchoObservation,
-    EchoState,
-)
 
 import openenv_grpc
 from openenv_grpc import (
@@ -38,6 +31,13 @@ from openenv_grpc.client import aio_channel
 from openenv_grpc.client.info import message_classes
 from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
+from openenv_grpc_envs.echo import (
+    AsyncEchoEnv,
+    EchoAction,
+    EchoEnv,
+    EchoObservation,
+    EchoState,
+)
 
 SERVICE = "openenv_grpc.v1.EnvService"
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -8,7 +8,6 @@ import threading
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
-from openenv_grpc_envs.echo import AsyncEchoEnv, EchoAction, EchoEnv
 
 from openenv_grpc import CapacityError, OpenRetry, SessionRefused
 from openenv_grpc.client import aio_channel
@@ -16,6 +15,7 @@ from openenv_grpc.client import sync_channel as make_sync_channel
 from openenv_grpc.metadata import RETRY_PUSHBACK_KEY
 from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
+from openenv_grpc_envs.echo import AsyncEchoEnv, EchoAction, EchoEnv
 
 SERVICE = "openenv_grpc.v1.EnvService"
 SERVING = health_pb2.HealthCheckResponse.SERVING

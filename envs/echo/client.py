@@ -1,13 +1,12 @@
 """Typed clients for the echo environment: ``step`` takes an EchoAction, and so on."""
 
+from openenv_grpc import AsyncSession, Session
 from openenv_grpc_envs.echo.v1.echo_pb2 import (
     EchoAction,
     EchoObservation,
     EchoResetOptions,
     EchoState,
 )
-
-from openenv_grpc import AsyncSession, Session
 
 __all__ = ["AsyncEchoEnv", "EchoEnv"]
 

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from collections import deque
 
+from openenv_grpc import Environment, InvalidAction, Transition
 from openenv_grpc_envs.echo.v1.echo_pb2 import (
     EchoAction,
     EchoObservation,
     EchoResetOptions,
     EchoState,
 )
-
-from openenv_grpc import Environment, InvalidAction, Transition
 
 __all__ = ["EchoEnvironment"]
 

@@ -17,8 +17,10 @@ def main(target: str) -> None:
         print(f"reset -> {result.observation.echoed_message!r}, episode {result.episode_id}")
         while not result.done:
             result = env.step(EchoAction(message="ping"))
-            print(f"step {result.step_count}: {result.observation.echoed_message!r} "
-                  f"reward={result.reward:.1f} truncated={result.truncated}")
+            print(
+                f"step {result.step_count}: {result.observation.echoed_message!r} "
+                f"reward={result.reward:.1f} truncated={result.truncated}"
+            )
         # Episode 2, same session: terminated by the stop word.
         env.reset(options=EchoResetOptions(stop_word="bye"))
         result = env.step(EchoAction(message="bye"))

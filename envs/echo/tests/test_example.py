@@ -9,7 +9,10 @@ import sys
 def test_readme_example_runs(server) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "openenv_grpc_envs.echo.example", server.target],
-        capture_output=True, text=True, timeout=60, check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     ).stdout.splitlines()
     assert out[0].startswith("reset -> 'hi', episode ")
     assert out[1:] == [

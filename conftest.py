@@ -1,4 +1,5 @@
-"""Shared fixtures: real server processes on loopback ports, and their env ledgers."""
+"""Shared fixtures for tests/ and envs/*/tests: real server processes on loopback ports,
+and the ledgers in which test envs record their creation and close."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from openenv_grpc import fetch_info
 from openenv_grpc.v1 import session_pb2 as pb
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parent / "tests"
 _SERVING = re.compile(r"openenv-grpc: serving (\S+) on (\S+):(\d+)")
 
 
@@ -33,9 +34,22 @@ class ServerProcess:
         self.stderr_path = ledger.parent / f"{ledger.name}.stderr"
         self._stderr = self.stderr_path.open("w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "openenv_grpc", "serve", env,
-             "--host", "127.0.0.1", "--port", "0", *args],
-            stdout=subprocess.PIPE, stderr=self._stderr, env=environ, text=True,
+            [
+                sys.executable,
+                "-m",
+                "openenv_grpc",
+                "serve",
+                env,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                *args,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            env=environ,
+            text=True,
         )
         self.port = self._wait_for_port(timeout=30)
         self.target = f"127.0.0.1:{self.port}"
@@ -120,8 +134,11 @@ def start_server(tmp_path: Path) -> Iterator:  # type: ignore[type-arg]
     """Start servers: ``start_server("echo", "--max-concurrent-envs", "2")``."""
     servers: list[ServerProcess] = []
 
-    def start(env: str = "support.envs:CountingEchoEnv", *args: str,
-              extra_env: dict[str, str] | None = None) -> ServerProcess:
+    def start(
+        env: str = "support.envs:CountingEchoEnv",
+        *args: str,
+        extra_env: dict[str, str] | None = None,
+    ) -> ServerProcess:
         ledger = tmp_path / f"ledger{len(servers)}"
         ledger.mkdir()
         server = ServerProcess(env, list(args), extra_env or {}, ledger)
