@@ -93,12 +93,11 @@ class SessionProtocol:
 
     def __init__(self, types: SessionTypes) -> None:
         self._types = types
+        # Expected type urls of what the server sends, for pinned types only.
         self._urls = {
-            name: type_url(cls) if cls is not None else ""
-            for name, cls in (
-                ("observation", types.observation),
-                ("state", types.state),
-            )
+            role: type_url(pinned)
+            for role, pinned in (("observation", types.observation), ("state", types.state))
+            if pinned is not None
         }
         self._next_id = 1
         self.episode_id = ""

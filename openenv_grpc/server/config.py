@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 __all__ = ["ServerConfig"]
@@ -56,7 +56,7 @@ class ServerConfig:
     idle_timeout: float = 600.0
     grace_period: float = 25.0
     max_message_bytes: int = 16 * 1024 * 1024
-    env_threads: int = min(32, (os.cpu_count() or 1) + 4)
+    env_threads: int = field(default_factory=lambda: min(32, (os.cpu_count() or 1) + 4))
     retry_pushback_ms: int = 500
     keepalive_time: float = 30.0
     keepalive_timeout: float = 10.0
@@ -95,10 +95,10 @@ class ServerConfig:
         """
         environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}
-        for field in fields(cls):
-            var = ENV_VARS.get(field.name)
+        for spec in fields(cls):
+            var = ENV_VARS.get(spec.name)
             if var is not None and environ.get(var, "").strip():
-                values[field.name] = _parse(var, environ[var].strip(), field.type)
+                values[spec.name] = _parse(var, environ[var].strip(), spec.type)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 

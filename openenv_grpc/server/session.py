@@ -71,12 +71,8 @@ class SessionManager:
         #: Set when a drain's grace period is over: sessions still starting end at once.
         self._ending: _EndReason | None = None
 
-    async def serve(
-        self,
-        requests: _Context,
-    ) -> None:
-        """Run one Session stream to its end. ``requests`` is the RPC's context."""
-        context = requests
+    async def serve(self, context: _Context) -> None:
+        """Run one Session stream, given its RPC context, to its end."""
         admission = self.limiter.try_acquire()
         if admission is not Admission.ADMITTED:
             await self._refuse(context, admission)
