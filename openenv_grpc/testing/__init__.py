@@ -1,0 +1,7 @@
+"""Testing helpers shipped with the library: a real server process and the conformance
+suite every environment runs (``EnvConformance``)."""
+
+from openenv_grpc.testing.conformance import EnvConformance
+from openenv_grpc.testing.server_process import ServerProcess
+
+__all__ = ["EnvConformance", "ServerProcess"]

@@ -1,0 +1,278 @@
+"""The conformance suite: what every environment must do over the protocol.
+
+Subclass :class:`EnvConformance` in a pytest module, name the environment, and say how
+to make a valid action; pytest then runs every check against a real server process::
+
+    from openenv_grpc.testing import EnvConformance
+    from openenv_grpc_envs.echo import EchoAction, EchoResetOptions
+
+    class TestEchoConformance(EnvConformance):
+        env = "echo"                       # or "my_package.module:MyEnv"
+
+        def make_action(self, observation, step, rng):
+            return EchoAction(message=f"message {step}")
+
+        def ending_reset_options(self):    # options under which an episode ends
+            return EchoResetOptions(max_steps=3)
+
+The checks: the Info RPC declares the types the env really sends and its
+FileDescriptorSet decodes a real observation; reset/step/state round trips; seeded
+determinism; terminated/truncated, then reset on the same session; step before reset;
+a wrong-typed action; concurrent sessions that never see each other's state; close
+releases every session (plus :meth:`EnvConformance.check_released` for env resources).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator, Sequence
+from typing import Any, ClassVar
+
+import grpc
+import pytest
+from google.protobuf import duration_pb2
+from google.protobuf.message import Message
+
+from openenv_grpc.client.async_session import AsyncSession
+from openenv_grpc.client.errors import EnvError
+from openenv_grpc.client.info import message_classes
+from openenv_grpc.client.protocol import StepResult
+from openenv_grpc.client.sync_session import Session
+from openenv_grpc.testing.server_process import ServerProcess
+from openenv_grpc.v1 import session_pb2 as pb
+
+__all__ = ["EnvConformance"]
+
+_Trace = list[tuple[bytes, float, bool, bool]]
+
+
+class EnvConformance:
+    """Base class of an environment's conformance tests; see the module docstring."""
+
+    #: What ``openenv-grpc serve`` gets: a packaged env name or ``module:factory``.
+    env: ClassVar[str]
+    #: Extra ``serve`` flags.
+    server_args: ClassVar[Sequence[str]] = ()
+    #: Extra environment variables for the server process.
+    server_env: ClassVar[dict[str, str]] = {}
+    #: Folders to prepend to the server's PYTHONPATH (for ``module:factory`` envs).
+    server_pythonpath: ClassVar[Sequence[str]] = ()
+    #: Seed used by the determinism and isolation checks.
+    seed: ClassVar[int] = 1234
+    #: Steps played per episode by the determinism and isolation checks (fewer if done).
+    steps: ClassVar[int] = 8
+    #: An episode started with ``ending_reset_options()`` must end within this many steps.
+    max_steps_to_end: ClassVar[int] = 1000
+    #: Sessions stepped at once by the isolation check.
+    concurrent_sessions: ClassVar[int] = 6
+    #: Same seed and same actions give the same observations (set False if not).
+    deterministic: ClassVar[bool] = True
+
+    # -- what a subclass provides -----------------------------------------------------
+
+    def make_action(self, observation: Any, step: int, rng: random.Random) -> Message:
+        """A valid action for ``observation`` (a decoded observation message)."""
+        raise NotImplementedError
+
+    def reset_options(self) -> Message | None:
+        """Reset options used by every check but the ending one; None sends none."""
+        return None
+
+    def ending_reset_options(self) -> Message | None:
+        """Reset options under which an episode ends within ``max_steps_to_end`` steps."""
+        return self.reset_options()
+
+    def check_released(self, server: ServerProcess) -> None:
+        """Assert that the env's own resources are gone once its sessions closed."""
+
+    # -- fixtures ---------------------------------------------------------------------
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def conformance_server(cls) -> Iterator[ServerProcess]:
+        server = ServerProcess(
+            cls.env,
+            ["--max-concurrent-envs", "0", *cls.server_args],
+            cls.server_env,
+            pythonpath=cls.server_pythonpath,
+        )
+        yield server
+        server.stop()
+
+    # -- helpers ----------------------------------------------------------------------
+
+    def _play(self, env: Session[Any, Any, Any, Any], seed: int) -> _Trace:
+        """One seeded episode of ``steps`` steps (or until done); what it observed."""
+        rng = random.Random(seed)
+        result = env.reset(seed=seed, options=self.reset_options())
+        trace = [_entry(result)]
+        for step in range(self.steps):
+            if result.done:
+                break
+            result = env.step(self.make_action(result.observation, step, rng))
+            trace.append(_entry(result))
+        return trace
+
+    # -- the checks -------------------------------------------------------------------
+
+    def test_info_declares_types(self, conformance_server: ServerProcess) -> None:
+        info = conformance_server.info()
+        assert info.env_name, "Info must name the environment"
+        assert info.protocol == pb.DESCRIPTOR.package
+        classes = message_classes(info)
+        assert set(classes) == {"action", "observation", "state", "reset_options"}
+        for role, cls in classes.items():
+            assert cls.DESCRIPTOR.full_name == getattr(info, f"{role}_type")
+
+    def test_round_trip_has_the_declared_types(self, conformance_server: ServerProcess) -> None:
+        info = conformance_server.info()
+        with _session(conformance_server) as env:
+            result = env.reset(seed=self.seed, options=self.reset_options())
+            assert _full_name(result.observation) == info.observation_type
+            assert result.step_count == 0 and not result.done
+            stepped = env.step(self.make_action(result.observation, 0, random.Random(0)))
+            assert _full_name(stepped.observation) == info.observation_type
+            assert stepped.step_count == 1
+            assert stepped.episode_id == result.episode_id
+            assert _full_name(env.state()) == info.state_type
+
+    def test_descriptor_set_decodes_a_real_observation(
+        self, conformance_server: ServerProcess
+    ) -> None:
+        info = conformance_server.info()
+        observation_class = message_classes(info)["observation"]
+        with _session(conformance_server) as env:
+            result = env.reset(seed=self.seed, options=self.reset_options())
+            wire = result.observation.SerializeToString()
+            # A class built from the FileDescriptorSet alone reads the same message.
+            decoded = observation_class.FromString(wire)
+            assert decoded.SerializeToString(deterministic=True) == (
+                result.observation.SerializeToString(deterministic=True)
+            )
+
+    def test_seeded_episodes_repeat(self, conformance_server: ServerProcess) -> None:
+        with (
+            _session(conformance_server) as first,
+            _session(conformance_server) as second,
+        ):
+            a = self._play(first, self.seed)
+            b = self._play(second, self.seed)
+            again = self._play(first, self.seed)  # and on a reused session
+        if self.deterministic:
+            assert a == b == again
+        else:
+            assert len(a) >= 1 and len(b) >= 1
+
+    def test_episode_end_then_reset_on_the_same_session(
+        self, conformance_server: ServerProcess
+    ) -> None:
+        rng = random.Random(self.seed)
+        with _session(conformance_server) as env:
+            result = env.reset(seed=self.seed, options=self.ending_reset_options())
+            first_episode = result.episode_id
+            for step in range(self.max_steps_to_end):
+                if result.done:
+                    break
+                result = env.step(self.make_action(result.observation, step, rng))
+            assert result.done, f"episode did not end within {self.max_steps_to_end} steps"
+            with pytest.raises(EnvError) as failed:
+                env.step(self.make_action(result.observation, 0, rng))
+            assert failed.value.code is grpc.StatusCode.FAILED_PRECONDITION
+            again = env.reset(seed=self.seed + 1, options=self.reset_options())
+            assert again.step_count == 0 and not again.done
+            assert again.episode_id != first_episode
+            stepped = env.step(self.make_action(again.observation, 0, rng))
+            assert stepped.step_count == 1
+
+    def test_step_before_reset_is_failed_precondition(
+        self, conformance_server: ServerProcess
+    ) -> None:
+        with _session(conformance_server) as env:
+            probe = env.reset(seed=self.seed, options=self.reset_options())
+            action = self.make_action(probe.observation, 0, random.Random(0))
+        with _session(conformance_server) as env:
+            with pytest.raises(EnvError) as failed:
+                env.step(action)
+            assert failed.value.code is grpc.StatusCode.FAILED_PRECONDITION
+            assert env.reset(seed=self.seed, options=self.reset_options()).step_count == 0
+
+    def test_wrong_typed_action_is_invalid_argument(
+        self, conformance_server: ServerProcess
+    ) -> None:
+        with _session(conformance_server) as env:
+            result = env.reset(seed=self.seed, options=self.reset_options())
+            with pytest.raises(EnvError) as failed:
+                env.step(duration_pb2.Duration(seconds=1))  # never an env's action type
+            assert failed.value.code is grpc.StatusCode.INVALID_ARGUMENT
+            stepped = env.step(self.make_action(result.observation, 0, random.Random(0)))
+            assert stepped.step_count == 1  # the bad action changed nothing
+
+    def test_concurrent_sessions_do_not_share_state(
+        self, conformance_server: ServerProcess
+    ) -> None:
+        seeds = [self.seed + i for i in range(self.concurrent_sessions)]
+        traces = asyncio.run(self._play_interleaved(conformance_server.target, seeds))
+        episode_ids = {trace_id for trace_id, _ in traces}
+        assert len(episode_ids) == len(seeds)
+        if self.deterministic:
+            with _session(conformance_server) as env:
+                for seed, (_, trace) in zip(seeds, traces, strict=True):
+                    assert self._play(env, seed) == trace, f"seed {seed} saw another's state"
+
+    async def _play_interleaved(self, target: str, seeds: list[int]) -> list[tuple[str, _Trace]]:
+        """Play one episode per seed, all sessions stepping in lock-step on one channel."""
+        async with grpc.aio.insecure_channel(target) as channel:
+            envs: list[AsyncSession[Any, Any, Any, Any]] = [AsyncSession(channel) for _ in seeds]
+            for env in envs:
+                await env.open()
+            rngs = [random.Random(seed) for seed in seeds]
+            results = await asyncio.gather(
+                *(
+                    e.reset(seed=s, options=self.reset_options())
+                    for e, s in zip(envs, seeds, strict=True)
+                )
+            )
+            traces: list[_Trace] = [[_entry(r)] for r in results]
+            for step in range(self.steps):
+                live = [i for i, r in enumerate(results) if not r.done]
+                if not live:
+                    break
+                stepped = await asyncio.gather(
+                    *(envs[i].step(self.make_action(results[i].observation, step, rngs[i]))
+                      for i in live)
+                )  # fmt: skip
+                for i, result in zip(live, stepped, strict=True):
+                    results[i] = result
+                    traces[i].append(_entry(result))
+            for env in envs:
+                await env.close()
+        return [(r.episode_id, t) for r, t in zip(results, traces, strict=True)]
+
+    def test_close_releases_every_session(self, conformance_server: ServerProcess) -> None:
+        sessions = [_session(conformance_server) for _ in range(3)]
+        for env in sessions:
+            env.open()
+            env.reset(seed=self.seed, options=self.reset_options())
+        assert conformance_server.active() >= 3
+        sessions[0].close()
+        sessions[1].abort()
+        sessions[2].close()
+        conformance_server.wait_until(
+            lambda: conformance_server.active() == 0, what="every session released"
+        )
+        self.check_released(conformance_server)
+
+
+def _session(server: ServerProcess) -> Session[Any, Any, Any, Any]:
+    """An untyped session: it decodes whatever types the env's imported modules define."""
+    return Session(server.target)
+
+
+def _entry(result: StepResult[Any]) -> tuple[bytes, float, bool, bool]:
+    observation = result.observation.SerializeToString(deterministic=True)
+    return observation, result.reward, result.terminated, result.truncated
+
+
+def _full_name(message: Message) -> str:
+    return message.DESCRIPTOR.full_name
