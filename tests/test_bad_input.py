@@ -440,7 +440,8 @@ def test_random_bytes_message_leaves_server_healthy_and_neighbour_working(server
 
 @pytest.fixture
 def small_server(start_server):  # type: ignore[no-untyped-def]
-    return start_server("support.envs:CountingEchoEnv", "--max-message-bytes", "1024")
+    # Room for Info (its FileDescriptorSet) and the reset's tool list, not for 10 KiB.
+    return start_server("support.envs:CountingEchoEnv", "--max-message-bytes", "4096")
 
 
 def test_oversize_request_is_resource_exhausted_and_server_stays_healthy(small_server) -> None:
@@ -476,8 +477,10 @@ def test_oversize_response_is_resource_exhausted_and_server_stays_healthy(small_
     with grpc.insecure_channel(server.target) as channel:
         session = RawSession(channel)
         session.result(reset(1))
-        request = step(2, "z" * 950)  # fits the limit; its echo, with envelope, does not
-        assert request.ByteSize() <= 1024
+        # The largest message whose request fits the limit; its echo, whose envelope also
+        # carries the episode id, the step count and the reward, does not.
+        size = max(n for n in range(3800, 4096) if step(2, "z" * n).ByteSize() <= 4096)
+        request = step(2, "z" * size)
         with pytest.raises(grpc.RpcError) as raised:
             session.send(request)
         assert raised.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -88,9 +88,14 @@ def test_factories_are_resolved_to_their_class() -> None:
 
 def test_spec_describes_the_env() -> None:
     spec = EnvSpec.from_factory(EchoEnvironment)
-    assert (spec.name, spec.version) == ("echo", "1.0.0")
+    assert (spec.name, spec.version) == ("echo", EchoEnvironment.version)
     assert spec.action_url == "type.googleapis.com/openenv_grpc_envs.echo.v1.EchoAction"
-    assert [f.name for f in spec.descriptors.file] == ["openenv_grpc_envs/echo/v1/echo.proto"]
+    # Dependencies first, so a reader can add the files to a pool in order.
+    assert [f.name for f in spec.descriptors.file] == [
+        "google/protobuf/struct.proto",
+        "openenv_grpc/tools/v1/tools.proto",
+        "openenv_grpc_envs/echo/v1/echo.proto",
+    ]
     assert EnvSpec.from_factory(_Slow).description == "A blocking env."
 
 

@@ -35,6 +35,7 @@ from openenv_grpc_envs.echo import (
     AsyncEchoEnv,
     EchoAction,
     EchoEnv,
+    EchoEnvironment,
     EchoObservation,
     EchoState,
 )
@@ -492,8 +493,8 @@ def test_fifty_async_sessions_on_one_channel_step_independently(server) -> None:
 def test_info_rpc_fields(server) -> None:
     info = server.info()
     assert info.env_name == "echo"
-    assert info.env_version == "1.0.0"
-    assert info.env_description == "Echoes each message back; reward is 0.1 per character."
+    assert info.env_version == EchoEnvironment.version
+    assert info.env_description == EchoEnvironment.description
     assert info.action_type == "openenv_grpc_envs.echo.v1.EchoAction"
     assert info.observation_type == "openenv_grpc_envs.echo.v1.EchoObservation"
     assert info.state_type == "openenv_grpc_envs.echo.v1.EchoState"
