@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import time
 import uuid
+from collections import deque
 from pathlib import Path
+from typing import ClassVar
 
 from google.protobuf.empty_pb2 import Empty
 
@@ -146,3 +149,28 @@ class RaisingCloseEnv(CountingEchoEnv):
 def failing_factory() -> CountingEchoEnv:
     """A factory that never manages to build its env."""
     raise RuntimeError("no GPU left for this env")
+
+
+class LeakyEchoEnv(EchoEnvironment):
+    """Broken on purpose: every instance shares one history, so sessions see each other."""
+
+    shared_history: ClassVar[deque[str]] = deque(maxlen=100)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._history = self.shared_history
+
+    def step(self, action: EchoAction) -> Transition[EchoObservation]:
+        transition = super().step(action)
+        # The leak shows in what the agent observes: the count of all messages ever seen.
+        transition.observation.message_length = len(self._history)
+        return transition
+
+
+class UnseededEchoEnv(EchoEnvironment):
+    """Broken on purpose: ignores the seed, so seeded episodes do not repeat."""
+
+    def step(self, action: EchoAction) -> Transition[EchoObservation]:
+        transition = super().step(action)
+        transition.observation.message_length = random.randrange(1 << 30)
+        return transition
