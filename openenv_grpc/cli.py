@@ -55,6 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     option("--retry-pushback-ms", "retry_pushback_ms", int, "retry hint sent when full")
     option("--keepalive-time", "keepalive_time", float, "seconds between keepalive pings")
     option("--keepalive-timeout", "keepalive_timeout", float, "seconds to wait for a ping's answer")
+    option("--step-timeout", "step_timeout", float, "seconds an env call may take; 0 = env's own")
     run.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
 
     info = commands.add_parser("info", help="print what a server's Info RPC returns")

@@ -78,6 +78,9 @@ class _EnvironmentBase(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
     version: ClassVar[str] = "0.0.0"
     #: One line shown by the Info RPC.
     description: ClassVar[str] = ""
+    #: Seconds reset, step or state may take before the session gets DEADLINE_EXCEEDED and
+    #: a fresh instance (None: no limit; the server's ``--step-timeout`` overrides it).
+    step_timeout: ClassVar[float | None] = None
 
 
 class Environment(_EnvironmentBase[ActionT, ObservationT, StateT, ResetOptionsT]):

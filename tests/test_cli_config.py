@@ -55,6 +55,7 @@ def test_from_env_parses_every_variable() -> None:
         "RETRY_PUSHBACK_MS": "250",
         "KEEPALIVE_TIME": "4.5",
         "KEEPALIVE_TIMEOUT": "0.5",
+        "STEP_TIMEOUT": "2.5",
     }
     assert set(environ) == set(ENV_VARS.values())
     config = ServerConfig.from_env(environ)
@@ -69,6 +70,7 @@ def test_from_env_parses_every_variable() -> None:
         retry_pushback_ms=250,
         keepalive_time=4.5,
         keepalive_timeout=0.5,
+        step_timeout=2.5,
     )
     assert isinstance(config.port, int) and isinstance(config.grace_period, float)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import grpc
 from google.protobuf.message import Message
@@ -23,6 +23,9 @@ from openenv_grpc.client.protocol import (
 from openenv_grpc.client.retry import OpenRetry
 from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:  # typing.Self is 3.11+; only the type checker needs it
+    from typing_extensions import Self
 
 __all__ = ["AsyncSession"]
 
@@ -75,7 +78,7 @@ class AsyncSession(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
 
     # -- lifecycle --------------------------------------------------------------------
 
-    async def __aenter__(self) -> AsyncSession[ActionT, ObservationT, StateT, ResetOptionsT]:
+    async def __aenter__(self) -> Self:
         await self.open()
         return self
 

@@ -11,7 +11,7 @@ import queue
 import time
 from collections.abc import Iterator, Sequence
 from types import TracebackType
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import grpc
 from google.protobuf.message import Message
@@ -29,6 +29,9 @@ from openenv_grpc.client.protocol import (
 from openenv_grpc.client.retry import OpenRetry
 from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:  # typing.Self is 3.11+; only the type checker needs it
+    from typing_extensions import Self
 
 __all__ = ["Session"]
 
@@ -91,7 +94,7 @@ class Session(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
         self._call: Any = None  # grpc's rendezvous: both the Call and the response iterator
         self._requests: _RequestQueue | None = None
 
-    def __enter__(self) -> Session[ActionT, ObservationT, StateT, ResetOptionsT]:
+    def __enter__(self) -> Self:
         self.open()
         return self
 

@@ -26,6 +26,7 @@ ENV_VARS: dict[str, str] = {
     "retry_pushback_ms": "RETRY_PUSHBACK_MS",
     "keepalive_time": "KEEPALIVE_TIME",
     "keepalive_timeout": "KEEPALIVE_TIMEOUT",
+    "step_timeout": "STEP_TIMEOUT",
 }
 
 
@@ -48,6 +49,9 @@ class ServerConfig:
         keepalive_time: Seconds between HTTP/2 pings to each client; a peer that does not
             answer within ``keepalive_timeout`` is dropped and its sessions closed.
         keepalive_timeout: Seconds to wait for a ping's answer.
+        step_timeout: Seconds an env's reset, step or state may take before the client gets
+            DEADLINE_EXCEEDED and the env is replaced; 0 uses the env's own
+            ``step_timeout`` (none by default). Inline envs cannot be interrupted.
     """
 
     host: str = "127.0.0.1"
@@ -60,11 +64,12 @@ class ServerConfig:
     retry_pushback_ms: int = 500
     keepalive_time: float = 30.0
     keepalive_timeout: float = 10.0
+    step_timeout: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
-        for name in ("idle_timeout", "grace_period", "retry_pushback_ms"):
+        for name in ("idle_timeout", "grace_period", "retry_pushback_ms", "step_timeout"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("max_message_bytes", "env_threads", "keepalive_time", "keepalive_timeout"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import logging
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -27,6 +28,7 @@ __all__ = ["EpisodeDriver"]
 log = logging.getLogger(__name__)
 
 _INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+_DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
 _FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION.value[0]
 _INTERNAL = grpc.StatusCode.INTERNAL.value[0]
 
@@ -58,13 +60,30 @@ class _RequestError(Exception):
 
 
 class EpisodeDriver:
-    """The request handler of one session, bound to one environment instance."""
+    """The request handler of one session, bound to one environment instance at a time.
 
-    __slots__ = ("_phase", "_runner", "_spec", "closed", "episode_id", "step_count")
+    An env call that exceeds ``call_timeout`` is answered with DEADLINE_EXCEEDED; the
+    env is then abandoned (closed once its hung call returns) and replaced with a fresh
+    instance, so the session lives on and the client must reset.
+    """
 
-    def __init__(self, spec: EnvSpec, runner: EnvRunner) -> None:
+    __slots__ = (
+        "_make_runner", "_phase", "_spec", "_timeout", "closed", "episode_id", "runner",
+        "step_count",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        spec: EnvSpec,
+        runner: EnvRunner,
+        make_runner: Callable[[], Awaitable[EnvRunner]],
+        call_timeout: float | None,
+    ) -> None:
         self._spec = spec
-        self._runner = runner
+        #: The env instance in use now; the session closes this one when it ends.
+        self.runner = runner
+        self._make_runner = make_runner
+        self._timeout = call_timeout
         self._phase = _Phase.NO_EPISODE
         self.episode_id = ""
         self.step_count = 0
@@ -102,7 +121,7 @@ class EpisodeDriver:
             raise _RequestError(_FAILED_PRECONDITION, _NEEDS_RESET[self._phase])
         spec = self._spec
         action = _decode(command.action, spec.types.action, spec.action_url, "action")
-        transition = await self._call_env("step", self._runner.env.step, action)
+        transition = await self._call_env("step", self.runner.env.step, action)
         self.step_count += 1
         self._record(transition, result)
 
@@ -119,14 +138,14 @@ class EpisodeDriver:
         episode_id = command.episode_id if command.HasField("episode_id") else uuid.uuid4().hex
         seed = command.seed if command.HasField("seed") else None
         transition = await self._call_env(
-            "reset", self._runner.env.reset, seed=seed, episode_id=episode_id, options=options
+            "reset", self.runner.env.reset, seed=seed, episode_id=episode_id, options=options
         )
         self.episode_id = episode_id
         self.step_count = 0
         self._record(transition, result)
 
     async def _state(self, result: pb.StateResult) -> None:
-        state = await self._call_env("state", self._runner.env.state, keep_phase=True)
+        state = await self._call_env("state", self.runner.env.state, keep_phase=True)
         if not isinstance(state, self._spec.types.state):
             raise _RequestError(_INTERNAL, _wrong_type("state", state, self._spec.types.state))
         result.state.type_url = self._spec.state_url
@@ -137,7 +156,7 @@ class EpisodeDriver:
     async def _close(self) -> None:
         self.closed = True
         try:
-            await self._runner.close()
+            await self.runner.close()
         except Exception as exc:
             log.exception("environment close() raised")
             raise _RequestError(
@@ -149,7 +168,14 @@ class EpisodeDriver:
     ) -> Any:
         """Call into the env, mapping its exceptions to in-band errors."""
         try:
-            return await self._runner.call(method, *args, **kwargs)
+            return await self.runner.call_within(self._timeout, method, *args, **kwargs)
+        except TimeoutError:
+            await self._replace_env()
+            raise _RequestError(
+                _DEADLINE_EXCEEDED,
+                f"{what} did not finish within {self._timeout:g}s; the environment was "
+                "replaced with a fresh one: call reset",
+            ) from None
         except InvalidAction as exc:
             raise _RequestError(_INVALID_ARGUMENT, str(exc), _qualname(exc)) from None
         except Exception as exc:
@@ -158,6 +184,22 @@ class EpisodeDriver:
                 self._phase = _Phase.BROKEN
             raise _RequestError(
                 _INTERNAL, f"{what} failed: {_describe(exc)}", _qualname(exc)
+            ) from None
+
+    async def _replace_env(self) -> None:
+        self.runner.abandon()
+        self._phase = _Phase.NO_EPISODE
+        self.episode_id = ""
+        self.step_count = 0
+        try:
+            self.runner = await self._make_runner()
+        except Exception as exc:
+            log.exception("environment factory raised while replacing a hung environment")
+            self.closed = True  # nothing left to serve: the stream ends after this answer
+            raise _RequestError(
+                _INTERNAL,
+                f"the environment hung and a new one could not be created: {_describe(exc)}",
+                _qualname(exc),
             ) from None
 
     def _record(self, transition: Transition[Any], result: pb.StepResult) -> None:

@@ -67,6 +67,47 @@ class EnvRunner:
         self._inflight = future = self._pool.submit(method, *args, **kwargs)
         return await asyncio.wrap_future(future)
 
+    async def call_within(
+        self, timeout: float | None, method: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        """:meth:`call`, giving up after ``timeout`` seconds (None: wait for ever).
+
+        Inline envs run on the event loop and cannot be interrupted: no timeout applies.
+        After a timeout the instance is unusable; see :meth:`abandon`.
+
+        Raises:
+            TimeoutError: the call did not return in time (it may still be running).
+        """
+        if timeout is None or self._mode is ExecutionMode.INLINE:
+            return await self.call(method, *args, **kwargs)
+        if self._mode is ExecutionMode.ASYNC:
+            awaitable = method(*args, **kwargs)  # cancelled on timeout
+        else:
+            self._inflight = future = self._pool.submit(method, *args, **kwargs)
+            awaitable = asyncio.wrap_future(future)  # a future: wait_for makes no task for it
+        try:
+            return await asyncio.wait_for(awaitable, timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"no answer within {timeout:g}s") from None
+
+    def abandon(self) -> None:
+        """Give up on this instance after a timeout: close it once its running call ends,
+        without waiting for that here. Counts as closed."""
+        if self._closed:
+            return
+        self._closed = True
+        inflight = self._inflight
+        if self._mode is ExecutionMode.POOL and inflight is not None and not inflight.done():
+            # Runs on the pool thread that finishes the hung call.
+            inflight.add_done_callback(lambda _: _close_quietly(self.env))
+            return
+        if self._mode is ExecutionMode.ASYNC:
+            task = asyncio.get_running_loop().create_task(_aclose_quietly(self.env))
+            _background.add(task)
+            task.add_done_callback(_background.discard)
+            return
+        self._pool.submit(_close_quietly, self.env)
+
     @property
     def closed(self) -> bool:
         return self._closed
@@ -87,11 +128,25 @@ class EnvRunner:
         await self.call(self.env.close)
 
 
+#: Closes of abandoned async envs, referenced until done so they are not collected.
+_background: set[asyncio.Task[Any]] = set()
+
+
 def _close_orphan(future: concurrent.futures.Future[Any]) -> None:
     """Close an env whose session ended while its factory ran (runs on a pool thread)."""
-    if future.cancelled() or future.exception() is not None:
-        return
+    if not future.cancelled() and future.exception() is None:
+        _close_quietly(future.result())
+
+
+def _close_quietly(env: Any) -> None:
     try:
-        future.result().close()
+        env.close()
     except Exception:
-        log.exception("closing an orphaned environment raised")
+        log.exception("closing an abandoned environment raised")
+
+
+async def _aclose_quietly(env: Any) -> None:
+    try:
+        await env.close()
+    except Exception:
+        log.exception("closing an abandoned environment raised")

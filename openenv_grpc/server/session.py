@@ -70,6 +70,11 @@ class SessionManager:
         self._reaper: asyncio.Task[None] | None = None
         #: Set when a drain's grace period is over: sessions still starting end at once.
         self._ending: _EndReason | None = None
+        #: Longest an env call may take; the server's setting wins over the env's own.
+        self._call_timeout = config.step_timeout or spec.env_class.step_timeout or None
+
+    async def _new_runner(self) -> EnvRunner:
+        return await EnvRunner.create(self.spec, self._pool)
 
     async def serve(self, context: _Context) -> None:
         """Run one Session stream, given its RPC context, to its end."""
@@ -79,9 +84,10 @@ class SessionManager:
             return
         live: _LiveSession | None = None
         runner: EnvRunner | None = None
+        driver: EpisodeDriver | None = None
         try:
             try:
-                runner = await EnvRunner.create(self.spec, self._pool)
+                runner = await self._new_runner()
             except Exception as exc:
                 log.exception("environment factory raised")
                 await context.abort(
@@ -94,7 +100,8 @@ class SessionManager:
             self._live.add(live)
             if self._ending is not None:
                 live.end(self._ending)
-            await self._loop(context, EpisodeDriver(self.spec, runner), live)
+            driver = EpisodeDriver(self.spec, runner, self._new_runner, self._call_timeout)
+            await self._loop(context, driver, live)
         except asyncio.CancelledError:
             if live is None or live.end_reason is None:
                 raise  # the client went away or the server is stopping: nobody to tell
@@ -102,6 +109,8 @@ class SessionManager:
         finally:
             if live is not None:
                 self._live.discard(live)
+            if driver is not None:  # it may have replaced the env it started with
+                runner = driver.runner
             if runner is not None:
                 await self._close_env(runner)
             self.limiter.release()

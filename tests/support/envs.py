@@ -72,6 +72,8 @@ class AsyncEchoEnv(AsyncEnvironment[EchoAction, EchoObservation, EchoState, Empt
         return Transition(EchoObservation(echoed_message="async ready"))
 
     async def step(self, action: EchoAction) -> Transition[EchoObservation]:
+        if action.message.startswith("sleep:"):
+            await asyncio.sleep(float(action.message.split(":", 1)[1]))
         await asyncio.sleep(0)
         self._count += 1
         return Transition(
@@ -174,3 +176,21 @@ class UnseededEchoEnv(EchoEnvironment):
         transition = super().step(action)
         transition.observation.message_length = random.randrange(1 << 30)
         return transition
+
+
+class DeclaredTimeoutEnv(FaultyEnv):
+    """A FaultyEnv that declares its own step timeout (no server flag needed)."""
+
+    step_timeout = 0.3
+
+
+class OneShotFactoryEnv(FaultyEnv):
+    """Only the first instance per server process can be built (replacements fail)."""
+
+    built: ClassVar[int] = 0
+
+    def __init__(self) -> None:
+        if OneShotFactoryEnv.built:
+            raise RuntimeError("no second instance available")
+        OneShotFactoryEnv.built += 1
+        super().__init__()
