@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -12,6 +13,7 @@ import grpc
 from google.protobuf import json_format
 
 from openenv_grpc._version import __version__
+from openenv_grpc.client.channel import tls_credentials
 from openenv_grpc.client.info import fetch_info
 from openenv_grpc.loader import available_envs, load_factory
 from openenv_grpc.server.app import serve
@@ -31,7 +33,8 @@ def _parser() -> argparse.ArgumentParser:
         "serve",
         help="serve an environment until SIGTERM/SIGINT",
         description="Serve ENV. Each option falls back to its environment variable, then "
-        "to its default.",
+        "to its default. Token auth: set AUTH_TOKEN in the environment (never on the "
+        "command line, where other users can read it).",
     )
     run.add_argument("env", metavar="ENV", help="a packaged env (see `list`) or module:factory")
     defaults = ServerConfig()
@@ -56,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
     option("--keepalive-time", "keepalive_time", float, "seconds between keepalive pings")
     option("--keepalive-timeout", "keepalive_timeout", float, "seconds to wait for a ping's answer")
     option("--step-timeout", "step_timeout", float, "seconds an env call may take; 0 = env's own")
+    option("--tls-cert", "tls_cert", str, "PEM certificate chain: serve TLS")
+    option("--tls-key", "tls_key", str, "PEM private key for --tls-cert")
+    option("--tls-client-ca", "tls_client_ca", str, "PEM CA: require client certs (mTLS)")
     run.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
 
     info = commands.add_parser("info", help="print what a server's Info RPC returns")
@@ -64,6 +70,10 @@ def _parser() -> argparse.ArgumentParser:
     info.add_argument(
         "--descriptors", action="store_true", help="include the FileDescriptorSet (long)"
     )
+    info.add_argument("--ca", help="PEM CA file: connect with TLS, trusting this CA")
+    info.add_argument("--cert", help="PEM client certificate (mutual TLS)")
+    info.add_argument("--key", help="PEM client key (mutual TLS)")
+    info.add_argument("--token-env", default="AUTH_TOKEN", help="variable with the bearer token")
 
     commands.add_parser("list", help="list the packaged environments")
     return parser
@@ -82,7 +92,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     try:
         serve(factory, config)
-    except (TypeError, RuntimeError) as exc:
+    except (TypeError, RuntimeError, ValueError, OSError) as exc:
         print(f"openenv-grpc: {exc}", file=sys.stderr)
         return 1
     return 0
@@ -90,7 +100,12 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _info(args: argparse.Namespace) -> int:
     try:
-        info = fetch_info(args.target, timeout=args.timeout)
+        credentials = tls_credentials(args.ca, args.cert, args.key) if args.ca else None
+        token = os.environ.get(args.token_env) or None
+        info = fetch_info(args.target, timeout=args.timeout, credentials=credentials, token=token)
+    except OSError as exc:
+        print(f"openenv-grpc: {exc}", file=sys.stderr)
+        return 2
     except grpc.RpcError as exc:
         print(f"openenv-grpc: {args.target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1

@@ -56,6 +56,10 @@ def test_from_env_parses_every_variable() -> None:
         "KEEPALIVE_TIME": "4.5",
         "KEEPALIVE_TIMEOUT": "0.5",
         "STEP_TIMEOUT": "2.5",
+        "AUTH_TOKEN": "s3cret",
+        "TLS_CERT": "/certs/server.pem",
+        "TLS_KEY": "/certs/server.key",
+        "TLS_CLIENT_CA": "/certs/ca.pem",
     }
     assert set(environ) == set(ENV_VARS.values())
     config = ServerConfig.from_env(environ)
@@ -71,6 +75,10 @@ def test_from_env_parses_every_variable() -> None:
         keepalive_time=4.5,
         keepalive_timeout=0.5,
         step_timeout=2.5,
+        auth_token="s3cret",
+        tls_cert="/certs/server.pem",
+        tls_key="/certs/server.key",
+        tls_client_ca="/certs/ca.pem",
     )
     assert isinstance(config.port, int) and isinstance(config.grace_period, float)
 

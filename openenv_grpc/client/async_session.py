@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 import grpc
 from google.protobuf.message import Message
 
-from openenv_grpc.client.channel import aio_channel
+from openenv_grpc.client.channel import aio_channel, auth_metadata
 from openenv_grpc.client.errors import CapacityError, SessionLost
 from openenv_grpc.client.protocol import (
     SessionProtocol,
@@ -46,7 +46,10 @@ class AsyncSession(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
     client that checks what it sends and decodes what it gets; the untyped session
     decodes any message type imported in this process.
 
-    Calls on one session must not overlap: await each before the next.
+    ``credentials`` (see :func:`openenv_grpc.client.channel.tls_credentials`) make the
+    owned channel TLS; ``token`` is sent as ``authorization: Bearer <token>``; ``retry``
+    retries the open while the server is full. Calls on one session must not overlap:
+    await each before the next.
     """
 
     _types: ClassVar[SessionTypes] = SessionTypes()
@@ -61,15 +64,17 @@ class AsyncSession(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
         *,
         metadata: Sequence[tuple[str, str]] = (),
         retry: OpenRetry | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+        token: str | None = None,
     ) -> None:
         self._owned_channel: grpc.aio.Channel | None = None
         if isinstance(target, str):
-            self._owned_channel = aio_channel(target)
+            self._owned_channel = aio_channel(target, credentials)
             target = self._owned_channel
         if isinstance(target, grpc.aio.Channel):
             target = pb_grpc.EnvServiceStub(target)
         self._stub: pb_grpc.EnvServiceAsyncStub = target
-        self._metadata = tuple(metadata)
+        self._metadata = (*auth_metadata(token), *metadata)
         self._retry = retry
         self._protocol = SessionProtocol(self._types)
         self._call: _Call | None = None

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import grpc
 
-__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "aio_channel", "channel_options", "sync_channel"]
+__all__ = [
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "aio_channel",
+    "auth_metadata",
+    "channel_options",
+    "sync_channel",
+    "tls_credentials",
+]
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
@@ -23,11 +31,43 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
     ]
 
 
-def aio_channel(target: str, **kwargs: Any) -> grpc.aio.Channel:
-    """A plaintext asyncio channel to ``target`` ("host:port")."""
-    return grpc.aio.insecure_channel(target, options=channel_options(**kwargs))
+def aio_channel(
+    target: str, credentials: grpc.ChannelCredentials | None = None, **kwargs: Any
+) -> grpc.aio.Channel:
+    """An asyncio channel to ``target`` ("host:port"): TLS with ``credentials``, else
+    plaintext."""
+    options = channel_options(**kwargs)
+    if credentials is None:
+        return grpc.aio.insecure_channel(target, options=options)
+    return grpc.aio.secure_channel(target, credentials, options=options)
 
 
-def sync_channel(target: str, **kwargs: Any) -> grpc.Channel:
-    """A plaintext blocking channel to ``target`` ("host:port")."""
-    return grpc.insecure_channel(target, options=channel_options(**kwargs))
+def sync_channel(
+    target: str, credentials: grpc.ChannelCredentials | None = None, **kwargs: Any
+) -> grpc.Channel:
+    """A blocking channel to ``target``: TLS with ``credentials``, else plaintext."""
+    options = channel_options(**kwargs)
+    if credentials is None:
+        return grpc.insecure_channel(target, options=options)
+    return grpc.secure_channel(target, credentials, options=options)
+
+
+def tls_credentials(
+    ca: str | Path | None = None, cert: str | Path | None = None, key: str | Path | None = None
+) -> grpc.ChannelCredentials:
+    """TLS channel credentials from PEM files: ``ca`` to trust (default: system roots),
+    ``cert`` and ``key`` to present a client certificate (mutual TLS).
+
+    Raises:
+        OSError: a file cannot be read.
+    """
+    return grpc.ssl_channel_credentials(
+        root_certificates=Path(ca).read_bytes() if ca else None,
+        private_key=Path(key).read_bytes() if key else None,
+        certificate_chain=Path(cert).read_bytes() if cert else None,
+    )
+
+
+def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """Call metadata carrying ``token`` as a bearer token (empty without one)."""
+    return (("authorization", f"Bearer {token}"),) if token else ()

@@ -8,23 +8,32 @@ import grpc
 from google.protobuf import descriptor_pool, message_factory
 from google.protobuf.message import Message
 
-from openenv_grpc.client.channel import sync_channel
+from openenv_grpc.client.channel import auth_metadata, sync_channel
 from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
 
 __all__ = ["fetch_info", "message_classes"]
 
 
-def fetch_info(target: str | grpc.Channel, timeout: float = 10.0) -> pb.InfoResponse:
-    """Call Info on ``target`` ("host:port" or a blocking channel).
+def fetch_info(
+    target: str | grpc.Channel,
+    timeout: float = 10.0,
+    *,
+    credentials: grpc.ChannelCredentials | None = None,
+    token: str | None = None,
+) -> pb.InfoResponse:
+    """Call Info on ``target`` ("host:port", over TLS with ``credentials``, or a blocking
+    channel), with ``token`` as bearer token if the server wants one.
 
     Raises:
-        grpc.RpcError: the server could not be reached in ``timeout`` seconds.
+        grpc.RpcError: the server could not be reached in ``timeout`` seconds, or refused.
     """
-    channel = sync_channel(target) if isinstance(target, str) else target
+    channel = sync_channel(target, credentials) if isinstance(target, str) else target
     try:
         stub: Any = pb_grpc.EnvServiceStub(channel)
-        return stub.Info(pb.InfoRequest(), timeout=timeout, wait_for_ready=True)  # type: ignore[no-any-return]
+        return stub.Info(  # type: ignore[no-any-return]
+            pb.InfoRequest(), timeout=timeout, wait_for_ready=True, metadata=auth_metadata(token)
+        )
     finally:
         if isinstance(target, str):
             channel.close()

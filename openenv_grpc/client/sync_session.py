@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 import grpc
 from google.protobuf.message import Message
 
-from openenv_grpc.client.channel import sync_channel
+from openenv_grpc.client.channel import auth_metadata, sync_channel
 from openenv_grpc.client.errors import CapacityError, SessionLost
 from openenv_grpc.client.protocol import (
     SessionProtocol,
@@ -80,15 +80,17 @@ class Session(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
         *,
         metadata: Sequence[tuple[str, str]] = (),
         retry: OpenRetry | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+        token: str | None = None,
     ) -> None:
         self._owned_channel: grpc.Channel | None = None
         if isinstance(target, str):
-            self._owned_channel = sync_channel(target)
+            self._owned_channel = sync_channel(target, credentials)
             target = self._owned_channel
         if isinstance(target, grpc.Channel):
             target = pb_grpc.EnvServiceStub(target)
         self._stub = target
-        self._metadata = tuple(metadata)
+        self._metadata = (*auth_metadata(token), *metadata)
         self._retry = retry
         self._protocol = SessionProtocol(self._types)
         self._call: Any = None  # grpc's rendezvous: both the Call and the response iterator

@@ -18,10 +18,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from openenv_grpc.server.auth import TokenAuthInterceptor
 from openenv_grpc.server.config import ServerConfig
 from openenv_grpc.server.service import SERVICE_NAME, EnvServicer, add_env_service
 from openenv_grpc.server.session import SessionManager
 from openenv_grpc.server.spec import EnvSpec
+from openenv_grpc.server.tls import server_credentials
 
 __all__ = ["EnvServer", "serve"]
 
@@ -68,9 +70,14 @@ class EnvServer:
 
         Raises:
             RuntimeError: the address could not be bound.
+            ValueError, OSError: the TLS settings are incomplete or a file is unreadable.
         """
+        credentials = server_credentials(self.config)  # before binding: bad files fail early
+        interceptors = (
+            [TokenAuthInterceptor(self.config.auth_token)] if self.config.auth_token else []
+        )
         self._sessions = SessionManager(self.spec, self.config, self._pool)
-        server = grpc.aio.server(options=grpc_options(self.config))
+        server = grpc.aio.server(options=grpc_options(self.config), interceptors=interceptors)
         add_env_service(EnvServicer(self._sessions), server)
         self._health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -83,7 +90,10 @@ class EnvServer:
             server,
         )
         try:
-            self.port = server.add_insecure_port(self.config.address)
+            if credentials is None:
+                self.port = server.add_insecure_port(self.config.address)
+            else:
+                self.port = server.add_secure_port(self.config.address, credentials)
         except RuntimeError as exc:
             raise RuntimeError(f"cannot listen on {self.config.address}: {exc}") from exc
         await server.start()

@@ -27,6 +27,10 @@ ENV_VARS: dict[str, str] = {
     "keepalive_time": "KEEPALIVE_TIME",
     "keepalive_timeout": "KEEPALIVE_TIMEOUT",
     "step_timeout": "STEP_TIMEOUT",
+    "auth_token": "AUTH_TOKEN",
+    "tls_cert": "TLS_CERT",
+    "tls_key": "TLS_KEY",
+    "tls_client_ca": "TLS_CLIENT_CA",
 }
 
 
@@ -52,6 +56,12 @@ class ServerConfig:
         step_timeout: Seconds an env's reset, step or state may take before the client gets
             DEADLINE_EXCEEDED and the env is replaced; 0 uses the env's own
             ``step_timeout`` (none by default). Inline envs cannot be interrupted.
+        auth_token: When set, every call but health checks needs the metadata
+            ``authorization: Bearer <token>``; others get UNAUTHENTICATED.
+        tls_cert: PEM certificate chain file; with ``tls_key``, the server speaks TLS.
+        tls_key: PEM private key file.
+        tls_client_ca: PEM CA file; when set, clients must present a certificate it
+            signed (mutual TLS).
     """
 
     host: str = "127.0.0.1"
@@ -65,6 +75,10 @@ class ServerConfig:
     keepalive_time: float = 30.0
     keepalive_timeout: float = 10.0
     step_timeout: float = 0.0
+    auth_token: str = field(default="", repr=False)  # a secret: never printed
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -1,0 +1,161 @@
+"""TLS, mutual TLS and bearer-token auth against real servers.
+
+Certificates are generated here at run time (a throwaway CA, a server certificate for
+127.0.0.1, a client certificate); nothing secret is stored in the repository.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import ipaddress
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from grpc_health.v1 import health_pb2
+
+from openenv_grpc import AsyncSession, SessionRefused, fetch_info
+from openenv_grpc.client.channel import tls_credentials
+from openenv_grpc_envs.echo import EchoAction, EchoEnv
+
+TOKEN = "correct horse battery staple"
+
+
+def _issue(
+    subject: str, issuer_key: ec.EllipticCurvePrivateKey | None, issuer: x509.Name | None,
+    *, ca: bool = False, ip: str | None = None,
+) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:  # fmt: skip
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(issuer or name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
+    if ip:
+        san = x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(ip))])
+        builder = builder.add_extension(san, critical=False)
+    return key, builder.sign(issuer_key or key, hashes.SHA256())
+
+
+def _write(path: Path, key: ec.EllipticCurvePrivateKey, cert: x509.Certificate) -> None:
+    path.with_suffix(".pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    path.with_suffix(".key").write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("pki")
+    ca_key, ca = _issue("test CA", None, None, ca=True)
+    _write(root / "ca", ca_key, ca)
+    _write(root / "server", *_issue("127.0.0.1", ca_key, ca.subject, ip="127.0.0.1"))
+    _write(root / "client", *_issue("trainer", ca_key, ca.subject))
+    rogue_key, rogue = _issue("rogue CA", None, None, ca=True)
+    _write(root / "rogue-client", *_issue("intruder", rogue_key, rogue.subject))
+    return root
+
+
+def tls_server(start_server, pki: Path, *extra: str):  # type: ignore[no-untyped-def]
+    return start_server(
+        "support.envs:CountingEchoEnv",
+        "--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key"), *extra,
+    )  # fmt: skip
+
+
+def test_tls_session_round_trip(start_server, pki: Path) -> None:
+    server = tls_server(start_server, pki)
+    credentials = tls_credentials(ca=pki / "ca.pem")
+    with EchoEnv(server.target, credentials=credentials) as env:
+        env.reset()
+        assert env.step(EchoAction(message="over tls")).observation.echoed_message == "over tls"
+    assert fetch_info(server.target, credentials=credentials).env_name == "echo"
+
+
+def test_plaintext_client_cannot_talk_to_a_tls_server(start_server, pki: Path) -> None:
+    server = tls_server(start_server, pki)
+    with pytest.raises(SessionRefused) as refused:
+        EchoEnv(server.target).open()
+    assert refused.value.code is grpc.StatusCode.UNAVAILABLE
+    assert server.created() == 0
+
+
+def test_mutual_tls_requires_a_client_certificate_from_the_ca(start_server, pki: Path) -> None:
+    server = tls_server(start_server, pki, "--tls-client-ca", str(pki / "ca.pem"))
+    good = tls_credentials(pki / "ca.pem", pki / "client.pem", pki / "client.key")
+    with EchoEnv(server.target, credentials=good) as env:
+        assert env.reset().observation.echoed_message == "ready"
+    for credentials in (
+        tls_credentials(pki / "ca.pem"),  # no client certificate at all
+        tls_credentials(pki / "ca.pem", pki / "rogue-client.pem", pki / "rogue-client.key"),
+    ):
+        with pytest.raises(SessionRefused) as refused:
+            EchoEnv(server.target, credentials=credentials).open()
+        assert refused.value.code is grpc.StatusCode.UNAVAILABLE
+    assert server.created() == 1  # only the trusted client got an env
+
+
+def test_tls_setting_without_key_fails_at_start(tmp_path: Path, pki: Path) -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "openenv_grpc", "serve", "echo", "--port", "0",
+         "--tls-cert", str(pki / "server.pem")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert run.returncode == 1
+    assert "TLS needs both TLS_CERT and TLS_KEY" in run.stderr
+
+
+@pytest.fixture
+def token_server(start_server):  # type: ignore[no-untyped-def]
+    return start_server("support.envs:CountingEchoEnv", extra_env={"AUTH_TOKEN": TOKEN})
+
+
+def test_token_auth_admits_the_right_token(token_server) -> None:
+    with EchoEnv(token_server.target, token=TOKEN) as env:
+        env.reset()
+        assert env.step(EchoAction(message="hi")).observation.echoed_message == "hi"
+    assert fetch_info(token_server.target, token=TOKEN).env_name == "echo"
+
+
+@pytest.mark.parametrize("token", [None, "", "wrong", TOKEN + "x", TOKEN[:-1]])
+def test_wrong_or_missing_token_is_unauthenticated_before_any_env(token_server, token) -> None:
+    with pytest.raises(SessionRefused) as refused:
+        EchoEnv(token_server.target, token=token).open()
+    assert refused.value.code is grpc.StatusCode.UNAUTHENTICATED
+    assert refused.value.message == "missing or invalid bearer token"
+    with pytest.raises(grpc.RpcError) as info_refused:
+        fetch_info(token_server.target, token=token)
+    assert info_refused.value.code() is grpc.StatusCode.UNAUTHENTICATED
+    assert token_server.created() == 0
+    assert fetch_info(token_server.target, token=TOKEN).capacity.active_sessions == 0
+
+
+def test_health_is_exempt_from_token_auth(token_server) -> None:
+    assert token_server.health() == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_async_session_sends_the_token(token_server) -> None:
+    async def main() -> str:
+        async with AsyncSession(token_server.target, token=TOKEN) as env:
+            await env.reset()
+            return (await env.step(EchoAction(message="async"))).observation.echoed_message
+
+    assert asyncio.run(main()) == "async"
