@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -18,6 +17,7 @@ from openenv_grpc.client.info import fetch_info
 from openenv_grpc.loader import available_envs, load_factory
 from openenv_grpc.server.app import serve
 from openenv_grpc.server.config import ENV_VARS, ServerConfig
+from openenv_grpc.server.logs import configure_logging
 
 __all__ = ["main"]
 
@@ -62,7 +62,12 @@ def _parser() -> argparse.ArgumentParser:
     option("--tls-cert", "tls_cert", str, "PEM certificate chain: serve TLS")
     option("--tls-key", "tls_key", str, "PEM private key for --tls-cert")
     option("--tls-client-ca", "tls_client_ca", str, "PEM CA: require client certs (mTLS)")
-    run.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    option("--metrics-port", "metrics_port", int, "Prometheus /metrics port; -1 off, 0 free")
+    run.add_argument("--log-level", default=None, help="logging level (env LOG_LEVEL; INFO)")
+    run.add_argument(
+        "--log-format", choices=["text", "json"], default=None,
+        help="log lines as text or JSON (env LOG_FORMAT; default text)",
+    )  # fmt: skip
 
     info = commands.add_parser("info", help="print what a server's Info RPC returns")
     info.add_argument("target", metavar="TARGET", help="host:port")
@@ -80,9 +85,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    try:
+        configure_logging(
+            args.log_level or os.environ.get("LOG_LEVEL") or "INFO",
+            args.log_format or os.environ.get("LOG_FORMAT") or "text",
+        )
+    except ValueError as exc:
+        print(f"openenv-grpc: {exc}", file=sys.stderr)
+        return 2
     fields = (name for name in ENV_VARS if hasattr(args, name))
     try:
         config = ServerConfig.from_env(**{name: getattr(args, name) for name in fields})

@@ -60,6 +60,7 @@ def test_from_env_parses_every_variable() -> None:
         "TLS_CERT": "/certs/server.pem",
         "TLS_KEY": "/certs/server.key",
         "TLS_CLIENT_CA": "/certs/ca.pem",
+        "METRICS_PORT": "9100",
     }
     assert set(environ) == set(ENV_VARS.values())
     config = ServerConfig.from_env(environ)
@@ -79,6 +80,7 @@ def test_from_env_parses_every_variable() -> None:
         tls_cert="/certs/server.pem",
         tls_key="/certs/server.key",
         tls_client_ca="/certs/ca.pem",
+        metrics_port=9100,
     )
     assert isinstance(config.port, int) and isinstance(config.grace_period, float)
 

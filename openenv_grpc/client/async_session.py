@@ -16,7 +16,7 @@ from openenv_grpc.client.protocol import (
     SessionProtocol,
     SessionTypes,
     StepResult,
-    is_admitted,
+    admitted_session_id,
     lost,
     refusal,
 )
@@ -78,6 +78,8 @@ class AsyncSession(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
         self._retry = retry
         self._protocol = SessionProtocol(self._types)
         self._call: _Call | None = None
+        #: The server's id for this session (it tags the server's log lines), once open.
+        self.session_id = ""
         #: A read left running by a timed-out request; its answer is stale when it comes.
         self._pending: asyncio.Future[Any] | None = None
 
@@ -124,7 +126,9 @@ class AsyncSession(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
 
     async def _open_once(self) -> _Call:
         call = self._stub.Session(metadata=self._metadata)
-        if is_admitted(await call.initial_metadata()):
+        session_id = admitted_session_id(await call.initial_metadata())
+        if session_id is not None:
+            self.session_id = session_id
             return call
         code = await call.code()
         raise refusal(code, await call.details(), await call.trailing_metadata())

@@ -24,10 +24,17 @@ from openenv_grpc.client.errors import (
     SessionRefused,
 )
 from openenv_grpc.codec import info_from_struct, type_url
-from openenv_grpc.metadata import ADMITTED_KEY, RETRY_PUSHBACK_KEY
+from openenv_grpc.metadata import ADMITTED_KEY, RETRY_PUSHBACK_KEY, SESSION_ID_KEY
 from openenv_grpc.v1 import session_pb2 as pb
 
-__all__ = ["SessionProtocol", "SessionTypes", "StepResult", "is_admitted", "lost", "refusal"]
+__all__ = [
+    "SessionProtocol",
+    "SessionTypes",
+    "StepResult",
+    "admitted_session_id",
+    "lost",
+    "refusal",
+]
 
 ObservationT = TypeVar("ObservationT", bound=Message)
 
@@ -252,6 +259,10 @@ def _pushback(trailers: Metadata | None) -> float | None:
     return None
 
 
-def is_admitted(initial_metadata: Metadata | None) -> bool:
-    """True when the server's headers say the session was admitted and its env exists."""
-    return any(key == ADMITTED_KEY for key, _ in initial_metadata or ())
+def admitted_session_id(initial_metadata: Metadata | None) -> str | None:
+    """The session id from headers that say the session was admitted and its env exists
+    ("" if the server sent none); None when the headers do not say so."""
+    items = dict(initial_metadata or ())
+    if ADMITTED_KEY not in items:
+        return None
+    return str(items.get(SESSION_ID_KEY, ""))

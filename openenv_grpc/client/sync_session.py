@@ -22,7 +22,7 @@ from openenv_grpc.client.protocol import (
     SessionProtocol,
     SessionTypes,
     StepResult,
-    is_admitted,
+    admitted_session_id,
     lost,
     refusal,
 )
@@ -95,6 +95,8 @@ class Session(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
         self._protocol = SessionProtocol(self._types)
         self._call: Any = None  # grpc's rendezvous: both the Call and the response iterator
         self._requests: _RequestQueue | None = None
+        #: The server's id for this session (it tags the server's log lines), once open.
+        self.session_id = ""
 
     def __enter__(self) -> Self:
         self.open()
@@ -138,8 +140,9 @@ class Session(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
     def _open_once(self) -> None:
         requests = _RequestQueue()
         call = self._stub.Session(requests, metadata=self._metadata)
-        if is_admitted(call.initial_metadata()):
-            self._call, self._requests = call, requests
+        session_id = admitted_session_id(call.initial_metadata())
+        if session_id is not None:
+            self._call, self._requests, self.session_id = call, requests, session_id
             return
         requests.end()
         raise refusal(call.code(), call.details() or "", call.trailing_metadata())

@@ -20,6 +20,13 @@ from grpc_reflection.v1alpha import reflection
 
 from openenv_grpc.server.auth import TokenAuthInterceptor
 from openenv_grpc.server.config import ServerConfig
+from openenv_grpc.server.limiter import SessionLimiter
+from openenv_grpc.server.metrics import (
+    NO_METRICS,
+    Metrics,
+    PrometheusMetrics,
+    start_metrics_server,
+)
 from openenv_grpc.server.service import SERVICE_NAME, EnvServicer, add_env_service
 from openenv_grpc.server.session import SessionManager
 from openenv_grpc.server.spec import EnvSpec
@@ -58,6 +65,8 @@ class EnvServer:
         self._health: health_aio.HealthServicer | None = None
         self._sessions: SessionManager | None = None
         self.port = 0
+        #: Port of the Prometheus endpoint, once started (None: metrics off).
+        self.metrics_port: int | None = None
 
     @property
     def sessions(self) -> SessionManager:
@@ -76,7 +85,14 @@ class EnvServer:
         interceptors = (
             [TokenAuthInterceptor(self.config.auth_token)] if self.config.auth_token else []
         )
-        self._sessions = SessionManager(self.spec, self.config, self._pool)
+        limiter = SessionLimiter(self.config.capacity)
+        metrics: Metrics = NO_METRICS
+        if self.config.metrics_port >= 0:
+            prometheus = PrometheusMetrics(limiter, self.spec.name)
+            host = self.config.host.strip("[]")
+            self.metrics_port = start_metrics_server(prometheus, host, self.config.metrics_port)
+            metrics = prometheus
+        self._sessions = SessionManager(self.spec, self.config, self._pool, limiter, metrics)
         server = grpc.aio.server(options=grpc_options(self.config), interceptors=interceptors)
         add_env_service(EnvServicer(self._sessions), server)
         self._health = health_aio.HealthServicer()
@@ -130,6 +146,8 @@ async def _serve(factory: Callable[[], Any], config: ServerConfig) -> None:
     port = await server.start()
     host = config.address.rpartition(":")[0]
     # Tests and tools wait for this line; it carries the port actually bound.
+    if server.metrics_port is not None:
+        print(f"openenv-grpc: metrics on http://{host}:{server.metrics_port}/metrics", flush=True)
     print(f"openenv-grpc: serving {server.spec.name} on {host}:{port}", flush=True)
     await stop.wait()
     log.info("signal received: draining (grace %.1fs)", config.grace_period)

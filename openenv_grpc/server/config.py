@@ -31,6 +31,7 @@ ENV_VARS: dict[str, str] = {
     "tls_cert": "TLS_CERT",
     "tls_key": "TLS_KEY",
     "tls_client_ca": "TLS_CLIENT_CA",
+    "metrics_port": "METRICS_PORT",
 }
 
 
@@ -62,6 +63,8 @@ class ServerConfig:
         tls_key: PEM private key file.
         tls_client_ca: PEM CA file; when set, clients must present a certificate it
             signed (mutual TLS).
+        metrics_port: Port of the Prometheus ``/metrics`` endpoint (on ``host``); -1 turns
+            metrics off, 0 picks a free port (printed at start).
     """
 
     host: str = "127.0.0.1"
@@ -79,10 +82,13 @@ class ServerConfig:
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""
+    metrics_port: int = -1
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in -1..65535, got {self.metrics_port}")
         for name in ("idle_timeout", "grace_period", "retry_pushback_ms", "step_timeout"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -19,6 +20,7 @@ from google.protobuf.message import Message
 
 from openenv_grpc.codec import PayloadError, info_to_struct, unpack
 from openenv_grpc.environment import InvalidAction, Transition
+from openenv_grpc.server.metrics import NO_METRICS, Metrics
 from openenv_grpc.server.runner import EnvRunner
 from openenv_grpc.server.spec import EnvSpec
 from openenv_grpc.v1 import session_pb2 as pb
@@ -29,6 +31,7 @@ log = logging.getLogger(__name__)
 
 _INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 _DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+_CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 _FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION.value[0]
 _INTERNAL = grpc.StatusCode.INTERNAL.value[0]
 
@@ -68,7 +71,8 @@ class EpisodeDriver:
     """
 
     __slots__ = (
-        "_make_runner", "_phase", "_spec", "_timeout", "closed", "episode_id", "runner",
+        "_make_runner", "_metrics", "_phase", "_spec", "_timeout", "closed", "episode_id",
+        "runner",
         "step_count",
     )  # fmt: skip
 
@@ -78,7 +82,9 @@ class EpisodeDriver:
         runner: EnvRunner,
         make_runner: Callable[[], Awaitable[EnvRunner]],
         call_timeout: float | None,
+        metrics: Metrics = NO_METRICS,
     ) -> None:
+        self._metrics = metrics
         self._spec = spec
         #: The env instance in use now; the session closes this one when it ends.
         self.runner = runner
@@ -109,6 +115,7 @@ class EpisodeDriver:
                     _INVALID_ARGUMENT, "empty request: set one of reset, step, state, close"
                 )
         except _RequestError as err:
+            self._metrics.request_error(_CODE_NAMES.get(err.code, str(err.code)))
             response.ClearField("outcome")
             error = response.error
             error.code = err.code
@@ -121,7 +128,9 @@ class EpisodeDriver:
             raise _RequestError(_FAILED_PRECONDITION, _NEEDS_RESET[self._phase])
         spec = self._spec
         action = _decode(command.action, spec.types.action, spec.action_url, "action")
+        started = time.perf_counter()
         transition = await self._call_env("step", self.runner.env.step, action)
+        self._metrics.step(time.perf_counter() - started)
         self.step_count += 1
         self._record(transition, result)
 

@@ -13,15 +13,19 @@ import asyncio
 import contextlib
 import enum
 import logging
+import time
+import uuid
 from concurrent.futures import Executor
 
 import grpc
 from google.protobuf.message import DecodeError
 
-from openenv_grpc.metadata import ADMITTED_KEY, RETRY_PUSHBACK_KEY
+from openenv_grpc.metadata import ADMITTED_KEY, RETRY_PUSHBACK_KEY, SESSION_ID_KEY
 from openenv_grpc.server.config import ServerConfig
 from openenv_grpc.server.episode import EpisodeDriver
 from openenv_grpc.server.limiter import Admission, SessionLimiter
+from openenv_grpc.server.logs import SESSION_ID
+from openenv_grpc.server.metrics import NO_METRICS, Metrics
 from openenv_grpc.server.runner import EnvRunner
 from openenv_grpc.server.spec import EnvSpec
 from openenv_grpc.v1 import session_pb2 as pb
@@ -61,10 +65,18 @@ class _LiveSession:
 class SessionManager:
     """Admits, runs and ends every session of one server process."""
 
-    def __init__(self, spec: EnvSpec, config: ServerConfig, pool: Executor) -> None:
+    def __init__(
+        self,
+        spec: EnvSpec,
+        config: ServerConfig,
+        pool: Executor,
+        limiter: SessionLimiter,
+        metrics: Metrics = NO_METRICS,
+    ) -> None:
         self.spec = spec
         self.config = config
-        self.limiter = SessionLimiter(config.capacity)
+        self.limiter = limiter
+        self._metrics = metrics
         self._pool = pool
         self._live: set[_LiveSession] = set()
         self._reaper: asyncio.Task[None] | None = None
@@ -80,8 +92,13 @@ class SessionManager:
         """Run one Session stream, given its RPC context, to its end."""
         admission = self.limiter.try_acquire()
         if admission is not Admission.ADMITTED:
+            self._metrics.session_refused(admission.value)
             await self._refuse(context, admission)
             return
+        session_id = uuid.uuid4().hex[:16]
+        SESSION_ID.set(session_id)  # this task's context: every log line below carries it
+        started = time.monotonic()
+        reason = "error"  # how the session ended, for logs and metrics
         live: _LiveSession | None = None
         runner: EnvRunner | None = None
         driver: EpisodeDriver | None = None
@@ -89,22 +106,31 @@ class SessionManager:
             try:
                 runner = await self._new_runner()
             except Exception as exc:
+                reason = "factory_error"
                 log.exception("environment factory raised")
                 await context.abort(
                     grpc.StatusCode.INTERNAL,
                     f"could not create the environment: {type(exc).__name__}: {exc}",
                 )
             # Headers now tell the client it was admitted and its env exists.
-            await context.send_initial_metadata(((ADMITTED_KEY, self.spec.name),))
+            await context.send_initial_metadata(
+                ((ADMITTED_KEY, self.spec.name), (SESSION_ID_KEY, session_id))
+            )
+            log.debug("session opened")
             live = _LiveSession(asyncio.current_task())  # type: ignore[arg-type]
             self._live.add(live)
             if self._ending is not None:
                 live.end(self._ending)
-            driver = EpisodeDriver(self.spec, runner, self._new_runner, self._call_timeout)
-            await self._loop(context, driver, live)
+            driver = EpisodeDriver(
+                self.spec, runner, self._new_runner, self._call_timeout, self._metrics
+            )
+            reason = await self._loop(context, driver, live)
         except asyncio.CancelledError:
             if live is None or live.end_reason is None:
+                reason = "cancelled"
                 raise  # the client went away or the server is stopping: nobody to tell
+            reason = live.end_reason.name.lower()
+            log.info("session ended by the server: %s", reason)
             await context.abort(live.end_reason.value, self._end_message(live.end_reason))
         finally:
             if live is not None:
@@ -114,13 +140,17 @@ class SessionManager:
             if runner is not None:
                 await self._close_env(runner)
             self.limiter.release()
+            elapsed = time.monotonic() - started
+            self._metrics.session_ended(elapsed, reason)
+            log.debug("session ended (%s) after %.3fs", reason, elapsed)
 
     async def _loop(
         self,
         context: _Context,
         driver: EpisodeDriver,
         live: _LiveSession,
-    ) -> None:
+    ) -> str:
+        """Answer requests until the stream ends; returns how it ended."""
         loop = asyncio.get_running_loop()
         read, write, handle = context.read, context.write, driver.handle
         parse = pb.SessionRequest.FromString
@@ -129,7 +159,8 @@ class SessionManager:
             raw: object = await read()
             live.waiting_since = None
             if raw is grpc.aio.EOF:
-                return  # the client half-closed: a clean end
+                # The client half-closed or cancelled: gRPC shows both as the end of input.
+                return "client_ended"
             try:
                 request = parse(raw)  # type: ignore[arg-type]
             except DecodeError as exc:
@@ -140,7 +171,7 @@ class SessionManager:
                 )
             await write(await handle(request))
             if driver.closed:
-                return
+                return "closed"
 
     async def _close_env(self, runner: EnvRunner) -> None:
         """Close the env, surviving a raising ``close`` and a cancellation mid-close."""

@@ -1,0 +1,105 @@
+"""Prometheus metrics of one server process, served over HTTP on a side port.
+
+The session lifecycle and the request handler report through one :class:`Metrics`
+object; with metrics off they get :data:`NO_METRICS`, whose methods do nothing, so the
+hot path never branches on a setting. Gauges (active sessions, capacity) are read from
+the limiter when scraped, costing nothing per step.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from openenv_grpc.server.limiter import SessionLimiter
+
+__all__ = ["NO_METRICS", "Metrics", "PrometheusMetrics", "start_metrics_server"]
+
+_STEP_BUCKETS = (
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+    0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+_SESSION_BUCKETS = (0.1, 1.0, 10.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0, 24 * 3600.0)
+
+
+class Metrics(Protocol):
+    """What the server reports."""
+
+    def session_refused(self, reason: str) -> None: ...
+    def session_ended(self, seconds: float, reason: str) -> None: ...
+    def step(self, seconds: float) -> None: ...
+    def request_error(self, code: str) -> None: ...
+
+
+class _NoMetrics:
+    def session_refused(self, reason: str) -> None:
+        pass
+
+    def session_ended(self, seconds: float, reason: str) -> None:
+        pass
+
+    def step(self, seconds: float) -> None:
+        pass
+
+    def request_error(self, code: str) -> None:
+        pass
+
+
+#: The stand-in when metrics are off.
+NO_METRICS: Metrics = _NoMetrics()
+
+
+class PrometheusMetrics:
+    """Counters and histograms in their own registry (several servers can share a process)."""
+
+    def __init__(self, limiter: SessionLimiter, env_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"env": env_name}
+        active = Gauge(
+            "openenv_sessions_active", "Sessions open now.", labelnames=["env"],
+            registry=self.registry,
+        )  # fmt: skip
+        active.labels(**labels).set_function(lambda: limiter.active)
+        capacity = Gauge(
+            "openenv_sessions_capacity", "Most sessions admitted at once (0 = unlimited).",
+            labelnames=["env"], registry=self.registry,
+        )  # fmt: skip
+        capacity.labels(**labels).set_function(lambda: limiter.capacity)
+        self._refused = Counter(
+            "openenv_sessions_refused", "Session opens refused, by reason.",
+            labelnames=["env", "reason"], registry=self.registry,
+        )  # fmt: skip
+        self._ended = Histogram(
+            "openenv_session_duration_seconds", "How long sessions lived, by how they ended.",
+            labelnames=["env", "reason"], buckets=_SESSION_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self._errors = Counter(
+            "openenv_request_errors", "In-band request errors, by gRPC code.",
+            labelnames=["env", "code"], registry=self.registry,
+        )  # fmt: skip
+        steps = Histogram(
+            "openenv_step_seconds", "Time an env step took (the env call only).",
+            labelnames=["env"], buckets=_STEP_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        # Bound once: labels() is a dict lookup under a lock, too slow for every step.
+        self._steps = steps.labels(**labels)
+        self._env = env_name
+
+    def session_refused(self, reason: str) -> None:
+        self._refused.labels(self._env, reason).inc()
+
+    def session_ended(self, seconds: float, reason: str) -> None:
+        self._ended.labels(self._env, reason).observe(seconds)
+
+    def step(self, seconds: float) -> None:
+        self._steps.observe(seconds)
+
+    def request_error(self, code: str) -> None:
+        self._errors.labels(self._env, code).inc()
+
+
+def start_metrics_server(metrics: PrometheusMetrics, host: str, port: int) -> int:
+    """Serve ``/metrics`` on ``host:port`` (0 picks a free port); returns the port."""
+    server, _thread = start_http_server(port, addr=host, registry=metrics.registry)
+    return int(server.server_port)

@@ -1,0 +1,92 @@
+"""Prometheus metrics move as sessions run; log lines carry the session id."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from openenv_grpc import CapacityError, EnvError, Session
+from openenv_grpc_envs.echo import EchoAction, EchoEnv
+
+_METRICS_LINE = re.compile(r"metrics on (http://\S+/metrics)")
+
+
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample as {(name, sorted labels without env): value}."""
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "env"))
+            samples[(sample.name, labels)] = sample.value
+    return samples
+
+
+def metrics_url(server) -> str:  # type: ignore[no-untyped-def]
+    for line in server.stdout_lines:
+        match = _METRICS_LINE.search(line)
+        if match:
+            return match.group(1)
+    raise AssertionError(f"no metrics line in {server.stdout_lines}")
+
+
+def test_metrics_count_sessions_steps_errors_and_refusals(start_server) -> None:
+    server = start_server(
+        "support.envs:CountingEchoEnv", "--metrics-port", "0", "--max-concurrent-envs", "2"
+    )
+    url = metrics_url(server)
+    before = scrape(url)
+    assert before[("openenv_sessions_active", ())] == 0
+    assert before[("openenv_sessions_capacity", ())] == 2
+    with EchoEnv(server.target) as first, EchoEnv(server.target) as second:
+        assert scrape(url)[("openenv_sessions_active", ())] == 2
+        with pytest.raises(CapacityError):
+            EchoEnv(server.target).open()
+        with pytest.raises(EnvError):
+            first.step(EchoAction(message="before reset"))
+        for env in (first, second):
+            env.reset()
+            for i in range(5):
+                env.step(EchoAction(message=str(i)))
+    second_env = EchoEnv(server.target)
+    second_env.open()
+    second_env.abort()
+    server.wait_until(lambda: server.active() == 0, what="sessions released")
+    after = scrape(url)
+    assert after[("openenv_sessions_active", ())] == 0
+    assert after[("openenv_step_seconds_count", ())] == 10
+    assert after[("openenv_request_errors_total", (("code", "FAILED_PRECONDITION"),))] == 1
+    assert after[("openenv_sessions_refused_total", (("reason", "full"),))] == 1
+    assert after[("openenv_session_duration_seconds_count", (("reason", "closed"),))] == 2
+    # A cancel reaches the server as the end of the client's input, like a half-close.
+    assert after[("openenv_session_duration_seconds_count", (("reason", "client_ended"),))] == 1
+
+
+def test_metrics_are_off_by_default(server) -> None:
+    assert not any("metrics on" in line for line in server.stdout_lines)
+
+
+def test_json_log_lines_carry_the_session_id(start_server) -> None:
+    server = start_server("support.envs:FaultyEnv", "--log-format", "json", "--log-level", "DEBUG")
+    with Session(server.target) as env:
+        env.reset()
+        with pytest.raises(EnvError) as failed:
+            env.step(EchoAction(message="raise"))
+        assert failed.value.code is grpc.StatusCode.INTERNAL
+        session_id = env.session_id
+    assert re.fullmatch(r"[0-9a-f]{16}", session_id)
+    server.wait_until(lambda: "session ended" in server.stderr(), what="session end logged")
+    lines = [json.loads(line) for line in server.stderr().splitlines() if line.startswith("{")]
+    mine = [line for line in lines if line["session"] == session_id]
+    messages = [line["message"] for line in mine]
+    assert "session opened" in messages
+    assert any(m.startswith("session ended (closed) after ") for m in messages)
+    failure = next(line for line in mine if line["message"] == "environment step() raised")
+    assert failure["level"] == "ERROR" and "RuntimeError: boom in step" in failure["exception"]
+    assert all(line["session"] == "-" for line in lines if line not in mine)
