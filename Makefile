@@ -36,6 +36,10 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	@# envs/ imports as openenv_grpc_envs only through the editable install's import hook,
+	@# which mypy cannot follow: a symlink gives it the package under its import name.
+	mkdir -p build/mypy && ln -sfn "$(CURDIR)/envs" build/mypy/openenv_grpc_envs
+	MYPYPATH=build/mypy $(VENV)/bin/mypy --strict --exclude '_pb2' --exclude '/tests/' -p openenv_grpc_envs
 	$(BUF) lint
 
 ## proto: regenerate Python messages, stubs and type stubs from proto/
