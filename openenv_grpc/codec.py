@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
-from google.protobuf import any_pb2, descriptor_pb2, json_format, struct_pb2
+from google.protobuf import any_pb2, descriptor_pb2, struct_pb2
 from google.protobuf.message import DecodeError, Message
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "pack_into",
     "type_url",
     "unpack",
+    "value_to_python",
 ]
 
 TYPE_URL_PREFIX = "type.googleapis.com/"
@@ -87,8 +88,25 @@ def _jsonable(value: Any) -> Any:
 
 
 def info_from_struct(struct: struct_pb2.Struct) -> dict[str, Any]:
-    """The info map of a result as plain Python values."""
-    return json_format.MessageToDict(struct) if struct.fields else {}
+    """The info map of a result as plain Python values (NaN and infinities included,
+    which JSON-based conversion would refuse)."""
+    return {key: value_to_python(value) for key, value in struct.fields.items()}
+
+
+def value_to_python(value: struct_pb2.Value) -> Any:
+    """A ``google.protobuf.Value`` as None, bool, float, str, list or dict."""
+    kind = value.WhichOneof("kind")
+    if kind == "number_value":
+        return value.number_value
+    if kind == "string_value":
+        return value.string_value
+    if kind == "bool_value":
+        return value.bool_value
+    if kind == "struct_value":
+        return info_from_struct(value.struct_value)
+    if kind == "list_value":
+        return [value_to_python(item) for item in value.list_value.values]
+    return None
 
 
 def file_descriptor_set(*message_classes: type[Message]) -> descriptor_pb2.FileDescriptorSet:

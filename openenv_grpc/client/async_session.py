@@ -219,17 +219,21 @@ class AsyncSession(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
             raise RuntimeError("session is not open: use `async with` or await open()")
         try:
             await call.write(request)
-            while True:
-                response = await self._read(call, timeout)
-                if response is grpc.aio.EOF:
-                    break
-                if not self._protocol.is_stale(response, request):
-                    return response
-            error = lost(await call.code(), await call.details())
         except grpc.aio.AioRpcError as exc:
-            error = lost(exc.code(), exc.details())
+            error = _write_failure(exc)
         except asyncio.InvalidStateError:  # written after the stream finished cleanly
             error = lost(await call.code(), await call.details())
+        else:
+            try:
+                while True:
+                    response = await self._read(call, timeout)
+                    if response is grpc.aio.EOF:
+                        break
+                    if not self._protocol.is_stale(response, request):
+                        return response
+                error = lost(await call.code(), await call.details())
+            except grpc.aio.AioRpcError as exc:
+                error = lost(exc.code(), exc.details())
         # The stream is over: forget it and release the channel we own.
         self._call = None
         await self._close_channel()
@@ -250,3 +254,16 @@ class AsyncSession(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
             raise
         self._pending = None
         return response
+
+
+def _write_failure(exc: grpc.aio.AioRpcError) -> SessionLost:
+    """A failed write means the server had already ended the stream. grpc.aio then
+    replaces the server's status with its own INTERNAL ("Internal error from Core"), so
+    the server's reason (e.g. draining) is lost; report what is known."""
+    if exc.code() is grpc.StatusCode.INTERNAL:
+        return lost(
+            grpc.StatusCode.UNAVAILABLE,
+            "the server ended the session before the request was sent (it may be draining "
+            f"or have closed the session; gRPC: {exc.details()})",
+        )
+    return lost(exc.code(), exc.details())

@@ -62,6 +62,20 @@ class _LiveSession:
             self.task.cancel()
 
 
+class _Held:
+    """What an admitted session holds until :meth:`SessionManager._release`."""
+
+    __slots__ = ("driver", "live", "reason", "released", "runner", "started")
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.reason = "error"  # how the session ended, for logs and metrics
+        self.runner: EnvRunner | None = None
+        self.driver: EpisodeDriver | None = None
+        self.live: _LiveSession | None = None
+        self.released = False
+
+
 class SessionManager:
     """Admits, runs and ends every session of one server process."""
 
@@ -97,16 +111,12 @@ class SessionManager:
             return
         session_id = uuid.uuid4().hex[:16]
         SESSION_ID.set(session_id)  # this task's context: every log line below carries it
-        started = time.monotonic()
-        reason = "error"  # how the session ended, for logs and metrics
-        live: _LiveSession | None = None
-        runner: EnvRunner | None = None
-        driver: EpisodeDriver | None = None
+        held = _Held()
         try:
             try:
-                runner = await self._new_runner()
+                held.runner = await self._new_runner()
             except Exception as exc:
-                reason = "factory_error"
+                held.reason = "factory_error"
                 log.exception("environment factory raised")
                 await context.abort(
                     grpc.StatusCode.INTERNAL,
@@ -117,32 +127,43 @@ class SessionManager:
                 ((ADMITTED_KEY, self.spec.name), (SESSION_ID_KEY, session_id))
             )
             log.debug("session opened")
-            live = _LiveSession(asyncio.current_task())  # type: ignore[arg-type]
+            held.live = live = _LiveSession(asyncio.current_task())  # type: ignore[arg-type]
             self._live.add(live)
             if self._ending is not None:
                 live.end(self._ending)
-            driver = EpisodeDriver(
-                self.spec, runner, self._new_runner, self._call_timeout, self._metrics
+            held.driver = driver = EpisodeDriver(
+                self.spec, held.runner, self._new_runner, self._call_timeout, self._metrics
             )
-            reason = await self._loop(context, driver, live)
+            held.reason = await self._loop(context, driver, live)
         except asyncio.CancelledError:
-            if live is None or live.end_reason is None:
-                reason = "cancelled"
+            end_reason = held.live.end_reason if held.live is not None else None
+            if end_reason is None:
+                held.reason = "cancelled"
                 raise  # the client went away or the server is stopping: nobody to tell
-            reason = live.end_reason.name.lower()
-            log.info("session ended by the server: %s", reason)
-            await context.abort(live.end_reason.value, self._end_message(live.end_reason))
+            held.reason = end_reason.name.lower()
+            log.info("session ended by the server: %s", held.reason)
+            # Free the env and the slot first: the status may wait for ever behind answers
+            # a client that stopped reading never takes.
+            await self._release(held)
+            await context.abort(end_reason.value, self._end_message(end_reason))
         finally:
-            if live is not None:
-                self._live.discard(live)
-            if driver is not None:  # it may have replaced the env it started with
-                runner = driver.runner
-            if runner is not None:
-                await self._close_env(runner)
-            self.limiter.release()
-            elapsed = time.monotonic() - started
-            self._metrics.session_ended(elapsed, reason)
-            log.debug("session ended (%s) after %.3fs", reason, elapsed)
+            await self._release(held)
+
+    async def _release(self, held: _Held) -> None:
+        """Close the session's env and free its slot, once."""
+        if held.released:
+            return
+        held.released = True
+        if held.live is not None:
+            self._live.discard(held.live)
+        # The driver may have replaced the env the session started with.
+        runner = held.driver.runner if held.driver is not None else held.runner
+        if runner is not None:
+            await self._close_env(runner)
+        self.limiter.release()
+        elapsed = time.monotonic() - held.started
+        self._metrics.session_ended(elapsed, held.reason)
+        log.debug("session ended (%s) after %.3fs", held.reason, elapsed)
 
     async def _loop(
         self,
@@ -154,8 +175,10 @@ class SessionManager:
         loop = asyncio.get_running_loop()
         read, write, handle = context.read, context.write, driver.handle
         parse = pb.SessionRequest.FromString
+        live.waiting_since = loop.time()
         while True:
-            live.waiting_since = loop.time()
+            # Idle = waiting on the client: for its next request, or for it to take our
+            # last answer (a client that stops reading blocks write() on flow control).
             raw: object = await read()
             live.waiting_since = None
             if raw is grpc.aio.EOF:
@@ -169,7 +192,9 @@ class SessionManager:
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"request is not a valid {pb.SessionRequest.DESCRIPTOR.full_name}: {exc}",
                 )
-            await write(await handle(request))
+            response = await handle(request)
+            live.waiting_since = loop.time()
+            await write(response)
             if driver.closed:
                 return "closed"
 

@@ -25,15 +25,16 @@ against that schema: an unknown tool or a bad argument raises :class:`InvalidAct
 from __future__ import annotations
 
 import inspect
+import math
 import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from google.protobuf import json_format, struct_pb2
+from google.protobuf import struct_pb2
 
-from openenv_grpc.codec import info_to_struct
+from openenv_grpc.codec import info_from_struct, info_to_struct
 from openenv_grpc.environment import InvalidAction
 from openenv_grpc.tools.v1.tools_pb2 import Tool, ToolCall, ToolList, ToolResult
 
@@ -105,7 +106,7 @@ class Toolbox:
         if entry is None:
             known = ", ".join(self._entries) or "none"
             raise InvalidAction(f"no tool named {call.name!r} (tools: {known})")
-        arguments = json_format.MessageToDict(call.arguments) if call.HasField("arguments") else {}
+        arguments = info_from_struct(call.arguments)
         _check_arguments(call.name, entry.schema, arguments)
         result = ToolResult(call_id=call.call_id, name=call.name)
         try:
@@ -173,6 +174,8 @@ def _coerce(tool_name: str, key: str, schema: dict[str, Any], value: Any) -> Any
     become ints where the schema says integer."""
     kind = schema["type"]
     ok: bool
+    if kind in ("integer", "number") and isinstance(value, float) and not math.isfinite(value):
+        raise InvalidAction(f"tool {tool_name!r}: argument {key!r} must be finite, got {value}")
     if kind == "integer":
         if isinstance(value, float) and value.is_integer():
             value = int(value)
