@@ -1,0 +1,336 @@
+"""The coding environment: each step runs a Python program in a sandbox and tests it.
+
+An episode owns one :class:`~openenv_grpc_envs.coding.sandbox.Sandbox` (a working
+directory that persists across its steps, and a uid of its own when the server is root).
+A step runs the action's code once on the action's stdin, runs the assertion tests after
+it in the same process, then runs the code once more per stdin/stdout test. The reward
+is the fraction of tests that passed; a step whose tests all pass terminates the episode
+unless the reset options say to go on.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Sequence
+
+from openenv_grpc import Environment, InvalidAction, Transition
+from openenv_grpc_envs.coding.sandbox import Limits, RunResult, Sandbox, host_support
+from openenv_grpc_envs.coding.v1.coding_pb2 import (
+    CodingAction,
+    CodingIoCase,
+    CodingLimits,
+    CodingObservation,
+    CodingResetOptions,
+    CodingState,
+    CodingTestResult,
+    Limit,
+)
+
+__all__ = ["CAPS", "DEFAULTS", "CodingEnvironment", "resolve_limits"]
+
+#: Limits used for every field a client leaves at 0.
+DEFAULTS = Limits(
+    cpu_seconds=5,
+    wall_ms=10_000,
+    memory_mb=512,
+    output_bytes=64 * 1024,
+    processes=32,
+    file_size_mb=16,
+)
+#: Hard caps: a client asking for more gets INVALID_ARGUMENT.
+CAPS = Limits(
+    cpu_seconds=60,
+    wall_ms=120_000,
+    memory_mb=4096,
+    output_bytes=4 * 1024 * 1024,
+    processes=256,
+    file_size_mb=1024,
+)
+#: Smallest memory limit: the interpreter alone needs a few tens of MiB.
+MIN_MEMORY_MB = 64
+#: Smallest process cap: the interpreter itself is one task.
+MIN_PROCESSES = 2
+
+#: Size caps of an action, checked before anything runs.
+MAX_CODE_BYTES = 1024 * 1024
+MAX_STDIN_BYTES = 4 * 1024 * 1024
+MAX_TESTS = 32
+MAX_TEST_BYTES = 1024 * 1024
+MAX_FILES = 100
+MAX_FILES_BYTES = 8 * 1024 * 1024
+#: How a failed test's message names the limit its run hit.
+LIMIT_WORDS = {
+    Limit.LIMIT_CPU_TIME: "CPU time limit",
+    Limit.LIMIT_WALL_TIME: "wall time limit",
+    Limit.LIMIT_MEMORY: "memory limit",
+    Limit.LIMIT_OUTPUT: "output limit",
+    Limit.LIMIT_PROCESSES: "process limit",
+    Limit.LIMIT_FILE_SIZE: "file size limit",
+}
+#: Longest excerpt of an output quoted in a failed test's message.
+EXCERPT_CHARS = 80
+
+
+def resolve_limits(requested: CodingLimits | None) -> Limits:
+    """Fill in the defaults and enforce the caps.
+
+    Raises:
+        InvalidAction: a field exceeds its cap or is below its floor.
+    """
+    values = {}
+    for name in Limits.__slots__:
+        asked = getattr(requested, name) if requested is not None else 0
+        cap = getattr(CAPS, name)
+        if asked > cap:
+            raise InvalidAction(f"limits.{name} is {asked}; the cap is {cap}")
+        values[name] = asked or getattr(DEFAULTS, name)
+    if values["memory_mb"] < MIN_MEMORY_MB:
+        raise InvalidAction(
+            f"limits.memory_mb is {values['memory_mb']}; the minimum is {MIN_MEMORY_MB}"
+        )
+    if values["processes"] < MIN_PROCESSES:
+        raise InvalidAction(
+            f"limits.processes is {values['processes']}; the minimum is {MIN_PROCESSES}"
+        )
+    return Limits(**values)
+
+
+def _check_action(action: CodingAction) -> None:
+    """Refuse an action that is too big or malformed, before anything changes."""
+    code_bytes = len(action.code.encode())
+    if code_bytes > MAX_CODE_BYTES:
+        raise InvalidAction(f"code has {code_bytes} bytes; the limit is {MAX_CODE_BYTES}")
+    stdin_bytes = len(action.stdin.encode())
+    if stdin_bytes > MAX_STDIN_BYTES:
+        raise InvalidAction(f"stdin has {stdin_bytes} bytes; the limit is {MAX_STDIN_BYTES}")
+    if len(action.tests) > MAX_TESTS:
+        raise InvalidAction(f"{len(action.tests)} tests; the limit is {MAX_TESTS}")
+    for index, test in enumerate(action.tests):
+        kind = test.WhichOneof("kind")
+        if kind is None:
+            raise InvalidAction(f"tests[{index}] sets neither assertion nor io")
+        size = (
+            len(test.assertion.encode())
+            if kind == "assertion"
+            else len(test.io.stdin.encode()) + len(test.io.expected_stdout.encode())
+        )
+        if size > MAX_TEST_BYTES:
+            raise InvalidAction(f"tests[{index}] has {size} bytes; the limit is {MAX_TEST_BYTES}")
+    if len(action.files) > MAX_FILES:
+        raise InvalidAction(f"{len(action.files)} files; the limit is {MAX_FILES}")
+    total = 0
+    for path, text in action.files.items():
+        _check_path(path)
+        total += len(text.encode())
+    if total > MAX_FILES_BYTES:
+        raise InvalidAction(f"files have {total} bytes; the limit is {MAX_FILES_BYTES}")
+
+
+def _check_path(path: str) -> None:
+    """A file path must stay inside the working directory."""
+    parts = path.split("/")
+    if (
+        not path
+        or path.startswith("/")
+        or "\0" in path
+        or posixpath.normpath(path) != path
+        or any(part in ("", ".", "..") or len(part.encode()) > 255 for part in parts)
+    ):
+        raise InvalidAction(
+            f"file path {path!r} is not a plain relative path (no '..', '.', '//' or leading '/')"
+        )
+
+
+class CodingEnvironment(
+    Environment[CodingAction, CodingObservation, CodingState, CodingResetOptions]
+):
+    """Runs Python code in a sandboxed child process; rewards the fraction of tests passed."""
+
+    name = "coding"
+    version = "1.0.0"
+    description = (
+        "Runs Python code in a sandboxed process (CPU, memory, process, output and wall "
+        "limits); reward = fraction of test cases passed."
+    )
+    runs_inline = False  # a step blocks for as long as the code runs
+
+    def __init__(self) -> None:
+        self._support = host_support()
+        self._sandbox: Sandbox | None = None
+        self._limits = DEFAULTS
+        self._max_steps = 0
+        self._terminate_on_pass = True
+        self._allow_network = False
+        self._steps = 0
+        self._last_exit_code = 0
+        self._last_limit: Limit.ValueType = Limit.LIMIT_UNSPECIFIED
+
+    # -- the contract -----------------------------------------------------------------
+
+    def reset(
+        self, *, seed: int | None, episode_id: str, options: CodingResetOptions | None
+    ) -> Transition[CodingObservation]:
+        options = options if options is not None else CodingResetOptions()
+        limits = resolve_limits(options.limits if options.HasField("limits") else None)
+        # A fresh sandbox per episode: new directory, new uid, nothing left of the last.
+        sandbox = Sandbox(limits, allow_network=options.allow_network)
+        self._close_sandbox()
+        self._sandbox = sandbox
+        self._limits = limits
+        self._max_steps = options.max_steps
+        self._terminate_on_pass = not options.continue_on_pass
+        self._allow_network = options.allow_network
+        self._steps = 0
+        self._last_exit_code = 0
+        self._last_limit = Limit.LIMIT_UNSPECIFIED
+        return Transition(CodingObservation())
+
+    def step(self, action: CodingAction) -> Transition[CodingObservation]:
+        _check_action(action)
+        sandbox = self._sandbox
+        assert sandbox is not None  # the server only steps after a reset
+        assertions = [t.assertion for t in action.tests if t.WhichOneof("kind") == "assertion"]
+        tests, staging = sandbox.prepare(action.code, assertions, dict(action.files))
+        main = sandbox.run(action.stdin.encode(), tests, staging)
+        observation = _observation(main)
+        results = self._judge(sandbox, action, main)
+        observation.tests.extend(results)
+        passed = sum(r.passed for r in results)
+        observation.tests_passed = passed
+        self._steps += 1
+        self._last_exit_code = main.exit_code
+        self._last_limit = main.limit
+        total = len(results)
+        all_passed = total > 0 and passed == total
+        return Transition(
+            observation,
+            reward=passed / total if total else 0.0,
+            terminated=all_passed and self._terminate_on_pass,
+            truncated=bool(self._max_steps) and self._steps >= self._max_steps,
+        )
+
+    def state(self) -> CodingState:
+        sandbox = self._sandbox
+        files, count = sandbox.listing() if sandbox is not None else ([], 0)
+        limits = self._limits
+        return CodingState(
+            step_count=self._steps,
+            last_exit_code=self._last_exit_code,
+            last_limit=self._last_limit,
+            files=files,
+            file_count=count,
+            limits=CodingLimits(**{name: getattr(limits, name) for name in Limits.__slots__}),
+            workdir=str(sandbox.workdir) if sandbox is not None else "",
+            sandbox_uid=sandbox.uid if sandbox is not None and self._support.own_uid else 0,
+            network_isolated=(
+                sandbox.network_isolated
+                if sandbox is not None
+                else self._support.unshare is not None and not self._allow_network
+            ),
+            python_version=self._support.python_version,
+            terminate_on_pass=self._terminate_on_pass,
+            max_steps=self._max_steps,
+        )
+
+    def close(self) -> None:
+        self._close_sandbox()
+
+    # -- helpers ----------------------------------------------------------------------
+
+    def _close_sandbox(self) -> None:
+        if self._sandbox is not None:
+            self._sandbox.close()
+            self._sandbox = None
+
+    def _judge(
+        self, sandbox: Sandbox, action: CodingAction, main: RunResult
+    ) -> list[CodingTestResult]:
+        """One result per test, in the action's order."""
+        verdicts = _assertion_verdicts(main.verdicts)
+        code_ok = "code ok" in main.verdicts
+        results = []
+        assertion_index = 0
+        for index, test in enumerate(action.tests):
+            name = test.name or f"test {index}"
+            if test.WhichOneof("kind") == "assertion":
+                verdict = verdicts.get(assertion_index)
+                if verdict is None:
+                    verdict = _no_verdict(main, code_ok)
+                assertion_index += 1
+                results.append(CodingTestResult(name=name, passed=not verdict, message=verdict))
+            else:
+                run = sandbox.run(test.io.stdin.encode())
+                message = _compare(run, test.io)
+                results.append(CodingTestResult(name=name, passed=not message, message=message))
+        return results
+
+
+def _observation(run: RunResult) -> CodingObservation:
+    return CodingObservation(
+        stdout=run.stdout.decode("utf-8", "replace"),
+        stderr=run.stderr.decode("utf-8", "replace"),
+        exit_code=run.exit_code,
+        limit=run.limit,
+        wall_seconds=run.wall_seconds,
+        cpu_seconds=run.cpu_seconds,
+        stdout_truncated=run.stdout_truncated,
+        stderr_truncated=run.stderr_truncated,
+    )
+
+
+def _assertion_verdicts(lines: Sequence[str]) -> dict[int, str]:
+    """Assertion index -> "" (passed) or the failure message, from the harness's lines."""
+    verdicts: dict[int, str] = {}
+    for line in lines:
+        word, _, rest = line.partition(" ")
+        if word not in ("pass", "fail"):
+            continue
+        number, _, message = rest.partition(" ")
+        if not number.isdigit() or int(number) in verdicts:
+            continue  # malformed, or a second verdict for the same test: the first stands
+        verdicts[int(number)] = "" if word == "pass" else (message or "failed")
+    return verdicts
+
+
+def _no_verdict(run: RunResult, code_ok: bool) -> str:
+    """Why an assertion test has no verdict: the process ended before it finished."""
+    cause = _run_failure(run) or f"the process exited with code {run.exit_code}"
+    if not code_ok:
+        return f"the code did not finish ({cause}); the tests did not run"
+    return f"the test did not finish ({cause})"
+
+
+def _run_failure(run: RunResult) -> str:
+    """A short reason a run failed ("" when it exited 0 within its limits)."""
+    if run.limit in LIMIT_WORDS:
+        return f"{LIMIT_WORDS[run.limit]} hit"
+    if run.exit_code != 0:
+        last = run.stderr.decode("utf-8", "replace").strip().splitlines()
+        tail = f": {last[-1][:200]}" if last else ""
+        return f"exit code {run.exit_code}{tail}"
+    return ""
+
+
+def _normalize(text: str) -> list[str]:
+    lines = [line.rstrip() for line in text.splitlines()]
+    while lines and not lines[-1]:
+        lines.pop()
+    return lines
+
+
+def _compare(run: RunResult, case: CodingIoCase) -> str:
+    """ "" when the run produced the expected stdout cleanly, else what went wrong."""
+    failure = _run_failure(run)
+    if failure:
+        return failure
+    got = _normalize(run.stdout.decode("utf-8", "replace"))
+    want = _normalize(case.expected_stdout)
+    for number, (expected, actual) in enumerate(zip(want, got, strict=False), start=1):
+        if expected != actual:
+            return (
+                f"stdout line {number}: expected {expected[:EXCERPT_CHARS]!r}, "
+                f"got {actual[:EXCERPT_CHARS]!r}"
+            )
+    if len(got) != len(want):
+        return f"stdout has {len(got)} lines; expected {len(want)}"
+    return ""
