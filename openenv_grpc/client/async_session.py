@@ -48,8 +48,10 @@ class AsyncSession(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
 
     ``credentials`` (see :func:`openenv_grpc.client.channel.tls_credentials`) make the
     owned channel TLS; ``token`` is sent as ``authorization: Bearer <token>``; ``retry``
-    retries the open while the server is full. Calls on one session must not overlap:
-    await each before the next.
+    retries the open while the server is full. With ``reconnect``, a call made after the
+    stream was lost (SessionLost) first opens a fresh session; the call that saw the loss
+    still raises, because its episode is gone: reset to go on. Calls on one session must
+    not overlap: await each before the next.
     """
 
     _types: ClassVar[SessionTypes] = SessionTypes()
@@ -66,6 +68,7 @@ class AsyncSession(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
         retry: OpenRetry | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         token: str | None = None,
+        reconnect: bool = False,
     ) -> None:
         self._owned_channel: grpc.aio.Channel | None = None
         if isinstance(target, str):
@@ -76,6 +79,9 @@ class AsyncSession(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
         self._stub: pb_grpc.EnvServiceAsyncStub = target
         self._metadata = (*auth_metadata(token), *metadata)
         self._retry = retry
+        self._reconnect = reconnect
+        #: The stream was lost (not closed by us): with ``reconnect``, the next call reopens.
+        self._lost = False
         self._protocol = SessionProtocol(self._types)
         self._call: _Call | None = None
         #: The server's id for this session (it tags the server's log lines), once open.
@@ -117,11 +123,11 @@ class AsyncSession(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
             except CapacityError as exc:
                 bound = next(delays, None)
                 if bound is None:
-                    await self._close_channel()
+                    await self._forget_channel_unless_reconnecting()
                     raise
                 await asyncio.sleep(OpenRetry.wait(bound, exc.retry_after))
             except BaseException:
-                await self._close_channel()
+                await self._forget_channel_unless_reconnecting()
                 raise
 
     async def _open_once(self) -> _Call:
@@ -139,7 +145,9 @@ class AsyncSession(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
         Raises:
             EnvError: the environment's ``close`` raised (it is gone all the same).
         """
+        self._reconnect = self._lost = False  # closing means closed: never reopen
         if self._call is None:
+            await self._close_channel()
             return
         try:
             response = await self._roundtrip(self._protocol.close_request(), None)
@@ -153,10 +161,15 @@ class AsyncSession(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
 
     async def abort(self) -> None:
         """Cancel the stream at once; the server closes the environment on its side."""
+        self._reconnect = self._lost = False
         if self._call is not None:
             self._call.cancel()
             self._call = None
         await self._close_channel()
+
+    async def _forget_channel_unless_reconnecting(self) -> None:
+        if not self._reconnect:
+            await self._close_channel()
 
     async def _close_channel(self) -> None:
         if self._owned_channel is not None:
@@ -214,6 +227,10 @@ class AsyncSession(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
     # -- transport --------------------------------------------------------------------
 
     async def _roundtrip(self, request: pb.SessionRequest, timeout: float | None) -> Any:
+        if self._call is None and self._lost and self._reconnect:
+            # A fresh session: the lost episode is gone, so only a reset makes sense now.
+            await self.open()
+            self._lost = False
         call = self._call
         if call is None:
             raise RuntimeError("session is not open: use `async with` or await open()")
@@ -234,9 +251,10 @@ class AsyncSession(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
                 error = lost(await call.code(), await call.details())
             except grpc.aio.AioRpcError as exc:
                 error = lost(exc.code(), exc.details())
-        # The stream is over: forget it and release the channel we own.
+        # The stream is over: forget it (and the channel we own, unless reconnecting).
         self._call = None
-        await self._close_channel()
+        self._lost = True
+        await self._forget_channel_unless_reconnecting()
         raise error
 
     async def _read(self, call: _Call, timeout: float | None) -> Any:

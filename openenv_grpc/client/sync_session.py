@@ -65,7 +65,9 @@ class Session(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
     """A blocking session; see :class:`AsyncSession` for what ``target`` may be.
 
     ``target`` is a ``"host:port"`` string (the session owns a channel), a
-    ``grpc.Channel``, or an ``EnvServiceStub`` over one.
+    ``grpc.Channel``, or an ``EnvServiceStub`` over one. ``retry``, ``credentials``,
+    ``token`` and ``reconnect`` work as in :class:`AsyncSession`. Calls block without a
+    per-call timeout; use :class:`AsyncSession` for those.
     """
 
     _types: ClassVar[SessionTypes] = SessionTypes()
@@ -82,6 +84,7 @@ class Session(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
         retry: OpenRetry | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         token: str | None = None,
+        reconnect: bool = False,
     ) -> None:
         self._owned_channel: grpc.Channel | None = None
         if isinstance(target, str):
@@ -92,6 +95,9 @@ class Session(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
         self._stub = target
         self._metadata = (*auth_metadata(token), *metadata)
         self._retry = retry
+        self._reconnect = reconnect
+        #: The stream was lost (not closed by us): with ``reconnect``, the next call reopens.
+        self._lost = False
         self._protocol = SessionProtocol(self._types)
         self._call: Any = None  # grpc's rendezvous: both the Call and the response iterator
         self._requests: _RequestQueue | None = None
@@ -130,11 +136,11 @@ class Session(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
             except CapacityError as exc:
                 bound = next(delays, None)
                 if bound is None:
-                    self._close_channel()
+                    self._forget_channel_unless_reconnecting()
                     raise
                 time.sleep(OpenRetry.wait(bound, exc.retry_after))
             except BaseException:
-                self._close_channel()
+                self._forget_channel_unless_reconnecting()
                 raise
 
     def _open_once(self) -> None:
@@ -153,27 +159,35 @@ class Session(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
         Raises:
             EnvError: the environment's ``close`` raised (it is gone all the same).
         """
-        if self._call is None:
-            return
+        self._reconnect = self._lost = False  # closing means closed: never reopen
         try:
-            self._protocol.close_result(self._roundtrip(self._protocol.close_request()))
-            self._call.code()  # the server ends the stream right after its answer
+            if self._call is not None:
+                self._protocol.close_result(self._roundtrip(self._protocol.close_request()))
+                if self._call is not None:
+                    self._call.code()  # the server ends the stream right after its answer
         except SessionLost:
             pass  # already ended by the server: nothing left to close
         finally:
-            self._finish()
+            self._end_stream()
+            self._close_channel()
 
     def abort(self) -> None:
         """Cancel the stream at once; the server closes the environment on its side."""
+        self._reconnect = self._lost = False
         if self._call is not None:
             self._call.cancel()
-        self._finish()
+        self._end_stream()
+        self._close_channel()
 
-    def _finish(self) -> None:
+    def _end_stream(self) -> None:
+        """Forget the stream and release gRPC's sender thread (it waits on the queue)."""
         if self._requests is not None:
             self._requests.end()
         self._call = self._requests = None
-        self._close_channel()
+
+    def _forget_channel_unless_reconnecting(self) -> None:
+        if not self._reconnect:
+            self._close_channel()
 
     def _close_channel(self) -> None:
         if self._owned_channel is not None:
@@ -207,6 +221,10 @@ class Session(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
         )
 
     def _roundtrip(self, request: pb.SessionRequest) -> pb.SessionResponse:
+        if self._call is None and self._lost and self._reconnect:
+            # A fresh session: the lost episode is gone, so only a reset makes sense now.
+            self.open()
+            self._lost = False
         call, requests = self._call, self._requests
         if call is None or requests is None:
             raise RuntimeError("session is not open: use `with` or call open()")
@@ -218,5 +236,8 @@ class Session(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
             error = lost(call.code(), call.details())
         except grpc.RpcError as exc:
             error = lost(exc.code(), exc.details())
-        self._finish()  # the stream is over: release gRPC's sender thread and the channel
+        # The stream is over: forget it (and the channel we own, unless reconnecting).
+        self._end_stream()
+        self._lost = True
+        self._forget_channel_unless_reconnecting()
         raise error
