@@ -63,6 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     option("--tls-key", "tls_key", str, "PEM private key for --tls-cert")
     option("--tls-client-ca", "tls_client_ca", str, "PEM CA: require client certs (mTLS)")
     option("--metrics-port", "metrics_port", int, "Prometheus /metrics port; -1 off, 0 free")
+    option("--workers", "workers", int, "server processes sharing the port (SO_REUSEPORT)")
     run.add_argument("--log-level", default=None, help="logging level (env LOG_LEVEL; INFO)")
     run.add_argument(
         "--log-format", choices=["text", "json"], default=None,
@@ -101,11 +102,10 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"openenv-grpc: {exc}", file=sys.stderr)
         return 2
     try:
-        serve(factory, config)
+        return serve(factory, config)
     except (TypeError, RuntimeError, ValueError, OSError) as exc:
         print(f"openenv-grpc: {exc}", file=sys.stderr)
         return 1
-    return 0
 
 
 def _info(args: argparse.Namespace) -> int:

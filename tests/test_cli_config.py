@@ -61,6 +61,7 @@ def test_from_env_parses_every_variable() -> None:
         "TLS_KEY": "/certs/server.key",
         "TLS_CLIENT_CA": "/certs/ca.pem",
         "METRICS_PORT": "9100",
+        "WORKERS": "3",
     }
     assert set(environ) == set(ENV_VARS.values())
     config = ServerConfig.from_env(environ)
@@ -81,6 +82,7 @@ def test_from_env_parses_every_variable() -> None:
         tls_key="/certs/server.key",
         tls_client_ca="/certs/ca.pem",
         metrics_port=9100,
+        workers=3,
     )
     assert isinstance(config.port, int) and isinstance(config.grace_period, float)
 

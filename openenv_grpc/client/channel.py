@@ -9,6 +9,7 @@ import grpc
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
+    "AioChannelPool",
     "aio_channel",
     "auth_metadata",
     "channel_options",
@@ -71,3 +72,62 @@ def tls_credentials(
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     """Call metadata carrying ``token`` as a bearer token (empty without one)."""
     return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+class AioChannelPool:
+    """A few asyncio channels to one target, handed out in turn.
+
+    A server with several workers shares its port with SO_REUSEPORT, and the kernel
+    balances *connections*: sessions that all ride one channel (one connection) land on
+    one worker. Each channel of the pool keeps its own connection, so sessions opened
+    with ``pool.next()`` spread over the workers. Close the pool to close its channels.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        size: int = 4,
+        credentials: grpc.ChannelCredentials | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if size < 1:
+            raise ValueError(f"pool size must be >= 1, got {size}")
+        # A local subchannel pool per channel: otherwise gRPC shares one connection
+        # between identical channels in a process, and the pool would balance nothing.
+        self._channels = [
+            _aio_channel_with(target, credentials, ("grpc.use_local_subchannel_pool", 1), kwargs)
+            for _ in range(size)
+        ]
+        self._next = 0
+
+    @property
+    def channels(self) -> list[grpc.aio.Channel]:
+        return list(self._channels)
+
+    def next(self) -> grpc.aio.Channel:
+        """The next channel, round robin."""
+        channel = self._channels[self._next % len(self._channels)]
+        self._next += 1
+        return channel
+
+    async def close(self) -> None:
+        for channel in self._channels:
+            await channel.close()
+
+    async def __aenter__(self) -> AioChannelPool:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+
+def _aio_channel_with(
+    target: str,
+    credentials: grpc.ChannelCredentials | None,
+    extra: tuple[str, Any],
+    kwargs: dict[str, Any],
+) -> grpc.aio.Channel:
+    options = [*channel_options(**kwargs), extra]
+    if credentials is None:
+        return grpc.aio.insecure_channel(target, options=options)
+    return grpc.aio.secure_channel(target, credentials, options=options)

@@ -31,6 +31,7 @@ from openenv_grpc.server.service import SERVICE_NAME, EnvServicer, add_env_servi
 from openenv_grpc.server.session import SessionManager
 from openenv_grpc.server.spec import EnvSpec
 from openenv_grpc.server.tls import server_credentials
+from openenv_grpc.server.workers import serve_workers
 
 __all__ = ["EnvServer", "serve"]
 
@@ -49,8 +50,8 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, Any]]:
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         ("grpc.http2.max_pings_without_data", 0),
         # gRPC turns SO_REUSEPORT on by default: a second server would then silently share
-        # the port. Off, so binding a taken port fails loudly.
-        ("grpc.so_reuseport", 0),
+        # the port. Off, so binding a taken port fails loudly -- unless workers share it.
+        ("grpc.so_reuseport", 1 if config.workers > 1 else 0),
     ]
 
 
@@ -136,7 +137,16 @@ class EnvServer:
             await self._server.wait_for_termination()
 
 
-async def _serve(factory: Callable[[], Any], config: ServerConfig) -> None:
+def _announce(name: str, host: str, port: int) -> None:
+    # Tests and tools wait for this line; it carries the port actually bound.
+    print(f"openenv-grpc: serving {name} on {host}:{port}", flush=True)
+
+
+async def _serve(
+    factory: Callable[[], Any],
+    config: ServerConfig,
+    on_ready: Callable[[str, str, int], None] = _announce,
+) -> None:
     server = EnvServer(factory, config)
     # Handlers first: a SIGTERM that arrives as soon as the server is up must drain it.
     stop = asyncio.Event()
@@ -145,16 +155,33 @@ async def _serve(factory: Callable[[], Any], config: ServerConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     port = await server.start()
     host = config.address.rpartition(":")[0]
-    # Tests and tools wait for this line; it carries the port actually bound.
     if server.metrics_port is not None:
         print(f"openenv-grpc: metrics on http://{host}:{server.metrics_port}/metrics", flush=True)
-    print(f"openenv-grpc: serving {server.spec.name} on {host}:{port}", flush=True)
+    on_ready(server.spec.name, host, port)
     await stop.wait()
     log.info("signal received: draining (grace %.1fs)", config.grace_period)
     await server.drain()
     print("openenv-grpc: drained, every environment closed", flush=True)
 
 
-def serve(factory: Callable[[], Any], config: ServerConfig | None = None) -> None:
-    """Serve ``factory``'s environment until SIGTERM or SIGINT, then drain and return."""
-    asyncio.run(_serve(factory, config or ServerConfig.from_env()))
+def serve(factory: Callable[[], Any], config: ServerConfig | None = None) -> int:
+    """Serve ``factory``'s environment until SIGTERM or SIGINT, then drain; returns the
+    exit code (0: every environment closed). With ``workers > 1``, forks the workers."""
+    config = config or ServerConfig.from_env()
+    spec = EnvSpec.from_factory(factory)  # fail before forking: bad types stop it at once
+    if config.workers > 1:
+
+        def run_worker(worker: ServerConfig, on_ready: Callable[[], None]) -> None:
+            # Workers announce themselves to the parent, which announces the server.
+            asyncio.run(_serve(factory, worker, lambda *_: on_ready()))
+
+        def announce(port: int) -> None:
+            host = config.address.rpartition(":")[0]
+            print(
+                f"openenv-grpc: serving {spec.name} on {host}:{port} with {config.workers} workers",
+                flush=True,
+            )
+
+        return serve_workers(run_worker, config, announce)
+    asyncio.run(_serve(factory, config))
+    return 0

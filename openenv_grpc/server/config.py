@@ -32,6 +32,7 @@ ENV_VARS: dict[str, str] = {
     "tls_key": "TLS_KEY",
     "tls_client_ca": "TLS_CLIENT_CA",
     "metrics_port": "METRICS_PORT",
+    "workers": "WORKERS",
 }
 
 
@@ -64,7 +65,11 @@ class ServerConfig:
         tls_client_ca: PEM CA file; when set, clients must present a certificate it
             signed (mutual TLS).
         metrics_port: Port of the Prometheus ``/metrics`` endpoint (on ``host``); -1 turns
-            metrics off, 0 picks a free port (printed at start).
+            metrics off, 0 picks a free port (printed at start). With workers, worker i
+            serves on ``metrics_port + i``.
+        workers: Server processes sharing the port (SO_REUSEPORT); the kernel balances
+            connections, not streams, so clients open several channels to use them all.
+            ``max_concurrent_envs`` is split evenly among them.
     """
 
     host: str = "127.0.0.1"
@@ -83,6 +88,7 @@ class ServerConfig:
     tls_key: str = ""
     tls_client_ca: str = ""
     metrics_port: int = -1
+    workers: int = 1
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -92,7 +98,9 @@ class ServerConfig:
         for name in ("idle_timeout", "grace_period", "retry_pushback_ms", "step_timeout"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("max_message_bytes", "env_threads", "keepalive_time", "keepalive_timeout"):
+        for name in (
+            "max_message_bytes", "env_threads", "keepalive_time", "keepalive_timeout", "workers"
+        ):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 

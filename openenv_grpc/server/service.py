@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 
 import grpc
@@ -35,7 +36,9 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
             descriptors=spec.descriptors,
             server_version=__version__,
             protocol=PROTOCOL,
+            server_pid=os.getpid(),
         )
+        self._workers = sessions.config.workers
 
     async def Session(  # type: ignore[override]
         self,
@@ -56,6 +59,7 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
         response.capacity.max_sessions = limiter.capacity
         response.capacity.active_sessions = limiter.active
         response.capacity.draining = limiter.draining
+        response.capacity.workers = self._workers
         return response
 
 

@@ -383,6 +383,7 @@ class InfoResponse(_message.Message):
     CAPACITY_FIELD_NUMBER: _builtins.int
     SERVER_VERSION_FIELD_NUMBER: _builtins.int
     PROTOCOL_FIELD_NUMBER: _builtins.int
+    SERVER_PID_FIELD_NUMBER: _builtins.int
     env_name: _builtins.str
     """The environment's name, e.g. "echo"."""
     env_version: _builtins.str
@@ -401,6 +402,8 @@ class InfoResponse(_message.Message):
     """The openenv-grpc version of the server."""
     protocol: _builtins.str
     """The core protocol package, e.g. "openenv_grpc.v1"."""
+    server_pid: _builtins.int
+    """Process id of the server process that answered (one of several with workers)."""
     @_builtins.property
     def descriptors(self) -> _descriptor_pb2.FileDescriptorSet:
         """The .proto files (with dependencies) that define the four types above."""
@@ -423,10 +426,11 @@ class InfoResponse(_message.Message):
         capacity: Global___Capacity | None = ...,
         server_version: _builtins.str = ...,
         protocol: _builtins.str = ...,
+        server_pid: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "descriptors", b"descriptors"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action_type", b"action_type", "capacity", b"capacity", "descriptors", b"descriptors", "env_description", b"env_description", "env_name", b"env_name", "env_version", b"env_version", "observation_type", b"observation_type", "protocol", b"protocol", "reset_options_type", b"reset_options_type", "server_version", b"server_version", "state_type", b"state_type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action_type", b"action_type", "capacity", b"capacity", "descriptors", b"descriptors", "env_description", b"env_description", "env_name", b"env_name", "env_version", b"env_version", "observation_type", b"observation_type", "protocol", b"protocol", "reset_options_type", b"reset_options_type", "server_pid", b"server_pid", "server_version", b"server_version", "state_type", b"state_type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -434,29 +438,35 @@ Global___InfoResponse: _TypeAlias = InfoResponse  # noqa: Y015
 
 @_typing.final
 class Capacity(_message.Message):
-    """Capacity reports the session limiter's state."""
+    """Capacity reports the session limiter's state, for the process that answered."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     MAX_SESSIONS_FIELD_NUMBER: _builtins.int
     ACTIVE_SESSIONS_FIELD_NUMBER: _builtins.int
     DRAINING_FIELD_NUMBER: _builtins.int
+    WORKERS_FIELD_NUMBER: _builtins.int
     max_sessions: _builtins.int
-    """Most sessions this server process admits at once; 0 means unlimited."""
+    """Most sessions this server process admits at once; 0 means unlimited. With several
+    workers, the server's MAX_CONCURRENT_ENVS is split evenly among them.
+    """
     active_sessions: _builtins.int
-    """Sessions open now."""
+    """Sessions open now in this process."""
     draining: _builtins.bool
     """The server is draining and admits no new sessions."""
+    workers: _builtins.int
+    """Server processes (workers) sharing this address; 1 without workers."""
     def __init__(
         self,
         *,
         max_sessions: _builtins.int = ...,
         active_sessions: _builtins.int = ...,
         draining: _builtins.bool = ...,
+        workers: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_sessions", b"active_sessions", "draining", b"draining", "max_sessions", b"max_sessions"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_sessions", b"active_sessions", "draining", b"draining", "max_sessions", b"max_sessions", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

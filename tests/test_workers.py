@@ -1,0 +1,86 @@
+"""WORKERS=N: processes sharing one port; a channel pool spreads sessions over them."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import grpc
+
+from openenv_grpc import fetch_info
+from openenv_grpc.client.channel import AioChannelPool
+from openenv_grpc.v1 import session_pb2 as pb
+from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
+from openenv_grpc_envs.echo import AsyncEchoEnv, EchoAction
+
+
+async def _worker_of(channel) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+    """(pid, active sessions) of the worker at the other end of ``channel``."""
+    info = await pb_grpc.EnvServiceStub(channel).Info(pb.InfoRequest(), timeout=5)
+    return info.server_pid, info.capacity.active_sessions
+
+
+def test_the_capacity_is_split_among_workers(start_server) -> None:
+    server = start_server(
+        "support.envs:CountingEchoEnv", "--workers", "2", "--max-concurrent-envs", "10"
+    )
+    info = fetch_info(server.target)
+    assert (info.capacity.workers, info.capacity.max_sessions) == (2, 5)
+
+
+def test_a_channel_pool_spreads_sessions_over_the_workers(start_server) -> None:
+    server = start_server("support.envs:CountingEchoEnv", "--workers", "2")
+
+    async def main() -> Counter[int]:
+        # 16 connections: all on one worker by chance is 1 in 32,768.
+        async with AioChannelPool(server.target, size=16) as pool:
+            envs = [AsyncEchoEnv(pool.next()) for _ in range(16)]
+            for env in envs:
+                await env.open()
+                await env.reset()
+            for i, env in enumerate(envs):
+                result = await env.step(EchoAction(message=f"s{i}"))
+                assert result.observation.echoed_message == f"s{i}"
+            # Each channel is its own connection: ask each which worker serves it.
+            workers = [await _worker_of(channel) for channel in pool.channels]
+            for env in envs:
+                await env.close()
+        return Counter(pid for pid, _ in workers)
+
+    pids = asyncio.run(main())
+    assert len(pids) == 2, f"sessions reached only {pids}"  # both workers got connections
+    assert sum(pids.values()) == 16
+    server.wait_until(lambda: server.closed_envs() == 16, what="every env closed")
+
+
+def test_sigterm_drains_every_worker(start_server) -> None:
+    server = start_server("support.envs:CountingEchoEnv", "--workers", "2", "--grace", "1")
+    assert server.terminate() == 0
+    drained = [line for line in server.stdout_lines if line.startswith("openenv-grpc: drained")]
+    assert len(drained) == 2
+
+
+def test_a_killed_worker_is_replaced(start_server) -> None:
+    import os
+    import signal
+
+    server = start_server("support.envs:CountingEchoEnv", "--workers", "2")
+
+    async def pids() -> set[int]:
+        async with AioChannelPool(server.target, size=8) as pool:
+            return {pid for pid, _ in [await _worker_of(c) for c in pool.channels]}
+
+    def replaced() -> bool:
+        try:
+            now = asyncio.run(pids())
+        except grpc.aio.AioRpcError:
+            return False  # a connection that reached the dying worker: ask again
+        return now != before and len(now) == 2
+
+    before = asyncio.run(pids())
+    assert len(before) == 2
+    victim = min(before)
+    os.kill(victim, signal.SIGKILL)
+    server.wait_until(replaced, timeout=20, what="a replacement worker serving")
+    assert victim not in asyncio.run(pids())
+    assert server.proc.poll() is None  # the supervisor lives on
