@@ -213,7 +213,12 @@ def test_info_prints_json_with_env_name_and_capacity(start_server) -> None:
     assert done.returncode == 0, done.stderr
     info = json.loads(done.stdout)
     assert info["env_name"] == "echo"
-    assert info["capacity"] == {"max_sessions": 3, "active_sessions": 1, "draining": False}
+    assert info["capacity"] == {
+        "max_sessions": 3,
+        "active_sessions": 1,
+        "draining": False,
+        "workers": 1,
+    }
     assert info["protocol"] == "openenv_grpc.v1"
     assert info["observation_type"] == "openenv_grpc_envs.echo.v1.EchoObservation"
     assert "descriptors" not in info
