@@ -64,6 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     option("--tls-client-ca", "tls_client_ca", str, "PEM CA: require client certs (mTLS)")
     option("--metrics-port", "metrics_port", int, "Prometheus /metrics port; -1 off, 0 free")
     option("--workers", "workers", int, "server processes sharing the port (SO_REUSEPORT)")
+    option("--isolated", "isolated", int, "run envs in this many worker processes; 0 = off")
     run.add_argument("--log-level", default=None, help="logging level (env LOG_LEVEL; INFO)")
     run.add_argument(
         "--log-format", choices=["text", "json"], default=None,

@@ -62,6 +62,7 @@ def test_from_env_parses_every_variable() -> None:
         "TLS_CLIENT_CA": "/certs/ca.pem",
         "METRICS_PORT": "9100",
         "WORKERS": "3",
+        "ISOLATED": "2",
     }
     assert set(environ) == set(ENV_VARS.values())
     config = ServerConfig.from_env(environ)
@@ -83,6 +84,7 @@ def test_from_env_parses_every_variable() -> None:
         tls_client_ca="/certs/ca.pem",
         metrics_port=9100,
         workers=3,
+        isolated=2,
     )
     assert isinstance(config.port, int) and isinstance(config.grace_period, float)
 

@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from openenv_grpc.server.auth import TokenAuthInterceptor
 from openenv_grpc.server.config import ServerConfig
+from openenv_grpc.server.isolated import IsolatedPool
 from openenv_grpc.server.limiter import SessionLimiter
 from openenv_grpc.server.metrics import (
     NO_METRICS,
@@ -65,6 +66,7 @@ class EnvServer:
         self._server: grpc.aio.Server | None = None
         self._health: health_aio.HealthServicer | None = None
         self._sessions: SessionManager | None = None
+        self._isolated: IsolatedPool | None = None
         self.port = 0
         #: Port of the Prometheus endpoint, once started (None: metrics off).
         self.metrics_port: int | None = None
@@ -93,7 +95,13 @@ class EnvServer:
             host = self.config.host.strip("[]")
             self.metrics_port = start_metrics_server(prometheus, host, self.config.metrics_port)
             metrics = prometheus
-        self._sessions = SessionManager(self.spec, self.config, self._pool, limiter, metrics)
+        if self.config.isolated:
+            call_timeout = self.config.step_timeout or self.spec.env_class.step_timeout or None
+            self._isolated = IsolatedPool(self.spec.factory, self.config.isolated, call_timeout)
+            self._isolated.start()
+        self._sessions = SessionManager(
+            self.spec, self.config, self._pool, limiter, metrics, self._isolated
+        )
         server = grpc.aio.server(options=grpc_options(self.config), interceptors=interceptors)
         add_env_service(EnvServicer(self._sessions), server)
         self._health = health_aio.HealthServicer()
@@ -130,6 +138,8 @@ class EnvServer:
         await self._sessions.drain(grace)
         await self._server.stop(grace=1.0)
         self._server = None
+        if self._isolated is not None:
+            self._isolated.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def wait_for_termination(self) -> None:

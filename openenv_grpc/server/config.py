@@ -33,6 +33,7 @@ ENV_VARS: dict[str, str] = {
     "tls_client_ca": "TLS_CLIENT_CA",
     "metrics_port": "METRICS_PORT",
     "workers": "WORKERS",
+    "isolated": "ISOLATED",
 }
 
 
@@ -70,6 +71,9 @@ class ServerConfig:
         workers: Server processes sharing the port (SO_REUSEPORT); the kernel balances
             connections, not streams, so clients open several channels to use them all.
             ``max_concurrent_envs`` is split evenly among them.
+        isolated: When > 0, env instances run in this many worker processes instead of
+            the server process: a crash in env code ends only the sessions on its worker
+            (UNAVAILABLE "session lost") and the worker is replaced.
     """
 
     host: str = "127.0.0.1"
@@ -89,13 +93,16 @@ class ServerConfig:
     tls_client_ca: str = ""
     metrics_port: int = -1
     workers: int = 1
+    isolated: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if not -1 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in -1..65535, got {self.metrics_port}")
-        for name in ("idle_timeout", "grace_period", "retry_pushback_ms", "step_timeout"):
+        for name in (
+            "idle_timeout", "grace_period", "retry_pushback_ms", "step_timeout", "isolated"
+        ):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in (

@@ -10,14 +10,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from typing import Any
 
 from openenv_grpc.environment import AnyEnvironment
 from openenv_grpc.server.spec import EnvSpec, ExecutionMode
 
-__all__ = ["EnvRunner"]
+__all__ = ["EnvRunner", "RunnerFactory"]
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +126,20 @@ class EnvRunner:
             # Never overlap close() with a call a cancelled session left running.
             await asyncio.wait([asyncio.wrap_future(inflight)])
         await self.call(self.env.close)
+
+    async def close_quietly(self) -> None:
+        """:meth:`close`, shielded from a second cancellation (a server stopping must not
+        skip it), logging what the env's ``close`` raised instead of raising it."""
+        try:
+            await asyncio.shield(self.close())
+        except asyncio.CancelledError:
+            pass
+        except Exception:
+            log.exception("environment close() raised; its session ended anyway")
+
+
+#: Makes a fresh env instance wrapped in a runner (the session's factory).
+RunnerFactory = Callable[[], Awaitable[EnvRunner]]
 
 
 #: Closes of abandoned async envs, referenced until done so they are not collected.

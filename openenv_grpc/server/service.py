@@ -43,7 +43,7 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
     async def Session(  # type: ignore[override]
         self,
         request_iterator: AsyncIterator[bytes],
-        context: grpc.aio.ServicerContext[bytes, pb.SessionResponse],
+        context: grpc.aio.ServicerContext[bytes, bytes],
     ) -> None:
         # The manager reads with context.read(): cheaper than the async iterator.
         await self._sessions.serve(context)
@@ -65,13 +65,14 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
 
 def add_env_service(servicer: EnvServicer, server: grpc.aio.Server) -> None:
     """Register ``servicer`` like the generated ``add_EnvServiceServicer_to_server``, except
-    that Session requests arrive as bytes: the session parses them itself, so a request
-    that does not decode ends the stream with INVALID_ARGUMENT (gRPC would say UNKNOWN).
+    that Session requests and responses are bytes: the session's backend parses them, so
+    a request that does not decode ends the stream with INVALID_ARGUMENT (gRPC would say
+    UNKNOWN), and an isolated worker's answer passes through unparsed.
     """
     handlers = {
-        "Session": grpc.stream_stream_rpc_method_handler(
-            servicer.Session, response_serializer=pb.SessionResponse.SerializeToString
-        ),
+        # Bytes both ways: the session's backend parses and serializes (it may be a
+        # worker process that hands back response bytes as they are).
+        "Session": grpc.stream_stream_rpc_method_handler(servicer.Session),
         "Info": grpc.unary_unary_rpc_method_handler(
             servicer.Info,
             request_deserializer=pb.InfoRequest.FromString,

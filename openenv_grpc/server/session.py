@@ -18,24 +18,29 @@ import uuid
 from concurrent.futures import Executor
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from openenv_grpc.metadata import ADMITTED_KEY, RETRY_PUSHBACK_KEY, SESSION_ID_KEY
+from openenv_grpc.server.backend import (
+    EnvFactoryError,
+    LocalBackend,
+    SessionBackend,
+    SessionLostError,
+    UndecodableRequest,
+)
 from openenv_grpc.server.config import ServerConfig
-from openenv_grpc.server.episode import EpisodeDriver
+from openenv_grpc.server.isolated import IsolatedPool
 from openenv_grpc.server.limiter import Admission, SessionLimiter
 from openenv_grpc.server.logs import SESSION_ID
 from openenv_grpc.server.metrics import NO_METRICS, Metrics
 from openenv_grpc.server.runner import EnvRunner
 from openenv_grpc.server.spec import EnvSpec
-from openenv_grpc.v1 import session_pb2 as pb
 
 __all__ = ["SessionManager"]
 
 log = logging.getLogger(__name__)
 
 #: Session requests arrive as raw bytes; the loop parses them (see service.add_env_service).
-_Context = grpc.aio.ServicerContext[bytes, pb.SessionResponse]
+_Context = grpc.aio.ServicerContext[bytes, bytes]
 
 
 class _EndReason(enum.Enum):
@@ -65,13 +70,12 @@ class _LiveSession:
 class _Held:
     """What an admitted session holds until :meth:`SessionManager._release`."""
 
-    __slots__ = ("driver", "live", "reason", "released", "runner", "started")
+    __slots__ = ("backend", "live", "reason", "released", "started")
 
     def __init__(self) -> None:
         self.started = time.monotonic()
         self.reason = "error"  # how the session ended, for logs and metrics
-        self.runner: EnvRunner | None = None
-        self.driver: EpisodeDriver | None = None
+        self.backend: SessionBackend | None = None
         self.live: _LiveSession | None = None
         self.released = False
 
@@ -86,7 +90,9 @@ class SessionManager:
         pool: Executor,
         limiter: SessionLimiter,
         metrics: Metrics = NO_METRICS,
+        isolated: IsolatedPool | None = None,
     ) -> None:
+        self._isolated = isolated
         self.spec = spec
         self.config = config
         self.limiter = limiter
@@ -102,6 +108,14 @@ class SessionManager:
     async def _new_runner(self) -> EnvRunner:
         return await EnvRunner.create(self.spec, self._pool)
 
+    async def _open_backend(self) -> SessionBackend:
+        """A fresh env for one session: in a worker process when isolated, else here."""
+        if self._isolated is not None:
+            return await self._isolated.open()
+        return await LocalBackend.open(
+            self.spec, self._new_runner, self._call_timeout, self._metrics
+        )
+
     async def serve(self, context: _Context) -> None:
         """Run one Session stream, given its RPC context, to its end."""
         admission = self.limiter.try_acquire()
@@ -114,13 +128,14 @@ class SessionManager:
         held = _Held()
         try:
             try:
-                held.runner = await self._new_runner()
+                held.backend = await self._open_backend()
             except Exception as exc:
                 held.reason = "factory_error"
                 log.exception("environment factory raised")
+                # A worker process reports the factory's exception as text already.
+                detail = str(exc) if isinstance(exc, EnvFactoryError) else _describe(exc)
                 await context.abort(
-                    grpc.StatusCode.INTERNAL,
-                    f"could not create the environment: {type(exc).__name__}: {exc}",
+                    grpc.StatusCode.INTERNAL, f"could not create the environment: {detail}"
                 )
             # Headers now tell the client it was admitted and its env exists.
             await context.send_initial_metadata(
@@ -131,10 +146,7 @@ class SessionManager:
             self._live.add(live)
             if self._ending is not None:
                 live.end(self._ending)
-            held.driver = driver = EpisodeDriver(
-                self.spec, held.runner, self._new_runner, self._call_timeout, self._metrics
-            )
-            held.reason = await self._loop(context, driver, live)
+            held.reason = await self._loop(context, held.backend, live)
         except asyncio.CancelledError:
             end_reason = held.live.end_reason if held.live is not None else None
             if end_reason is None:
@@ -156,25 +168,17 @@ class SessionManager:
         held.released = True
         if held.live is not None:
             self._live.discard(held.live)
-        # The driver may have replaced the env the session started with.
-        runner = held.driver.runner if held.driver is not None else held.runner
-        if runner is not None:
-            await self._close_env(runner)
+        if held.backend is not None:
+            await held.backend.close()
         self.limiter.release()
         elapsed = time.monotonic() - held.started
         self._metrics.session_ended(elapsed, held.reason)
         log.debug("session ended (%s) after %.3fs", held.reason, elapsed)
 
-    async def _loop(
-        self,
-        context: _Context,
-        driver: EpisodeDriver,
-        live: _LiveSession,
-    ) -> str:
+    async def _loop(self, context: _Context, backend: SessionBackend, live: _LiveSession) -> str:
         """Answer requests until the stream ends; returns how it ended."""
         loop = asyncio.get_running_loop()
-        read, write, handle = context.read, context.write, driver.handle
-        parse = pb.SessionRequest.FromString
+        read, write, handle = context.read, context.write, backend.handle
         live.waiting_since = loop.time()
         while True:
             # Idle = waiting on the client: for its next request, or for it to take our
@@ -185,28 +189,16 @@ class SessionManager:
                 # The client half-closed or cancelled: gRPC shows both as the end of input.
                 return "client_ended"
             try:
-                request = parse(raw)  # type: ignore[arg-type]
-            except DecodeError as exc:
+                response = await handle(raw)  # type: ignore[arg-type]
+            except UndecodableRequest as exc:
                 # No request id to answer to: the stream is out of sync, so end it.
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"request is not a valid {pb.SessionRequest.DESCRIPTOR.full_name}: {exc}",
-                )
-            response = await handle(request)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except SessionLostError as exc:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"session lost: {exc}")
             live.waiting_since = loop.time()
             await write(response)
-            if driver.closed:
+            if backend.closed:
                 return "closed"
-
-    async def _close_env(self, runner: EnvRunner) -> None:
-        """Close the env, surviving a raising ``close`` and a cancellation mid-close."""
-        try:
-            # Shielded: a second cancellation (server stop) must not skip the close.
-            await asyncio.shield(runner.close())
-        except asyncio.CancelledError:
-            pass
-        except Exception:
-            log.exception("environment close() raised; its session ended anyway")
 
     async def _refuse(
         self,
@@ -264,3 +256,7 @@ class SessionManager:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
             self._reaper = None
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"

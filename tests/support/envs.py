@@ -93,7 +93,8 @@ class FaultyEnv(Environment[EchoAction, EchoObservation, EchoState, Empty]):
 
     ``raise`` raises RuntimeError; ``invalid`` raises InvalidAction; ``wrong-type``
     returns a state as the observation; ``not-transition`` returns a bare observation;
-    ``sleep:S`` blocks S seconds; ``info`` returns a rich info map; anything else echoes.
+    ``sleep:S`` blocks S seconds; ``info`` returns a rich info map; ``exit`` and
+    ``segfault`` kill the process; anything else echoes.
     ``state`` raises after a ``break-state`` step.
     """
 
@@ -122,6 +123,12 @@ class FaultyEnv(Environment[EchoAction, EchoObservation, EchoState, Empty]):
             return EchoObservation(echoed_message="bare")  # type: ignore[return-value]
         if command.startswith("sleep:"):
             time.sleep(float(command.split(":", 1)[1]))
+        if command == "exit":
+            os._exit(3)  # what a crashing native extension looks like from outside
+        if command == "segfault":
+            import ctypes
+
+            ctypes.string_at(0)
         if command == "break-state":
             self._state_broken = True
         if command == "info":
