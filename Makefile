@@ -7,7 +7,11 @@ HOST ?= 127.0.0.1
 PORT ?= 50051
 ENV ?= echo
 
-.PHONY: install serve test pytest lint proto proto-check clean bench-echo
+NODE_CLIENT := clients/node/node_modules/.installed
+GOPATH_DIR := build/gopath
+
+.PHONY: install serve test pytest lint proto proto-check clean bench-echo clients go-play \
+	buf-breaking system-deps
 
 # The virtualenv is rebuilt when the project's dependencies change.
 $(VENV)/.installed: pyproject.toml
@@ -26,11 +30,33 @@ install: $(VENV)/.installed $(BUF)
 serve: $(VENV)/.installed
 	$(VENV)/bin/openenv-grpc serve $(ENV) --host $(HOST) --port $(PORT)
 
-## test: the whole suite: lint, generated-code drift, then every test
-test: lint proto-check pytest
+## test: the whole suite: lint, generated-code drift, wire compatibility, then every test
+test: system-deps lint proto-check buf-breaking pytest
 
-pytest: $(VENV)/.installed
+## system-deps: the Debian packages the tests need (Node, Go + grpc-go, protoc), if missing
+system-deps:
+	bash scripts/install_system_deps.sh
+
+pytest: $(VENV)/.installed $(NODE_CLIENT)
 	$(PY) -m pytest
+
+# The Node client's dependencies (exact versions from its package-lock.json).
+$(NODE_CLIENT): clients/node/package.json clients/node/package-lock.json
+	npm ci --prefix clients/node --no-audit --no-fund --silent
+	touch $@
+
+## clients: install what the Node client needs (the Go client builds from Debian packages)
+clients: $(NODE_CLIENT)
+
+## go-play: generate the Go stubs and build the Go player into build/gopath/bin/play
+go-play:
+	clients/go/generate.sh $(GOPATH_DIR)
+	GOPATH="$(CURDIR)/$(GOPATH_DIR):/usr/share/gocode" GO111MODULE=off \
+	  go build -o $(GOPATH_DIR)/bin/play openenvgrpc/client/play
+
+## buf-breaking: proto/ must stay wire compatible with the previous commit
+buf-breaking: $(BUF)
+	scripts/buf_breaking.sh
 
 lint: install
 	$(VENV)/bin/ruff check .
@@ -50,7 +76,7 @@ proto-check: $(VENV)/.installed
 	$(PY) scripts/protogen.py --check
 
 clean:
-	rm -rf $(VENV) node_modules build *.egg-info
+	rm -rf $(VENV) node_modules clients/node/node_modules build *.egg-info
 
 ## bench-echo: step latency at 1 session and throughput at 64 (numbers go to docs/benchmarks.md)
 bench-echo: $(VENV)/.installed

@@ -1,0 +1,236 @@
+'use strict';
+// An openenv-grpc Session client for Node.js: one bidi stream owns one environment.
+//
+// No generated code: the core protocol (proto/openenv_grpc/v1/session.proto) is loaded by
+// @grpc/proto-loader for the service stub, and every env's messages (the .proto files
+// under proto/) are loaded into a protobufjs Root that packs and unpacks the
+// google.protobuf.Any payloads. Both read the .proto files when the process starts.
+
+const fs = require('fs');
+const path = require('path');
+const grpc = require('@grpc/grpc-js');
+const protoLoader = require('@grpc/proto-loader');
+const protobuf = require('protobufjs');
+
+/** The repo's proto/ folder; OPENENV_PROTO_DIR overrides it for a client copied elsewhere. */
+const PROTO_DIR = process.env.OPENENV_PROTO_DIR || path.resolve(__dirname, '..', '..', 'proto');
+const SESSION_PROTO = 'openenv_grpc/v1/session.proto';
+const TYPE_URL_PREFIX = 'type.googleapis.com/';
+const ADMITTED_KEY = 'openenv-env';
+const SESSION_ID_KEY = 'openenv-session-id';
+const RETRY_PUSHBACK_KEY = 'grpc-retry-pushback-ms';
+
+/** gRPC status code numbers to names, e.g. 8 -> "RESOURCE_EXHAUSTED". */
+const CODE_NAMES = Object.fromEntries(Object.entries(grpc.status).map(([k, v]) => [v, k]));
+
+// Shapes of decoded messages: snake_case fields as in the .proto, 64-bit integers as JS
+// numbers (step counts and ids stay far below 2^53), enums by name, unset fields at their
+// defaults, and a virtual field naming each oneof's chosen member.
+const CONVERSION = { keepCase: true, longs: Number, enums: String, defaults: true, oneofs: true };
+
+/** Every .proto file under dir, relative to it (e.g. "openenv_grpc_envs/echo/v1/echo.proto"). */
+function protoFiles(dir, prefix = '') {
+  const found = [];
+  for (const entry of fs.readdirSync(path.join(dir, prefix), { withFileTypes: true })) {
+    const rel = prefix ? `${prefix}/${entry.name}` : entry.name;
+    if (entry.isDirectory()) found.push(...protoFiles(dir, rel));
+    else if (entry.name.endsWith('.proto')) found.push(rel);
+  }
+  return found.sort();
+}
+
+/**
+ * Loads the service stub and every message type from protoDir.
+ * Returns {EnvService, root}: the grpc-js client constructor and a protobufjs Root holding
+ * all types under proto/ (the google/protobuf well-known types come bundled with
+ * protobufjs, so imports of them resolve without a protoc install).
+ */
+function loadProtos(protoDir = PROTO_DIR) {
+  const definition = protoLoader.loadSync(SESSION_PROTO, { ...CONVERSION, includeDirs: [protoDir] });
+  const { EnvService } = grpc.loadPackageDefinition(definition).openenv_grpc.v1;
+  const root = new protobuf.Root();
+  // Names and imports are relative to proto/, as for protoc; protobufjs serves the
+  // google/protobuf/*.proto well-known types itself.
+  root.resolvePath = (_origin, target) =>
+    target.startsWith('google/protobuf/') ? target : path.join(protoDir, target);
+  root.loadSync(protoFiles(protoDir), { keepCase: true });
+  root.resolveAll();
+  return { EnvService, root };
+}
+
+/** An in-band failure of one request: the session stays usable. */
+class EnvError extends Error {
+  constructor(error) {
+    super(`${CODE_NAMES[error.code] || error.code}: ${error.message}`);
+    this.code = error.code;
+    this.codeName = CODE_NAMES[error.code] || String(error.code);
+    this.detail = error.message;
+    this.exceptionType = error.exception_type;
+  }
+}
+
+/** The server refused to open a session because it is full (RESOURCE_EXHAUSTED). */
+class CapacityError extends Error {
+  constructor(status, pushbackMs) {
+    super(status.details);
+    this.code = status.code;
+    this.pushbackMs = pushbackMs; // null when the server sent no (valid) hint
+  }
+}
+
+/** The stream ended (or could not open) for any other reason. */
+class SessionLost extends Error {
+  constructor(status) {
+    super(`${CODE_NAMES[status.code] || status.code}: ${status.details}`);
+    this.code = status.code;
+  }
+}
+
+function pushbackOf(metadata) {
+  // A missing, negative or non-numeric hint means "do not retry" (gRPC retry semantics).
+  const values = metadata ? metadata.get(RETRY_PUSHBACK_KEY) : [];
+  const ms = values.length ? Number(String(values[0])) : NaN;
+  return Number.isInteger(ms) && ms >= 0 ? ms : null;
+}
+
+function sleep(ms) {
+  return new Promise((resolve) => setTimeout(resolve, ms));
+}
+
+/** One Session stream; use Session.open() to make one. */
+class Session {
+  constructor(call, root, types) {
+    this._call = call;
+    this._root = root;
+    this.types = types; // full names of the env's action/observation/state/options types
+    this.sessionId = '';
+    this._nextId = 1;
+    this._pending = new Map(); // request_id -> {resolve, reject}
+    this._ended = null; // the SessionLost that ended the stream, once it has
+    call.on('data', (response) => this._answer(response));
+    call.on('error', (err) => this._end(new SessionLost(err)));
+    call.on('end', () => this._end(new SessionLost({ code: grpc.status.OK, details: 'stream ended' })));
+  }
+
+  /**
+   * Opens a session on client; returns it once the server admitted it (its env exists).
+   * Throws CapacityError when the server is full, SessionLost on any other refusal.
+   */
+  static open(client, root, types) {
+    return new Promise((resolve, reject) => {
+      const call = client.Session();
+      const session = new Session(call, root, types);
+      call.once('metadata', (metadata) => {
+        const admitted = metadata.get(ADMITTED_KEY);
+        if (!admitted.length) return; // trailers-only refusal: 'status' tells why
+        session.sessionId = String(metadata.get(SESSION_ID_KEY)[0] || '');
+        resolve(session);
+      });
+      call.once('status', (status) => {
+        if (status.code === grpc.status.RESOURCE_EXHAUSTED) {
+          reject(new CapacityError(status, pushbackOf(status.metadata)));
+        } else {
+          reject(new SessionLost(status));
+        }
+      });
+    });
+  }
+
+  /**
+   * Opens a session, retrying while the server is full: each retry waits the server's
+   * grpc-retry-pushback-ms hint (fallbackMs when it sent none). onRefused(err, attempt)
+   * is called before each wait. Throws the last CapacityError after `retries` retries.
+   */
+  static async openWithRetry(client, root, types, { retries = 20, fallbackMs = 500, onRefused } = {}) {
+    for (let attempt = 1; ; attempt++) {
+      try {
+        return await Session.open(client, root, types);
+      } catch (err) {
+        if (!(err instanceof CapacityError) || attempt > retries) throw err;
+        if (onRefused) onRefused(err, attempt);
+        await sleep(err.pushbackMs === null ? fallbackMs : err.pushbackMs);
+      }
+    }
+  }
+
+  /** Packs a plain object as a google.protobuf.Any of the named message type. */
+  pack(typeName, object) {
+    const type = this._root.lookupType(typeName);
+    const problem = type.verify(object);
+    if (problem) throw new TypeError(`${typeName}: ${problem}`);
+    const value = type.encode(type.fromObject(object)).finish();
+    return { type_url: TYPE_URL_PREFIX + typeName, value: Buffer.from(value) };
+  }
+
+  /** Unpacks a google.protobuf.Any into a plain object (its type taken from type_url). */
+  unpack(any) {
+    if (!any || !any.type_url) return null;
+    const type = this._root.lookupType(any.type_url.slice(any.type_url.lastIndexOf('/') + 1));
+    return type.toObject(type.decode(any.value), CONVERSION);
+  }
+
+  _answer(response) {
+    const waiter = this._pending.get(response.request_id);
+    if (!waiter) return; // an answer nobody waits for any more
+    this._pending.delete(response.request_id);
+    if (response.outcome === 'error') waiter.reject(new EnvError(response.error));
+    else waiter.resolve(response);
+  }
+
+  _end(err) {
+    if (this._ended) return;
+    this._ended = err;
+    for (const waiter of this._pending.values()) waiter.reject(err);
+    this._pending.clear();
+  }
+
+  _request(command, body) {
+    if (this._ended) return Promise.reject(this._ended);
+    const request_id = this._nextId++;
+    return new Promise((resolve, reject) => {
+      this._pending.set(request_id, { resolve, reject });
+      this._call.write({ request_id, [command]: body });
+    });
+  }
+
+  /** Starts an episode; returns {observation, reward, terminated, truncated, episode_id, step_count}. */
+  async reset({ seed, episodeId, options } = {}) {
+    const body = {};
+    if (seed !== undefined) body.seed = seed;
+    if (episodeId !== undefined) body.episode_id = episodeId;
+    if (options) body.options = this.pack(this.types.reset_options_type, options);
+    return this._result(await this._request('reset', body));
+  }
+
+  /** Applies one action (a plain object of the env's action type); returns like reset(). */
+  async step(action) {
+    const response = await this._request('step', { action: this.pack(this.types.action_type, action) });
+    return this._result(response);
+  }
+
+  /** Returns {state, episode_id, step_count}: the env's state as a plain object. */
+  async state() {
+    const { state } = await this._request('state', {});
+    return { ...state, state: this.unpack(state.state) };
+  }
+
+  /** Closes the env and ends the stream; returns once the server confirmed the close. */
+  async close() {
+    await this._request('close', {});
+    this._call.end();
+  }
+
+  _result({ result }) {
+    return { ...result, observation: this.unpack(result.observation) };
+  }
+}
+
+module.exports = {
+  CODE_NAMES,
+  CapacityError,
+  EnvError,
+  PROTO_DIR,
+  Session,
+  SessionLost,
+  loadProtos,
+};

@@ -1,0 +1,226 @@
+"""Trainers in other languages: the Node.js (clients/node) and Go (clients/go) players run
+full episodes against real servers, and their JSON summaries are checked.
+
+Each player opens a Session, provokes in-band errors (a step before reset, a step after
+truncation, an illegal OpenSpiel action), plays episodes to their end, reads the state and
+closes; against a full server it retries the refused open after the server's pushback.
+A missing ``node``, ``go`` or ``clients/node/node_modules`` fails these tests: CI must
+install them (``make clients``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from openenv_grpc.testing import ServerProcess
+from openenv_grpc_envs.echo import EchoEnv
+
+ROOT = Path(__file__).resolve().parent.parent
+NODE_DIR = ROOT / "clients" / "node"
+GO_DIR = ROOT / "clients" / "go"
+PUSHBACK_MS = 200
+RUN_TIMEOUT = 60.0
+
+INVALID_ARGUMENT = 3
+FAILED_PRECONDITION = 9
+
+
+def _need(tool: str, hint: str) -> str:
+    path = shutil.which(tool)
+    if path is None:
+        pytest.fail(f"{tool} is not installed: {hint}")
+    return path
+
+
+@pytest.fixture(scope="module")
+def node_play() -> list[str]:
+    """The command line of the Node player."""
+    node = _need("node", "apt-get install nodejs npm")
+    if not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").is_dir():
+        pytest.fail("clients/node/node_modules is missing: run `make clients` (npm ci there)")
+    return [node, str(NODE_DIR / "play.js")]
+
+
+@pytest.fixture(scope="module")
+def go_play(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """The Go player, built in GOPATH mode from freshly generated stubs."""
+    go = _need("go", "apt-get install golang-go golang-google-grpc-dev ... (see clients/go)")
+    gopath = tmp_path_factory.mktemp("gopath")
+    subprocess.run(
+        [str(GO_DIR / "generate.sh"), str(gopath)], check=True, capture_output=True, timeout=60
+    )
+    binary = gopath / "bin" / "play"
+    environ = {
+        **os.environ,
+        "GOPATH": f"{gopath}{os.pathsep}/usr/share/gocode",
+        "GO111MODULE": "off",
+        "GOFLAGS": "",
+    }
+    built = subprocess.run(
+        [go, "build", "-o", str(binary), "openenvgrpc/client/play"],
+        cwd=gopath, env=environ, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert built.returncode == 0, f"go build failed:\n{built.stderr}"
+    return [str(binary)]
+
+
+@pytest.fixture(params=["node", "go"])
+def player(request: pytest.FixtureRequest) -> list[str]:
+    """Each player in turn."""
+    command: list[str] = request.getfixturevalue(f"{request.param}_play")
+    return command
+
+
+@pytest.fixture(scope="module")
+def echo_server() -> Iterator[ServerProcess]:
+    server = ServerProcess("echo")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def openspiel_server() -> Iterator[ServerProcess]:
+    server = ServerProcess("openspiel")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def full_server() -> Iterator[ServerProcess]:
+    """A one-session echo server; tests hold its slot to make it refuse."""
+    server = ServerProcess(
+        "echo", ["--max-concurrent-envs", "1", "--retry-pushback-ms", str(PUSHBACK_MS)]
+    )
+    yield server
+    server.stop()
+
+
+def _summary(stdout: str) -> dict[str, Any]:
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, f"expected one JSON summary line, got:\n{stdout}"
+    summary: dict[str, Any] = json.loads(lines[0])
+    return summary
+
+
+def _play(player: list[str], target: str, *args: str) -> tuple[int, dict[str, Any], str]:
+    done = subprocess.run(
+        [*player, "--target", target, *args],
+        capture_output=True, text=True, timeout=RUN_TIMEOUT,
+    )  # fmt: skip
+    return done.returncode, _summary(done.stdout), done.stderr
+
+
+def _codes(summary: dict[str, Any]) -> dict[str, int]:
+    return {error["when"]: error["code"] for error in summary["errors"]}
+
+
+def test_echo_episodes_until_truncated(player: list[str], echo_server: ServerProcess) -> None:
+    code, summary, stderr = _play(
+        player, echo_server.target, "--env", "echo", "--episodes", "3", "--max-steps", "4"
+    )
+    assert code == 0, stderr
+    assert summary["env_name"] == "echo" and summary["session_id"]
+    assert summary["episodes_finished"] == 3 and summary["closed"] is True
+    for episode in summary["episodes"]:
+        assert episode["truncated"] is True and episode["terminated"] is False
+        assert episode["steps"] == episode["state_step_count"] == 4
+        assert episode["state_ok"] is True
+    assert len({e["episode_id"] for e in summary["episodes"]}) == 3
+    assert _codes(summary) == {
+        "step before reset": FAILED_PRECONDITION,
+        "step after truncation": FAILED_PRECONDITION,
+    }
+    assert {e["code_name"] for e in summary["errors"]} == {"FAILED_PRECONDITION"}
+    assert summary["capacity"] == {"refusals": 0, "pushback_ms": [], "admitted": True}
+    echo_server.wait_until(lambda: echo_server.active() == 0)
+
+
+@pytest.mark.parametrize("game", ["tic_tac_toe", "catch"])
+def test_openspiel_games_to_the_end(
+    player: list[str], openspiel_server: ServerProcess, game: str
+) -> None:
+    code, summary, stderr = _play(player, openspiel_server.target, "--env", "openspiel",
+                                  "--game", game, "--episodes", "2")  # fmt: skip
+    assert code == 0, stderr
+    assert summary["env_name"] == "openspiel"
+    assert summary["episodes_finished"] == 2 and summary["closed"] is True
+    for episode in summary["episodes"]:
+        assert episode["terminated"] is True and episode["truncated"] is False
+        assert episode["steps"] == episode["state_step_count"] >= 1
+        assert episode["state_ok"] is True and episode["game"].startswith(game)
+        assert episode["reward"] == pytest.approx(episode["returns"][0])
+    codes = _codes(summary)
+    assert codes.pop("step before reset") == FAILED_PRECONDITION
+    [(when, illegal)] = codes.items()
+    assert when.startswith("illegal action id") and illegal == INVALID_ARGUMENT
+
+
+def test_node_and_go_play_alike(
+    node_play: list[str], go_play: list[str], openspiel_server: ServerProcess
+) -> None:
+    """Same seeds, same generator: both players see the same catch episodes."""
+    args = ["--env", "openspiel", "--game", "catch", "--episodes", "3", "--seed", "7"]
+    runs = [_play(p, openspiel_server.target, *args) for p in (node_play, go_play)]
+    assert [code for code, _, _ in runs] == [0, 0], [stderr for _, _, stderr in runs]
+    node, go = (
+        [(e["steps"], e["reward"], e["returns"]) for e in s["episodes"]] for _, s, _ in runs
+    )
+    assert node == go
+
+
+def test_full_server_open_retried_after_pushback(
+    player: list[str], full_server: ServerProcess
+) -> None:
+    refused = threading.Event()
+    lines: list[str] = []
+    with EchoEnv(full_server.target) as holder:  # takes the only slot
+        holder.reset()
+        proc = subprocess.Popen(
+            [*player, "--target", full_server.target, "--env", "echo", "--episodes", "1"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+
+        def read_stderr() -> None:
+            assert proc.stderr is not None
+            for line in proc.stderr:
+                lines.append(line)
+                if "open refused" in line:
+                    refused.set()
+
+        reader = threading.Thread(target=read_stderr, daemon=True)
+        reader.start()
+        try:
+            assert refused.wait(RUN_TIMEOUT), "".join(lines)
+        except BaseException:
+            proc.kill()
+            raise
+    # The holder's stream ended: its slot frees and the player's next retry gets in.
+    stdout, _ = proc.communicate(timeout=RUN_TIMEOUT)
+    reader.join(5)
+    assert proc.returncode == 0, "".join(lines)
+    summary = _summary(stdout)
+    capacity = summary["capacity"]
+    assert capacity["admitted"] is True and capacity["refusals"] >= 1
+    assert capacity["pushback_ms"] == [PUSHBACK_MS] * capacity["refusals"]
+    assert "RESOURCE_EXHAUSTED" in "".join(lines) or "ResourceExhausted" in "".join(lines)
+    assert summary["episodes_finished"] == 1 and summary["closed"] is True
+    full_server.wait_until(lambda: full_server.active() == 0)
+
+
+def test_full_server_without_retries_reports_capacity(
+    player: list[str], full_server: ServerProcess
+) -> None:
+    with EchoEnv(full_server.target) as holder:
+        holder.reset()
+        code, summary, _ = _play(player, full_server.target, "--env", "echo", "--open-retries", "0")
+    assert code == 1
+    assert summary["capacity"]["admitted"] is False and summary["episodes"] == []
+    assert "RESOURCE_EXHAUSTED" in summary["failure"] or "ResourceExhausted" in summary["failure"]
