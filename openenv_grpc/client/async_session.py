@@ -27,6 +27,8 @@ from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
 if TYPE_CHECKING:  # typing.Self is 3.11+; only the type checker needs it
     from typing_extensions import Self
 
+    from openenv_grpc.providers.base import Provider
+
 __all__ = ["AsyncSession"]
 
 ActionT = TypeVar("ActionT", bound=Message)
@@ -90,6 +92,12 @@ class AsyncSession(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
         self._pending: asyncio.Future[Any] | None = None
 
     # -- lifecycle --------------------------------------------------------------------
+
+    @classmethod
+    def from_provider(cls, provider: Provider, **kwargs: Any) -> Self:
+        """An unopened session on ``provider``'s servers (``with EchoEnv.from_provider(p)``);
+        ``kwargs`` go to the constructor."""
+        return provider.session(cls, **kwargs)
 
     async def __aenter__(self) -> Self:
         await self.open()

@@ -33,6 +33,8 @@ from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
 if TYPE_CHECKING:  # typing.Self is 3.11+; only the type checker needs it
     from typing_extensions import Self
 
+    from openenv_grpc.providers.base import Provider
+
 __all__ = ["Session"]
 
 ActionT = TypeVar("ActionT", bound=Message)
@@ -103,6 +105,12 @@ class Session(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
         self._requests: _RequestQueue | None = None
         #: The server's id for this session (it tags the server's log lines), once open.
         self.session_id = ""
+
+    @classmethod
+    def from_provider(cls, provider: Provider, **kwargs: Any) -> Self:
+        """An unopened session on ``provider``'s servers (``with EchoEnv.from_provider(p)``);
+        ``kwargs`` go to the constructor."""
+        return provider.session(cls, **kwargs)
 
     def __enter__(self) -> Self:
         self.open()
