@@ -37,7 +37,7 @@ test: system-deps lint proto-check buf-breaking pytest
 system-deps:
 	bash scripts/install_system_deps.sh
 
-pytest: $(VENV)/.installed $(NODE_CLIENT)
+pytest: $(VENV)/.installed $(NODE_CLIENT) $(BUF)
 	$(PY) -m pytest
 
 # The Node client's dependencies (exact versions from its package-lock.json).

@@ -15,6 +15,7 @@ from openenv_grpc._version import __version__
 from openenv_grpc.client.channel import tls_credentials
 from openenv_grpc.client.info import fetch_info
 from openenv_grpc.loader import available_envs, load_factory
+from openenv_grpc.scaffold import add_init_command, run_init
 from openenv_grpc.server.app import serve
 from openenv_grpc.server.config import ENV_VARS, ServerConfig
 from openenv_grpc.server.logs import configure_logging
@@ -83,6 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     info.add_argument("--token-env", default="AUTH_TOKEN", help="variable with the bearer token")
 
     commands.add_parser("list", help="list the packaged environments")
+    add_init_command(commands)
     return parser
 
 
@@ -138,6 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve(args)
     if args.command == "info":
         return _info(args)
+    if args.command == "init":
+        return run_init(args)
     for name in available_envs():
         print(name)
     return 0
