@@ -1,0 +1,269 @@
+"""The Gymnasium adapters against a real ``gymnasium`` server: Gymnasium's own env checker,
+equality with local Gymnasium envs (single and vector, every autoreset mode), and that
+closing releases every server slot."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import gymnasium
+import numpy as np
+import pytest
+from gymnasium.utils.env_checker import check_env
+from gymnasium.vector import AutoresetMode, SyncVectorEnv
+
+from openenv_grpc import CapacityError, EnvError
+from openenv_grpc.testing import ServerProcess
+from openenv_grpc_envs.gymnasium import GymnasiumEnv, convert
+from openenv_grpc_envs.gymnasium.adapters import RemoteGymnasiumEnv, RemoteGymnasiumVectorEnv
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    process = ServerProcess("gymnasium", ["--max-concurrent-envs", "0"])
+    yield process
+    process.stop()
+
+
+def wait_idle(server: ServerProcess) -> None:
+    """Every session of the test is gone from the server."""
+    server.wait_until(lambda: server.active() == 0, what="active sessions to return to 0")
+
+
+def equal(a: Any, b: Any) -> bool:
+    """Exact equality of observations (arrays, tuples, dicts, numbers)."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
+    if isinstance(a, tuple):
+        return len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b, strict=True))
+    return bool(np.array_equal(np.asarray(a), np.asarray(b)))
+
+
+# -- RemoteGymnasiumEnv ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "env_id",
+    ["CartPole-v1", "Pendulum-v1", "Blackjack-v1", "FrozenLake-v1"],
+    ids=["box-discrete", "box-box", "tuple-discrete", "discrete-discrete"],
+)
+def test_check_env_passes(server: ServerProcess, env_id: str) -> None:
+    with RemoteGymnasiumEnv(server.target, env_id) as env:
+        local = gymnasium.make(env_id)
+        assert env.observation_space == local.observation_space
+        assert env.action_space == local.action_space
+        assert env.max_episode_steps == (local.spec.max_episode_steps or 0)  # type: ignore[union-attr]
+        local.close()
+        with warnings.catch_warnings():
+            # Box spaces with infinite bounds and a missing spec only warn; errors raise.
+            warnings.simplefilter("ignore")
+            check_env(env)
+    wait_idle(server)
+
+
+def test_same_seed_and_actions_give_the_local_episode(server: ServerProcess) -> None:
+    local = gymnasium.make("CartPole-v1")
+    with RemoteGymnasiumEnv(server.target, "CartPole-v1") as env:
+        for seed in (0, 7):
+            obs, info = env.reset(seed=seed)
+            ref, _ = local.reset(seed=seed)
+            assert obs.dtype == np.float32 and equal(obs, ref) and info == {}
+            rng = np.random.default_rng(seed)
+            done = False
+            while not done:
+                action = int(rng.integers(2))
+                obs, reward, terminated, truncated, info = env.step(action)
+                ref, ref_reward, ref_term, ref_trunc, _ = local.step(action)
+                assert equal(obs, ref) and reward == ref_reward
+                assert (terminated, truncated) == (ref_term, ref_trunc)
+                done = terminated or truncated
+            assert terminated  # a random CartPole policy falls long before 500 steps
+    local.close()
+
+
+def test_truncation_and_info_pass_through(server: ServerProcess) -> None:
+    with RemoteGymnasiumEnv(server.target, "CartPole-v1", max_episode_steps=3) as env:
+        assert env.max_episode_steps == 3
+        env.reset(seed=3)
+        flags = [env.step(i % 2)[2:4] for i in range(3)]
+        assert flags == [(False, False), (False, False), (False, True)]
+    with RemoteGymnasiumEnv(server.target, "FrozenLake-v1") as env:
+        _, info = env.reset(seed=1)
+        assert info == {"prob": 1.0}  # gymnasium's own reset info, as JSON numbers
+
+
+def test_reset_options_reconfigure_the_remote_env(server: ServerProcess) -> None:
+    with RemoteGymnasiumEnv(server.target, "CartPole-v1") as env:
+        obs, _ = env.reset(
+            seed=0, options={"env_id": "FrozenLake-v1", "kwargs": {"is_slippery": False}}
+        )
+        assert env.observation_space == gymnasium.spaces.Discrete(16) and obs == 0
+        for move in [1, 1, 2, 2, 1, 2]:  # the known path to the goal without slipping
+            obs, reward, terminated, _, _ = env.step(move)
+        assert (obs, reward, terminated) == (15, 1.0, True)
+        env.reset()  # no options: keeps FrozenLake
+        assert env.session.state().env.env_id == "FrozenLake-v1"
+        with pytest.raises(ValueError, match="unknown reset options"):
+            env.reset(options={"render_mode": "human"})
+
+
+def test_bad_configuration_and_actions_are_errors(server: ServerProcess) -> None:
+    with pytest.raises(EnvError, match="unknown env_id"):
+        RemoteGymnasiumEnv(server.target, "NoSuchEnv-v0")
+    with RemoteGymnasiumEnv(server.target, "CartPole-v1") as env:
+        env.reset(seed=0)
+        with pytest.raises(EnvError) as refused:
+            env.step(2)
+        assert refused.value.code is grpc.StatusCode.INVALID_ARGUMENT
+        env.step(0)  # the session goes on
+    wait_idle(server)
+
+
+def test_wraps_an_open_session_and_closes_it(server: ServerProcess) -> None:
+    session = GymnasiumEnv(server.target)
+    session.open()
+    env = RemoteGymnasiumEnv(session, "Acrobot-v1")
+    assert env.session is session and server.active() == 1
+    obs, _ = env.reset(seed=1)
+    assert obs in env.observation_space
+    env.close()
+    env.close()  # idempotent
+    wait_idle(server)
+
+
+# -- RemoteGymnasiumVectorEnv ----------------------------------------------------------
+
+
+def run_pair(
+    server: ServerProcess, mode: AutoresetMode, steps: int, num_envs: int = 4
+) -> tuple[list[Any], list[Any]]:
+    """The same seeded random actions through the remote vector env and a local
+    SyncVectorEnv of CartPole; returns both lists of step results."""
+    local = SyncVectorEnv([lambda: gymnasium.make("CartPole-v1")] * num_envs, autoreset_mode=mode)
+    remote = RemoteGymnasiumVectorEnv(server.target, num_envs, "CartPole-v1", autoreset_mode=mode)
+    try:
+        assert remote.metadata["autoreset_mode"] is mode
+        assert remote.observation_space == local.observation_space
+        assert remote.action_space == local.action_space
+        assert remote.single_action_space == local.single_action_space
+        remote_obs, _ = remote.reset(seed=11)
+        local_obs, _ = local.reset(seed=11)
+        assert equal(remote_obs, local_obs)
+        remote_steps, local_steps = [], []
+        rng = np.random.default_rng(0)
+        for _ in range(steps):
+            actions = rng.integers(2, size=num_envs)
+            remote_steps.append(remote.step(actions))
+            local_steps.append(local.step(actions))
+        return remote_steps, local_steps
+    finally:
+        remote.close()
+        local.close()
+
+
+@pytest.mark.parametrize("mode", [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP])
+def test_vector_env_matches_sync_vector_env(server: ServerProcess, mode: AutoresetMode) -> None:
+    remote_steps, local_steps = run_pair(server, mode, steps=120)
+    episodes_ended = 0
+    for remote, local in zip(remote_steps, local_steps, strict=True):
+        obs, rewards, terms, truncs, infos = remote
+        l_obs, l_rewards, l_terms, l_truncs, l_infos = local
+        assert obs.shape == (4, 4) and obs.dtype == np.float32
+        assert rewards.dtype == np.float64 and terms.dtype == truncs.dtype == np.bool_
+        assert equal(obs, l_obs) and equal(rewards, l_rewards)
+        assert equal(terms, l_terms) and equal(truncs, l_truncs)
+        assert infos.keys() == l_infos.keys()
+        if "final_obs" in infos:  # SAME_STEP: the ended episodes' last observations
+            assert equal(infos["_final_obs"], l_infos["_final_obs"])
+            for i in np.flatnonzero(infos["_final_obs"]):
+                assert equal(infos["final_obs"][i], l_infos["final_obs"][i])
+        episodes_ended += int(terms.sum() + truncs.sum())
+    assert episodes_ended >= 10  # random CartPole episodes last ~20 steps: autoresets ran
+    wait_idle(server)
+
+
+def test_next_step_autoreset_after_termination(server: ServerProcess) -> None:
+    with RemoteGymnasiumVectorEnv(server.target, 2, "CartPole-v1") as envs:
+        envs.reset(seed=[5, None])
+        pushes = np.array([1, 0])
+        ended = np.zeros(2, dtype=bool)
+        for _ in range(200):
+            obs, rewards, terms, truncs, _ = envs.step(pushes)
+            if terms[0]:
+                break
+        assert terms[0] and rewards[0] == 1.0  # pushed right until the pole fell
+        ended = terms.copy()
+        obs, rewards, terms, truncs, _ = envs.step(pushes)  # sub-env 0 resets now
+        assert rewards[0] == 0.0 and not terms[0] and not truncs[0]
+        assert np.all(np.abs(obs[0]) <= 0.05)  # CartPole's first observations lie in ±0.05
+        assert ended[0]
+
+
+def test_seeds_int_and_list(server: ServerProcess) -> None:
+    with RemoteGymnasiumVectorEnv(server.target, 3, "CartPole-v1") as envs:
+        by_int, _ = envs.reset(seed=40)
+        by_list, _ = envs.reset(seed=[40, 41, 42])
+        assert equal(by_int, by_list)
+        for i in range(3):
+            ref, _ = gymnasium.make("CartPole-v1").reset(seed=40 + i)
+            assert equal(by_int[i], ref)
+        with pytest.raises(ValueError, match="num_envs=3"):
+            envs.reset(seed=[1, 2])
+
+
+def test_disabled_mode_and_reset_mask(server: ServerProcess) -> None:
+    with RemoteGymnasiumVectorEnv(
+        server.target, 2, "CartPole-v1", autoreset_mode="Disabled", max_episode_steps=2
+    ) as envs:
+        envs.reset(seed=0)
+        envs.step(np.array([0, 1]))
+        _, _, _, truncs, _ = envs.step(np.array([0, 1]))
+        assert truncs.tolist() == [True, True]
+        with pytest.raises(RuntimeError, match="reset_mask"):
+            envs.step(np.array([0, 0]))
+        before, _ = envs.reset(seed=0)
+        envs.step(np.array([0, 1]))
+        partial, _ = envs.reset(seed=[0, None], options={"reset_mask": np.array([True, False])})
+        assert equal(partial[0], before[0]) and not equal(partial[1], before[1])
+        with pytest.raises(ValueError, match="reset_mask"):
+            envs.reset(options={"reset_mask": [True, True]})
+
+
+def test_close_releases_every_session(server: ServerProcess) -> None:
+    envs = RemoteGymnasiumVectorEnv(server.target, 24, "CartPole-v1", channels=2)
+    assert server.active() == 24
+    envs.reset(seed=0)
+    envs.step(envs.action_space.sample())
+    envs.close()
+    assert envs.closed
+    wait_idle(server)
+    envs.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        envs.step(envs.action_space.sample())
+
+
+def test_capacity_refusal_closes_the_sessions_already_open() -> None:
+    small = ServerProcess("gymnasium", ["--max-concurrent-envs", "2"])
+    try:
+        with pytest.raises(CapacityError):
+            RemoteGymnasiumVectorEnv(small.target, 3, "CartPole-v1")
+        wait_idle(small)
+        with RemoteGymnasiumVectorEnv(small.target, 2, "CartPole-v1") as envs:
+            assert envs.reset(seed=0)[0].shape == (2, 4)
+    finally:
+        small.stop()
+
+
+def test_vector_tuple_observations_batch(server: ServerProcess) -> None:
+    with RemoteGymnasiumVectorEnv(server.target, 3, "Blackjack-v1") as envs:
+        obs, _ = envs.reset(seed=1)
+        assert obs in envs.observation_space
+        assert isinstance(obs, tuple) and all(part.shape == (3,) for part in obs)
+        obs, *_ = envs.step(np.zeros(3, dtype=np.int64))
+        assert obs in envs.observation_space
+        assert convert.build_space(envs.description.observation_space) == (
+            envs.single_observation_space
+        )

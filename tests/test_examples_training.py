@@ -1,0 +1,97 @@
+"""The training examples against real servers: CartPole PPO learns through the vector
+adapter, and the wordle GRPO rollout plays its episodes on the server (and learns a bit).
+
+Both examples are seeded end to end (server-side env seeds, the learner's generator), so
+a run's numbers repeat; the bars below sit far under what seed 0 reaches."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from openenv_grpc.testing import ServerProcess
+from openenv_grpc_envs.wordle import WordleEnv
+
+StartServer = Callable[..., ServerProcess]  # the start_server fixture of conftest.py
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def load_example(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cartpole_quick_run_learns(start_server: StartServer) -> None:
+    server = start_server("gymnasium")
+    started = time.monotonic()
+    run = subprocess.run(
+        [sys.executable, str(EXAMPLES / "train_cartpole.py"), "--quick", "--seed", "0",
+         "--target", server.target],
+        capture_output=True, text=True, timeout=110,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    lines = [json.loads(line) for line in run.stdout.splitlines()]
+    curve, summary = lines[:-1], lines[-1]["summary"]
+    assert curve and all({"env_steps", "wall_s", "mean_return_20"} <= p.keys() for p in curve)
+    assert [p["env_steps"] for p in curve] == sorted(p["env_steps"] for p in curve)
+    assert summary["sessions"] == 16 and summary["episodes"] >= 20
+    # Learned: the last 20 episodes average far above a random policy (~22).
+    assert summary["final_mean_return_20"] >= 60, (summary, time.monotonic() - started)
+    assert curve[0]["mean_return_20"] < summary["final_mean_return_20"]
+    server.wait_until(lambda: server.active() == 0, what="the example to close its sessions")
+
+
+def test_wordle_rollout_shapes_and_server_episodes(start_server: StartServer) -> None:
+    server = start_server("wordle")
+    example = load_example("wordle_grpo_rollout")
+    policy = example.WordPolicy()
+    seeds, G = [3, 4, 5], 4
+    batch: dict[str, Any] = example.rollout(server.target, policy, seeds, G)
+
+    assert batch["env_reward"].shape == batch["advantages"].shape == (3, G)
+    assert batch["logprobs"].shape == batch["won"].shape == (3, G)
+    assert len(batch["prompts"]) == len(batch["completions"]) == 3 * G
+    # Group-relative: every group's advantages sum to zero.
+    assert np.allclose(batch["advantages"].sum(axis=1), 0.0, atol=1e-6)
+    for prompt, completion in zip(batch["prompts"], batch["completions"], strict=True):
+        assert prompt.startswith("You are playing Wordle.")  # the server's reset prompt
+        assert completion.count("[") >= 1
+    # The episodes ran on the server's games: replay each one's guesses on a fresh session
+    # with the same seed and get the same reward (the target comes from the seed there).
+    episodes = batch["episodes"]
+    with WordleEnv(server.target) as env:
+        for k, episode in enumerate(episodes[::G]):
+            result = env.reset(seed=seeds[k])
+            total = 0.0
+            for text in episode.turns:
+                result = env.step(example.WordleAction(guess=text))
+                total += result.reward
+            assert result.done and total == episode.reward
+            assert env.state().game_over
+    assert all(0 < len(e.turns) <= 6 for e in episodes)
+    assert batch["env_reward"].min() > 0  # the shaped reward pays for letters found
+    server.wait_until(lambda: server.active() == 0, what="the rollout to close its sessions")
+
+
+def test_wordle_grpo_updates_raise_the_reward(start_server: StartServer) -> None:
+    server = start_server("wordle")
+    example = load_example("wordle_grpo_rollout")
+    curve = example.train(server.target, 4, 16, 8, 120.0, 0, out=io.StringIO())
+    first, last = curve[0], curve[-1]
+    assert first["win_rate"] < 0.05  # a uniformly random guesser almost never wins
+    assert last["mean_reward"] >= first["mean_reward"] + 0.25, curve
