@@ -11,7 +11,10 @@ NODE_CLIENT := clients/node/node_modules/.installed
 GOPATH_DIR := build/gopath
 
 .PHONY: install serve test pytest lint proto proto-check clean bench-echo clients go-play \
-	buf-breaking system-deps
+	buf-breaking system-deps image dockerd
+
+# `local` = the registry-free debootstrap base; python:3.11-slim where a registry is reachable
+BASE_IMAGE ?= local
 
 # The virtualenv is rebuilt when the project's dependencies change.
 $(VENV)/.installed: pyproject.toml
@@ -81,3 +84,12 @@ clean:
 ## bench-echo: step latency at 1 session and throughput at 64 (numbers go to docs/benchmarks.md)
 bench-echo: $(VENV)/.installed
 	$(PY) -m bench.echo_load --sessions 1 64 --seconds 5
+
+## image: the container image of one environment: make image ENV=echo [BASE_IMAGE=python:3.11-slim]
+image:
+	BASE_IMAGE=$(BASE_IMAGE) DOCKER_HOST=$${DOCKER_HOST:-$$(scripts/start_dockerd.sh | tail -n1)} \
+	  deploy/docker/build_image.sh $(ENV)
+
+## dockerd: start the private Docker daemon (host networking only); prints the DOCKER_HOST to export
+dockerd:
+	@scripts/start_dockerd.sh

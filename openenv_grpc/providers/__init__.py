@@ -1,4 +1,4 @@
-"""Where servers come from: a local process (the default, no Docker) or Kubernetes pods.
+"""Where servers come from: a local process (the default), a Docker container, or Kubernetes pods.
 
 ``with LocalProcessProvider("echo") as p, p.session(EchoEnv) as env: env.reset()``
 """
@@ -15,3 +15,12 @@ __all__ = [
     "open_session",
     "wait_serving",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``LocalDockerProvider`` and ``cleanup_orphans`` on first use: docker is an extra."""
+    if name in ("LocalDockerProvider", "cleanup_orphans"):
+        from openenv_grpc.providers import docker_provider
+
+        return getattr(docker_provider, name)
+    raise AttributeError(name)
