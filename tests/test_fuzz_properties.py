@@ -14,15 +14,21 @@ nested Structs) and raw frames of arbitrary bytes. Properties:
 * a neighbour session opened at module start keeps stepping correctly throughout;
 * afterwards, every env the server created is closed and no session is left.
 
+NaN and infinities are generated too, strictly (bugs 3 and 4 in docs/reliability.md, fixed
+in 0d3adcb): a tool call carrying one is refused with INVALID_ARGUMENT and the toolbox's
+message, and an info map carrying one reaches the client intact.
+
 Hypothesis's example database is off (nothing written to the repo); a failure prints the
 reproducing example and a ``@reproduce_failure`` blob.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import queue
 import random
+import textwrap
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -36,12 +42,19 @@ from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from openenv_grpc import EnvError
 from openenv_grpc.codec import info_from_struct, info_to_struct
 from openenv_grpc.metadata import ADMITTED_KEY
 from openenv_grpc.testing import ServerProcess
 from openenv_grpc.tools.v1.tools_pb2 import ToolCall
 from openenv_grpc.v1 import session_pb2 as pb
-from openenv_grpc_envs.echo import EchoAction, EchoEnv, EchoObservation, EchoResetOptions
+from openenv_grpc_envs.echo import (
+    AsyncEchoEnv,
+    EchoAction,
+    EchoEnv,
+    EchoObservation,
+    EchoResetOptions,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -594,8 +607,12 @@ def test_raw_frames_are_answered_or_end_their_stream_cleanly(fuzzed: Fuzzed, fra
 # Tool calls are the one place the echo env interprets client-built JSON: a bad argument is
 # the caller's mistake (INVALID_ARGUMENT, the episode goes on) or a tool error the agent can
 # read (a result with is_error); never the env failing (INTERNAL, the episode broken).
+#: NaN and the infinities, drawn often (st.floats() alone rarely gives them).
+non_finite = st.sampled_from([math.nan, math.inf, -math.inf])
+#: Arguments the echo tools accept, so that some calls get past the schema.
+plausible = st.one_of(st.sampled_from(["banana", "a", "", "xyz"]), st.integers(-3, 200))
 json_any_float = st.recursive(
-    st.one_of(st.none(), st.booleans(), st.floats(), st.text(max_size=10)),
+    st.one_of(st.none(), st.booleans(), st.floats(), non_finite, plausible, st.text(max_size=10)),
     lambda inner: st.one_of(
         st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)
     ),
@@ -603,13 +620,29 @@ json_any_float = st.recursive(
 )
 
 
+random_tool_arguments = st.dictionaries(
+    st.sampled_from(["message", "letter", "last"]), json_any_float, max_size=3
+)
+#: Arguments shaped like each echo tool's (the right names, mostly the right types), so
+#: that calls also get past the schema and run; NaN and infinities still turn up.
+tool_shaped_arguments = {
+    "count": st.fixed_dictionaries(
+        {"message": st.text(max_size=8), "letter": st.one_of(st.text(max_size=2), non_finite)}
+    ),
+    "reverse": st.fixed_dictionaries({"message": st.one_of(st.text(max_size=8), non_finite)}),
+    "history": st.fixed_dictionaries(
+        {}, optional={"last": st.one_of(st.integers(-3, 200), non_finite, st.floats())}
+    ),
+}
+
+
 @settings(COMMON, max_examples=150)
 @example(name="count", arguments={"message": "abc", "letter": math.nan})
 @example(name="history", arguments={"last": math.inf})
 @given(
-    name=tool_names,
-    arguments=st.dictionaries(
-        st.sampled_from(["message", "letter", "last"]), json_any_float, max_size=3
+    name=st.shared(tool_names, key="tool"),
+    arguments=st.shared(tool_names, key="tool").flatmap(
+        lambda name: st.one_of(random_tool_arguments, tool_shaped_arguments.get(name, st.nothing()))
     ),
 )
 def test_tool_calls_never_break_the_episode(
@@ -635,13 +668,68 @@ def test_tool_calls_never_break_the_episode(
                 f"tool call {name}({arguments!r}) broke the episode: "
                 f"{response.error.code} {response.error.message}"
             )
+            # Refused by the toolbox (unknown tool or a bad argument), which says why.
+            assert response.error.message.startswith(("tool ", "no tool named ")), (
+                response.error.message
+            )
+            if not _finite(arguments):
+                _count("tool:non-finite:refused")
         else:
+            # Every echo tool takes strings and integers: NaN or an infinity anywhere in
+            # the arguments is a bad argument, never something a tool gets to see.
+            assert _finite(arguments), f"tool call {name}({arguments!r}) was not refused"
             observation = EchoObservation.FromString(response.result.observation.value)
             _count("tool:is_error" if observation.tool_result.is_error else "tool:ok")
+        # The episode goes on: a plain step right after counts as the first step.
+        after = pb.SessionRequest(request_id=3)
+        after.step.action.CopyFrom(
+            _any(ACTION_URL, EchoAction(message="after").SerializeToString())
+        )
+        outcome = stream.send(after.SerializeToString())
+        assert isinstance(outcome, bytes), outcome
+        model.check(after, pb.SessionResponse.FromString(outcome))
         stream.finish()
     finally:
         stream.abandon()
         fuzzed.after_example()
+
+
+#: Tool calls with non-finite arguments, and what the toolbox says about each.
+NON_FINITE_TOOL_CALLS = [
+    (
+        "count",
+        {"message": "abc", "letter": math.nan},
+        "argument 'letter' must be string, got float",
+    ),
+    ("history", {"last": math.inf}, "argument 'last' must be finite, got inf"),
+    ("history", {"last": -math.inf}, "argument 'last' must be finite, got -inf"),
+    ("history", {"last": math.nan}, "argument 'last' must be finite, got nan"),
+    ("reverse", {"message": [math.nan]}, "argument 'message' must be string, got list"),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "arguments", "message"),
+    NON_FINITE_TOOL_CALLS,
+    ids=[f"{n}-{k}={v}" for n, a, _ in NON_FINITE_TOOL_CALLS for k, v in list(a.items())[-1:]],
+)
+def test_non_finite_tool_arguments_are_refused_with_the_toolbox_message(
+    fuzzed: Fuzzed, name: str, arguments: dict[str, Any], message: str
+) -> None:
+    """Bug 3 (fixed in 0d3adcb): these answered INTERNAL and broke the episode."""
+    with EchoEnv(fuzzed.server.target) as env:
+        env.reset()
+        call = ToolCall(name=name, call_id="nf")
+        call.arguments.update(arguments)
+        with pytest.raises(EnvError) as refused:
+            env.step(EchoAction(tool_call=call))
+        assert refused.value.code is grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.message == f"tool {name!r}: {message}"
+        # The episode goes on, and the refused call was not counted as a step.
+        result = env.step(EchoAction(message="after"))
+        assert (result.step_count, result.observation.echoed_message) == (1, "after")
+    _count("tool:non-finite:explicit")
+    fuzzed.after_example()
 
 
 # The info map of a result travels as a Struct: the server builds it with info_to_struct,
@@ -650,7 +738,12 @@ def test_tool_calls_never_break_the_episode(
 # JSON-like values must come back equal.
 info_values = st.recursive(
     st.one_of(
-        st.none(), st.booleans(), st.floats(), st.integers(-(2**53), 2**53), st.text(max_size=10)
+        st.none(),
+        st.booleans(),
+        st.floats(),
+        non_finite,
+        st.integers(-(2**53), 2**53),
+        st.text(max_size=10),
     ),
     lambda inner: st.one_of(
         st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)
@@ -669,19 +762,93 @@ def _finite(value: Any) -> bool:
     return True
 
 
+def _same(sent: Any, received: Any) -> bool:
+    """Equal as JSON-like values, where NaN equals NaN (numbers arrive as floats)."""
+    if isinstance(sent, float) and math.isnan(sent):
+        return isinstance(received, float) and math.isnan(received)
+    if isinstance(sent, list):
+        return (
+            isinstance(received, list)
+            and len(sent) == len(received)
+            and all(_same(a, b) for a, b in zip(sent, received, strict=True))
+        )
+    if isinstance(sent, dict):
+        return (
+            isinstance(received, dict)
+            and set(sent) == set(received)
+            and all(_same(sent[k], received[k]) for k in sent)
+        )
+    if isinstance(sent, bool) or sent is None:
+        return received is sent
+    if isinstance(sent, str):
+        return received == sent
+    return isinstance(received, float) and received == sent  # every number arrives a float
+
+
 @settings(COMMON, max_examples=200)
 @example(info={"loss": math.nan})
 @example(info={"bound": math.inf})
+@example(info={"low": -math.inf, "nested": {"l": [math.nan, 1, None, True]}})
 @given(info=st.dictionaries(st.text(max_size=8), info_values, max_size=4))
 def test_info_maps_survive_the_wire(info: dict[str, Any]) -> None:
     struct = struct_pb2.Struct()
     info_to_struct(info, struct)
     received = struct_pb2.Struct.FromString(struct.SerializeToString())
     decoded = info_from_struct(received)  # what every client does with a step's info
-    _count("info:decoded")
-    assert set(decoded) == set(info)
-    if _finite(info):
-        assert decoded == info
+    _count("info:decoded" if _finite(info) else "info:decoded:non-finite")
+    # Every value comes back, NaN and infinities included (bug 4, fixed in 0d3adcb).
+    assert _same(info, decoded), (info, decoded)
+
+
+#: An echo env whose every step reports non-finite numbers in its info map; written to
+#: a temporary directory and served from there.
+NON_FINITE_INFO_ENV = textwrap.dedent(
+    """
+    import math
+
+    from openenv_grpc import Transition
+    from openenv_grpc_envs.echo import EchoEnvironment
+
+    class NonFiniteInfoEcho(EchoEnvironment):
+        def step(self, action):
+            done = super().step(action)
+            info = {"loss": math.nan, "bound": math.inf, "low": -math.inf,
+                    "nested": {"l": [math.nan, 2.5, None]}, "lives": 3}
+            return Transition(done.observation, done.reward, done.terminated,
+                              done.truncated, info=info)
+    """
+)
+
+
+def _check_non_finite_info(info: dict[str, Any]) -> None:
+    assert set(info) == {"loss", "bound", "low", "nested", "lives"}, info
+    assert math.isnan(info["loss"])
+    assert (info["bound"], info["low"], info["lives"]) == (math.inf, -math.inf, 3.0)
+    assert math.isnan(info["nested"]["l"][0]) and info["nested"]["l"][1:] == [2.5, None]
+
+
+def test_non_finite_info_reaches_sync_and_async_clients(tmp_path: Path) -> None:
+    """Bug 4 (fixed in 0d3adcb): every client step raised ValueError on such an info map."""
+    (tmp_path / "non_finite_info_env.py").write_text(NON_FINITE_INFO_ENV)
+    server = ServerProcess("non_finite_info_env:NonFiniteInfoEcho", pythonpath=[tmp_path])
+    try:
+        with EchoEnv(server.target) as env:
+            env.reset()
+            for k in range(3):
+                result = env.step(EchoAction(message=f"m{k}"))
+                assert result.step_count == k + 1
+                _check_non_finite_info(result.info)
+
+        async def async_client() -> None:
+            async with AsyncEchoEnv(server.target) as env:
+                await env.reset()
+                result = await env.step(EchoAction(message="a"))
+                _check_non_finite_info(result.info)
+
+        asyncio.run(async_client())
+        _count("info:non-finite:over-the-wire")
+    finally:
+        server.stop()
 
 
 def test_nested_struct_helper_matches_protobuf() -> None:
