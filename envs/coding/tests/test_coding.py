@@ -167,14 +167,14 @@ def test_infinite_loop_hits_the_cpu_limit(env: CodingEnv) -> None:
 
 def test_sleeping_forever_hits_the_wall_limit(env: CodingEnv) -> None:
     env.reset(options=CodingResetOptions(limits=SHORT))
-    obs, took = run(env, "import time\ntime.sleep(100)")
+    obs, _ = run(env, "import time\ntime.sleep(100)")
     assert obs.limit == Limit.LIMIT_WALL_TIME
     assert obs.exit_code == -9
     assert obs.wall_seconds >= 1.4
 
 
 def test_memory_bomb_hits_the_memory_limit(env: CodingEnv) -> None:
-    obs, took = run(env, "chunks = []\nwhile True:\n    chunks.append(bytearray(16 << 20))")
+    obs, _ = run(env, "chunks = []\nwhile True:\n    chunks.append(bytearray(16 << 20))")
     assert obs.limit == Limit.LIMIT_MEMORY
     assert obs.exit_code == 1
     assert obs.stderr.splitlines()[-1] == "MemoryError"
@@ -183,7 +183,7 @@ def test_memory_bomb_hits_the_memory_limit(env: CodingEnv) -> None:
 def test_fork_bomb_is_contained_and_cleaned_up(server: ServerProcess, env: CodingEnv) -> None:
     env.reset(options=CodingResetOptions(limits=SHORT))
     state = env.state()
-    obs, took = run(env, FORK_BOMB)
+    obs, _ = run(env, FORK_BOMB)
     assert obs.limit == Limit.LIMIT_PROCESSES
     assert_no_strays(state)
     # The server and the session are fine.
@@ -212,7 +212,7 @@ def test_background_processes_end_with_the_run(env: CodingEnv) -> None:
 
 
 def test_huge_output_is_truncated(env: CodingEnv) -> None:
-    obs, took = run(env, "while True:\n    print('x' * 1000)")
+    obs, _ = run(env, "while True:\n    print('x' * 1000)")
     assert obs.limit == Limit.LIMIT_OUTPUT
     assert obs.stdout_truncated and not obs.stderr_truncated
     assert len(obs.stdout) == 4096
