@@ -11,7 +11,7 @@ NODE_CLIENT := clients/node/node_modules/.installed
 GOPATH_DIR := build/gopath
 
 .PHONY: install serve test pytest lint proto proto-check clean bench-echo clients go-play \
-	buf-breaking system-deps image dockerd
+	buf-breaking system-deps image dockerd bench
 
 # `local` = the registry-free debootstrap base; python:3.11-slim where a registry is reachable
 BASE_IMAGE ?= local
@@ -84,6 +84,11 @@ clean:
 ## bench-echo: step latency at 1 session and throughput at 64 (numbers go to docs/benchmarks.md)
 bench-echo: $(VENV)/.installed
 	$(PY) -m bench.echo_load --sessions 1 64 --seconds 5
+
+BENCH ?= --quick
+## bench: openenv-grpc vs OpenEnv side by side (BENCH=--full for the big run)
+bench: $(VENV)/.installed
+	$(PY) -m bench.run $(BENCH)
 
 ## image: the container image of one environment: make image ENV=echo [BASE_IMAGE=python:3.11-slim]
 image:

@@ -32,9 +32,16 @@ class PayloadError(ValueError):
     """An Any payload is missing, of the wrong type, or undecodable."""
 
 
+_TYPE_URLS: dict[type[Message], str] = {}
+
+
 def type_url(message_class: type[Message]) -> str:
-    """The Any type url of ``message_class``."""
-    return TYPE_URL_PREFIX + message_class.DESCRIPTOR.full_name
+    """The Any type url of ``message_class`` (computed once per class: clients pack every
+    action through here)."""
+    url = _TYPE_URLS.get(message_class)
+    if url is None:
+        url = _TYPE_URLS[message_class] = TYPE_URL_PREFIX + message_class.DESCRIPTOR.full_name
+    return url
 
 
 def pack_into(target: any_pb2.Any, message: Message, url: str) -> None:

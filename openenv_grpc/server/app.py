@@ -53,6 +53,11 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, Any]]:
         # gRPC turns SO_REUSEPORT on by default: a second server would then silently share
         # the port. Off, so binding a taken port fails loudly -- unless workers share it.
         ("grpc.so_reuseport", 1 if config.workers > 1 else 0),
+        # gRPC cancels new calls at random beyond 1,000 waiting for the application (all
+        # beyond 3,000): a burst of session opens would see CANCELLED instead of either a
+        # session or our RESOURCE_EXHAUSTED. The limiter is the admission control.
+        ("grpc.server.max_pending_requests", 1_000_000),
+        ("grpc.server.max_pending_requests_hard_limit", 1_000_000),
     ]
 
 

@@ -72,25 +72,41 @@ def tool(fn: F | None = None, *, name: str | None = None, description: str | Non
 
 @dataclass(frozen=True, slots=True)
 class _Entry:
-    function: Callable[..., Any]
+    attribute: str
     spec: Tool
     schema: dict[str, Any]
+
+
+_Catalogue = tuple[dict[str, _Entry], ToolList]
+_CATALOGUES: dict[type, _Catalogue] = {}
+
+
+def _catalogue(owner_type: type) -> _Catalogue:
+    """The tools a class defines, worked out once per class (an env makes one Toolbox per
+    instance, and a server makes thousands of instances)."""
+    known = _CATALOGUES.get(owner_type)
+    if known is not None:
+        return known
+    entries: dict[str, _Entry] = {}
+    for attribute in sorted(dir(owner_type)):
+        function = getattr(owner_type, attribute, None)
+        mark = getattr(function, _MARK, None)
+        if isinstance(mark, _ToolMark):
+            assert function is not None
+            schema = _schema(function, skip_self=True)
+            spec = Tool(name=mark.name, description=mark.description)
+            spec.input_schema.update(schema)
+            entries[mark.name] = _Entry(attribute, spec, schema)
+    _CATALOGUES[owner_type] = entries, ToolList(tools=[e.spec for e in entries.values()])
+    return _CATALOGUES[owner_type]
 
 
 class Toolbox:
     """The tools of one object (usually an environment instance), by name."""
 
     def __init__(self, owner: object) -> None:
-        self._entries: dict[str, _Entry] = {}
-        for attribute in sorted(dir(type(owner))):
-            mark = getattr(getattr(type(owner), attribute, None), _MARK, None)
-            if isinstance(mark, _ToolMark):
-                function = getattr(owner, attribute)
-                schema = _schema(function)
-                spec = Tool(name=mark.name, description=mark.description)
-                spec.input_schema.update(schema)
-                self._entries[mark.name] = _Entry(function, spec, schema)
-        self._list = ToolList(tools=[entry.spec for entry in self._entries.values()])
+        self._owner = owner
+        self._entries, self._list = _catalogue(type(owner))
 
     def list(self) -> ToolList:
         """Every tool, sorted by method name."""
@@ -110,7 +126,7 @@ class Toolbox:
         _check_arguments(call.name, entry.schema, arguments)
         result = ToolResult(call_id=call.call_id, name=call.name)
         try:
-            value = entry.function(**arguments)
+            value = getattr(self._owner, entry.attribute)(**arguments)
         except Exception as exc:  # the tool failed: the agent gets to read why
             result.is_error = True
             result.error = f"{type(exc).__name__}: {exc}"
@@ -119,11 +135,12 @@ class Toolbox:
         return result
 
 
-def _schema(function: Callable[..., Any]) -> dict[str, Any]:
+def _schema(function: Callable[..., Any], skip_self: bool) -> dict[str, Any]:
     hints = typing.get_type_hints(function)
     properties: dict[str, Any] = {}
     required: list[str] = []
-    for parameter in inspect.signature(function).parameters.values():
+    parameters = list(inspect.signature(function).parameters.values())
+    for parameter in parameters[1:] if skip_self else parameters:
         if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
             raise TypeError(f"tool {function.__name__}: *args and **kwargs have no schema")
         annotation = hints.get(parameter.name)
