@@ -84,3 +84,28 @@ def test_a_killed_worker_is_replaced(start_server) -> None:
     server.wait_until(replaced, timeout=20, what="a replacement worker serving")
     assert victim not in asyncio.run(pids())
     assert server.proc.poll() is None  # the supervisor lives on
+
+
+def test_workers_do_not_outlive_a_killed_supervisor(start_server) -> None:
+    import os
+    import signal
+
+    server = start_server("support.envs:CountingEchoEnv", "--workers", "2")
+
+    async def pids() -> set[int]:
+        async with AioChannelPool(server.target, size=8) as pool:
+            return {pid for pid, _ in [await _worker_of(c) for c in pool.channels]}
+
+    workers = asyncio.run(pids())
+    os.kill(server.proc.pid, signal.SIGKILL)  # not the group: only the supervisor
+
+    def gone() -> bool:
+        for pid in workers:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                continue
+            return False
+        return True
+
+    server.wait_until(gone, timeout=40, what="the orphaned workers to drain and exit")

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -152,9 +154,16 @@ class EnvServer:
             await self._server.wait_for_termination()
 
 
+def say(line: str) -> None:
+    """One status line on stdout in a single write, so workers sharing the pipe never
+    interleave (tools parse these lines)."""
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), f"{line}\n".encode())
+
+
 def _announce(name: str, host: str, port: int) -> None:
     # Tests and tools wait for this line; it carries the port actually bound.
-    print(f"openenv-grpc: serving {name} on {host}:{port}", flush=True)
+    say(f"openenv-grpc: serving {name} on {host}:{port}")
 
 
 async def _serve(
@@ -171,12 +180,12 @@ async def _serve(
     port = await server.start()
     host = config.address.rpartition(":")[0]
     if server.metrics_port is not None:
-        print(f"openenv-grpc: metrics on http://{host}:{server.metrics_port}/metrics", flush=True)
+        say(f"openenv-grpc: metrics on http://{host}:{server.metrics_port}/metrics")
     on_ready(server.spec.name, host, port)
     await stop.wait()
     log.info("signal received: draining (grace %.1fs)", config.grace_period)
     await server.drain()
-    print("openenv-grpc: drained, every environment closed", flush=True)
+    say("openenv-grpc: drained, every environment closed")
 
 
 def serve(factory: Callable[[], Any], config: ServerConfig | None = None) -> int:
@@ -192,10 +201,7 @@ def serve(factory: Callable[[], Any], config: ServerConfig | None = None) -> int
 
         def announce(port: int) -> None:
             host = config.address.rpartition(":")[0]
-            print(
-                f"openenv-grpc: serving {spec.name} on {host}:{port} with {config.workers} workers",
-                flush=True,
-            )
+            say(f"openenv-grpc: serving {spec.name} on {host}:{port} with {config.workers} workers")
 
         return serve_workers(run_worker, config, announce)
     asyncio.run(_serve(factory, config))

@@ -10,6 +10,7 @@ worker drains, restarts a worker that dies unexpectedly, and exits 0 once all dr
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import logging
 import os
@@ -61,6 +62,7 @@ def serve_workers(
     only fail again).
     """
     holder, port = (None, config.port) if config.port else _reserve_port(config.host)
+    parent = os.getpid()
     ready_read, ready_write = os.pipe()
     stopping = False
     workers: dict[int, int] = {}  # pid -> worker index
@@ -72,6 +74,8 @@ def serve_workers(
             # SIGTERM until every worker is gone, so none is lost).
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
+            # If the supervisor is killed outright, its workers drain instead of living on.
+            _die_with_parent(parent)
             os.close(ready_read)
             code = 0
 
@@ -142,3 +146,17 @@ def _wait_ready(ready: int, count: int, workers: dict[int, int]) -> bool:
             log.error("a worker exited before it could serve")
             return False
     return True
+
+
+def _die_with_parent(parent: int) -> None:
+    """Ask the kernel to send this process SIGTERM when its parent dies (Linux)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        return  # not Linux: the supervisor's own SIGTERM forwarding still applies
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)
+
+
+_PR_SET_PDEATHSIG = 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -53,6 +54,7 @@ class ServerProcess:
             [sys.executable, "-m", "openenv_grpc", "serve", env,
              "--host", "127.0.0.1", "--port", "0", *args],
             stdout=subprocess.PIPE, stderr=self._stderr, env=environ, text=True,
+            start_new_session=True,  # its own process group: stop() ends workers too
         )  # fmt: skip
         self.stdout_lines: list[str] = []
         self._announced = threading.Event()
@@ -117,4 +119,6 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+        with contextlib.suppress(ProcessLookupError):  # workers or env children left over
+            os.killpg(self.proc.pid, signal.SIGKILL)
         self._stderr.close()
