@@ -108,10 +108,6 @@ class EnvRunner:
             return
         self._pool.submit(_close_quietly, self.env)
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     async def close(self) -> None:
         """Close the env exactly once; later calls do nothing.
 
