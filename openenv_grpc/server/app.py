@@ -20,13 +20,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from openenv_grpc.server.activity import Activity
 from openenv_grpc.server.auth import TokenAuthInterceptor
 from openenv_grpc.server.config import ServerConfig
 from openenv_grpc.server.isolated import IsolatedPool
 from openenv_grpc.server.limiter import SessionLimiter
 from openenv_grpc.server.metrics import (
-    NO_METRICS,
     Metrics,
+    MetricsTee,
     PrometheusMetrics,
     start_metrics_server,
 )
@@ -96,18 +97,21 @@ class EnvServer:
             [TokenAuthInterceptor(self.config.auth_token)] if self.config.auth_token else []
         )
         limiter = SessionLimiter(self.config.capacity)
-        metrics: Metrics = NO_METRICS
+        activity = Activity()
+        metrics: Metrics = activity
         if self.config.metrics_port >= 0:
             prometheus = PrometheusMetrics(limiter, self.spec.name)
             host = self.config.host.strip("[]")
             self.metrics_port = start_metrics_server(prometheus, host, self.config.metrics_port)
-            metrics = prometheus
+            metrics = MetricsTee(activity, prometheus)
         if self.config.isolated:
             call_timeout = self.config.step_timeout or self.spec.env_class.step_timeout or None
-            self._isolated = IsolatedPool(self.spec.factory, self.config.isolated, call_timeout)
+            self._isolated = IsolatedPool(
+                self.spec.factory, self.config.isolated, call_timeout, metrics
+            )
             self._isolated.start()
         self._sessions = SessionManager(
-            self.spec, self.config, self._pool, limiter, metrics, self._isolated
+            self.spec, self.config, self._pool, limiter, metrics, self._isolated, activity
         )
         server = grpc.aio.server(options=grpc_options(self.config), interceptors=interceptors)
         add_env_service(EnvServicer(self._sessions), server)

@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import multiprocessing
 import struct
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
@@ -30,6 +31,7 @@ from openenv_grpc.server.backend import (
     SessionLostError,
     UndecodableRequest,
 )
+from openenv_grpc.server.metrics import NO_METRICS, Metrics
 from openenv_grpc.server.runner import EnvRunner
 from openenv_grpc.server.spec import EnvSpec, ExecutionMode
 
@@ -40,8 +42,8 @@ log = logging.getLogger(__name__)
 _HEADER = struct.Struct("<QB")  # env id, operation or status
 # Front -> worker operations.
 _CREATE, _REQUEST, _CLOSE = 1, 2, 3
-# Worker -> front statuses.
-_OK, _CLOSED, _FAILED, _UNDECODABLE = 0, 1, 2, 3
+# Worker -> front statuses (_STEPPED: an answered step, which the front counts).
+_OK, _CLOSED, _FAILED, _UNDECODABLE, _STEPPED = 0, 1, 2, 3, 4
 
 
 # -- the worker process ---------------------------------------------------------------
@@ -61,6 +63,7 @@ async def _worker_loop(
         spec = dataclasses.replace(spec, mode=ExecutionMode.INLINE)
     backends: dict[int, LocalBackend] = {}
     loop = asyncio.get_running_loop()
+    steps = _StepFlag()
 
     async def new_runner() -> EnvRunner:
         return await EnvRunner.create(spec, pool=_NO_POOL)
@@ -74,16 +77,17 @@ async def _worker_loop(
         payload = frame[_HEADER.size :]
         if op == _REQUEST:
             backend = backends[env_id]
+            steps.stepped = False
             try:
                 answer = await backend.handle(payload)
             except UndecodableRequest as exc:
                 conn.send_bytes(_HEADER.pack(env_id, _UNDECODABLE) + str(exc).encode())
                 continue
-            status = _CLOSED if backend.closed else _OK
+            status = _CLOSED if backend.closed else _STEPPED if steps.stepped else _OK
             conn.send_bytes(_HEADER.pack(env_id, status) + answer)
         elif op == _CREATE:
             try:
-                backends[env_id] = await LocalBackend.open(spec, new_runner, call_timeout)
+                backends[env_id] = await LocalBackend.open(spec, new_runner, call_timeout, steps)
             except Exception as exc:
                 log.exception("environment factory raised")
                 message = f"{type(exc).__name__}: {exc}".encode()
@@ -97,6 +101,28 @@ async def _worker_loop(
             conn.send_bytes(_HEADER.pack(env_id, _OK))
     for backend in backends.values():
         await backend.close()
+
+
+class _StepFlag:
+    """The worker's metrics sink: notes that a request was a completed step, so the front
+    can count it (the front forwards request bytes without parsing them)."""
+
+    __slots__ = ("stepped",)
+
+    def __init__(self) -> None:
+        self.stepped = False
+
+    def session_refused(self, reason: str) -> None:
+        pass
+
+    def session_ended(self, seconds: float, reason: str) -> None:
+        pass
+
+    def step(self, seconds: float) -> None:
+        self.stepped = True
+
+    def request_error(self, code: str) -> None:
+        pass
 
 
 class _NoPool:
@@ -126,9 +152,16 @@ class _Worker:
 class IsolatedPool:
     """Worker processes that host env instances for the sessions of this server."""
 
-    def __init__(self, factory: Callable[[], Any], size: int, call_timeout: float | None) -> None:
+    def __init__(
+        self,
+        factory: Callable[[], Any],
+        size: int,
+        call_timeout: float | None,
+        metrics: Metrics = NO_METRICS,
+    ) -> None:
         if size < 1:
             raise ValueError(f"isolated pool size must be >= 1, got {size}")
+        self.metrics = metrics
         self._factory = factory
         self._size = size
         self._call_timeout = call_timeout
@@ -248,8 +281,12 @@ class IsolatedBackend:
         self.closed = False
 
     async def handle(self, raw: bytes) -> bytes:
+        started = time.perf_counter()
         status, payload = await self._pool.call(self._worker, self._env_id, _REQUEST, raw)
-        if status == _UNDECODABLE:
+        if status == _STEPPED:
+            # Measured here, so the step's time includes the hop to the worker and back.
+            self._pool.metrics.step(time.perf_counter() - started)
+        elif status == _UNDECODABLE:
             raise UndecodableRequest(payload.decode(errors="replace"))
         self.closed = status == _CLOSED
         return payload

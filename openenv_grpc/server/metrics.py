@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from openenv_grpc.server.limiter import SessionLimiter
 
-__all__ = ["NO_METRICS", "Metrics", "PrometheusMetrics", "start_metrics_server"]
+__all__ = ["NO_METRICS", "Metrics", "MetricsTee", "PrometheusMetrics", "start_metrics_server"]
 
 _STEP_BUCKETS = (
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
@@ -48,6 +48,32 @@ class _NoMetrics:
 
 #: The stand-in when metrics are off.
 NO_METRICS: Metrics = _NoMetrics()
+
+
+class MetricsTee:
+    """Reports to two sinks (the always-on activity counters and Prometheus)."""
+
+    __slots__ = ("_first", "_second")
+
+    def __init__(self, first: Metrics, second: Metrics) -> None:
+        self._first = first
+        self._second = second
+
+    def session_refused(self, reason: str) -> None:
+        self._first.session_refused(reason)
+        self._second.session_refused(reason)
+
+    def session_ended(self, seconds: float, reason: str) -> None:
+        self._first.session_ended(seconds, reason)
+        self._second.session_ended(seconds, reason)
+
+    def step(self, seconds: float) -> None:
+        self._first.step(seconds)
+        self._second.step(seconds)
+
+    def request_error(self, code: str) -> None:
+        self._first.request_error(code)
+        self._second.request_error(code)
 
 
 class PrometheusMetrics:

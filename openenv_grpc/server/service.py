@@ -60,6 +60,7 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
         response.capacity.active_sessions = limiter.active
         response.capacity.draining = limiter.draining
         response.capacity.workers = self._workers
+        self._sessions.activity.fill(response.activity, limiter)
         return response
 
 

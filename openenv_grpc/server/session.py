@@ -20,6 +20,7 @@ from concurrent.futures import Executor
 import grpc
 
 from openenv_grpc.metadata import ADMITTED_KEY, RETRY_PUSHBACK_KEY, SESSION_ID_KEY
+from openenv_grpc.server.activity import Activity
 from openenv_grpc.server.backend import (
     EnvFactoryError,
     LocalBackend,
@@ -91,12 +92,15 @@ class SessionManager:
         limiter: SessionLimiter,
         metrics: Metrics = NO_METRICS,
         isolated: IsolatedPool | None = None,
+        activity: Activity | None = None,
     ) -> None:
         self._isolated = isolated
         self.spec = spec
         self.config = config
         self.limiter = limiter
         self._metrics = metrics
+        #: Counters for the Info RPC; ``metrics`` must report to it (the server wires both).
+        self.activity = activity if activity is not None else Activity()
         self._pool = pool
         self._live: set[_LiveSession] = set()
         self._reaper: asyncio.Task[None] | None = None

@@ -384,6 +384,7 @@ class InfoResponse(_message.Message):
     SERVER_VERSION_FIELD_NUMBER: _builtins.int
     PROTOCOL_FIELD_NUMBER: _builtins.int
     SERVER_PID_FIELD_NUMBER: _builtins.int
+    ACTIVITY_FIELD_NUMBER: _builtins.int
     env_name: _builtins.str
     """The environment's name, e.g. "echo"."""
     env_version: _builtins.str
@@ -412,6 +413,10 @@ class InfoResponse(_message.Message):
     def capacity(self) -> Global___Capacity:
         """How many sessions the server admits and holds."""
 
+    @_builtins.property
+    def activity(self) -> Global___Activity:
+        """What the answering process has done since it started (for dashboards and consoles)."""
+
     def __init__(
         self,
         *,
@@ -427,10 +432,11 @@ class InfoResponse(_message.Message):
         server_version: _builtins.str = ...,
         protocol: _builtins.str = ...,
         server_pid: _builtins.int = ...,
+        activity: Global___Activity | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "descriptors", b"descriptors"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["activity", b"activity", "capacity", b"capacity", "descriptors", b"descriptors"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action_type", b"action_type", "capacity", b"capacity", "descriptors", b"descriptors", "env_description", b"env_description", "env_name", b"env_name", "env_version", b"env_version", "observation_type", b"observation_type", "protocol", b"protocol", "reset_options_type", b"reset_options_type", "server_pid", b"server_pid", "server_version", b"server_version", "state_type", b"state_type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action_type", b"action_type", "activity", b"activity", "capacity", b"capacity", "descriptors", b"descriptors", "env_description", b"env_description", "env_name", b"env_name", "env_version", b"env_version", "observation_type", b"observation_type", "protocol", b"protocol", "reset_options_type", b"reset_options_type", "server_pid", b"server_pid", "server_version", b"server_version", "state_type", b"state_type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -471,3 +477,41 @@ class Capacity(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Capacity: _TypeAlias = Capacity  # noqa: Y015
+
+@_typing.final
+class Activity(_message.Message):
+    """Activity counts what the process that answered has done since it started. Counters only
+    grow; a reader derives rates (steps per second) from two readings and uptime_seconds.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEPS_FIELD_NUMBER: _builtins.int
+    SESSIONS_OPENED_FIELD_NUMBER: _builtins.int
+    SESSIONS_REFUSED_FIELD_NUMBER: _builtins.int
+    UPTIME_SECONDS_FIELD_NUMBER: _builtins.int
+    steps: _builtins.int
+    """Steps the environment completed, in every session of this process (refused or failed
+    steps are not counted).
+    """
+    sessions_opened: _builtins.int
+    """Sessions admitted, including those open now."""
+    sessions_refused: _builtins.int
+    """Sessions refused (server full or draining)."""
+    uptime_seconds: _builtins.float
+    """Seconds since the process started serving (monotonic clock)."""
+    def __init__(
+        self,
+        *,
+        steps: _builtins.int = ...,
+        sessions_opened: _builtins.int = ...,
+        sessions_refused: _builtins.int = ...,
+        uptime_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["sessions_opened", b"sessions_opened", "sessions_refused", b"sessions_refused", "steps", b"steps", "uptime_seconds", b"uptime_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Activity: _TypeAlias = Activity  # noqa: Y015

@@ -1,0 +1,47 @@
+"""What a server process has done since it started, kept whatever the metrics setting.
+
+The Info RPC reports these counters, so a console or dashboard can show steps per second
+and sessions without scraping Prometheus. Counting is a plain integer increment on the
+event loop thread (no lock), cheap enough to be always on.
+"""
+
+from __future__ import annotations
+
+import time
+
+from openenv_grpc.server.limiter import SessionLimiter
+from openenv_grpc.v1 import session_pb2 as pb
+
+__all__ = ["Activity"]
+
+
+class Activity:
+    """Counters fed through the :class:`~openenv_grpc.server.metrics.Metrics` calls."""
+
+    __slots__ = ("_started", "sessions_ended", "sessions_refused", "steps")
+
+    def __init__(self) -> None:
+        self._started = time.monotonic()
+        self.steps = 0
+        self.sessions_ended = 0
+        self.sessions_refused = 0
+
+    def session_refused(self, reason: str) -> None:
+        self.sessions_refused += 1
+
+    def session_ended(self, seconds: float, reason: str) -> None:
+        self.sessions_ended += 1
+
+    def step(self, seconds: float) -> None:
+        self.steps += 1
+
+    def request_error(self, code: str) -> None:
+        pass
+
+    def fill(self, target: pb.Activity, limiter: SessionLimiter) -> None:
+        """Write the counters into an Info response's ``activity``; sessions open now
+        (held by ``limiter``) count as opened."""
+        target.steps = self.steps
+        target.sessions_opened = self.sessions_ended + limiter.active
+        target.sessions_refused = self.sessions_refused
+        target.uptime_seconds = time.monotonic() - self._started
