@@ -11,7 +11,7 @@ NODE_CLIENT := clients/node/node_modules/.installed
 GOPATH_DIR := build/gopath
 
 .PHONY: install serve test pytest lint proto proto-check clean bench-echo clients go-play \
-	buf-breaking system-deps image dockerd bench
+	buf-breaking system-deps image dockerd bench console console-screenshot
 
 # `local` = the registry-free debootstrap base; python:3.11-slim where a registry is reachable
 BASE_IMAGE ?= local
@@ -36,7 +36,7 @@ serve: $(VENV)/.installed
 ## test: the whole suite: lint, generated-code drift, wire compatibility, then every test
 test: system-deps lint proto-check buf-breaking pytest
 
-## system-deps: the Debian packages the tests need (Node, Go + grpc-go, protoc), if missing
+## system-deps: the Debian packages the tests need (Node, Go + grpc-go, protoc, Chromium), if missing
 system-deps:
 	bash scripts/install_system_deps.sh
 
@@ -47,6 +47,19 @@ pytest: $(VENV)/.installed $(NODE_CLIENT) $(BUF)
 $(NODE_CLIENT): clients/node/package.json clients/node/package-lock.json
 	npm ci --prefix clients/node --no-audit --no-fund --silent
 	touch $@
+
+## console: a server with the default environment plus its web console on http://127.0.0.1:8080/
+CONSOLE_PORT ?= 8080
+console: $(VENV)/.installed
+	$(VENV)/bin/openenv-grpc serve $(ENV) --host $(HOST) --port $(PORT) & server=$$!; \
+	  trap 'kill $$server' EXIT INT TERM; \
+	  $(VENV)/bin/openenv-grpc console $(HOST):$(PORT) --port $(CONSOLE_PORT)
+
+## console-screenshot: retake the README's console screenshot (an Atari frame) with the browser test
+console-screenshot: $(VENV)/.installed system-deps
+	$(PY) -m pytest -q tests/test_console_browser.py -k atari
+	mkdir -p docs/images
+	cp build/test-artifacts/console/atari.png docs/images/console-atari.png
 
 ## clients: install what the Node client needs (the Go client builds from Debian packages)
 clients: $(NODE_CLIENT)

@@ -1,4 +1,5 @@
-"""The ``openenv-grpc`` command: ``serve`` an environment, ``info`` about a server, ``list``."""
+"""The ``openenv-grpc`` command: ``serve`` an environment, ``info`` about a server,
+``console`` (a web page for a server), ``list``, ``init``."""
 
 from __future__ import annotations
 
@@ -83,6 +84,30 @@ def _parser() -> argparse.ArgumentParser:
     info.add_argument("--key", help="PEM client key (mutual TLS)")
     info.add_argument("--token-env", default="AUTH_TOKEN", help="variable with the bearer token")
 
+    console = commands.add_parser(
+        "console",
+        help="a web page to watch and play a server's env (needs the console extra)",
+        description="Serve a web console for the env server at TARGET: open sessions, "
+        "reset, compose actions in forms made from the env's types, watch observations, "
+        "capacity and steps/s. It is an ordinary gRPC client of TARGET.",
+    )
+    console.add_argument("target", metavar="TARGET", help="the env server, host:port")
+    console.add_argument("--host", default="127.0.0.1", help="address of the web page")
+    console.add_argument("--port", type=int, default=8080, help="port of the web page; 0 = free")
+    console.add_argument("--ca", help="PEM CA file: connect with TLS, trusting this CA")
+    console.add_argument("--cert", help="PEM client certificate (mutual TLS)")
+    console.add_argument("--key", help="PEM client key (mutual TLS)")
+    console.add_argument("--token-env", default="AUTH_TOKEN", help="variable with the bearer token")
+    console.add_argument(
+        "--connect-timeout", type=float, default=10.0, help="seconds to wait for TARGET at start"
+    )
+    console.add_argument(
+        "--call-timeout",
+        type=float,
+        default=60.0,
+        help="seconds to wait for one answer; 0 = no limit",
+    )
+
     commands.add_parser("list", help="list the packaged environments")
     add_init_command(commands)
     return parser
@@ -134,6 +159,32 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _console(args: argparse.Namespace) -> int:
+    try:
+        from openenv_grpc.console import run_console
+    except ImportError as exc:
+        print(
+            f"openenv-grpc: the console needs its extra: pip install 'openenv-grpc[console]' "
+            f"({exc})",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        credentials = tls_credentials(args.ca, args.cert, args.key) if args.ca else None
+    except OSError as exc:
+        print(f"openenv-grpc: {exc}", file=sys.stderr)
+        return 2
+    return run_console(
+        args.target,
+        args.host,
+        args.port,
+        credentials=credentials,
+        token=os.environ.get(args.token_env) or None,
+        call_timeout=args.call_timeout or None,
+        connect_timeout=args.connect_timeout,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "serve":
@@ -142,6 +193,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _info(args)
     if args.command == "init":
         return run_init(args)
+    if args.command == "console":
+        return _console(args)
     for name in available_envs():
         print(name)
     return 0

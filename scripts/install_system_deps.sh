@@ -2,7 +2,8 @@
 # Installs the system packages the test suite needs, only those missing (Debian/Ubuntu):
 # Node.js + npm (buf, the Node client), Go + Debian's packaged grpc-go (the Go client:
 # module downloads fail here, so GOPATH mode; not golang-github-golang-protobuf-1-3-dev,
-# which panics), protoc, and python3-venv.
+# which panics), protoc, python3-venv, and Chromium (the console's browser tests drive
+# Debian's build with Playwright; Playwright's own browser download fails here).
 set -euo pipefail
 
 need() { command -v "$1" >/dev/null 2>&1; }
@@ -18,6 +19,7 @@ if ! need go || ! need protoc || ! need protoc-gen-go || ! need protoc-gen-go-gr
             protoc-gen-go-grpc)
 fi
 python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || missing+=(python3-venv)
+[ -x /usr/bin/chromium ] || missing+=(chromium)
 
 if [ ${#missing[@]} -eq 0 ]; then
   exit 0

@@ -12,7 +12,7 @@ from openenv_grpc.client.channel import auth_metadata, sync_channel
 from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
 
-__all__ = ["fetch_info", "message_classes"]
+__all__ = ["fetch_info", "info_pool", "message_classes"]
 
 
 def fetch_info(
@@ -39,15 +39,24 @@ def fetch_info(
             channel.close()
 
 
-def message_classes(info: pb.InfoResponse) -> dict[str, type[Message]]:
-    """Message classes for the info's four types, built from its FileDescriptorSet alone.
-
-    Uses a private descriptor pool, so it works in a process that never imported the
-    environment's generated code (and never clashes with one that did).
-    """
+def info_pool(info: pb.InfoResponse) -> descriptor_pool.DescriptorPool:
+    """A private descriptor pool holding the info's FileDescriptorSet: it works in a
+    process that never imported the environment's generated code (and never clashes with
+    one that did)."""
     pool = descriptor_pool.DescriptorPool()
     for file in info.descriptors.file:
         pool.Add(file)
+    return pool
+
+
+def message_classes(
+    info: pb.InfoResponse, pool: descriptor_pool.DescriptorPool | None = None
+) -> dict[str, type[Message]]:
+    """Message classes for the info's four types, built from its FileDescriptorSet alone
+    (in ``pool``, by default a new :func:`info_pool`), keyed action, observation, state
+    and reset_options."""
+    if pool is None:
+        pool = info_pool(info)
     names = {
         "action": info.action_type,
         "observation": info.observation_type,
