@@ -14,6 +14,7 @@ from pathlib import Path
 from string import Template
 from typing import Any
 
+import aiohttp
 import grpc
 import pytest
 import yaml
@@ -24,6 +25,7 @@ from openenv_grpc.client import CapacityError, SessionLost, fetch_info
 from openenv_grpc.providers import LocalProcessProvider
 from openenv_grpc.server.service import SERVICE_NAME
 from openenv_grpc_envs.echo import AsyncEchoEnv, EchoAction
+from support.console import ConsoleProcess
 
 ENVOY_DIR = Path(__file__).resolve().parent.parent / "deploy" / "envoy"
 CAPACITY = 120
@@ -301,3 +303,27 @@ def test_deploy_envoy_matches_the_template_and_validates(tmp_path: Path) -> None
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_web_console_plays_through_envoy(mesh: Mesh) -> None:
+    """The console is just a client: pointed at the Envoy listener, its session lands on
+    one backend, and ending the page's socket frees that backend's slot."""
+
+    async def play(console: ConsoleProcess) -> tuple[dict[str, Any], list[int]]:
+        url = console.ws_base + "api/session"
+        async with aiohttp.ClientSession() as http, http.ws_connect(url) as ws:
+            for command in (
+                {"op": "open"},
+                {"op": "reset"},
+                {"op": "step", "action": {"message": "via envoy"}},
+            ):
+                await ws.send_json(command)
+                answer = json.loads((await ws.receive(timeout=30)).data)
+                assert answer["type"] != "error", answer
+            return answer, mesh.active()
+
+    with ConsoleProcess(mesh.envoy.target) as console:
+        answer, active = asyncio.run(play(console))
+    assert answer["observation"]["echoed_message"] == "via envoy"
+    assert sorted(active) == [0, 0, 1]
+    wait_for(lambda: mesh.active() == [0, 0, 0], 15, "the console's session closed")
