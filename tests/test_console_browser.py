@@ -269,3 +269,23 @@ def test_forms_cover_enums_maps_oneofs_and_text_boards(
     assert sent == {"id": "4"}  # int64 travels as a string: exact beyond 2**53
     tab.screenshot("openspiel.png")
     tab.close()
+
+
+def test_wordle_boards_show_as_text_and_unknown_words_as_errors(
+    browser: Browser, start_server, start_console
+) -> None:
+    server = start_server("wordle")
+    console = start_console(server.target)
+    tab = ConsolePage(browser, console)
+    tab.open_session()
+    tab.reset(seed=1)
+    tab.action_field("guess").fill("zzzzz")
+    entry = tab.step()
+    expect(entry).to_have_attribute("data-code", "INVALID_ARGUMENT")
+    expect(tab.banner()).to_contain_text("'zzzzz' is not in the word list")
+    tab.action_field("guess").fill("crane")
+    entry = tab.step()
+    board = entry.locator("tr", has=tab.page.locator("th", has_text="board")).locator("pre.text")
+    expect(board).to_have_text(re.compile(r"^C R A N E\n[GYX ]{9}$"))
+    tab.screenshot("wordle.png")
+    tab.close()
