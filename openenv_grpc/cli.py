@@ -170,8 +170,11 @@ def _console(args: argparse.Namespace) -> int:
         )
         return 2
     try:
+        configure_logging(
+            os.environ.get("LOG_LEVEL") or "INFO", os.environ.get("LOG_FORMAT") or "text"
+        )
         credentials = tls_credentials(args.ca, args.cert, args.key) if args.ca else None
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         print(f"openenv-grpc: {exc}", file=sys.stderr)
         return 2
     return run_console(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -320,3 +321,15 @@ def test_stopping_the_console_ends_its_sessions(server, start_console) -> None:
     run(go())
     server.wait_until(lambda: server.active() == 0, what="session ended with the console")
     assert server.closed_envs() == server.created() == 1
+
+
+def test_bad_console_settings_exit_2_with_the_reason(tmp_path: Path) -> None:
+    console = [sys.executable, "-m", "openenv_grpc.cli", "console", "127.0.0.1:1", "--port", "0"]
+    missing_ca = subprocess.run(
+        [*console, "--ca", str(tmp_path / "nope.pem")], capture_output=True, text=True, timeout=60
+    )
+    assert missing_ca.returncode == 2 and "nope.pem" in missing_ca.stderr
+    bad_level = subprocess.run(
+        console, capture_output=True, text=True, timeout=60, env={**os.environ, "LOG_LEVEL": "LOUD"}
+    )
+    assert bad_level.returncode == 2 and "LOUD" in bad_level.stderr

@@ -55,7 +55,11 @@ class SessionSocket:
             async for message in ws:
                 if message.type is not WSMsgType.TEXT:
                     continue  # binary frames are not part of the protocol; pings are handled
-                await ws.send_json(await self.answer(message.data))
+                answer = await self.answer(message.data)
+                try:
+                    await ws.send_json(answer)
+                except ConnectionResetError:
+                    break  # the page went away while its command ran
         finally:
             await self.end()
 
@@ -95,6 +99,9 @@ class SessionSocket:
             return error
         except OpenEnvError as exc:  # refused: unreachable, draining, unauthenticated
             return self._error(op, exc.code.name, exc.message, "server")
+        except Exception as exc:  # a console bug: report it, keep the page's socket
+            log.exception("console: %r failed", op)
+            return self._error(op, "INTERNAL", f"console error: {exc!r}", "console")
 
     def _error(
         self, op: str, code: str, message: str, source: str, session: str | None = None
