@@ -19,10 +19,9 @@ from typing import Any
 import aiohttp
 
 from openenv_grpc import AsyncSession
-from openenv_grpc.testing import ServerProcess
+from openenv_grpc.testing import ConsoleProcess, ServerProcess
 from openenv_grpc_envs.echo import EchoAction
 from openenv_grpc_envs.gymnasium.v1 import gymnasium_pb2 as gym
-from tests.support.console import ConsoleProcess
 
 CASES: dict[str, dict[str, Any]] = {
     "echo": {
@@ -91,7 +90,9 @@ def main() -> None:
         server = ServerProcess(case["env"], extra_env=case["env_vars"])
         try:
             with ConsoleProcess(server.target) as console:
-                direct, direct_bytes = asyncio.run(_direct(server.target, case["message"], args.steps))
+                direct, direct_bytes = asyncio.run(
+                    _direct(server.target, case["message"], args.steps)
+                )
                 via, via_bytes = asyncio.run(
                     _console(console.ws_base + "api/session", case["action"], args.steps)
                 )

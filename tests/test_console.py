@@ -21,8 +21,8 @@ from typing import Any
 import aiohttp
 import pytest
 
+from openenv_grpc.testing import ConsoleProcess
 from openenv_grpc_envs.echo import EchoAction, EchoEnv
-from support.console import ConsoleProcess
 
 TOKEN = "console token"
 

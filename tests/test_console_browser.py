@@ -20,8 +20,8 @@ import pytest
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
 from openenv_grpc.console.app import STATIC_DIR
+from openenv_grpc.testing import ConsoleProcess
 from openenv_grpc_envs.echo import EchoEnv
-from support.console import ConsoleProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "build" / "test-artifacts" / "console"

@@ -24,8 +24,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from openenv_grpc.client import CapacityError, SessionLost, fetch_info
 from openenv_grpc.providers import LocalProcessProvider
 from openenv_grpc.server.service import SERVICE_NAME
+from openenv_grpc.testing import ConsoleProcess
 from openenv_grpc_envs.echo import AsyncEchoEnv, EchoAction
-from support.console import ConsoleProcess
 
 ENVOY_DIR = Path(__file__).resolve().parent.parent / "deploy" / "envoy"
 CAPACITY = 120

@@ -1,4 +1,4 @@
-"""``openenv-grpc console`` as a real child process, for the console's tests."""
+"""``openenv-grpc console`` as a real child process, for tests of the web console."""
 
 from __future__ import annotations
 
@@ -11,11 +11,18 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 
+__all__ = ["ConsoleProcess"]
+
 _LISTENING = re.compile(r"openenv-grpc console: (http://\S+/)")
 
 
 class ConsoleProcess:
-    """A console for the env server at ``target``; ``url`` is its page's address."""
+    """A console for the env server at ``target`` on a free loopback port; ``url`` is its
+    page's address (``http://127.0.0.1:PORT/``), ``ws_base`` the same for WebSockets.
+
+    Raises:
+        RuntimeError: the console exited or did not announce its address in time.
+    """
 
     def __init__(
         self,
@@ -58,6 +65,7 @@ class ConsoleProcess:
 
     @property
     def ws_base(self) -> str:
+        """``ws://127.0.0.1:PORT/``."""
         return "ws" + self.url[len("http") :]
 
     def stop(self, timeout: float = 15.0) -> int:
