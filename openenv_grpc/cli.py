@@ -67,6 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     option("--metrics-port", "metrics_port", int, "Prometheus /metrics port; -1 off, 0 free")
     option("--workers", "workers", int, "server processes sharing the port (SO_REUSEPORT)")
     option("--isolated", "isolated", int, "run envs in this many worker processes; 0 = off")
+    option("--reuse-port", "reuse_port", int, "1: share the port with other servers")
     run.add_argument("--log-level", default=None, help="logging level (env LOG_LEVEL; INFO)")
     run.add_argument(
         "--log-format", choices=["text", "json"], default=None,

@@ -109,3 +109,19 @@ def test_workers_do_not_outlive_a_killed_supervisor(start_server) -> None:
         return True
 
     server.wait_until(gone, timeout=40, what="the orphaned workers to drain and exit")
+
+
+def test_reuse_port_lets_separate_servers_share_one_port(start_server) -> None:
+    """REUSE_PORT=1: independent servers (swarm replicas on one host network) bind the same
+    port and the kernel spreads connections over them; without it the second bind fails."""
+    first = start_server("support.envs:CountingEchoEnv", "--reuse-port", "1")
+    port = first.target.rsplit(":", 1)[1]
+    second = start_server("support.envs:CountingEchoEnv", "--port", port, "--reuse-port", "1")
+    assert second.target == first.target
+
+    async def main() -> Counter[int]:
+        async with AioChannelPool(first.target, size=16) as pool:
+            return Counter([(await _worker_of(channel))[0] for channel in pool.channels])
+
+    pids = asyncio.run(main())
+    assert set(pids) == {first.proc.pid, second.proc.pid}, pids

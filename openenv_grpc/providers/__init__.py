@@ -1,4 +1,5 @@
-"""Where servers come from: a local process (the default), a Docker container, or Kubernetes pods.
+"""Where servers come from: a local process (the default), a Docker container, a Docker swarm
+service, or Kubernetes pods.
 
 ``with LocalProcessProvider("echo") as p, p.session(EchoEnv) as env: env.reset()``
 """
@@ -17,10 +18,20 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> object:
-    """``LocalDockerProvider`` and ``cleanup_orphans`` on first use: docker is an extra."""
-    if name in ("LocalDockerProvider", "cleanup_orphans"):
-        from openenv_grpc.providers import docker_provider
+#: Names of the Docker providers, imported on first use (docker is an extra).
+_LAZY = {
+    "LocalDockerProvider": "openenv_grpc.providers.docker_provider",
+    "cleanup_orphans": "openenv_grpc.providers.docker_provider",
+    "DockerSwarmProvider": "openenv_grpc.providers.swarm",
+    "cleanup_orphan_services": "openenv_grpc.providers.swarm",
+}
 
-        return getattr(docker_provider, name)
+
+def __getattr__(name: str) -> object:
+    """``LocalDockerProvider``, ``DockerSwarmProvider`` and their clean-ups on first use:
+    docker is an extra."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(name)

@@ -195,15 +195,19 @@ def cleanup_orphans(client: docker.DockerClient | None = None) -> list[str]:
     client = client or docker_client()
     _remove_stale_leases()
     removed = []
-    for container in client.containers.list(all=True, filters={"label": LABEL_PROVIDER}):
-        if _owner_gone(container.labels):
+    # Sparse: a full list inspects each container and fails (NotFound) on one removed
+    # meanwhile; the list's own fields carry the labels and names.
+    found = client.containers.list(all=True, sparse=True, filters={"label": LABEL_PROVIDER})
+    for container in found:
+        if _owner_gone(container.attrs.get("Labels") or {}):
             with contextlib.suppress(NotFound):
                 try:
                     container.remove(force=True)
                 except APIError as exc:  # 409: the daemon is already removing it
                     if exc.status_code != 409:
                         raise
-            removed.append(container.name or container.id or "?")
+            names = container.attrs.get("Names") or [container.id or "?"]
+            removed.append(names[0].lstrip("/"))
     return removed
 
 

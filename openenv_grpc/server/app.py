@@ -54,8 +54,9 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, Any]]:
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         ("grpc.http2.max_pings_without_data", 0),
         # gRPC turns SO_REUSEPORT on by default: a second server would then silently share
-        # the port. Off, so binding a taken port fails loudly -- unless workers share it.
-        ("grpc.so_reuseport", 1 if config.workers > 1 else 0),
+        # the port. Off, so binding a taken port fails loudly -- unless workers (or, with
+        # REUSE_PORT=1, other servers such as swarm replicas) share it on purpose.
+        ("grpc.so_reuseport", 1 if config.workers > 1 or config.reuse_port else 0),
         # gRPC cancels new calls at random beyond 1,000 waiting for the application (all
         # beyond 3,000): a burst of session opens would see CANCELLED instead of either a
         # session or our RESOURCE_EXHAUSTED. The limiter is the admission control.

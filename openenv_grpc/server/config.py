@@ -34,6 +34,7 @@ ENV_VARS: dict[str, str] = {
     "metrics_port": "METRICS_PORT",
     "workers": "WORKERS",
     "isolated": "ISOLATED",
+    "reuse_port": "REUSE_PORT",
 }
 
 
@@ -74,6 +75,10 @@ class ServerConfig:
         isolated: When > 0, env instances run in this many worker processes instead of
             the server process: a crash in env code ends only the sessions on its worker
             (UNAVAILABLE "session lost") and the worker is replaced.
+        reuse_port: 1 lets other server processes bind the same port (SO_REUSEPORT) even
+            with one worker, e.g. swarm replicas sharing a host network; the kernel then
+            balances connections among them. 0 (the default) makes binding a taken port
+            fail loudly. Workers always share their port.
     """
 
     host: str = "127.0.0.1"
@@ -94,6 +99,7 @@ class ServerConfig:
     metrics_port: int = -1
     workers: int = 1
     isolated: int = 0
+    reuse_port: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -110,6 +116,8 @@ class ServerConfig:
         ):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.reuse_port not in (0, 1):
+            raise ValueError(f"reuse_port must be 0 or 1, got {self.reuse_port}")
 
     @property
     def capacity(self) -> int:
