@@ -63,6 +63,7 @@ def test_from_env_parses_every_variable() -> None:
         "METRICS_PORT": "9100",
         "WORKERS": "3",
         "ISOLATED": "2",
+        "REUSE_PORT": "1",
     }
     assert set(environ) == set(ENV_VARS.values())
     config = ServerConfig.from_env(environ)
@@ -85,6 +86,7 @@ def test_from_env_parses_every_variable() -> None:
         metrics_port=9100,
         workers=3,
         isolated=2,
+        reuse_port=1,
     )
     assert isinstance(config.port, int) and isinstance(config.grace_period, float)
 
@@ -149,6 +151,7 @@ def test_from_env_bad_value_raises_value_error_naming_the_variable(var: str, raw
         ("ENV_THREADS", "0", "env_threads"),
         ("KEEPALIVE_TIME", "0", "keepalive_time"),
         ("KEEPALIVE_TIMEOUT", "-2", "keepalive_timeout"),
+        ("REUSE_PORT", "2", "reuse_port"),
     ],
 )
 def test_from_env_out_of_range_is_rejected(var: str, raw: str, field: str) -> None:
