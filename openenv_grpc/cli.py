@@ -80,10 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     info.add_argument(
         "--descriptors", action="store_true", help="include the FileDescriptorSet (long)"
     )
-    info.add_argument("--ca", help="PEM CA file: connect with TLS, trusting this CA")
-    info.add_argument("--cert", help="PEM client certificate (mutual TLS)")
-    info.add_argument("--key", help="PEM client key (mutual TLS)")
-    info.add_argument("--token-env", default="AUTH_TOKEN", help="variable with the bearer token")
+    _add_client_security(info)
 
     console = commands.add_parser(
         "console",
@@ -95,10 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     console.add_argument("target", metavar="TARGET", help="the env server, host:port")
     console.add_argument("--host", default="127.0.0.1", help="address of the web page")
     console.add_argument("--port", type=int, default=8080, help="port of the web page; 0 = free")
-    console.add_argument("--ca", help="PEM CA file: connect with TLS, trusting this CA")
-    console.add_argument("--cert", help="PEM client certificate (mutual TLS)")
-    console.add_argument("--key", help="PEM client key (mutual TLS)")
-    console.add_argument("--token-env", default="AUTH_TOKEN", help="variable with the bearer token")
+    _add_client_security(console)
     console.add_argument(
         "--connect-timeout", type=float, default=10.0, help="seconds to wait for TARGET at start"
     )
@@ -112,6 +106,24 @@ def _parser() -> argparse.ArgumentParser:
     commands.add_parser("list", help="list the packaged environments")
     add_init_command(commands)
     return parser
+
+
+def _add_client_security(parser: argparse.ArgumentParser) -> None:
+    """The options of commands that talk to a server as a client: TLS and the token."""
+    parser.add_argument("--ca", help="PEM CA file: connect with TLS, trusting this CA")
+    parser.add_argument("--cert", help="PEM client certificate (mutual TLS)")
+    parser.add_argument("--key", help="PEM client key (mutual TLS)")
+    parser.add_argument("--token-env", default="AUTH_TOKEN", help="variable with the bearer token")
+
+
+def _client_security(args: argparse.Namespace) -> tuple[grpc.ChannelCredentials | None, str | None]:
+    """TLS credentials (None: plaintext) and the bearer token (None: none) from the options.
+
+    Raises:
+        OSError: a PEM file cannot be read.
+    """
+    credentials = tls_credentials(args.ca, args.cert, args.key) if args.ca else None
+    return credentials, os.environ.get(args.token_env) or None
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -139,8 +151,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _info(args: argparse.Namespace) -> int:
     try:
-        credentials = tls_credentials(args.ca, args.cert, args.key) if args.ca else None
-        token = os.environ.get(args.token_env) or None
+        credentials, token = _client_security(args)
         info = fetch_info(args.target, timeout=args.timeout, credentials=credentials, token=token)
     except OSError as exc:
         print(f"openenv-grpc: {exc}", file=sys.stderr)
@@ -174,7 +185,7 @@ def _console(args: argparse.Namespace) -> int:
         configure_logging(
             os.environ.get("LOG_LEVEL") or "INFO", os.environ.get("LOG_FORMAT") or "text"
         )
-        credentials = tls_credentials(args.ca, args.cert, args.key) if args.ca else None
+        credentials, token = _client_security(args)
     except (OSError, ValueError) as exc:
         print(f"openenv-grpc: {exc}", file=sys.stderr)
         return 2
@@ -183,7 +194,7 @@ def _console(args: argparse.Namespace) -> int:
         args.host,
         args.port,
         credentials=credentials,
-        token=os.environ.get(args.token_env) or None,
+        token=token,
         call_timeout=args.call_timeout or None,
         connect_timeout=args.connect_timeout,
     )
