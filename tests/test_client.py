@@ -255,6 +255,47 @@ def test_async_close_after_timeout_discards_the_stale_answer(start_server) -> No
     assert_all_closed(faulty, 1)
 
 
+def test_sync_step_timeout_then_next_step_gets_its_own_answer(start_server) -> None:
+    faulty = start_server("support.envs:FaultyEnv")
+    with EchoEnv(faulty.target) as env:
+        env.reset()
+        with pytest.raises(TimeoutError, match="session stays open"):
+            env.step(act("sleep:1"), timeout=0.2)
+        # The late answer to the slow step arrives first and is dropped as stale.
+        result = env.step(act("after"), timeout=5)
+        assert (result.observation.echoed_message, result.step_count) == ("after", 2)
+        result = env.step(act("next"))  # untimed again: the caller's thread reads
+        assert (result.observation.echoed_message, result.step_count) == ("next", 3)
+    assert_all_closed(faulty, 1)
+
+
+def test_sync_timeouts_in_a_row_then_untimed_calls_and_close(start_server) -> None:
+    faulty = start_server("support.envs:FaultyEnv")
+    with EchoEnv(faulty.target) as env:
+        env.reset()
+        with pytest.raises(TimeoutError):
+            env.step(act("sleep:1"), timeout=0.2)
+        with pytest.raises(TimeoutError):
+            env.step(act("sleep:1"), timeout=0.1)
+        assert isinstance(env.state(), EchoState)
+        result = env.step(act("last"))
+        assert (result.observation.echoed_message, result.step_count) == ("last", 3)
+        with pytest.raises(TimeoutError):
+            env.step(act("sleep:1"), timeout=0.2)  # close still works after a timeout
+    assert_all_closed(faulty, 1)
+
+
+def test_sync_timeout_on_a_lost_stream_reports_the_loss(server) -> None:
+    env = EchoEnv(server.target)
+    env.open()
+    env.reset()
+    server.proc.kill()
+    server.proc.wait(timeout=10)
+    with pytest.raises(SessionLost):
+        env.step(act("gone"), timeout=5)
+    env.close()
+
+
 # -- a server that dies ---------------------------------------------------------------
 
 

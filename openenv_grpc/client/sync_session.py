@@ -7,6 +7,7 @@ the caller's thread. For many sessions in one process, prefer :class:`AsyncSessi
 
 from __future__ import annotations
 
+import concurrent.futures
 import queue
 import time
 from collections.abc import Iterator, Sequence
@@ -43,6 +44,10 @@ StateT = TypeVar("StateT", bound=Message)
 ResetOptionsT = TypeVar("ResetOptionsT", bound=Message)
 
 
+#: What a read returns once the stream is over.
+_END: Any = object()
+
+
 class _RequestQueue(Iterator[pb.SessionRequest]):
     """The request side of the stream; ``end()`` half-closes it (and frees gRPC's thread)."""
 
@@ -68,8 +73,10 @@ class Session(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
 
     ``target`` is a ``"host:port"`` string (the session owns a channel), a
     ``grpc.Channel``, or an ``EnvServiceStub`` over one. ``retry``, ``credentials``,
-    ``token`` and ``reconnect`` work as in :class:`AsyncSession`. Calls block without a
-    per-call timeout; use :class:`AsyncSession` for those.
+    ``token`` and ``reconnect`` work as in :class:`AsyncSession`, and so does each call's
+    ``timeout``: a TimeoutError leaves the session open and the late answer is dropped
+    when it comes. Calls without a timeout read in the caller's thread; a timed call reads
+    in a helper thread of the session, so that the caller can stop waiting.
     """
 
     _types: ClassVar[SessionTypes] = SessionTypes()
@@ -105,6 +112,10 @@ class Session(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
         self._requests: _RequestQueue | None = None
         #: The server's id for this session (it tags the server's log lines), once open.
         self.session_id = ""
+        #: Reads for timed calls (started on the first one), and a read a timed-out call
+        #: left running; its answer is stale when it comes.
+        self._reader: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: concurrent.futures.Future[Any] | None = None
 
     @classmethod
     def from_provider(cls, provider: Provider, **kwargs: Any) -> Self:
@@ -192,6 +203,11 @@ class Session(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
         if self._requests is not None:
             self._requests.end()
         self._call = self._requests = None
+        self._pending = None
+        if self._reader is not None:
+            # Its read ends with the stream (cancelled or finished); do not wait for it.
+            self._reader.shutdown(wait=False)
+            self._reader = None
 
     def _forget_channel_unless_reconnecting(self) -> None:
         if not self._reconnect:
@@ -213,22 +229,50 @@ class Session(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
         seed: int | None = None,
         episode_id: str | None = None,
         options: ResetOptionsT | None = None,
+        timeout: float | None = None,
     ) -> StepResult[ObservationT]:
         """Start a new episode; see :meth:`AsyncSession.reset`."""
         request = self._protocol.reset_request(seed, episode_id, options)
-        return self._protocol.step_result(self._roundtrip(request))
+        return self._protocol.step_result(self._roundtrip(request, timeout))
 
-    def step(self, action: ActionT) -> StepResult[ObservationT]:
+    def step(self, action: ActionT, *, timeout: float | None = None) -> StepResult[ObservationT]:
         """Apply ``action``; see :meth:`AsyncSession.step`."""
-        return self._protocol.step_result(self._roundtrip(self._protocol.step_request(action)))
+        request = self._protocol.step_request(action)
+        return self._protocol.step_result(self._roundtrip(request, timeout))
 
-    def state(self) -> StateT:
+    def state(self, *, timeout: float | None = None) -> StateT:
         """The environment's current state; see :meth:`AsyncSession.state`."""
         return self._protocol.state_result(  # type: ignore[no-any-return]
-            self._roundtrip(self._protocol.state_request())
+            self._roundtrip(self._protocol.state_request(), timeout)
         )
 
-    def _roundtrip(self, request: pb.SessionRequest) -> pb.SessionResponse:
+    def _read(self, call: Any, timeout: float | None) -> Any:
+        """The stream's next answer (``_END`` once it is over).
+
+        Raises:
+            TimeoutError: none within ``timeout``; the read goes on for the next call.
+            grpc.RpcError: the stream failed.
+        """
+        if timeout is None and self._pending is None:
+            return next(call, _END)  # the fast path: this thread reads
+        if self._pending is None:
+            if self._reader is None:
+                self._reader = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="openenv-session-read"
+                )
+            self._pending = self._reader.submit(next, call, _END)
+        try:
+            response = self._pending.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"no answer within {timeout}s; the session stays open") from None
+        finally:
+            if self._pending is not None and self._pending.done():
+                self._pending = None
+        return response
+
+    def _roundtrip(
+        self, request: pb.SessionRequest, timeout: float | None = None
+    ) -> pb.SessionResponse:
         if self._call is None and self._lost and self._reconnect:
             # A fresh session: the lost episode is gone, so only a reset makes sense now.
             self.open()
@@ -238,7 +282,7 @@ class Session(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
             raise RuntimeError("session is not open: use `with` or call open()")
         requests.put(request)
         try:
-            for response in call:
+            while (response := self._read(call, timeout)) is not _END:
                 if not self._protocol.is_stale(response, request):
                     return response  # type: ignore[no-any-return]
             error = lost(call.code(), call.details())
