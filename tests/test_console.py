@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -333,3 +334,38 @@ def test_bad_console_settings_exit_2_with_the_reason(tmp_path: Path) -> None:
         console, capture_output=True, text=True, timeout=60, env={**os.environ, "LOG_LEVEL": "LOUD"}
     )
     assert bad_level.returncode == 2 and "LOUD" in bad_level.stderr
+
+
+def test_live_figures_show_a_draining_server_and_then_its_absence(
+    start_server, start_console
+) -> None:
+    server = start_server("support.envs:CountingEchoEnv", "--grace", "30")
+    console = start_console(server.target)
+
+    async def go() -> tuple[dict[str, Any], dict[str, Any]]:
+        async with aiohttp.ClientSession() as http:
+            p = Page(http, await http.ws_connect(console.ws_base + "api/session"))
+            await p.send({"op": "open"})  # a session keeps the drain going
+            async with http.ws_connect(console.ws_base + "api/live") as live:
+                server.proc.send_signal(signal.SIGTERM)
+
+                async def until(check: Any) -> dict[str, Any]:
+                    while True:
+                        reading: dict[str, Any] = json.loads((await live.receive(30)).data)
+                        if check(reading):
+                            return reading
+
+                draining = await until(lambda r: r.get("draining"))
+                refused = await Page(
+                    http, await http.ws_connect(console.ws_base + "api/session")
+                ).send({"op": "open"})
+                await p.send({"op": "close"})  # the last session ends: the server exits
+                gone = await until(lambda r: not r["ok"])
+                return draining | {"refused": refused}, gone
+
+    draining, gone = run(go())
+    assert draining["ok"] and draining["active_sessions"] == 1
+    assert draining["refused"]["code"] == "UNAVAILABLE"
+    assert "draining" in draining["refused"]["message"]
+    assert gone["code"] == "UNAVAILABLE"
+    assert server.proc.wait(30) == 0
