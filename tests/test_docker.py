@@ -10,6 +10,7 @@ tests, so here they are cache hits.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -19,11 +20,14 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import docker
 import pytest
 from docker.errors import NotFound
 
+from openenv_grpc import SessionRefused
+from openenv_grpc.providers import ProviderError
 from openenv_grpc.providers.docker_provider import (
     LABEL_OWNER_PID,
     LABEL_PROVIDER,
@@ -31,7 +35,7 @@ from openenv_grpc.providers.docker_provider import (
     cleanup_orphans,
     docker_client,
 )
-from openenv_grpc_envs.echo import EchoAction, EchoEnv, EchoResetOptions
+from openenv_grpc_envs.echo import AsyncEchoEnv, EchoAction, EchoEnv, EchoResetOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -207,3 +211,44 @@ def test_sigkilled_owner_cleanup_orphans_removes_the_container(
     # ...until the next provider start or cleanup_orphans() removes it.
     assert started["name"] in cleanup_orphans(client)
     assert wait_until_gone(client, label, timeout=30) == []
+
+
+def test_a_session_from_a_docker_image_owns_its_container(
+    client: docker.DockerClient, echo_image: str
+) -> None:
+    """The one-liner: ``with EchoEnv.from_docker_image(image) as env`` starts a container of
+    its own and the container goes with the session (sync and asyncio alike)."""
+    tag = uuid.uuid4().hex
+    label = f"org.openenv-grpc.test={tag}"
+    kwargs: dict[str, Any] = {"grace": 2, "labels": {"org.openenv-grpc.test": tag}}
+    with EchoEnv.from_docker_image(echo_image, **kwargs) as env:
+        assert len(labelled(client, label)) == 1
+        env.reset(seed=1)
+        assert env.step(EchoAction(message="boxed")).observation.echoed_message == "boxed"
+    assert labelled(client, label) == []
+
+    async def main() -> None:
+        env = await AsyncEchoEnv.from_docker_image(echo_image, **kwargs)
+        async with env:
+            assert len(labelled(client, label)) == 1
+            await env.reset()
+            result = await env.step(EchoAction(message="async"))
+            assert result.observation.echoed_message == "async"
+
+    asyncio.run(main())
+    assert labelled(client, label) == []
+
+
+def test_a_docker_image_session_that_fails_to_open_leaves_no_container(
+    client: docker.DockerClient, echo_image: str
+) -> None:
+    tag = uuid.uuid4().hex
+    label = f"org.openenv-grpc.test={tag}"
+    env = EchoEnv.from_docker_image(
+        echo_image, labels={"org.openenv-grpc.test": tag}, extra_env={"AUTH_TOKEN": "secret"}
+    )
+    with pytest.raises(SessionRefused, match="UNAUTHENTICATED"):
+        env.open()  # no token: refused, and the container it started is removed
+    assert labelled(client, label) == []
+    with pytest.raises(ProviderError, match=r"no image 'openenv-grpc-no-such-image:0'"):
+        EchoEnv.from_docker_image("openenv-grpc-no-such-image:0", labels={"x": tag})

@@ -90,6 +90,8 @@ class AsyncSession(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
         self.session_id = ""
         #: A read left running by a timed-out request; its answer is stale when it comes.
         self._pending: asyncio.Future[Any] | None = None
+        #: A provider this session started and stops when it ends (see :meth:`launch`).
+        self._owned_provider: Provider | None = None
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -98,6 +100,37 @@ class AsyncSession(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
         """An unopened session on ``provider``'s servers (``with EchoEnv.from_provider(p)``);
         ``kwargs`` go to the constructor."""
         return provider.session(cls, **kwargs)
+
+    @classmethod
+    async def launch(cls, provider: Provider, **kwargs: Any) -> Self:
+        """Start ``provider`` (in a thread: starting blocks) and return an unopened session
+        on it that owns it: closing or aborting the session, or a failed :meth:`open`,
+        stops the provider's servers.
+
+        Raises:
+            ProviderError: the servers did not start (nothing is left running).
+        """
+        await asyncio.to_thread(provider.start)
+        try:
+            session = provider.session(cls, **kwargs)
+        except BaseException:
+            await asyncio.to_thread(provider.stop)
+            raise
+        session._owned_provider = provider
+        return session
+
+    @classmethod
+    async def from_docker_image(cls, image: str, **provider_kwargs: Any) -> Self:
+        """A session on a container of ``image`` of its own (see
+        :meth:`Session.from_docker_image`): ``env = await
+        AsyncEchoEnv.from_docker_image("openenv-grpc-echo:0.1.0")``, then ``async with env``.
+
+        Raises:
+            ProviderError: no Docker daemon, or the container did not become healthy.
+        """
+        from openenv_grpc.providers.docker_provider import LocalDockerProvider
+
+        return await cls.launch(LocalDockerProvider(image, **provider_kwargs))
 
     async def __aenter__(self) -> Self:
         await self.open()
@@ -132,10 +165,14 @@ class AsyncSession(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
                 bound = next(delays, None)
                 if bound is None:
                     await self._forget_channel_unless_reconnecting()
+                    if not self._reconnect:
+                        await self._stop_owned_provider()
                     raise
                 await asyncio.sleep(OpenRetry.wait(bound, exc.retry_after))
             except BaseException:
                 await self._forget_channel_unless_reconnecting()
+                if not self._reconnect:
+                    await self._stop_owned_provider()
                 raise
 
     async def _open_once(self) -> _Call:
@@ -156,6 +193,7 @@ class AsyncSession(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
         self._reconnect = self._lost = False  # closing means closed: never reopen
         if self._call is None:
             await self._close_channel()
+            await self._stop_owned_provider()
             return
         try:
             response = await self._roundtrip(self._protocol.close_request(), None)
@@ -166,6 +204,7 @@ class AsyncSession(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
         finally:
             self._call = None
             await self._close_channel()
+            await self._stop_owned_provider()
 
     async def abort(self) -> None:
         """Cancel the stream at once; the server closes the environment on its side."""
@@ -174,6 +213,12 @@ class AsyncSession(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
             self._call.cancel()
             self._call = None
         await self._close_channel()
+        await self._stop_owned_provider()
+
+    async def _stop_owned_provider(self) -> None:
+        provider, self._owned_provider = self._owned_provider, None
+        if provider is not None:
+            await asyncio.to_thread(provider.stop)  # stopping blocks (a drain, a container)
 
     async def _forget_channel_unless_reconnecting(self) -> None:
         if not self._reconnect:

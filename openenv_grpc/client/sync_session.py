@@ -116,12 +116,47 @@ class Session(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
         #: left running; its answer is stale when it comes.
         self._reader: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: concurrent.futures.Future[Any] | None = None
+        #: A provider this session started and stops when it ends (see :meth:`launch`).
+        self._owned_provider: Provider | None = None
 
     @classmethod
     def from_provider(cls, provider: Provider, **kwargs: Any) -> Self:
         """An unopened session on ``provider``'s servers (``with EchoEnv.from_provider(p)``);
         ``kwargs`` go to the constructor."""
         return provider.session(cls, **kwargs)
+
+    @classmethod
+    def launch(cls, provider: Provider, **kwargs: Any) -> Self:
+        """Start ``provider`` and return an unopened session on it that owns it: closing or
+        aborting the session, or a failed :meth:`open`, stops the provider's servers.
+
+        Raises:
+            ProviderError: the servers did not start (nothing is left running).
+        """
+        provider.start()
+        try:
+            session = provider.session(cls, **kwargs)
+        except BaseException:
+            provider.stop()
+            raise
+        session._owned_provider = provider
+        return session
+
+    @classmethod
+    def from_docker_image(cls, image: str, **provider_kwargs: Any) -> Self:
+        """A session on a container of ``image`` of its own, started now (host network,
+        loopback port, until health SERVING); the container goes when the session ends.
+
+        ``with EchoEnv.from_docker_image("openenv-grpc-echo:0.1.0") as env: env.reset()``.
+        ``provider_kwargs`` go to :class:`~openenv_grpc.providers.LocalDockerProvider`
+        (``max_concurrent_envs``, ``cpus``, ``mem_limit``, ...); needs the docker extra.
+
+        Raises:
+            ProviderError: no Docker daemon, or the container did not become healthy.
+        """
+        from openenv_grpc.providers.docker_provider import LocalDockerProvider
+
+        return cls.launch(LocalDockerProvider(image, **provider_kwargs))
 
     def __enter__(self) -> Self:
         self.open()
@@ -156,10 +191,14 @@ class Session(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
                 bound = next(delays, None)
                 if bound is None:
                     self._forget_channel_unless_reconnecting()
+                    if not self._reconnect:
+                        self._stop_owned_provider()
                     raise
                 time.sleep(OpenRetry.wait(bound, exc.retry_after))
             except BaseException:
                 self._forget_channel_unless_reconnecting()
+                if not self._reconnect:
+                    self._stop_owned_provider()
                 raise
 
     def _open_once(self) -> None:
@@ -189,6 +228,7 @@ class Session(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
         finally:
             self._end_stream()
             self._close_channel()
+            self._stop_owned_provider()
 
     def abort(self) -> None:
         """Cancel the stream at once; the server closes the environment on its side."""
@@ -197,6 +237,12 @@ class Session(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
             self._call.cancel()
         self._end_stream()
         self._close_channel()
+        self._stop_owned_provider()
+
+    def _stop_owned_provider(self) -> None:
+        provider, self._owned_provider = self._owned_provider, None
+        if provider is not None:
+            provider.stop()
 
     def _end_stream(self) -> None:
         """Forget the stream and release gRPC's sender thread (it waits on the queue)."""
