@@ -60,6 +60,34 @@ def test_local_provider_starts_healthy_serves_sessions_and_drains_on_stop() -> N
     assert any("drained" in line for line in provider.stdout_lines)
 
 
+def test_a_launched_session_owns_its_server_sync_and_async() -> None:
+    provider = LocalProcessProvider("echo", grace=2)
+    with EchoEnv.launch(provider) as env:
+        assert provider.running()
+        env.reset(seed=1)
+        assert env.step(EchoAction(message="mine")).observation.echoed_message == "mine"
+    assert not provider.running() and provider.returncode == 0  # drained with the session
+
+    async def rollout() -> tuple[LocalProcessProvider, str]:
+        other = LocalProcessProvider("echo", grace=2)
+        env = await AsyncEchoEnv.launch(other)
+        async with env:
+            await env.reset()
+            echoed = (await env.step(EchoAction(message="async"))).observation.echoed_message
+        return other, echoed
+
+    other, echoed = asyncio.run(rollout())
+    assert echoed == "async" and not other.running()
+
+
+def test_a_launched_session_that_cannot_open_stops_its_server() -> None:
+    provider = LocalProcessProvider("echo", extra_env={"AUTH_TOKEN": "secret"})
+    env = EchoEnv.launch(provider)
+    with pytest.raises(SessionRefused, match="UNAUTHENTICATED"):
+        env.open()
+    assert not provider.running()
+
+
 def test_local_provider_leaves_no_child_when_the_body_raises() -> None:
     provider = LocalProcessProvider("echo", grace=1)
     with pytest.raises(ZeroDivisionError), provider:
