@@ -289,3 +289,33 @@ def test_wordle_boards_show_as_text_and_unknown_words_as_errors(
     expect(board).to_have_text(re.compile(r"^C R A N E\n[GYX ]{9}$"))
     tab.screenshot("wordle.png")
     tab.close()
+
+
+def test_a_continuous_action_is_typed_as_numbers(
+    browser: Browser, start_server, start_console
+) -> None:
+    """A tensor-shaped field (data/shape/dtype) gets a values editor, not base64 bytes."""
+    server = start_server("gymnasium")
+    console = start_console(server.target)
+    tab = ConsolePage(browser, console)
+    tab.open_session()
+    tab.page.check("#reset-with-options")
+    tab.page.locator("#reset-options").get_by_label("env_id", exact=True).fill("Pendulum-v1")
+    tab.reset(seed=0)
+    tab.page.locator("#action").get_by_label("kind", exact=True).select_option("tensor")
+    # Only the chosen member of the oneof shows.
+    expect(tab.action_field("discrete")).to_be_hidden()
+    editor = tab.page.locator("#action [data-tensor=tensor]")
+    expect(editor.get_by_label("dtype", exact=True)).to_have_value("float32")
+    editor.get_by_label("shape", exact=True).fill("2")
+    editor.get_by_label("values", exact=True).fill("0.5")
+    entry = tab.step()  # one value for a shape of two: the console refuses, precisely
+    expect(entry).to_have_attribute("data-code", "INVALID_ARGUMENT")
+    expect(tab.banner()).to_contain_text("shape [2] holds 2 values, got 1")
+    editor.get_by_label("shape", exact=True).fill("1")
+    entry = tab.step()
+    expect(entry).not_to_have_class(re.compile("error"))
+    expect(entry.locator(".entry-title")).to_contain_text("step 1 · reward -")
+    expect(entry.locator(".tensor").first).to_contain_text("3 float32")  # cos, sin, speed
+    tab.screenshot("pendulum.png")
+    tab.close()

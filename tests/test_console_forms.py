@@ -7,15 +7,23 @@ import base64
 import io
 import json
 import math
+import re
 from typing import Any
 
 import numpy as np
 import pytest
-from google.protobuf import any_pb2, struct_pb2
+from google.protobuf import any_pb2, json_format, struct_pb2
 from PIL import Image
 
 from openenv_grpc.console.schema import schemas
-from openenv_grpc.console.views import MAX_TENSOR_VALUES, image_png, json_safe, to_view
+from openenv_grpc.console.tensors import (
+    MAX_TENSOR_VALUES,
+    TensorInputError,
+    decode,
+    encode,
+    expand,
+)
+from openenv_grpc.console.views import image_png, json_safe, to_view
 from openenv_grpc_envs.coding.v1 import coding_pb2
 from openenv_grpc_envs.echo.v1 import echo_pb2
 from openenv_grpc_envs.gymnasium.v1 import gymnasium_pb2 as gym
@@ -166,3 +174,35 @@ def test_bytes_fields_show_their_size_and_a_prefix() -> None:
     assert to_view(tensor) == {"$tensor": {"shape": [5000], "dtype": "weird", "size": 5000}}
     shown = to_view(any_pb2.Any(type_url="x/y", value=b"\xff" * 5000))["value"]["$bytes"]
     assert shown["size"] == 5000 and len(base64.b64decode(shown["base64"])) == 1024
+
+
+def test_typed_tensors_encode_to_the_message_fields_and_back() -> None:
+    encoded = encode({"dtype": "float32", "shape": [2, 2], "values": [1, 2.5, -3, 0]})
+    message = json_format.ParseDict(encoded, gym.Tensor())
+    assert list(message.shape) == [2, 2] and message.dtype == "float32"
+    assert np.frombuffer(message.data, np.float32).tolist() == [1, 2.5, -3, 0]
+    assert decode(message.data, "float32") == [1, 2.5, -3, 0]
+    assert encode({"dtype": "int64", "values": [3]})["shape"] == [1]  # flat by default
+    assert encode({"dtype": "bool", "values": [True, 0]})["data"] == "AQA="
+    nested = {"value": {"tensor": {"$tensor": {"dtype": "uint8", "values": [7]}}}}
+    action = json_format.ParseDict(expand(nested), gym.GymnasiumAction())
+    assert action.value.tensor.data == b"\x07"
+
+
+@pytest.mark.parametrize(
+    ("spec", "words"),
+    [
+        ({"dtype": "float32", "shape": [2], "values": [1]}, "shape [2] holds 2 values, got 1"),
+        ({"dtype": "complex", "values": [1]}, "unknown dtype 'complex'"),
+        ({"dtype": "float32", "values": ["abc"]}, "values do not fit float32"),
+        ({"dtype": "uint8", "values": [300]}, "values do not fit uint8"),
+        ({"dtype": "int32", "values": [1.5]}, "values do not fit int32"),
+        ({"dtype": "bool", "values": [2]}, "values do not fit bool"),
+        ({"dtype": "float32", "shape": [-1], "values": []}, "shape must be a list of sizes"),
+        ({"dtype": "float32", "values": "1,2"}, "must be a list"),
+        ("1,2", "an object with dtype"),
+    ],
+)
+def test_typed_tensors_that_do_not_encode_say_why(spec: Any, words: str) -> None:
+    with pytest.raises(TensorInputError, match=re.escape(words)):
+        encode(spec)

@@ -16,6 +16,8 @@ from typing import Any
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
+from openenv_grpc.console.tensors import is_tensor
+
 __all__ = ["schemas"]
 
 _SCALARS: dict[int, str] = {
@@ -66,7 +68,8 @@ _WRAPPERS = {
 def schemas(*roots: Any) -> dict[str, dict[str, Any]]:
     """The schema of each message type reachable from ``roots``, keyed by full name.
 
-    A type's schema is ``{"name", "fields": [...], "oneofs": [{"name", "fields"}]}``; a
+    A type's schema is ``{"name", "fields": [...], "oneofs": [{"name", "fields"}],
+    "tensor"}`` (``tensor``: it follows the data/shape/dtype convention); a
     field is ``{"name", "json_name", "kind", "repeated", "optional", "oneof"}`` plus
     ``"enum": [value names]``, ``"message": full name`` or, for a map, ``"key"`` and
     ``"value"`` (a field-like object without a name). ``kind`` is one of float, int,
@@ -89,7 +92,13 @@ def _message(descriptor: Descriptor, pending: list[Descriptor]) -> dict[str, Any
         for oneof in descriptor.oneofs
         if not _synthetic(oneof.name, [field.name for field in oneof.fields])
     ]
-    return {"name": descriptor.full_name, "fields": fields, "oneofs": oneofs}
+    # Tensors (data/shape/dtype) get a values editor on the page instead of base64 bytes.
+    return {
+        "name": descriptor.full_name,
+        "fields": fields,
+        "oneofs": oneofs,
+        "tensor": is_tensor(descriptor),
+    }
 
 
 def _synthetic(oneof_name: str, field_names: list[str]) -> bool:

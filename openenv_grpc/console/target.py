@@ -17,6 +17,7 @@ from google.protobuf.message import Message
 from openenv_grpc.client.channel import aio_channel, auth_metadata
 from openenv_grpc.client.info import info_pool, message_classes
 from openenv_grpc.codec import TYPE_URL_PREFIX
+from openenv_grpc.console import tensors
 from openenv_grpc.console.schema import schemas
 from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
@@ -104,6 +105,7 @@ class EnvTarget:
             },
             "capacity": capacity_view(info),
             "schemas": schemas(*roots),
+            "dtypes": list(tensors.DTYPES),
         }
 
     def pack(self, role: str, data: object) -> any_pb2.Any:
@@ -117,7 +119,11 @@ class EnvTarget:
         if not isinstance(data, dict):
             raise InputError(f"{role.replace('_', ' ')} must be a JSON object for {name}")
         try:
-            message = json_format.ParseDict(data, message_class(), descriptor_pool=self._pool)
+            expanded: dict[str, Any] = tensors.expand(data)
+        except tensors.TensorInputError as exc:
+            raise InputError(f"not a valid {name}: {exc}") from None
+        try:
+            message = json_format.ParseDict(expanded, message_class(), descriptor_pool=self._pool)
         except json_format.ParseError as exc:
             raise InputError(f"not a valid {name}: {exc}") from None
         return any_pb2.Any(type_url=TYPE_URL_PREFIX + name, value=message.SerializeToString())

@@ -9,11 +9,9 @@ of 0 or ``won: false`` is information), unset sub-messages are left out.
 
 from __future__ import annotations
 
-import array
 import base64
 import io
 import math
-import sys
 from typing import Any
 
 from google.protobuf import json_format, struct_pb2
@@ -21,21 +19,15 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from openenv_grpc.codec import info_from_struct, value_to_python
+from openenv_grpc.console.tensors import decode, is_tensor
 
-__all__ = ["MAX_TENSOR_VALUES", "image_png", "json_safe", "to_view"]
+__all__ = ["image_png", "json_safe", "to_view"]
 
-#: Tensors with more elements than this show their shape and dtype only.
-MAX_TENSOR_VALUES = 4096
 #: Bytes fields show at most this many bytes (as base64) besides their size.
 _MAX_BYTES_SHOWN = 1024
 #: JavaScript numbers hold integers exactly up to 2**53; larger ones travel as strings.
 _SAFE_INTEGER = 2**53
 _WELL_KNOWN_PREFIX = "google.protobuf."
-# numpy dtype names -> (array typecode, item size); little-endian data as numpy writes it.
-_TYPECODES = {
-    "int8": "b", "uint8": "B", "int16": "h", "uint16": "H", "int32": "i", "uint32": "I",
-    "int64": "q", "uint64": "Q", "float32": "f", "float64": "d", "bool": "B",
-}  # fmt: skip
 
 
 def to_view(message: Message) -> dict[str, Any]:
@@ -120,17 +112,7 @@ def _bytes(value: bytes) -> dict[str, Any]:
 
 def _tensor(message: Message, descriptor: Any) -> dict[str, Any] | None:
     """A tensor-shaped message (data, shape, dtype) as an image or its values; else None."""
-    fields = descriptor.fields_by_name
-    data, shape, dtype = fields.get("data"), fields.get("shape"), fields.get("dtype")
-    if (
-        data is None
-        or shape is None
-        or dtype is None
-        or data.type != FieldDescriptor.TYPE_BYTES
-        or not shape.is_repeated
-        or shape.cpp_type not in (FieldDescriptor.CPPTYPE_INT64, FieldDescriptor.CPPTYPE_INT32)
-        or dtype.type != FieldDescriptor.TYPE_STRING
-    ):
+    if not is_tensor(descriptor):
         return None
     tensor: Any = message  # generated or dynamic class: no attributes known statically
     raw: bytes = tensor.data
@@ -141,32 +123,10 @@ def _tensor(message: Message, descriptor: Any) -> dict[str, Any] | None:
         encoded = base64.b64encode(png).decode()
         return {"$image": {"shape": dims, "dtype": kind, "png": encoded}}
     view: dict[str, Any] = {"shape": dims, "dtype": kind, "size": len(raw)}
-    values = _values(raw, dims, kind)
+    values = decode(raw, kind)
     if values is not None:
         view["values"] = values
     return {"$tensor": view}
-
-
-def _values(raw: bytes, dims: list[int], dtype: str) -> list[Any] | None:
-    """The tensor's elements, flat, if it is small and of a known dtype."""
-    typecode = _TYPECODES.get(dtype)
-    if typecode is None:
-        return None
-    items = array.array(typecode)
-    if len(raw) % items.itemsize or len(raw) // items.itemsize > MAX_TENSOR_VALUES:
-        return None
-    items.frombytes(raw)
-    if sys.byteorder != "little":
-        items.byteswap()
-    return [_value_of(item, dtype) for item in items]
-
-
-def _value_of(item: float | int, dtype: str) -> Any:
-    if dtype == "bool":
-        return bool(item)
-    if isinstance(item, float) and not math.isfinite(item):
-        return str(item)
-    return item
 
 
 def image_png(raw: bytes, dims: list[int], dtype: str) -> bytes | None:

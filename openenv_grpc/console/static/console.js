@@ -106,7 +106,9 @@ function messageField(schemas, spec, depth, path, { required = false } = {}) {
   let editor = null;
   const sync = () => {
     if (box.checked && editor === null) {
-      editor = messageEditor(schemas, spec.message, depth + 1, [...path, spec.message]);
+      editor = schemas[spec.message].tensor
+        ? tensorEditor(spec.name)
+        : messageEditor(schemas, spec.message, depth + 1, [...path, spec.message]);
       inner.append(editor.node);
     }
     inner.hidden = !box.checked;
@@ -146,6 +148,42 @@ function messageEditor(schemas, typeName, depth = 0, path = [typeName]) {
       else out[part.name] = v;
     }
     return out;
+  };
+  return { node, value };
+}
+
+// A tensor (a message with data/shape/dtype) is typed as numbers, not base64 bytes: the
+// console packs {"$tensor": {dtype, shape, values}} into the message's fields.
+function tensorEditor(name) {
+  const dtypeId = nextId("t");
+  const shapeId = nextId("t");
+  const valuesId = nextId("t");
+  const dtype = el("select", { id: dtypeId, "data-kind": "dtype" });
+  for (const d of page.info.dtypes) dtype.append(el("option", { value: d, text: d }));
+  dtype.value = "float32";
+  const shape = el("input", { id: shapeId, placeholder: "e.g. 3 or 2,2 (default: flat)" });
+  const values = el("textarea", { id: valuesId, rows: 2, placeholder: "e.g. 0.5, -1, 2" });
+  const node = el("div", { class: "tensor-editor", "data-tensor": name },
+    el("div", { class: "row" }, el("label", { for: dtypeId, text: "dtype" }), dtype),
+    el("div", { class: "row" }, el("label", { for: shapeId, text: "shape" }), shape),
+    el("div", { class: "row" }, el("label", { for: valuesId, text: "values" }), values));
+  const value = () => {
+    const items = values.value.split(/[\s,;]+/).filter((v) => v !== "");
+    const tensor = {
+      dtype: dtype.value,
+      // Numbers where they parse; anything else goes as typed, for a precise error.
+      values: items.map((v) => (v === "true" ? 1 : v === "false" ? 0 :
+        Number.isNaN(Number(v)) ? v : Number(v))),
+    };
+    const dims = shape.value.trim();
+    if (dims !== "") {
+      const sizes = dims.split(/[\s,x×]+/).filter((d) => d !== "");
+      if (!sizes.every((d) => INTEGER.test(d))) {
+        throw new InputError(`${name}: shape is sizes like 3 or 2,2`);
+      }
+      tensor.shape = sizes.map(Number);
+    }
+    return { $tensor: tensor };
   };
   return { node, value };
 }
