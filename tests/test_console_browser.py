@@ -89,6 +89,11 @@ class ConsolePage:
         self.page.click("#reset")
         expect(self.page.locator(".entry[data-op=reset]")).to_have_count(before + 1)
 
+    def reset_option(self, label: str, value: str) -> None:
+        """Tick "send options" and fill one field of the reset options' form."""
+        self.page.check("#reset-with-options")
+        self.page.locator("#reset-options").get_by_label(label, exact=True).fill(value)
+
     def step(self) -> Any:
         """Click Step; returns the new history entry (a result or an error)."""
         history = self.page.locator("#history > li")
@@ -146,9 +151,7 @@ def test_an_atari_frame_shows_as_an_image_and_steps_show_live(
     console = start_console(server.target)
     tab = ConsolePage(browser, console)
     tab.open_session()
-    # Reset options from the form generated for GymnasiumResetOptions.
-    tab.page.check("#reset-with-options")
-    tab.page.locator("#reset-options").get_by_label("env_id", exact=True).fill("ALE/Pong-v5")
+    tab.reset_option("env_id", "ALE/Pong-v5")  # the form made for GymnasiumResetOptions
     tab.reset(seed=7)
     first = tab.page.locator(".entry[data-op=reset] img.frame").last
     expect(first).to_be_visible()
@@ -248,8 +251,7 @@ def test_forms_cover_enums_maps_oneofs_and_text_boards(
     tab = ConsolePage(browser, console)
     tab.open_session()
     options = tab.page.locator("#reset-options")
-    tab.page.check("#reset-with-options")
-    options.get_by_label("game", exact=True).fill("tic_tac_toe")
+    tab.reset_option("game", "tic_tac_toe")
     options.get_by_label("control", exact=True).select_option("CONTROL_MODE_ALL_PLAYERS")
     options.get_by_role("button", name="+ params").click()
     options.get_by_label("key", exact=True).fill("unused_param_is_refused")
@@ -299,8 +301,7 @@ def test_a_continuous_action_is_typed_as_numbers(
     console = start_console(server.target)
     tab = ConsolePage(browser, console)
     tab.open_session()
-    tab.page.check("#reset-with-options")
-    tab.page.locator("#reset-options").get_by_label("env_id", exact=True).fill("Pendulum-v1")
+    tab.reset_option("env_id", "Pendulum-v1")
     tab.reset(seed=0)
     tab.page.locator("#action").get_by_label("kind", exact=True).select_option("tensor")
     # Only the chosen member of the oneof shows.
