@@ -24,12 +24,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import fcntl
 import os
 import re
 import secrets
 import socket
-import tempfile
 import threading
 import time
 import weakref
@@ -40,6 +38,18 @@ import docker
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 
 from openenv_grpc.providers.base import Provider, ProviderError, wait_serving
+from openenv_grpc.providers.ownership import (
+    LABEL_OWNER_BOOT,
+    LABEL_OWNER_PID,
+    LABEL_OWNER_PIDNS,
+    LABEL_OWNER_START,
+    LABEL_PROVIDER,
+    owner_gone,
+    owner_labels,
+    remove_stale_leases,
+    take_lease,
+)
+from openenv_grpc.server.app import SERVING_LINE
 from openenv_grpc.server.service import SERVICE_NAME
 
 if TYPE_CHECKING:
@@ -56,18 +66,9 @@ __all__ = [
     "docker_client",
 ]
 
-#: Label on every container this module starts (value ``docker``).
-LABEL_PROVIDER = "org.openenv-grpc.provider"
-LABEL_OWNER_PID = "org.openenv-grpc.owner-pid"
-#: Start time of the owner process (clock ticks since boot): tells a reused pid apart.
-LABEL_OWNER_START = "org.openenv-grpc.owner-start"
-LABEL_OWNER_PIDNS = "org.openenv-grpc.owner-pidns"
-LABEL_OWNER_BOOT = "org.openenv-grpc.owner-boot"
-
 #: Where the lease file appears inside the container.
 LEASE_PATH = "/run/openenv-grpc/lease"
 
-_SERVING_LINE = re.compile(r"openenv-grpc: serving (\S+) on (\S+):(\d+)")
 
 # PID 1 of a watched container: runs the image's command, forwards signals, reaps
 # zombies, and SIGTERMs the server once it can lock the lease (= the owner is gone).
@@ -129,57 +130,6 @@ def docker_client() -> docker.DockerClient:
     return client
 
 
-def _process_start(pid: int) -> str | None:
-    """Start time of process ``pid`` in clock ticks since boot (None: no such process)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # The command name (field 2) may hold spaces and parentheses: split after its end.
-    return stat[stat.rfind(")") + 2 :].split()[19]
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def _pid_namespace() -> str:
-    try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return ""
-
-
-def _owner_labels() -> dict[str, str]:
-    pid = os.getpid()
-    return {
-        LABEL_PROVIDER: "docker",
-        LABEL_OWNER_PID: str(pid),
-        LABEL_OWNER_START: _process_start(pid) or "",
-        LABEL_OWNER_PIDNS: _pid_namespace(),
-        LABEL_OWNER_BOOT: _read("/proc/sys/kernel/random/boot_id"),
-    }
-
-
-def _owner_gone(labels: Mapping[str, str]) -> bool:
-    """True when the labels name a process of this machine (same boot, same pid
-    namespace) that no longer runs. Owners this process cannot see are presumed alive."""
-    if labels.get(LABEL_OWNER_BOOT) != _read("/proc/sys/kernel/random/boot_id"):
-        return False
-    if labels.get(LABEL_OWNER_PIDNS) != _pid_namespace():
-        return False
-    try:
-        pid = int(labels.get(LABEL_OWNER_PID, ""))
-    except ValueError:
-        return False
-    return _process_start(pid) != labels.get(LABEL_OWNER_START)
-
-
 def cleanup_orphans(client: docker.DockerClient | None = None) -> list[str]:
     """Remove (force) every container of this provider whose owner process is gone.
 
@@ -193,13 +143,13 @@ def cleanup_orphans(client: docker.DockerClient | None = None) -> list[str]:
         ProviderError: no daemon answers.
     """
     client = client or docker_client()
-    _remove_stale_leases()
+    remove_stale_leases()
     removed = []
     # Sparse: a full list inspects each container and fails (NotFound) on one removed
     # meanwhile; the list's own fields carry the labels and names.
     found = client.containers.list(all=True, sparse=True, filters={"label": LABEL_PROVIDER})
     for container in found:
-        if _owner_gone(container.attrs.get("Labels") or {}):
+        if owner_gone(container.attrs.get("Labels") or {}):
             with contextlib.suppress(NotFound):
                 try:
                     container.remove(force=True)
@@ -209,24 +159,6 @@ def cleanup_orphans(client: docker.DockerClient | None = None) -> list[str]:
             names = container.attrs.get("Names") or [container.id or "?"]
             removed.append(names[0].lstrip("/"))
     return removed
-
-
-_LEASE_PREFIX = "openenv-grpc-lease-"
-
-
-def _remove_stale_leases() -> None:
-    """Delete the lease files of dead owners (a SIGKILLed owner cannot delete its own).
-
-    Deleting one is harmless even if a container still mounts it: the mount holds the file.
-    """
-    pattern = re.compile(rf"{_LEASE_PREFIX}(\d+)-(\d+)-")
-    directory = tempfile.gettempdir()
-    with contextlib.suppress(OSError):
-        for entry in os.scandir(directory):
-            match = pattern.match(entry.name)
-            if match and _process_start(int(match.group(1))) != match.group(2):
-                with contextlib.suppress(OSError):
-                    os.unlink(entry.path)
 
 
 def _free_loopback_port() -> int:
@@ -371,11 +303,8 @@ class LocalDockerProvider(Provider):
             raise
 
     def _take_lease(self) -> None:
-        pid = os.getpid()
-        fd, path = tempfile.mkstemp(prefix=f"{_LEASE_PREFIX}{pid}-{_process_start(pid)}-")
-        os.fchmod(fd, 0o644)  # the container's (non-root) watchdog must open it
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        self._lease_fd, self._lease_path = fd, path
+        # 0o644: the container's (non-root) watchdog must open it.
+        self._lease_fd, self._lease_path = take_lease(0o644)
 
     def _run(self, command: list[str]) -> bool:
         """Create, attach to and start one container; wait for SERVING.
@@ -411,7 +340,7 @@ class LocalDockerProvider(Provider):
         self.container = self.client.containers.create(
             self.image,
             name=self.name if not self.output else f"{self.name}-{secrets.token_hex(2)}",
-            labels={**self.labels, **_owner_labels()},
+            labels={**self.labels, **owner_labels("docker")},
             environment=environment,
             network_mode="host",
             auto_remove=True,
@@ -445,7 +374,7 @@ class LocalDockerProvider(Provider):
             *lines, pending = pending.split("\n")
             for line in lines:
                 self.output.append(line + "\n")
-                if _SERVING_LINE.search(line):
+                if SERVING_LINE.search(line):
                     self._announced.set()
         if pending:
             self.output.append(pending)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -20,11 +19,11 @@ import weakref
 from collections.abc import Mapping, Sequence
 
 from openenv_grpc.providers.base import Provider, ProviderError, wait_serving
+from openenv_grpc.server.app import SERVING_LINE
 from openenv_grpc.server.service import SERVICE_NAME
 
 __all__ = ["LocalProcessProvider"]
 
-_SERVING_LINE = re.compile(r"openenv-grpc: serving (\S+) on (\S+):(\d+)")
 
 #: Providers with a live child; the interpreter's exit stops them (no orphan servers).
 _LIVE: weakref.WeakSet[LocalProcessProvider] = weakref.WeakSet()
@@ -148,7 +147,7 @@ class LocalProcessProvider(Provider):
         assert proc.stdout is not None
         for line in proc.stdout:
             self.stdout_lines.append(line)
-            match = _SERVING_LINE.search(line)
+            match = SERVING_LINE.search(line)
             if match and not self.port:
                 self.port = int(match.group(3))
                 self._announced.set()

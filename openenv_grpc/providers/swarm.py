@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import fcntl
 import os
 import re
 import secrets
@@ -49,7 +48,6 @@ import select
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import weakref
 from collections.abc import Mapping, Sequence
@@ -61,16 +59,15 @@ from docker.types import Healthcheck, Resources, RestartPolicy, ServiceMode
 from docker.utils import parse_bytes
 
 from openenv_grpc.providers.base import Provider, ProviderError, wait_serving
-from openenv_grpc.providers.docker_provider import (
-    _LEASE_PREFIX,
-    _SERVING_LINE,
+from openenv_grpc.providers.docker_provider import docker_client
+from openenv_grpc.providers.ownership import (
     LABEL_PROVIDER,
-    _owner_gone,
-    _owner_labels,
-    _process_start,
-    _remove_stale_leases,
-    docker_client,
+    owner_gone,
+    owner_labels,
+    remove_stale_leases,
+    take_lease,
 )
+from openenv_grpc.server.app import SERVING_LINE
 from openenv_grpc.server.service import SERVICE_NAME
 
 __all__ = ["PROVIDER_SWARM", "DockerSwarmProvider", "cleanup_orphan_services"]
@@ -147,12 +144,12 @@ def cleanup_orphan_services(client: docker.DockerClient | None = None) -> list[s
         docker.errors.APIError: the daemon refused (e.g. it is not a swarm manager).
     """
     client = client or docker_client()
-    _remove_stale_leases()
+    remove_stale_leases()
     removed = []
     services: Any = client.services  # the stubs leave most of the services API untyped
     for service in services.list(filters={"label": f"{LABEL_PROVIDER}={PROVIDER_SWARM}"}):
         labels = service.attrs.get("Spec", {}).get("Labels") or {}
-        if _owner_gone(labels):
+        if owner_gone(labels):
             with contextlib.suppress(NotFound):
                 service.remove()
             removed.append(service.name or service.id or "?")
@@ -369,9 +366,7 @@ class DockerSwarmProvider(Provider):
         Raises:
             ProviderError: the watchdog did not start.
         """
-        pid = os.getpid()
-        fd, path = tempfile.mkstemp(prefix=f"{_LEASE_PREFIX}{pid}-{_process_start(pid)}-")
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fd, path = take_lease()
         self._lease_fd, self._lease_path = fd, path
         settle = "5"  # seconds: a create request in flight when the owner died lands by then
         proc = subprocess.Popen(
@@ -418,7 +413,7 @@ class DockerSwarmProvider(Provider):
                 cpu_limit=int(self.cpus * 1e9) if self.cpus is not None else None,
                 mem_limit=int(parse_bytes(self.mem_limit)) if self.mem_limit is not None else None,
             )
-        owner = {**_owner_labels(), LABEL_PROVIDER: PROVIDER_SWARM}
+        owner = owner_labels(PROVIDER_SWARM)
         self._created = True
         service = self._services.create(
             self.image,
@@ -524,7 +519,7 @@ class DockerSwarmProvider(Provider):
         return lines
 
     def _serving_tasks(self) -> set[str]:
-        return {task for task, line in self._log_lines() if _SERVING_LINE.search(line)}
+        return {task for task, line in self._log_lines() if SERVING_LINE.search(line)}
 
     def logs(self, tail: int | str = "all") -> str:
         """What the replicas printed (stdout and stderr), each line after its task id.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import signal
 import sys
 from collections.abc import Callable
@@ -37,7 +38,11 @@ from openenv_grpc.server.spec import EnvSpec
 from openenv_grpc.server.tls import server_credentials
 from openenv_grpc.server.workers import serve_workers
 
-__all__ = ["EnvServer", "serve"]
+__all__ = ["SERVING_LINE", "EnvServer", "serve"]
+
+#: The status line a server prints once it listens (groups: env, host, port); providers,
+#: test helpers and tools wait for it. Printed by :func:`_announce` and the workers.
+SERVING_LINE = re.compile(r"openenv-grpc: serving (\S+) on (\S+):(\d+)")
 
 log = logging.getLogger(__name__)
 

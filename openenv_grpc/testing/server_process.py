@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -18,11 +17,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from openenv_grpc.client.info import fetch_info
+from openenv_grpc.server.app import SERVING_LINE
 from openenv_grpc.v1 import session_pb2 as pb
 
 __all__ = ["ServerProcess"]
-
-_SERVING = re.compile(r"openenv-grpc: serving (\S+) on (\S+):(\d+)")
 
 
 class ServerProcess:
@@ -71,7 +69,7 @@ class ServerProcess:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.stdout_lines.append(line)
-            match = _SERVING.search(line)
+            match = SERVING_LINE.search(line)
             if match and not self.port:
                 self.port = int(match.group(3))
                 self._announced.set()
