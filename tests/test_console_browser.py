@@ -50,15 +50,21 @@ def browser() -> Iterator[Browser]:
 
 
 @pytest.fixture
-def start_console() -> Iterator[Any]:
+def console_tab(browser: Browser, start_server: Any) -> Iterator[Any]:
+    """``console_tab(env, *serve_flags)``: a real env server, a console for it and a
+    browser tab on the console; returns (server, tab). Everything ends with the test."""
     consoles: list[ConsoleProcess] = []
+    tabs: list[ConsolePage] = []
 
-    def start(target: str, *args: str) -> ConsoleProcess:
-        console = ConsoleProcess(target, args)
-        consoles.append(console)
-        return console
+    def open_tab(env: str = "support.envs:CountingEchoEnv", *flags: str) -> tuple[Any, Any]:
+        server = start_server(env, *flags)
+        consoles.append(ConsoleProcess(server.target))
+        tabs.append(ConsolePage(browser, consoles[-1]))
+        return server, tabs[-1]
 
-    yield start
+    yield open_tab
+    for tab in tabs:
+        tab.close()
     for console in consoles:
         console.stop()
 
@@ -67,6 +73,8 @@ class ConsolePage:
     """A browser tab on the console, with the steps a person takes."""
 
     def __init__(self, browser: Browser, console: ConsoleProcess) -> None:
+        self.console = console
+        self.closed = False
         self.context = browser.new_context(viewport={"width": 1280, "height": 900})
         self.page: Page = self.context.new_page()
         self.page.set_default_timeout(TIMEOUT_MS)
@@ -116,12 +124,14 @@ class ConsolePage:
         return path
 
     def close(self) -> None:
-        self.context.close()
+        """Close the tab (and its context); safe to call twice."""
+        if not self.closed:
+            self.closed = True
+            self.context.close()
 
 
-def test_echo_a_typed_message_comes_back(browser: Browser, server, start_console) -> None:
-    console = start_console(server.target)
-    tab = ConsolePage(browser, console)
+def test_echo_a_typed_message_comes_back(console_tab: Any) -> None:
+    _, tab = console_tab()
     expect(tab.page.locator("#env-name")).to_have_text("echo")
     tab.open_session()
     tab.reset(seed=1)
@@ -132,7 +142,7 @@ def test_echo_a_typed_message_comes_back(browser: Browser, server, start_console
     tab.screenshot("echo.png")
     # Everything the page loaded came from the console itself (no CDN, no internet).
     assert tab.requests and all(
-        url.startswith(console.url) or url.startswith("data:") for url in tab.requests
+        url.startswith(tab.console.url) or url.startswith("data:") for url in tab.requests
     ), tab.requests
     assert tab.errors == []
     tab.close()
@@ -144,12 +154,8 @@ def test_the_page_ships_no_outside_references() -> None:
         assert not re.search(r"https?://|//cdn|@import", text), f"{path.name} refers outside"
 
 
-def test_an_atari_frame_shows_as_an_image_and_steps_show_live(
-    browser: Browser, start_server, start_console
-) -> None:
-    server = start_server("gymnasium")
-    console = start_console(server.target)
-    tab = ConsolePage(browser, console)
+def test_an_atari_frame_shows_as_an_image_and_steps_show_live(console_tab: Any) -> None:
+    server, tab = console_tab("gymnasium")
     tab.open_session()
     tab.reset_option("env_id", "ALE/Pong-v5")  # the form made for GymnasiumResetOptions
     tab.reset(seed=7)
@@ -178,10 +184,8 @@ def test_an_atari_frame_shows_as_an_image_and_steps_show_live(
     server.wait_until(lambda: server.active() == 0, what="session closed with the page")
 
 
-def test_a_full_server_shows_the_capacity_error(browser: Browser, start_server, start_console):
-    server = start_server("support.envs:CountingEchoEnv", "--max-concurrent-envs", "1")
-    console = start_console(server.target)
-    tab = ConsolePage(browser, console)
+def test_a_full_server_shows_the_capacity_error(console_tab: Any) -> None:
+    server, tab = console_tab("support.envs:CountingEchoEnv", "--max-concurrent-envs", "1")
     with EchoEnv(server.target):  # someone else holds the only slot
         tab.page.click("#open-session")
         expect(tab.banner()).to_be_visible()
@@ -196,12 +200,8 @@ def test_a_full_server_shows_the_capacity_error(browser: Browser, start_server, 
     tab.close()
 
 
-def test_errors_show_with_their_code_and_the_session_goes_on(
-    browser: Browser, start_server, start_console
-) -> None:
-    server = start_server("support.envs:FaultyEnv")
-    console = start_console(server.target)
-    tab = ConsolePage(browser, console)
+def test_errors_show_with_their_code_and_the_session_goes_on(console_tab: Any) -> None:
+    server, tab = console_tab("support.envs:FaultyEnv")
     tab.open_session()
     tab.action_field("message").fill("too early")
     entry = tab.step()
@@ -226,11 +226,8 @@ def test_errors_show_with_their_code_and_the_session_goes_on(
     tab.close()
 
 
-def test_closing_the_session_or_the_page_closes_the_stream(
-    browser: Browser, server, start_console
-) -> None:
-    console = start_console(server.target)
-    tab = ConsolePage(browser, console)
+def test_closing_the_session_or_the_page_closes_the_stream(console_tab: Any) -> None:
+    server, tab = console_tab()
     tab.open_session()
     assert server.active() == 1
     tab.page.click("#close-session")
@@ -243,12 +240,8 @@ def test_closing_the_session_or_the_page_closes_the_stream(
     assert server.closed_envs() == server.created() == 2
 
 
-def test_forms_cover_enums_maps_oneofs_and_text_boards(
-    browser: Browser, start_server, start_console
-) -> None:
-    server = start_server("openspiel")
-    console = start_console(server.target)
-    tab = ConsolePage(browser, console)
+def test_forms_cover_enums_maps_oneofs_and_text_boards(console_tab: Any) -> None:
+    _, tab = console_tab("openspiel")
     tab.open_session()
     options = tab.page.locator("#reset-options")
     tab.reset_option("game", "tic_tac_toe")
@@ -273,12 +266,8 @@ def test_forms_cover_enums_maps_oneofs_and_text_boards(
     tab.close()
 
 
-def test_wordle_boards_show_as_text_and_unknown_words_as_errors(
-    browser: Browser, start_server, start_console
-) -> None:
-    server = start_server("wordle")
-    console = start_console(server.target)
-    tab = ConsolePage(browser, console)
+def test_wordle_boards_show_as_text_and_unknown_words_as_errors(console_tab: Any) -> None:
+    _, tab = console_tab("wordle")
     tab.open_session()
     tab.reset(seed=1)
     tab.action_field("guess").fill("zzzzz")
@@ -293,13 +282,9 @@ def test_wordle_boards_show_as_text_and_unknown_words_as_errors(
     tab.close()
 
 
-def test_a_continuous_action_is_typed_as_numbers(
-    browser: Browser, start_server, start_console
-) -> None:
+def test_a_continuous_action_is_typed_as_numbers(console_tab: Any) -> None:
     """A tensor-shaped field (data/shape/dtype) gets a values editor, not base64 bytes."""
-    server = start_server("gymnasium")
-    console = start_console(server.target)
-    tab = ConsolePage(browser, console)
+    _, tab = console_tab("gymnasium")
     tab.open_session()
     tab.reset_option("env_id", "Pendulum-v1")
     tab.reset(seed=0)
