@@ -7,7 +7,7 @@ from collections import Counter
 
 import grpc
 
-from openenv_grpc import fetch_info
+from openenv_grpc import CapacityError, fetch_info
 from openenv_grpc.client.channel import AioChannelPool
 from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
@@ -125,3 +125,42 @@ def test_reuse_port_lets_separate_servers_share_one_port(start_server) -> None:
 
     pids = asyncio.run(main())
     assert set(pids) == {first.proc.pid, second.proc.pid}, pids
+
+
+def test_a_pool_finds_the_room_another_worker_has_left(start_server) -> None:
+    """Capacity 2 over 2 workers is 1 each. Sessions opened round robin may hit the full
+    worker; ``pool.open_session`` moves on to a channel whose worker has room, and only
+    refuses (RESOURCE_EXHAUSTED) once every worker is full."""
+    server = start_server(
+        "support.envs:CountingEchoEnv", "--workers", "2", "--max-concurrent-envs", "2"
+    )
+
+    async def main() -> tuple[dict[int, int], str]:
+        # A pool whose first two channels reach the same worker: plain round robin would
+        # put the second session on a full worker.
+        while True:
+            pool = AioChannelPool(server.target, size=3)
+            pids = [(await _worker_of(channel))[0] for channel in pool.channels]
+            if pids[0] == pids[1] != pids[2]:
+                break
+            await pool.close()
+        async with pool:
+            first = await pool.open_session(AsyncEchoEnv)
+            second = await pool.open_session(AsyncEchoEnv)  # channel 2 full: channel 3
+            # Each worker now holds one session (the capacity it has).
+            holders = dict([await _worker_of(channel) for channel in pool.channels])
+            try:
+                await pool.open_session(AsyncEchoEnv)
+            except CapacityError as exc:
+                refusal = exc.code.name
+            else:
+                refusal = "admitted"
+            for env in (first, second):
+                await env.reset()
+                await env.close()
+            return holders, refusal
+
+    holders, refusal = asyncio.run(main())
+    assert sorted(holders.values()) == [1, 1], holders
+    assert refusal == "RESOURCE_EXHAUSTED"
+    server.wait_until(lambda: server.closed_envs() == 2, what="both envs closed")

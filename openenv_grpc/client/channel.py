@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import grpc
+
+from openenv_grpc.client.errors import CapacityError
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
@@ -18,6 +21,13 @@ __all__ = [
 ]
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+class _Openable(Protocol):
+    async def open(self) -> None: ...
+
+
+SessionT = TypeVar("SessionT", bound=_Openable)
 
 
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
@@ -109,6 +119,28 @@ class AioChannelPool:
         channel = self._channels[self._next % len(self._channels)]
         self._next += 1
         return channel
+
+    async def open_session(self, client_class: Callable[..., SessionT], **kwargs: Any) -> SessionT:
+        """An open session of ``client_class`` (``AsyncEchoEnv``, ...) on the next channel.
+
+        When the server process behind that channel is full, the next channel is tried,
+        each once: with ``--workers`` the capacity is split among the processes, and this
+        finds the room any of them has left. ``kwargs`` go to the constructor.
+
+        Raises:
+            CapacityError: every channel's process is full (the last refusal).
+            SessionRefused: a process refused for another reason (unreachable, draining).
+        """
+        tries = len(self._channels)
+        while True:
+            session = client_class(self.next(), **kwargs)
+            try:
+                await session.open()
+                return session
+            except CapacityError:
+                tries -= 1
+                if tries == 0:
+                    raise
 
     async def close(self) -> None:
         for channel in self._channels:
