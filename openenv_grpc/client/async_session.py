@@ -164,15 +164,11 @@ class AsyncSession(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
             except CapacityError as exc:
                 bound = next(delays, None)
                 if bound is None:
-                    await self._forget_channel_unless_reconnecting()
-                    if not self._reconnect:
-                        await self._stop_owned_provider()
+                    await self._give_up_open()
                     raise
                 await asyncio.sleep(OpenRetry.wait(bound, exc.retry_after))
             except BaseException:
-                await self._forget_channel_unless_reconnecting()
-                if not self._reconnect:
-                    await self._stop_owned_provider()
+                await self._give_up_open()
                 raise
 
     async def _open_once(self) -> _Call:
@@ -219,6 +215,13 @@ class AsyncSession(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
         provider, self._owned_provider = self._owned_provider, None
         if provider is not None:
             await asyncio.to_thread(provider.stop)  # stopping blocks (a drain, a container)
+
+    async def _give_up_open(self) -> None:
+        """After a failed open: release the channel and an owned provider, unless a later
+        call will reconnect."""
+        if not self._reconnect:
+            await self._close_channel()
+            await self._stop_owned_provider()
 
     async def _forget_channel_unless_reconnecting(self) -> None:
         if not self._reconnect:

@@ -190,15 +190,11 @@ class Session(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
             except CapacityError as exc:
                 bound = next(delays, None)
                 if bound is None:
-                    self._forget_channel_unless_reconnecting()
-                    if not self._reconnect:
-                        self._stop_owned_provider()
+                    self._give_up_open()
                     raise
                 time.sleep(OpenRetry.wait(bound, exc.retry_after))
             except BaseException:
-                self._forget_channel_unless_reconnecting()
-                if not self._reconnect:
-                    self._stop_owned_provider()
+                self._give_up_open()
                 raise
 
     def _open_once(self) -> None:
@@ -254,6 +250,13 @@ class Session(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
             # Its read ends with the stream (cancelled or finished); do not wait for it.
             self._reader.shutdown(wait=False)
             self._reader = None
+
+    def _give_up_open(self) -> None:
+        """After a failed open: release the channel and an owned provider, unless a later
+        call will reconnect."""
+        if not self._reconnect:
+            self._close_channel()
+            self._stop_owned_provider()
 
     def _forget_channel_unless_reconnecting(self) -> None:
         if not self._reconnect:
