@@ -56,8 +56,8 @@ def create_app(
     target: EnvTarget, *, live_period: float = 1.0, connect_timeout: float = 10.0
 ) -> web.Application:
     """The console app for ``target``; it reads the target's Info on start-up (waiting up
-    to ``connect_timeout`` seconds) and closes its channel, sessions and live poller on
-    clean-up."""
+    to ``connect_timeout`` seconds) and on shut-down closes its sockets (ending their
+    sessions) and the live poller. The target's channel stays the caller's to close."""
     app = web.Application()
     app[_CONSOLE] = _Console(target, LiveFigures(target, live_period), connect_timeout)
     app.router.add_get("/", _index)
@@ -68,7 +68,6 @@ def create_app(
     app.on_response_prepare.append(_add_security_headers)
     app.on_startup.append(_load_target)
     app.on_shutdown.append(_close_sockets)
-    app.on_cleanup.append(_close_target)
     return app
 
 
@@ -82,10 +81,6 @@ async def _close_sockets(app: web.Application) -> None:
     for ws in list(app[_CONSOLE].sockets):
         await ws.close(code=1001, message=b"console shutting down")
     await app[_CONSOLE].live.stop()
-
-
-async def _close_target(app: web.Application) -> None:
-    await app[_CONSOLE].target.close()
 
 
 async def _add_security_headers(request: web.Request, response: web.StreamResponse) -> None:

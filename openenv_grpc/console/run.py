@@ -64,8 +64,8 @@ async def serve_console(
             loop.add_signal_handler(signum, stop.set)
         await stop.wait()
     finally:
-        await runner.cleanup()  # closes the sockets, their sessions and the channel
-        await target.close()  # also when start-up failed before the app's clean-up ran
+        await runner.cleanup()  # closes the sockets and with them their sessions
+        await target.close()  # the channel: this function made the target
 
 
 def run_console(address: str, host: str, port: int, **kwargs: Any) -> int:
