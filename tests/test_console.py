@@ -22,6 +22,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from openenv_grpc.console.session_socket import SessionSocket
 from openenv_grpc.testing import ConsoleProcess
 from openenv_grpc_envs.echo import EchoAction, EchoEnv
 
@@ -369,3 +370,46 @@ def test_live_figures_show_a_draining_server_and_then_its_absence(
     assert "draining" in draining["refused"]["message"]
     assert gone["code"] == "UNAVAILABLE"
     assert server.proc.wait(30) == 0
+
+
+def test_a_slow_answer_times_out_and_the_session_goes_on(start_server, start_console) -> None:
+    server = start_server("support.envs:FaultyEnv")
+    console = start_console(server.target, "--call-timeout", "0.3")
+
+    async def go() -> tuple[dict[str, Any], dict[str, Any]]:
+        p = await page(console)
+        await p.send({"op": "open"})
+        await p.send({"op": "reset"})
+        slow = await p.send({"op": "step", "action": {"message": "sleep:1"}})
+        await asyncio.sleep(1.0)  # the slow step finishes on the server meanwhile
+        # Its late answer is dropped; this step gets its own.
+        after = await p.send({"op": "step", "action": {"message": "after"}})
+        await leave(p)
+        return slow, after
+
+    slow, after = run(go())
+    assert (slow["code"], slow["session"]) == ("DEADLINE_EXCEEDED", "open")
+    assert "no answer within 0.3s" in slow["message"]
+    assert after.get("type") == "result", after
+    assert after["observation"]["echoed_message"] == "after"
+    assert after["step_count"] == 2
+
+
+def test_a_console_fault_is_reported_as_internal_and_the_socket_goes_on() -> None:
+    """A bug below the console (here a stub that raises) answers INTERNAL, not a crash."""
+
+    class BrokenStub:
+        def Session(self, **kwargs: Any) -> Any:
+            raise RuntimeError("wires crossed")
+
+    class Target:
+        stub = BrokenStub()
+        token = None
+        call_timeout = None
+
+    socket = SessionSocket(Target())  # type: ignore[arg-type]
+    answer = run(socket.answer(json.dumps({"op": "open"})))
+    assert (answer["code"], answer["source"], answer["session"]) == ("INTERNAL", "console", "none")
+    assert "wires crossed" in answer["message"]
+    again = run(socket.answer(json.dumps({"op": "state"})))
+    assert again["code"] == "FAILED_PRECONDITION"  # still answering
