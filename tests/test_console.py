@@ -413,3 +413,16 @@ def test_a_console_fault_is_reported_as_internal_and_the_socket_goes_on() -> Non
     assert "wires crossed" in answer["message"]
     again = run(socket.answer(json.dumps({"op": "state"})))
     assert again["code"] == "FAILED_PRECONDITION"  # still answering
+
+
+def test_without_the_console_extra_the_command_says_how_to_get_it(tmp_path: Path) -> None:
+    blocker = tmp_path / "aiohttp"
+    blocker.mkdir()
+    (blocker / "__init__.py").write_text("raise ImportError('aiohttp is not installed')\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "openenv_grpc.cli", "console", "127.0.0.1:1"],
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "pip install 'openenv-grpc[console]'" in done.stderr
