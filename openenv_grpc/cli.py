@@ -14,6 +14,7 @@ from google.protobuf import json_format
 
 from openenv_grpc._version import __version__
 from openenv_grpc.client.channel import tls_credentials
+from openenv_grpc.client.errors import OpenEnvError
 from openenv_grpc.client.info import fetch_info
 from openenv_grpc.loader import available_envs, load_factory
 from openenv_grpc.scaffold import add_init_command, run_init
@@ -119,10 +120,17 @@ def _add_client_security(parser: argparse.ArgumentParser) -> None:
 def _client_security(args: argparse.Namespace) -> tuple[grpc.ChannelCredentials | None, str | None]:
     """TLS credentials (None: plaintext) and the bearer token (None: none) from the options.
 
+    Any of ``--ca``, ``--cert``, ``--key`` means TLS (without ``--ca``, the system's roots
+    are trusted): a connection never falls back to plaintext because one was left out.
+
     Raises:
         OSError: a PEM file cannot be read.
+        ValueError: ``--cert`` without ``--key`` or the reverse.
     """
-    credentials = tls_credentials(args.ca, args.cert, args.key) if args.ca else None
+    if bool(args.cert) != bool(args.key):
+        raise ValueError("--cert and --key go together (a client certificate needs its key)")
+    tls = args.ca or args.cert or args.key
+    credentials = tls_credentials(args.ca, args.cert, args.key) if tls else None
     return credentials, os.environ.get(args.token_env) or None
 
 
@@ -153,11 +161,11 @@ def _info(args: argparse.Namespace) -> int:
     try:
         credentials, token = _client_security(args)
         info = fetch_info(args.target, timeout=args.timeout, credentials=credentials, token=token)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         print(f"openenv-grpc: {exc}", file=sys.stderr)
         return 2
-    except grpc.RpcError as exc:
-        print(f"openenv-grpc: {args.target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+    except OpenEnvError as exc:
+        print(f"openenv-grpc: {args.target}: {exc.code.name}: {exc.message}", file=sys.stderr)
         return 1
     if not args.descriptors:
         files = [file.name for file in info.descriptors.file]

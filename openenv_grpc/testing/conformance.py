@@ -37,7 +37,7 @@ from google.protobuf.message import Message
 from openenv_grpc.client.async_session import AsyncSession
 from openenv_grpc.client.errors import EnvError
 from openenv_grpc.client.info import message_classes
-from openenv_grpc.client.protocol import StepResult
+from openenv_grpc.client.outcome import StepOutcome
 from openenv_grpc.client.sync_session import Session
 from openenv_grpc.testing.server_process import ServerProcess
 from openenv_grpc.v1 import session_pb2 as pb
@@ -269,7 +269,7 @@ def _session(server: ServerProcess) -> Session[Any, Any, Any, Any]:
     return Session(server.target)
 
 
-def _entry(result: StepResult[Any]) -> tuple[bytes, float, bool, bool]:
+def _entry(result: StepOutcome[Any]) -> tuple[bytes, float, bool, bool]:
     observation = result.observation.SerializeToString(deterministic=True)
     return observation, result.reward, result.terminated, result.truncated
 
