@@ -11,7 +11,7 @@ NODE_CLIENT := clients/node/node_modules/.installed
 GOPATH_DIR := build/gopath
 
 .PHONY: install serve test pytest lint proto proto-check clean bench-echo clients go-play \
-	buf-breaking system-deps image dockerd bench console console-screenshot
+	buf-breaking system-deps image dockerd bench console console-screenshot settings-table
 
 # `local` = the registry-free debootstrap base; python:3.11-slim where a registry is reachable
 BASE_IMAGE ?= local
@@ -95,6 +95,10 @@ lint: install
 	mkdir -p build/mypy && ln -sfn "$(CURDIR)/envs" build/mypy/openenv_grpc_envs
 	MYPYPATH=build/mypy $(VENV)/bin/mypy --strict --exclude '_pb2' --exclude '/tests/' -p openenv_grpc_envs
 	$(BUF) lint
+
+## settings-table: rewrite the README's server settings table from server/config.py
+settings-table: $(VENV)/.installed
+	$(PY) scripts/settings_table.py
 
 ## proto: regenerate Python messages, stubs and type stubs from proto/
 proto: $(VENV)/.installed

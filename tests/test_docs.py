@@ -5,8 +5,9 @@ module."""
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 #: An install line (it may wrap in a docstring): pip install [options] 'openenv-grpc[a,b]'.

@@ -107,7 +107,7 @@ class EnvServer:
             self.metrics_port = start_metrics_server(prometheus, host, self.config.metrics_port)
             metrics = MetricsTee(activity, prometheus)
         if self.config.isolated:
-            call_timeout = self.config.step_timeout or self.spec.env_class.step_timeout or None
+            call_timeout = self.config.call_timeout(self.spec.env_class.step_timeout)
             self._isolated = IsolatedPool(
                 self.spec.factory, self.config.isolated, call_timeout, metrics
             )
