@@ -11,16 +11,28 @@ NODE_CLIENT := clients/node/node_modules/.installed
 GOPATH_DIR := build/gopath
 
 .PHONY: install serve test pytest lint proto proto-check clean bench-echo clients go-play \
-	buf-breaking system-deps image dockerd bench console console-screenshot
+	buf-breaking system-deps image dockerd bench console console-screenshot settings-table
 
 # `local` = the registry-free debootstrap base; python:3.11-slim where a registry is reachable
 BASE_IMAGE ?= local
 
 # The virtualenv is rebuilt when the project's dependencies change.
+# Development (tests, lint, codegen): the package with every extra and tool.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+# Serving: the package and its runtime dependencies, plus the env's own extra if it has
+# one (nothing of [dev]: a fresh clone serves echo in seconds). A dev venv has it all.
+SERVE_EXTRA_gymnasium := gymnasium
+SERVE_EXTRA_openspiel := openspiel
+SERVE_EXTRA := $(SERVE_EXTRA_$(ENV))
+$(VENV)/.serve-$(ENV): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	test -f $(VENV)/.installed || \
+	  $(PY) -m pip install --quiet $(if $(SERVE_EXTRA),-e '.[$(SERVE_EXTRA)]',-e .)
 	touch $@
 
 $(BUF): package.json package-lock.json
@@ -30,7 +42,7 @@ $(BUF): package.json package-lock.json
 install: $(VENV)/.installed $(BUF)
 
 ## serve: run a server with the default environment on localhost (no Docker)
-serve: $(VENV)/.installed
+serve: $(VENV)/.serve-$(ENV)
 	$(VENV)/bin/openenv-grpc serve $(ENV) --host $(HOST) --port $(PORT)
 
 ## test: the whole suite: lint, generated-code drift, wire compatibility, then every test
@@ -83,6 +95,10 @@ lint: install
 	mkdir -p build/mypy && ln -sfn "$(CURDIR)/envs" build/mypy/openenv_grpc_envs
 	MYPYPATH=build/mypy $(VENV)/bin/mypy --strict --exclude '_pb2' --exclude '/tests/' -p openenv_grpc_envs
 	$(BUF) lint
+
+## settings-table: rewrite the README's server settings table from server/config.py
+settings-table: $(VENV)/.installed
+	$(PY) scripts/settings_table.py
 
 ## proto: regenerate Python messages, stubs and type stubs from proto/
 proto: $(VENV)/.installed

@@ -4,6 +4,8 @@ Environment builders subclass :class:`Environment` (or :class:`AsyncEnvironment`
 serve it with :func:`serve`; trainers open a :class:`Session` (or :class:`AsyncSession`).
 """
 
+from typing import Any
+
 from openenv_grpc._version import __version__
 from openenv_grpc.client import (
     AsyncSession,
@@ -11,11 +13,14 @@ from openenv_grpc.client import (
     EnvError,
     OpenEnvError,
     OpenRetry,
+    PayloadTypeError,
     ProtocolError,
     Session,
     SessionLost,
     SessionRefused,
-    StepResult,
+    SessionStateError,
+    SessionTimeout,
+    StepOutcome,
     fetch_info,
 )
 from openenv_grpc.environment import (
@@ -36,14 +41,26 @@ __all__ = [
     "InvalidAction",
     "OpenEnvError",
     "OpenRetry",
+    "PayloadTypeError",
     "ProtocolError",
     "ServerConfig",
     "Session",
     "SessionLost",
     "SessionRefused",
-    "StepResult",
+    "SessionStateError",
+    "SessionTimeout",
+    "StepOutcome",
     "Transition",
     "__version__",
     "fetch_info",
     "serve",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``StepResult``, the deprecated name of :class:`StepOutcome`."""
+    if name == "StepResult":
+        from openenv_grpc import client
+
+        return client.__getattr__(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

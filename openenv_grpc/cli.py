@@ -14,11 +14,12 @@ from google.protobuf import json_format
 
 from openenv_grpc._version import __version__
 from openenv_grpc.client.channel import tls_credentials
+from openenv_grpc.client.errors import OpenEnvError
 from openenv_grpc.client.info import fetch_info
 from openenv_grpc.loader import available_envs, load_factory
 from openenv_grpc.scaffold import add_init_command, run_init
 from openenv_grpc.server.app import serve
-from openenv_grpc.server.config import ENV_VARS, ServerConfig
+from openenv_grpc.server.config import ENV_VARS, ServerConfig, settings
 from openenv_grpc.server.logs import configure_logging
 
 __all__ = ["main"]
@@ -39,40 +40,17 @@ def _parser() -> argparse.ArgumentParser:
         "command line, where other users can read it).",
     )
     run.add_argument("env", metavar="ENV", help="a packaged env (see `list`) or module:factory")
-    defaults = ServerConfig()
-
-    def option(flag: str, field: str, kind: type, help_text: str) -> None:
+    for name, kind, meta, default in settings():
+        if meta.flag is None:
+            continue  # secrets stay off the command line
+        shown = meta.shown_default.replace("`", "") or default
         run.add_argument(
-            flag,
-            dest=field,
+            meta.flag,
+            dest=name,
             type=kind,
             default=None,
-            help=f"{help_text} (env {ENV_VARS[field]}; default {getattr(defaults, field)})",
+            help=f"{meta.help.replace('`', '')} (env {meta.variable}; default {shown})",
         )
-
-    option("--host", "host", str, "address to listen on")
-    option("--port", "port", int, "port to listen on; 0 picks a free one")
-    option("--max-concurrent-envs", "max_concurrent_envs", int, "session cap; 0 or -1 = unlimited")
-    option("--idle-timeout", "idle_timeout", float, "seconds an idle session lives; 0 = forever")
-    option("--grace", "grace_period", float, "seconds running sessions get on SIGTERM")
-    option("--max-message-bytes", "max_message_bytes", int, "largest message in or out")
-    option("--env-threads", "env_threads", int, "threads for blocking sync envs")
-    option("--retry-pushback-ms", "retry_pushback_ms", int, "retry hint sent when full")
-    option("--keepalive-time", "keepalive_time", float, "seconds between keepalive pings")
-    option("--keepalive-timeout", "keepalive_timeout", float, "seconds to wait for a ping's answer")
-    option("--step-timeout", "step_timeout", float, "seconds an env call may take; 0 = env's own")
-    option("--tls-cert", "tls_cert", str, "PEM certificate chain: serve TLS")
-    option("--tls-key", "tls_key", str, "PEM private key for --tls-cert")
-    option("--tls-client-ca", "tls_client_ca", str, "PEM CA: require client certs (mTLS)")
-    option("--metrics-port", "metrics_port", int, "Prometheus /metrics port; -1 off, 0 free")
-    option("--workers", "workers", int, "server processes sharing the port (SO_REUSEPORT)")
-    option("--isolated", "isolated", int, "run envs in this many worker processes; 0 = off")
-    option("--reuse-port", "reuse_port", int, "1: share the port with other servers")
-    run.add_argument("--log-level", default=None, help="logging level (env LOG_LEVEL; INFO)")
-    run.add_argument(
-        "--log-format", choices=["text", "json"], default=None,
-        help="log lines as text or JSON (env LOG_FORMAT; default text)",
-    )  # fmt: skip
 
     info = commands.add_parser("info", help="print what a server's Info RPC returns")
     info.add_argument("target", metavar="TARGET", help="host:port")
@@ -119,25 +97,25 @@ def _add_client_security(parser: argparse.ArgumentParser) -> None:
 def _client_security(args: argparse.Namespace) -> tuple[grpc.ChannelCredentials | None, str | None]:
     """TLS credentials (None: plaintext) and the bearer token (None: none) from the options.
 
+    Any of ``--ca``, ``--cert``, ``--key`` means TLS (without ``--ca``, the system's roots
+    are trusted): a connection never falls back to plaintext because one was left out.
+
     Raises:
         OSError: a PEM file cannot be read.
+        ValueError: ``--cert`` without ``--key`` or the reverse.
     """
-    credentials = tls_credentials(args.ca, args.cert, args.key) if args.ca else None
+    if bool(args.cert) != bool(args.key):
+        raise ValueError("--cert and --key go together (a client certificate needs its key)")
+    tls = args.ca or args.cert or args.key
+    credentials = tls_credentials(args.ca, args.cert, args.key) if tls else None
     return credentials, os.environ.get(args.token_env) or None
 
 
 def _serve(args: argparse.Namespace) -> int:
-    try:
-        configure_logging(
-            args.log_level or os.environ.get("LOG_LEVEL") or "INFO",
-            args.log_format or os.environ.get("LOG_FORMAT") or "text",
-        )
-    except ValueError as exc:
-        print(f"openenv-grpc: {exc}", file=sys.stderr)
-        return 2
     fields = (name for name in ENV_VARS if hasattr(args, name))
     try:
         config = ServerConfig.from_env(**{name: getattr(args, name) for name in fields})
+        configure_logging(config.log_level, config.log_format)
         factory = load_factory(args.env)
     except (ValueError, LookupError) as exc:
         print(f"openenv-grpc: {exc}", file=sys.stderr)
@@ -153,11 +131,11 @@ def _info(args: argparse.Namespace) -> int:
     try:
         credentials, token = _client_security(args)
         info = fetch_info(args.target, timeout=args.timeout, credentials=credentials, token=token)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         print(f"openenv-grpc: {exc}", file=sys.stderr)
         return 2
-    except grpc.RpcError as exc:
-        print(f"openenv-grpc: {args.target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+    except OpenEnvError as exc:
+        print(f"openenv-grpc: {args.target}: {exc.code.name}: {exc.message}", file=sys.stderr)
         return 1
     if not args.descriptors:
         files = [file.name for file in info.descriptors.file]

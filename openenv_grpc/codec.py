@@ -1,7 +1,10 @@
 """Typed payloads in and out of ``google.protobuf.Any``, and info maps in and out of Struct.
 
-Both ends use these so that the type-url convention lives in one place. Packing writes
-the Any's two fields directly (cheaper than ``Any.Pack``, which recomputes the url).
+The server, the clients and the console all pack and unpack payloads here, so the
+type-url rule lives in one place: we send ``type.googleapis.com/<full message name>``,
+and we accept any url whose last path segment is the expected full name (the protobuf
+rule for ``Any``: everything up to the last ``/`` is the sender's business).
+Packing writes the Any's two fields directly (cheaper than ``Any.Pack``).
 """
 
 from __future__ import annotations
@@ -13,16 +16,19 @@ from google.protobuf import any_pb2, descriptor_pb2, struct_pb2
 from google.protobuf.message import DecodeError, Message
 
 __all__ = [
+    "TYPE_URL_PREFIX",
     "PayloadError",
     "file_descriptor_set",
     "info_from_struct",
     "info_to_struct",
-    "pack_into",
+    "pack",
+    "type_name",
     "type_url",
     "unpack",
     "value_to_python",
 ]
 
+#: What we put before the full name in the type urls we send.
 TYPE_URL_PREFIX = "type.googleapis.com/"
 
 M = TypeVar("M", bound=Message)
@@ -36,31 +42,51 @@ _TYPE_URLS: dict[type[Message], str] = {}
 
 
 def type_url(message_class: type[Message]) -> str:
-    """The Any type url of ``message_class`` (computed once per class: clients pack every
-    action through here)."""
+    """The type url we send for ``message_class`` (computed once per class: clients pack
+    every action through here)."""
     url = _TYPE_URLS.get(message_class)
     if url is None:
         url = _TYPE_URLS[message_class] = TYPE_URL_PREFIX + message_class.DESCRIPTOR.full_name
     return url
 
 
-def pack_into(target: any_pb2.Any, message: Message, url: str) -> None:
-    """Store ``message`` in ``target`` under the precomputed type ``url``."""
-    target.type_url = url
+def type_name(url: str) -> str:
+    """The full message name a type url names: its last path segment ("" for a url
+    without a "/", which names nothing)."""
+    _, slash, name = url.rpartition("/")
+    return name if slash else ""
+
+
+def pack(message: Message, target: any_pb2.Any | None = None) -> any_pb2.Any:
+    """``message`` as an Any (written into ``target`` when given); returns the Any.
+
+    An Any passes through unchanged (copied into ``target``): it is packed already.
+    """
+    if target is None:
+        target = any_pb2.Any()
+    if isinstance(message, any_pb2.Any):
+        target.CopyFrom(message)
+        return target
+    target.type_url = type_url(type(message))
     target.value = message.SerializeToString()
+    return target
 
 
-def unpack(payload: any_pb2.Any, message_class: type[M], url: str, what: str) -> M:
-    """Decode ``payload`` as ``message_class`` (whose type url is ``url``).
+def unpack(payload: any_pb2.Any, message_class: type[M], what: str) -> M:
+    """Decode ``payload`` as ``message_class``.
 
     Raises:
-        PayloadError: wrong type url or bytes that do not parse; ``what`` names the
-            payload ("action", "reset options", ...) in the message.
+        PayloadError: the url names another type, or the bytes do not parse; ``what``
+            names the payload ("action", "reset options", ...) in the message, which also
+            names the expected type and the url exactly as received.
     """
-    if payload.type_url != url:
-        got = payload.type_url.rpartition("/")[2] or "nothing"
-        expected = url.rpartition("/")[2]
-        raise PayloadError(f"{what} must be {expected}, got {got}")
+    url = payload.type_url
+    # The exact url we send first: one dict lookup and a string compare per step.
+    if url != type_url(message_class):
+        name = message_class.DESCRIPTOR.full_name
+        if type_name(url) != name:
+            got = repr(url) if url else "nothing"
+            raise PayloadError(f"{what} must be {name}, got {got}")
     try:
         return message_class.FromString(payload.value)
     except DecodeError as exc:

@@ -1,6 +1,23 @@
-"""gRPC metadata keys both ends of the protocol agree on."""
+"""Names both ends of the protocol agree on: gRPC metadata keys, the service name, and
+the line a server prints once it listens.
 
-__all__ = ["ADMITTED_KEY", "RETRY_PUSHBACK_KEY", "SESSION_ID_KEY"]
+The server, the clients, the providers and the test helpers all take them from here, so
+none of them has to import another's modules for a constant.
+"""
+
+import re
+
+from openenv_grpc.v1 import session_pb2 as _pb
+
+__all__ = [
+    "ADMITTED_KEY",
+    "PROTOCOL",
+    "RETRY_PUSHBACK_KEY",
+    "SERVICE_NAME",
+    "SERVING_LINE",
+    "SESSION_ID_KEY",
+    "serving_line",
+]
 
 #: Initial-metadata key the server sends once a session is admitted and its env exists;
 #: the value is the environment's name.
@@ -11,3 +28,19 @@ RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
 
 #: Initial-metadata key carrying the session's id, as it appears in the server's logs.
 SESSION_ID_KEY = "openenv-session-id"
+
+#: The full name of the env service ("openenv_grpc.v1.EnvService"), also the health
+#: service name that goes NOT_SERVING on drain.
+SERVICE_NAME: str = _pb.DESCRIPTOR.services_by_name["EnvService"].full_name
+
+#: The core protocol package, e.g. "openenv_grpc.v1".
+PROTOCOL: str = _pb.DESCRIPTOR.package
+
+#: Matches the status line a server prints once it listens (groups: env, host, port);
+#: providers, test helpers and tools wait for it.
+SERVING_LINE = re.compile(r"openenv-grpc: serving (\S+) on (\S+):(\d+)")
+
+
+def serving_line(env: str, host: str, port: int, suffix: str = "") -> str:
+    """The status line :data:`SERVING_LINE` matches (``suffix``: e.g. " with 2 workers")."""
+    return f"openenv-grpc: serving {env} on {host}:{port}{suffix}"

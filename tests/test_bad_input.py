@@ -187,19 +187,23 @@ def test_wrong_or_unknown_action_type_url_is_invalid_argument(server, channel) -
     assert session.result(step(2, "one")).step_count == 1
     cases = [
         # Another known type.
-        (packed(EchoState(total_length=3)), "openenv_grpc_envs.echo.v1.EchoState"),
+        packed(EchoState(total_length=3)),
         # The reset-options type where an action belongs.
-        (packed(EchoResetOptions(stop_word="x")), RESET_OPTIONS),
+        packed(EchoResetOptions(stop_word="x")),
         # A type nobody has heard of, with arbitrary bytes.
-        (any_pb2.Any(type_url=PREFIX + "no.such.Message", value=b"\x01\x02"), "no.such.Message"),
-        (any_pb2.Any(type_url="example.com/x/y.Z", value=b""), "y.Z"),
+        any_pb2.Any(type_url=PREFIX + "no.such.Message", value=b"\x01\x02"),
+        any_pb2.Any(type_url="example.com/x/y.Z", value=b""),
+        # The right name, but not as the url's last path segment.
+        any_pb2.Any(type_url=f"example.com/{ACTION}/v2", value=b""),
+        any_pb2.Any(type_url=ACTION, value=b""),
     ]
-    for request_id, (payload, got) in enumerate(cases, start=100):
+    for request_id, payload in enumerate(cases, start=100):
         request = pb.SessionRequest(request_id=request_id)
         request.step.action.CopyFrom(payload)
         error = session.error(request)
         assert error.code == INVALID_ARGUMENT
-        assert error.message == f"action must be {ACTION}, got {got}"
+        # Both the expected type and the url exactly as received.
+        assert error.message == f"action must be {ACTION}, got {payload.type_url!r}"
         assert error.exception_type == ""
         neighbour.check()
     # The episode went on: the refused actions were not steps.
@@ -208,6 +212,38 @@ def test_wrong_or_unknown_action_type_url_is_invalid_argument(server, channel) -
         2,
         PREFIX + "openenv_grpc_envs.echo.v1.EchoObservation",
     )
+    session.close()
+    neighbour.close()
+    assert_books_balanced(server)
+
+
+def test_any_url_whose_last_segment_names_the_type_is_accepted(server, channel) -> None:
+    """The protobuf rule for Any: only the url's last path segment names the type, so a
+    client in another language may use its own prefix (we always send
+    type.googleapis.com/)."""
+    neighbour = Neighbour(server.target)
+    session = RawSession(channel)
+    session.result(reset(1))
+    value = EchoAction(message="prefixed").SerializeToString()
+    for request_id, url in enumerate(
+        [f"example.com/x/{ACTION}", f"/{ACTION}", f"https://types.example/a/b/{ACTION}"],
+        start=2,
+    ):
+        result = session.result(raw_step(request_id, url, value))
+        assert result.step_count == request_id - 1
+        echoed = EchoObservation.FromString(result.observation.value).echoed_message
+        assert echoed == "prefixed"
+        # What we send keeps the standard prefix.
+        assert result.observation.type_url == PREFIX + "openenv_grpc_envs.echo.v1.EchoObservation"
+    options = any_pb2.Any(
+        type_url=f"example.com/{RESET_OPTIONS}",
+        value=EchoResetOptions(stop_word="halt").SerializeToString(),
+    )
+    session.result(reset(10, options))
+    stopped = session.result(
+        raw_step(11, f"example.com/{ACTION}", EchoAction(message="halt").SerializeToString())
+    )
+    assert stopped.terminated
     session.close()
     neighbour.close()
     assert_books_balanced(server)
@@ -270,7 +306,7 @@ def test_wrong_reset_options_type_is_invalid_argument_and_episode_unchanged(
     session.result(step(2, "a"))
     error = session.error(reset(3, packed(EchoAction(message="x")), episode_id="other"))
     assert error.code == INVALID_ARGUMENT
-    assert error.message == f"reset options must be {RESET_OPTIONS}, got {ACTION}"
+    assert error.message == f"reset options must be {RESET_OPTIONS}, got {PREFIX + ACTION!r}"
     assert error.exception_type == ""
     neighbour.check()
     error = session.error(reset(4, any_pb2.Any(type_url=PREFIX + RESET_OPTIONS, value=b"\xff\xff")))

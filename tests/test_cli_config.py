@@ -64,6 +64,8 @@ def test_from_env_parses_every_variable() -> None:
         "WORKERS": "3",
         "ISOLATED": "2",
         "REUSE_PORT": "1",
+        "LOG_LEVEL": "debug",
+        "LOG_FORMAT": "json",
     }
     assert set(environ) == set(ENV_VARS.values())
     config = ServerConfig.from_env(environ)
@@ -87,6 +89,8 @@ def test_from_env_parses_every_variable() -> None:
         workers=3,
         isolated=2,
         reuse_port=1,
+        log_level="debug",
+        log_format="json",
     )
     assert isinstance(config.port, int) and isinstance(config.grace_period, float)
 
@@ -287,3 +291,33 @@ def test_unannotated_module_factory_fails_with_clear_error(factory_dir: Path) ->
     assert "annotated with the Environment class it returns" in done.stderr
     assert "openenv-grpc: serving" not in done.stdout
     assert "Traceback" not in done.stderr
+
+
+# -- each setting is defined once ----------------------------------------------------------
+
+
+def test_readme_settings_table_is_made_from_the_settings() -> None:
+    """The README's table is exactly what server/config.py renders (make settings-table)."""
+    done = subprocess.run(
+        [sys.executable, str(TESTS.parent / "scripts" / "settings_table.py"), "--check"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_every_setting_has_a_variable_and_all_but_secrets_a_flag() -> None:
+    from openenv_grpc.server.config import settings
+
+    names = set()
+    for name, _, meta, _ in settings():
+        assert meta.variable == meta.variable.upper() and meta.help
+        assert (meta.flag is None) == meta.secret, name
+        names.add(meta.variable)
+    assert len(names) == len(settings())
+    # Every flag is one of serve's options, with the setting's variable in its help.
+    done = _cli("serve", "--help")
+    for _, _, meta, _ in settings():
+        if meta.flag:
+            assert meta.flag in done.stdout
+    assert "AUTH_TOKEN" in done.stdout  # named in the description, never an option
+    assert "--auth-token" not in done.stdout

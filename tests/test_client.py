@@ -13,7 +13,15 @@ import time
 import grpc
 import pytest
 
-from openenv_grpc import AsyncSession, EnvError, Session, SessionLost
+from openenv_grpc import (
+    AsyncSession,
+    EnvError,
+    PayloadTypeError,
+    Session,
+    SessionLost,
+    SessionStateError,
+    SessionTimeout,
+)
 from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
 from openenv_grpc_envs.echo import (
     AsyncEchoEnv,
@@ -51,12 +59,12 @@ def test_typed_client_rejects_wrong_action_type_before_sending(server) -> None:
         first = env.reset(episode_id="ep")
         assert env.step(act("a")).step_count == 1
         expected = re.escape("action must be openenv_grpc_envs.echo.v1.EchoAction, got")
-        with pytest.raises(TypeError, match=expected):
+        with pytest.raises(PayloadTypeError, match=expected):
             env.step(EchoObservation(echoed_message="not an action"))  # type: ignore[arg-type]
-        with pytest.raises(TypeError, match="action must be"):
+        with pytest.raises(PayloadTypeError, match="action must be"):
             env.step(EchoResetOptions())  # type: ignore[arg-type]
         # Wrong reset options: had this been sent, the server would have reset the episode.
-        with pytest.raises(TypeError, match="reset options must be"):
+        with pytest.raises(PayloadTypeError, match="reset options must be"):
             env.reset(episode_id="other", options=act("x"))  # type: ignore[arg-type]
         result = env.step(act("b"))
         assert result.observation.echoed_message == "b"
@@ -69,9 +77,9 @@ def test_typed_async_client_rejects_wrong_action_type_before_sending(server) -> 
     async def main() -> None:
         async with AsyncEchoEnv(server.target) as env:
             await env.reset(episode_id="ep")
-            with pytest.raises(TypeError, match="action must be"):
+            with pytest.raises(PayloadTypeError, match="action must be"):
                 await env.step(EchoState())  # type: ignore[arg-type]
-            with pytest.raises(TypeError, match="reset options must be"):
+            with pytest.raises(PayloadTypeError, match="reset options must be"):
                 await env.reset(episode_id="other", options=act("x"))  # type: ignore[arg-type]
             result = await env.step(act("ok"))
             assert (result.episode_id, result.step_count) == ("ep", 1)
@@ -210,7 +218,7 @@ def test_async_step_timeout_then_next_step_gets_its_own_answer(start_server) -> 
     async def main() -> None:
         async with AsyncEchoEnv(faulty.target) as env:
             await env.reset()
-            with pytest.raises(TimeoutError):
+            with pytest.raises(SessionTimeout):
                 await env.step(act("sleep:1"), timeout=0.2)
             # The late answer to the slow step arrives first and is dropped as stale.
             result = await env.step(act("after"), timeout=5)
@@ -229,9 +237,9 @@ def test_async_step_timeout_then_untimed_state_gets_its_own_answer(start_server)
     async def main() -> None:
         async with AsyncEchoEnv(faulty.target) as env:
             await env.reset()
-            with pytest.raises(TimeoutError):
+            with pytest.raises(SessionTimeout):
                 await env.step(act("sleep:1"), timeout=0.2)
-            with pytest.raises(TimeoutError):
+            with pytest.raises(SessionTimeout):
                 await env.step(act("sleep:1"), timeout=0.1)
             assert isinstance(await env.state(), EchoState)
             result = await env.step(act("last"))
@@ -247,7 +255,7 @@ def test_async_close_after_timeout_discards_the_stale_answer(start_server) -> No
     async def main() -> None:
         async with AsyncEchoEnv(faulty.target) as env:
             await env.reset()
-            with pytest.raises(TimeoutError):
+            with pytest.raises(SessionTimeout):
                 await env.step(act("sleep:1"), timeout=0.2)
         # Leaving the block closed gracefully: the late step answer did not confuse it.
 
@@ -259,7 +267,7 @@ def test_sync_step_timeout_then_next_step_gets_its_own_answer(start_server) -> N
     faulty = start_server("support.envs:FaultyEnv")
     with EchoEnv(faulty.target) as env:
         env.reset()
-        with pytest.raises(TimeoutError, match="session stays open"):
+        with pytest.raises(SessionTimeout, match="session stays open"):
             env.step(act("sleep:1"), timeout=0.2)
         # The late answer to the slow step arrives first and is dropped as stale.
         result = env.step(act("after"), timeout=5)
@@ -273,14 +281,14 @@ def test_sync_timeouts_in_a_row_then_untimed_calls_and_close(start_server) -> No
     faulty = start_server("support.envs:FaultyEnv")
     with EchoEnv(faulty.target) as env:
         env.reset()
-        with pytest.raises(TimeoutError):
+        with pytest.raises(SessionTimeout):
             env.step(act("sleep:1"), timeout=0.2)
-        with pytest.raises(TimeoutError):
+        with pytest.raises(SessionTimeout):
             env.step(act("sleep:1"), timeout=0.1)
         assert isinstance(env.state(), EchoState)
         result = env.step(act("last"))
         assert (result.observation.echoed_message, result.step_count) == ("last", 3)
-        with pytest.raises(TimeoutError):
+        with pytest.raises(SessionTimeout):
             env.step(act("sleep:1"), timeout=0.2)  # close still works after a timeout
     assert_all_closed(faulty, 1)
 
@@ -313,7 +321,7 @@ def test_sync_session_lost_when_server_killed_between_calls(server) -> None:
     assert time.monotonic() - started < 5
     assert raised.value.code in LOST_CODES
     # The session is over; it says so rather than hanging.
-    with pytest.raises(RuntimeError, match="not open"):
+    with pytest.raises(SessionStateError, match="not open"):
         env.step(act("again"))
     env.close()
 
@@ -347,7 +355,7 @@ def test_async_session_lost_when_server_killed_between_calls(server) -> None:
             await env.step(act("anyone?"))
         assert time.monotonic() - started < 5
         assert raised.value.code in ASYNC_LOST_CODES
-        with pytest.raises(RuntimeError, match="not open"):
+        with pytest.raises(SessionStateError, match="not open"):
             await env.step(act("again"))
         await env.close()
 
@@ -382,7 +390,7 @@ def test_sync_session_use_after_close_raises_runtime_error(server) -> None:
     with env:
         env.reset()
     for call in (env.reset, env.state, lambda: env.step(act("late"))):
-        with pytest.raises(RuntimeError, match="not open"):
+        with pytest.raises(SessionStateError, match="not open"):
             call()
     assert_all_closed(server, 1)
 
@@ -392,11 +400,11 @@ def test_async_session_use_after_close_raises_runtime_error(server) -> None:
         env = AsyncEchoEnv(server.target)
         async with env:
             await env.reset()
-        with pytest.raises(RuntimeError, match="not open"):
+        with pytest.raises(SessionStateError, match="not open"):
             await env.reset()
-        with pytest.raises(RuntimeError, match="not open"):
+        with pytest.raises(SessionStateError, match="not open"):
             await env.step(act("late"))
-        with pytest.raises(RuntimeError, match="not open"):
+        with pytest.raises(SessionStateError, match="not open"):
             await env.state()
 
     asyncio.run(main())
@@ -436,7 +444,7 @@ def test_sync_with_block_exception_aborts_and_server_closes_env(server) -> None:
         env.reset()
         env.step(act("x"))
         raise Boom
-    with pytest.raises(RuntimeError, match="not open"):
+    with pytest.raises(SessionStateError, match="not open"):
         env.step(act("after abort"))
     assert_all_closed(server, 1)
 

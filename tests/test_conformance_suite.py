@@ -26,7 +26,14 @@ SUITE = textwrap.dedent(
 
         def ending_reset_options(self):
             return EchoResetOptions(max_steps=2)
+
+        {extra}
     """
+)
+
+#: A suite that says its env is not deterministic, and names the part that must repeat.
+NOT_DETERMINISTIC = (
+    "deterministic = False\n    def comparable(self, observation):\n        return observation"
 )
 
 
@@ -42,8 +49,15 @@ SUITE = textwrap.dedent(
         ),
     ],
 )
-def test_a_broken_env_fails_the_suite(tmp_path: Path, env: str, caught_by: set[str]) -> None:
-    (tmp_path / "test_leaky.py").write_text(SUITE.format(tests=str(TESTS), env=env))
+@pytest.mark.parametrize("extra", ["", NOT_DETERMINISTIC], ids=["deterministic", "comparable"])
+def test_a_broken_env_fails_the_suite(
+    tmp_path: Path, env: str, caught_by: set[str], extra: str
+) -> None:
+    """Also with ``deterministic = False``: the checks then compare what ``comparable``
+    keeps, so a leak or an ignored seed is still caught (no check shrinks to one that
+    cannot fail)."""
+    suite = SUITE.format(tests=str(TESTS), env=env, extra=extra)
+    (tmp_path / "test_leaky.py").write_text(suite)
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
          str(tmp_path / "test_leaky.py")],

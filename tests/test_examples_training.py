@@ -18,6 +18,7 @@ from types import ModuleType
 from typing import Any
 
 import numpy as np
+import pytest
 
 from openenv_grpc.testing import ServerProcess
 from openenv_grpc_envs.wordle import WordleEnv
@@ -36,13 +37,16 @@ def load_example(name: str) -> ModuleType:
     return module
 
 
-def test_cartpole_quick_run_learns(start_server: StartServer) -> None:
+@pytest.mark.timeout(240)
+def test_cartpole_reaches_the_readme_promise(start_server: StartServer) -> None:
+    """What the README promises: with seed 0, the mean return of 20 episodes reaches 195
+    after ~11k env steps (the run is seeded end to end, so it repeats its numbers)."""
     server = start_server("gymnasium")
     started = time.monotonic()
     run = subprocess.run(
-        [sys.executable, str(EXAMPLES / "train_cartpole.py"), "--quick", "--seed", "0",
-         "--target", server.target],
-        capture_output=True, text=True, timeout=110,
+        [sys.executable, str(EXAMPLES / "train_cartpole.py"), "--seed", "0",
+         "--stop-at", "195", "--total-steps", "15000", "--target", server.target],
+        capture_output=True, text=True, timeout=220,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     lines = [json.loads(line) for line in run.stdout.splitlines()]
@@ -50,9 +54,11 @@ def test_cartpole_quick_run_learns(start_server: StartServer) -> None:
     assert curve and all({"env_steps", "wall_s", "mean_return_20"} <= p.keys() for p in curve)
     assert [p["env_steps"] for p in curve] == sorted(p["env_steps"] for p in curve)
     assert summary["sessions"] == 16 and summary["episodes"] >= 20
-    # Learned: the last 20 episodes average far above a random policy (~22).
-    assert summary["final_mean_return_20"] >= 60, (summary, time.monotonic() - started)
-    assert curve[0]["mean_return_20"] < summary["final_mean_return_20"]
+    reached = summary["threshold_reached_at"]
+    assert reached is not None, (summary, time.monotonic() - started)
+    assert summary["final_mean_return_20"] >= 195
+    assert reached["env_steps"] <= 12_000, summary  # "~11k" (11,098 with seed 0)
+    assert curve[0]["mean_return_20"] < 50  # it started from a random policy (~22)
     server.wait_until(lambda: server.active() == 0, what="the example to close its sessions")
 
 

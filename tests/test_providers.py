@@ -18,13 +18,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from openenv_grpc.client import SessionRefused, fetch_info
+from openenv_grpc.metadata import SERVICE_NAME
 from openenv_grpc.providers import (
     KubernetesProvider,
     LocalProcessProvider,
     ProviderError,
-    open_session,
 )
-from openenv_grpc.server.service import SERVICE_NAME
 from openenv_grpc_envs.echo import AsyncEchoEnv, EchoAction, EchoEnv
 
 # -- LocalProcessProvider -------------------------------------------------------------
@@ -46,8 +45,6 @@ def test_local_provider_starts_healthy_serves_sessions_and_drains_on_stop() -> N
             env.reset(seed=1)
             assert env.step(EchoAction(message="hi")).observation.echoed_message == "hi"
             assert fetch_info(provider.target).capacity.active_sessions == 1
-        with open_session(provider, EchoEnv) as env:  # the function form
-            env.reset(seed=2)
 
         async def rollout() -> str:
             async with provider.session(AsyncEchoEnv) as env:
@@ -300,12 +297,3 @@ def test_kubernetes_provider_applies_waits_and_deletes(api_server: FakeApiServer
     ]
     assert api_server.objects == {}
     api.close()
-
-
-def test_from_provider_one_liner() -> None:
-    from openenv_grpc.providers import LocalProcessProvider
-    from openenv_grpc_envs.echo import EchoAction, EchoEnv
-
-    with LocalProcessProvider("echo") as provider, EchoEnv.from_provider(provider) as env:
-        env.reset()
-        assert env.step(EchoAction(message="hi")).observation.echoed_message == "hi"

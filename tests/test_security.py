@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2
 
 from openenv_grpc import AsyncSession, SessionRefused, fetch_info
 from openenv_grpc.client.channel import tls_credentials
+from openenv_grpc.client.errors import InfoUnavailable
 from openenv_grpc_envs.echo import EchoAction, EchoEnv
 
 TOKEN = "correct horse battery staple"
@@ -89,9 +90,9 @@ def test_wrong_or_missing_token_is_unauthenticated_before_any_env(token_server, 
         EchoEnv(token_server.target, token=token).open()
     assert refused.value.code is grpc.StatusCode.UNAUTHENTICATED
     assert refused.value.message == "missing or invalid bearer token"
-    with pytest.raises(grpc.RpcError) as info_refused:
+    with pytest.raises(InfoUnavailable) as info_refused:
         fetch_info(token_server.target, token=token)
-    assert info_refused.value.code() is grpc.StatusCode.UNAUTHENTICATED
+    assert info_refused.value.code is grpc.StatusCode.UNAUTHENTICATED
     assert token_server.created() == 0
     assert fetch_info(token_server.target, token=TOKEN).capacity.active_sessions == 0
 
@@ -107,3 +108,77 @@ def test_async_session_sends_the_token(token_server) -> None:
             return (await env.step(EchoAction(message="async"))).observation.echoed_message
 
     assert asyncio.run(main()) == "async"
+
+
+# -- clients never fall back to plaintext -------------------------------------------------
+
+
+def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "openenv_grpc", *args],
+        capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def test_cli_info_with_any_tls_option_speaks_tls_or_fails(start_server, pki: Path) -> None:
+    """`--cert/--key` without `--ca` once meant plaintext: now any TLS option means TLS."""
+    plain = start_server("support.envs:CountingEchoEnv")
+    mutual = tls_server(start_server, pki, "--tls-client-ca", str(pki / "ca.pem"))
+    client = ["--cert", str(pki / "client.pem"), "--key", str(pki / "client.key")]
+    # Against a plaintext server, TLS fails loudly (it did succeed over plaintext before).
+    run = cli("info", plain.target, *client, "--timeout", "3")
+    assert run.returncode == 1, run.stdout
+    assert "UNAVAILABLE" in run.stderr or "DEADLINE_EXCEEDED" in run.stderr
+    # The system roots do not trust the test CA: TLS was attempted, and it failed.
+    run = cli("info", mutual.target, *client, "--timeout", "3")
+    assert run.returncode == 1
+    # With the CA as well, the same options reach the mutual-TLS server.
+    run = cli("info", mutual.target, "--ca", str(pki / "ca.pem"), *client)
+    assert run.returncode == 0, run.stderr
+    assert '"env_name": "echo"' in run.stdout
+    # Half a client certificate is refused before any connection.
+    for half in (["--cert", str(pki / "client.pem")], ["--key", str(pki / "client.key")]):
+        run = cli("info", plain.target, *half)
+        assert run.returncode == 2
+        assert "--cert and --key go together" in run.stderr
+
+
+def test_console_with_tls_options_never_uses_plaintext(start_server, pki: Path) -> None:
+    plain = start_server("support.envs:CountingEchoEnv")
+    client = ["--cert", str(pki / "client.pem"), "--key", str(pki / "client.key")]
+    run = cli("console", plain.target, *client, "--port", "0", "--connect-timeout", "3")
+    assert run.returncode == 1, run.stdout
+    assert "UNAVAILABLE" in run.stderr or "DEADLINE_EXCEEDED" in run.stderr
+    run = cli("console", plain.target, "--cert", str(pki / "client.pem"), "--port", "0")
+    assert run.returncode == 2
+    assert "--cert and --key go together" in run.stderr
+
+
+def test_provider_with_credentials_speaks_tls_to_its_server(pki: Path) -> None:
+    from openenv_grpc.providers import LocalProcessProvider
+    from openenv_grpc_envs.echo import AsyncEchoEnv
+
+    flags = ["--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key")]
+    credentials = tls_credentials(ca=pki / "ca.pem")
+    with LocalProcessProvider("echo", args=flags, grace=1, credentials=credentials) as provider:
+        # start() waited for health SERVING over TLS; the provider's channel is TLS too.
+        with provider.session(EchoEnv) as env:
+            env.reset()
+            assert env.step(EchoAction(message="tls")).observation.echoed_message == "tls"
+
+        async def rollout() -> str:
+            async with provider.session(AsyncEchoEnv) as env:  # owns a TLS channel
+                await env.reset()
+                return (await env.step(EchoAction(message="aio"))).observation.echoed_message
+
+        assert asyncio.run(rollout()) == "aio"
+
+
+def test_provider_with_credentials_fails_loudly_on_a_plaintext_server(pki: Path) -> None:
+    from openenv_grpc.providers import LocalProcessProvider, ProviderError
+
+    credentials = tls_credentials(ca=pki / "ca.pem")
+    provider = LocalProcessProvider("echo", credentials=credentials, start_timeout=5)
+    with pytest.raises(ProviderError, match="not SERVING"):
+        provider.start()
+    assert not provider.running()

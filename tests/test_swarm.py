@@ -147,7 +147,7 @@ def test_replicas_serve_sessions_through_one_address_and_stop_leaves_nothing(
         "truncated": [False, False, True],
         "total_length": 6,
     }
-    assert result["from_provider"] == "x"  # EchoEnv.from_provider(provider)
+    assert result["second_session"] == "x"  # a second p.session(EchoEnv)
     # ...and 12 more at once, one connection each, all through the one address: they landed
     # on more than one replica (each replica admits a different number: 110, 120, 130).
     sessions = result["sessions"]

@@ -1,6 +1,7 @@
 """Typed clients for the echo environment: ``step`` takes an EchoAction, and so on."""
 
 from openenv_grpc import AsyncSession, Session
+from openenv_grpc.providers.launch import AsyncFromDockerImage, FromDockerImage
 from openenv_grpc_envs.echo.v1.echo_pb2 import (
     EchoAction,
     EchoObservation,
@@ -11,9 +12,11 @@ from openenv_grpc_envs.echo.v1.echo_pb2 import (
 __all__ = ["AsyncEchoEnv", "EchoEnv"]
 
 
-class EchoEnv(Session[EchoAction, EchoObservation, EchoState, EchoResetOptions]):
+class EchoEnv(FromDockerImage, Session[EchoAction, EchoObservation, EchoState, EchoResetOptions]):
     """A blocking echo session: ``with EchoEnv("localhost:50051") as env: ...``."""
 
 
-class AsyncEchoEnv(AsyncSession[EchoAction, EchoObservation, EchoState, EchoResetOptions]):
+class AsyncEchoEnv(
+    AsyncFromDockerImage, AsyncSession[EchoAction, EchoObservation, EchoState, EchoResetOptions]
+):
     """An asyncio echo session: ``async with AsyncEchoEnv("localhost:50051") as env: ...``."""

@@ -12,6 +12,7 @@ Build actions and read observations with :mod:`openenv_grpc_envs.gymnasium.conve
 """
 
 from openenv_grpc import AsyncSession, Session
+from openenv_grpc.providers.launch import AsyncFromDockerImage, FromDockerImage
 from openenv_grpc_envs.gymnasium.v1.gymnasium_pb2 import (
     GymnasiumAction,
     GymnasiumObservation,
@@ -23,12 +24,14 @@ __all__ = ["AsyncGymnasiumEnv", "GymnasiumEnv"]
 
 
 class GymnasiumEnv(
-    Session[GymnasiumAction, GymnasiumObservation, GymnasiumState, GymnasiumResetOptions]
+    FromDockerImage,
+    Session[GymnasiumAction, GymnasiumObservation, GymnasiumState, GymnasiumResetOptions],
 ):
     """A blocking gymnasium session: ``with GymnasiumEnv("localhost:50051") as env: ...``."""
 
 
 class AsyncGymnasiumEnv(
-    AsyncSession[GymnasiumAction, GymnasiumObservation, GymnasiumState, GymnasiumResetOptions]
+    AsyncFromDockerImage,
+    AsyncSession[GymnasiumAction, GymnasiumObservation, GymnasiumState, GymnasiumResetOptions],
 ):
     """An asyncio gymnasium session: ``async with AsyncGymnasiumEnv(channel) as env: ...``."""

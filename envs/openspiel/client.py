@@ -6,6 +6,7 @@ import numpy as np
 import numpy.typing as npt
 
 from openenv_grpc import AsyncSession, Session
+from openenv_grpc.providers.launch import AsyncFromDockerImage, FromDockerImage
 from openenv_grpc_envs.openspiel.v1.openspiel_pb2 import (
     OpenSpielAction,
     OpenSpielObservation,
@@ -18,13 +19,15 @@ __all__ = ["AsyncOpenSpielEnv", "OpenSpielEnv", "to_numpy"]
 
 
 class OpenSpielEnv(
-    Session[OpenSpielAction, OpenSpielObservation, OpenSpielState, OpenSpielResetOptions]
+    FromDockerImage,
+    Session[OpenSpielAction, OpenSpielObservation, OpenSpielState, OpenSpielResetOptions],
 ):
     """A blocking openspiel session: ``with OpenSpielEnv("localhost:50051") as env: ...``."""
 
 
 class AsyncOpenSpielEnv(
-    AsyncSession[OpenSpielAction, OpenSpielObservation, OpenSpielState, OpenSpielResetOptions]
+    AsyncFromDockerImage,
+    AsyncSession[OpenSpielAction, OpenSpielObservation, OpenSpielState, OpenSpielResetOptions],
 ):
     """An asyncio openspiel session: ``async with AsyncOpenSpielEnv(channel) as env: ...``."""
 

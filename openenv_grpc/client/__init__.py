@@ -1,32 +1,60 @@
 """The trainer's side: sessions, typed results, errors."""
 
+from typing import Any
+
 from openenv_grpc.client.async_session import AsyncSession
 from openenv_grpc.client.channel import aio_channel, sync_channel
 from openenv_grpc.client.errors import (
     CapacityError,
     EnvError,
+    InfoUnavailable,
     OpenEnvError,
+    PayloadTypeError,
     ProtocolError,
     SessionLost,
     SessionRefused,
+    SessionStateError,
+    SessionTimeout,
 )
 from openenv_grpc.client.info import fetch_info
-from openenv_grpc.client.protocol import StepResult
+from openenv_grpc.client.outcome import StepOutcome
 from openenv_grpc.client.retry import OpenRetry
+from openenv_grpc.client.session_core import SessionOptions, SessionSource
 from openenv_grpc.client.sync_session import Session
 
 __all__ = [
     "AsyncSession",
     "CapacityError",
     "EnvError",
+    "InfoUnavailable",
     "OpenEnvError",
     "OpenRetry",
+    "PayloadTypeError",
     "ProtocolError",
     "Session",
     "SessionLost",
+    "SessionOptions",
     "SessionRefused",
-    "StepResult",
+    "SessionSource",
+    "SessionStateError",
+    "SessionTimeout",
+    "StepOutcome",
     "aio_channel",
     "fetch_info",
     "sync_channel",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``StepResult``: the old name of :class:`StepOutcome` (deprecated: the wire message
+    ``openenv_grpc.v1.StepResult`` has that name)."""
+    if name == "StepResult":
+        import warnings
+
+        warnings.warn(
+            "StepResult is now StepOutcome (StepResult is the wire message's name)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return StepOutcome
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,10 @@
-"""Exceptions the client raises. All derive from :class:`OpenEnvError`."""
+"""Exceptions the client raises. Every one derives from :class:`OpenEnvError`.
+
+A trainer that catches ``OpenEnvError`` catches everything a session call can raise for
+reasons of the server, the network or its own use of the session. Where Python has a
+conventional base for a case (``TimeoutError``, ``TypeError``, ``RuntimeError``), the
+exception derives from that too, so ``except TimeoutError`` keeps working.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +13,20 @@ import grpc
 __all__ = [
     "CapacityError",
     "EnvError",
+    "InfoUnavailable",
     "OpenEnvError",
+    "PayloadTypeError",
     "ProtocolError",
     "SessionLost",
     "SessionRefused",
+    "SessionStateError",
+    "SessionTimeout",
 ]
 
 
 class OpenEnvError(Exception):
-    """Base class: ``code`` is the gRPC status code, ``message`` the server's words."""
+    """Base class: ``code`` is the gRPC status code, ``message`` the server's words (or,
+    for errors found by the client itself, the client's)."""
 
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(f"{code.name}: {message}")
@@ -40,8 +51,10 @@ class EnvError(OpenEnvError):
     """One request failed in-band; the session is still open and usable.
 
     ``code`` is INVALID_ARGUMENT (bad action or options), FAILED_PRECONDITION (e.g. step
-    before reset or after the episode ended) or INTERNAL (the environment raised;
-    ``exception_type`` names the exception and only a reset may follow).
+    before reset or after the episode ended), DEADLINE_EXCEEDED (the env call took longer
+    than the server's step timeout; the env was replaced, reset to go on) or INTERNAL (the
+    environment raised; ``exception_type`` names the exception; after a failed reset or
+    step only a reset may follow, after a failed ``state`` the episode goes on).
     """
 
     def __init__(self, code: grpc.StatusCode, message: str, exception_type: str = "") -> None:
@@ -52,8 +65,43 @@ class EnvError(OpenEnvError):
 class SessionLost(OpenEnvError):
     """The stream ended under the session (server drain, idle timeout, crash, network).
 
-    The environment is gone; open a new session to go on.
+    The environment is gone; open a new session to go on (``reconnect=True`` does it on
+    the next call).
     """
+
+
+class SessionTimeout(OpenEnvError, TimeoutError):
+    """A call got no answer within its ``timeout``; the session stays open and the late
+    answer is discarded when it comes (by its request id)."""
+
+    def __init__(self, timeout: float) -> None:
+        super().__init__(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"no answer within {timeout}s; the session stays open",
+        )
+        #: The timeout that expired, in seconds.
+        self.timeout = timeout
+
+
+class SessionStateError(OpenEnvError, RuntimeError):
+    """The session was used out of order: a call before ``open`` (or after ``close``), or
+    ``open`` on a session that is open already. Nothing was sent."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(grpc.StatusCode.FAILED_PRECONDITION, message)
+
+
+class PayloadTypeError(OpenEnvError, TypeError):
+    """A typed client was given a message of the wrong type (an observation where an
+    action belongs, say). Nothing was sent; the session goes on."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+class InfoUnavailable(OpenEnvError):
+    """The Info RPC failed: the server was not reached within the timeout (UNAVAILABLE,
+    DEADLINE_EXCEEDED) or refused the caller (UNAUTHENTICATED)."""
 
 
 class ProtocolError(OpenEnvError):

@@ -9,6 +9,7 @@ from google.protobuf import descriptor_pool, message_factory
 from google.protobuf.message import Message
 
 from openenv_grpc.client.channel import auth_metadata, sync_channel
+from openenv_grpc.client.errors import InfoUnavailable
 from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
 
@@ -26,7 +27,8 @@ def fetch_info(
     channel), with ``token`` as bearer token if the server wants one.
 
     Raises:
-        grpc.RpcError: the server could not be reached in ``timeout`` seconds, or refused.
+        InfoUnavailable: the server could not be reached in ``timeout`` seconds, or refused
+            the call (``code`` and ``message`` say which).
     """
     channel = sync_channel(target, credentials) if isinstance(target, str) else target
     try:
@@ -34,6 +36,8 @@ def fetch_info(
         return stub.Info(  # type: ignore[no-any-return]
             pb.InfoRequest(), timeout=timeout, wait_for_ready=True, metadata=auth_metadata(token)
         )
+    except grpc.RpcError as exc:
+        raise InfoUnavailable(exc.code(), exc.details() or "") from None
     finally:
         if isinstance(target, str):
             channel.close()

@@ -9,64 +9,36 @@ from __future__ import annotations
 
 import typing
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from google.protobuf import any_pb2, descriptor_pool, message_factory
-from google.protobuf.message import DecodeError, Message
+from google.protobuf.message import Message
 
 from openenv_grpc.client.errors import (
     CapacityError,
     EnvError,
+    PayloadTypeError,
     ProtocolError,
     SessionLost,
     SessionRefused,
 )
-from openenv_grpc.codec import info_from_struct, type_url
+from openenv_grpc.client.outcome import StepOutcome
+from openenv_grpc.codec import PayloadError, info_from_struct, pack, type_name, unpack
 from openenv_grpc.metadata import ADMITTED_KEY, RETRY_PUSHBACK_KEY, SESSION_ID_KEY
 from openenv_grpc.v1 import session_pb2 as pb
 
 __all__ = [
+    "Metadata",
     "SessionProtocol",
     "SessionTypes",
-    "StepResult",
     "admitted_session_id",
     "lost",
     "refusal",
 ]
 
-ObservationT = TypeVar("ObservationT", bound=Message)
-
 Metadata = Iterable[tuple[str, Any]]
-
-
-@dataclass(frozen=True, slots=True)
-class StepResult(Generic[ObservationT]):
-    """What a reset or a step returned.
-
-    Attributes:
-        observation: The typed observation.
-        reward: Reward for the step (0 after a reset).
-        terminated: The episode reached a terminal state of the task.
-        truncated: The episode was cut short by a limit outside the task.
-        episode_id: The episode this result belongs to.
-        step_count: Steps taken in this episode so far (0 after a reset).
-        info: Extra data the environment returned.
-    """
-
-    observation: ObservationT
-    reward: float
-    terminated: bool
-    truncated: bool
-    episode_id: str
-    step_count: int
-    info: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def done(self) -> bool:
-        """The episode is over (terminated or truncated): reset before stepping again."""
-        return self.terminated or self.truncated
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,16 +68,12 @@ class SessionTypes:
 class SessionProtocol:
     """Request ids, envelopes and decoding for one session."""
 
-    __slots__ = ("_next_id", "_types", "_urls", "episode_id", "step_count")
+    __slots__ = ("_next_id", "_types", "episode_id", "step_count")
 
     def __init__(self, types: SessionTypes) -> None:
         self._types = types
-        # Expected type urls of what the server sends, for pinned types only.
-        self._urls = {
-            role: type_url(pinned)
-            for role, pinned in (("observation", types.observation), ("state", types.state))
-            if pinned is not None
-        }
+        # Request ids start at 1: proto3 leaves 0 off the wire, and 0 is the server's id
+        # for messages it sends on its own.
         self._next_id = 1
         self.episode_id = ""
         self.step_count = 0
@@ -159,11 +127,11 @@ class SessionProtocol:
             f"{request.request_id}"
         )
 
-    def step_result(self, response: pb.SessionResponse) -> StepResult[Any]:
+    def step_result(self, response: pb.SessionResponse) -> StepOutcome[Any]:
         result = self._outcome(response, "result")
         self.episode_id = result.episode_id
         self.step_count = result.step_count
-        return StepResult(
+        return StepOutcome(
             observation=self._decode(result.observation, "observation"),
             reward=result.reward,
             terminated=result.terminated,
@@ -190,39 +158,28 @@ class SessionProtocol:
         raise ProtocolError(f"expected a {expected!r} response, got {outcome!r}")
 
     def _decode(self, payload: any_pb2.Any, role: str) -> Any:
-        pinned: type[Message] | None = getattr(self._types, role)
-        if pinned is not None:
-            if payload.type_url != self._urls[role]:
-                raise ProtocolError(
-                    f"server sent a {payload.type_url!r} {role}, expected {self._urls[role]!r}"
-                )
-            message_class = pinned
-        else:
-            found = _registered_class(payload.type_url)
-            if found is None:
+        message_class: type[Message] | None = getattr(self._types, role)
+        if message_class is None:
+            message_class = _registered_class(payload.type_url)
+            if message_class is None:
                 return payload  # type unknown to this process: hand over the raw Any
-            message_class = found
         try:
-            return message_class.FromString(payload.value)
-        except DecodeError as exc:
-            raise ProtocolError(f"undecodable {role}: {exc}") from exc
+            return unpack(payload, message_class, f"the server's {role}")
+        except PayloadError as exc:
+            raise ProtocolError(str(exc)) from None
 
 
 def _pack(target: any_pb2.Any, message: Message, pinned: type[Message] | None, what: str) -> None:
     if pinned is not None and not isinstance(message, pinned):
-        raise TypeError(
+        raise PayloadTypeError(
             f"{what} must be {pinned.DESCRIPTOR.full_name}, got {type(message).__qualname__}"
         )
-    if isinstance(message, any_pb2.Any):
-        target.CopyFrom(message)  # already packed by the caller
-        return
-    target.type_url = type_url(type(message))
-    target.value = message.SerializeToString()
+    pack(message, target)
 
 
 def _registered_class(url: str) -> type[Message] | None:
     try:
-        descriptor = descriptor_pool.Default().FindMessageTypeByName(url.rpartition("/")[2])
+        descriptor = descriptor_pool.Default().FindMessageTypeByName(type_name(url))
     except KeyError:
         return None
     return message_factory.GetMessageClass(descriptor)

@@ -21,7 +21,7 @@ from aiohttp import WSMsgType, web
 
 from openenv_grpc.client.async_session import AsyncSession
 from openenv_grpc.client.errors import CapacityError, EnvError, OpenEnvError, SessionLost
-from openenv_grpc.client.protocol import StepResult
+from openenv_grpc.client.outcome import StepOutcome
 from openenv_grpc.console.target import EnvTarget, InputError
 from openenv_grpc.console.views import json_safe, to_view
 
@@ -161,7 +161,7 @@ class SessionSocket:
         log.info("console session %s opened", session.session_id)
         return {"type": "opened", "op": "open", "session_id": session.session_id}
 
-    def _result(self, op: str, result: StepResult[Any]) -> dict[str, Any]:
+    def _result(self, op: str, result: StepOutcome[Any]) -> dict[str, Any]:
         observation = self._target.decode("observation", result.observation)
         return {
             "type": "result",

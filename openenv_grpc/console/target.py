@@ -16,7 +16,7 @@ from google.protobuf.message import Message
 
 from openenv_grpc.client.channel import aio_channel, auth_metadata
 from openenv_grpc.client.info import info_pool, message_classes
-from openenv_grpc.codec import TYPE_URL_PREFIX
+from openenv_grpc.codec import PayloadError, pack, unpack
 from openenv_grpc.console import tensors
 from openenv_grpc.console.schema import schemas
 from openenv_grpc.v1 import session_pb2 as pb
@@ -126,7 +126,7 @@ class EnvTarget:
             message = json_format.ParseDict(expanded, message_class(), descriptor_pool=self._pool)
         except json_format.ParseError as exc:
             raise InputError(f"not a valid {name}: {exc}") from None
-        return any_pb2.Any(type_url=TYPE_URL_PREFIX + name, value=message.SerializeToString())
+        return pack(message)
 
     def decode(self, role: str, payload: Message) -> Message:
         """A result's payload as a message of the role's type.
@@ -135,15 +135,15 @@ class EnvTarget:
         process (the usual case here); a compiled one arrives decoded already.
 
         Raises:
-            InputError: the server sent a different type than its Info declared.
+            InputError: the server sent a different type than its Info declared, or bytes
+                that do not parse as it.
         """
         if not isinstance(payload, any_pb2.Any):
             return payload
-        message_class = self._classes[role]
-        expected = TYPE_URL_PREFIX + message_class.DESCRIPTOR.full_name
-        if payload.type_url != expected:
-            raise InputError(f"server sent a {payload.type_url!r} {role}, expected {expected!r}")
-        return message_class.FromString(payload.value)
+        try:
+            return unpack(payload, self._classes[role], f"the server's {role}")
+        except PayloadError as exc:
+            raise InputError(str(exc)) from None
 
 
 def capacity_view(info: pb.InfoResponse) -> dict[str, Any]:

@@ -4,7 +4,7 @@ service, or Kubernetes pods.
 ``with LocalProcessProvider("echo") as p, p.session(EchoEnv) as env: env.reset()``
 """
 
-from openenv_grpc.providers.base import Provider, ProviderError, open_session, wait_serving
+from openenv_grpc.providers.base import Provider, ProviderError, wait_serving
 from openenv_grpc.providers.kubernetes import KubernetesProvider
 from openenv_grpc.providers.local import LocalProcessProvider
 
@@ -13,7 +13,6 @@ __all__ = [
     "LocalProcessProvider",
     "Provider",
     "ProviderError",
-    "open_session",
     "wait_serving",
 ]
 

@@ -3,6 +3,11 @@
 A provider starts servers (a local process, pods in a cluster), says where to reach them
 (``target``), hands out channels and sessions to them, and stops them. It is a context
 manager: ``with LocalProcessProvider("echo") as p: with p.session(EchoEnv) as env: ...``.
+:meth:`Provider.session` is the one way to get a session on a provider's servers;
+``EchoEnv.launch(provider)`` gives one that owns (and stops) the provider.
+
+With ``credentials`` a provider speaks TLS to its servers, for its health waits and every
+channel and session it hands out; it never falls back to plaintext.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from openenv_grpc.client.sync_session import Session
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-__all__ = ["Provider", "ProviderError", "open_session", "wait_serving"]
+__all__ = ["Provider", "ProviderError", "wait_serving"]
 
 ClientT = TypeVar("ClientT")
 
@@ -34,10 +39,16 @@ class ProviderError(RuntimeError):
 
 
 class Provider(ABC):
-    """Servers of one environment, started by :meth:`start` and ended by :meth:`stop`."""
+    """Servers of one environment, started by :meth:`start` and ended by :meth:`stop`.
 
-    def __init__(self) -> None:
+    ``credentials`` (see :func:`openenv_grpc.client.channel.tls_credentials`): the servers
+    speak TLS; health waits, channels and sessions use it.
+    """
+
+    def __init__(self, *, credentials: grpc.ChannelCredentials | None = None) -> None:
         self._channels: list[grpc.Channel] = []
+        #: TLS to the servers (None: plaintext).
+        self.credentials = credentials
 
     @property
     @abstractmethod
@@ -72,7 +83,10 @@ class Provider(ABC):
             A new ``grpc.Channel``; many sessions may share it.
         """
         options = [*channel_options(), *self.extra_channel_options()]
-        channel = grpc.insecure_channel(self.target, options=options)
+        if self.credentials is None:
+            channel = grpc.insecure_channel(self.target, options=options)
+        else:
+            channel = grpc.secure_channel(self.target, self.credentials, options=options)
         self._channels.append(channel)
         return channel
 
@@ -82,7 +96,8 @@ class Provider(ABC):
 
         Blocking sessions share one provider-owned channel (so they follow the provider's
         balancing settings); asyncio sessions get ``target`` and own their channel, since
-        an asyncio channel belongs to the event loop that uses it.
+        an asyncio channel belongs to the event loop that uses it (with the provider's
+        ``credentials`` unless ``kwargs`` give others).
 
         Returns:
             ``client_class(channel_or_target, **kwargs)``.
@@ -90,6 +105,8 @@ class Provider(ABC):
         make: Callable[..., ClientT] = client_class
         if isinstance(client_class, type) and issubclass(client_class, Session):
             return make(self.channel(), **kwargs)
+        if self.credentials is not None:
+            kwargs.setdefault("credentials", self.credentials)
         return make(self.target, **kwargs)
 
     def stop(self) -> None:
@@ -116,20 +133,12 @@ class Provider(ABC):
         self.stop()
 
 
-def open_session(provider: Provider, client_class: type[ClientT], **kwargs: Any) -> ClientT:
-    """``provider.session(client_class, **kwargs)``: a session on ``provider``'s servers.
-
-    Returns:
-        The unopened session; ``with open_session(p, EchoEnv) as env:`` opens it.
-    """
-    return provider.session(client_class, **kwargs)
-
-
 def wait_serving(
     target: str,
     service: str = "",
     timeout: float = 30.0,
     alive: Any = None,
+    credentials: grpc.ChannelCredentials | None = None,
 ) -> None:
     """Poll ``grpc.health.v1`` Check on ``target`` until ``service`` is SERVING.
 
@@ -139,13 +148,19 @@ def wait_serving(
         timeout: Seconds to wait in all.
         alive: Optional callable; when it returns False the wait stops early (the
             server process died).
+        credentials: TLS to the server (None: plaintext); never falls back.
 
     Raises:
         ProviderError: not SERVING within ``timeout``, or ``alive()`` turned False.
     """
     deadline = time.monotonic() + timeout
     last = "no answer"
-    with grpc.insecure_channel(target) as channel:
+    channel = (
+        grpc.insecure_channel(target)
+        if credentials is None
+        else grpc.secure_channel(target, credentials)
+    )
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         request = health_pb2.HealthCheckRequest(service=service)
         while True:

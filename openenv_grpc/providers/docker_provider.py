@@ -35,8 +35,10 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import docker
+import grpc
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 
+from openenv_grpc.metadata import SERVICE_NAME, SERVING_LINE
 from openenv_grpc.providers.base import Provider, ProviderError, wait_serving
 from openenv_grpc.providers.ownership import (
     LABEL_OWNER_BOOT,
@@ -49,8 +51,6 @@ from openenv_grpc.providers.ownership import (
     remove_stale_leases,
     take_lease,
 )
-from openenv_grpc.server.app import SERVING_LINE
-from openenv_grpc.server.service import SERVICE_NAME
 
 if TYPE_CHECKING:
     from docker.models.containers import Container
@@ -210,8 +210,9 @@ class LocalDockerProvider(Provider):
         stop_timeout: float | None = None,
         client: docker.DockerClient | None = None,
         health_service: str = SERVICE_NAME,
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(credentials=credentials)
         self.image = image
         self.args = list(args)
         self.cpus = cpus
@@ -358,7 +359,13 @@ class LocalDockerProvider(Provider):
             # the channel into reconnect backoff and cost seconds.
             if not self._announced.wait(self.start_timeout) or not reader.is_alive():
                 raise ProviderError(f"{self.image} printed no port in {self.start_timeout}s")
-            wait_serving(self.target, self.health_service, self.start_timeout, reader.is_alive)
+            wait_serving(
+                self.target,
+                self.health_service,
+                self.start_timeout,
+                reader.is_alive,
+                credentials=self.credentials,
+            )
         except ProviderError:
             reader.join(2.0)
             if "cannot listen" in self.logs() and not reader.is_alive():

@@ -26,8 +26,10 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import grpc
+
+from openenv_grpc.metadata import SERVICE_NAME
 from openenv_grpc.providers.base import Provider, ProviderError
-from openenv_grpc.server.service import SERVICE_NAME
 
 __all__ = ["KubernetesProvider"]
 
@@ -80,8 +82,9 @@ class KubernetesProvider(Provider):
         target_override: str | None = None,
         delete_on_stop: bool = True,
         api_client: Any = None,
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(credentials=credentials)
         if shutdown_margin <= 0:
             raise ValueError("shutdown_margin must be positive: the pod must outlive the drain")
         self.name = name

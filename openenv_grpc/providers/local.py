@@ -18,9 +18,10 @@ import threading
 import weakref
 from collections.abc import Mapping, Sequence
 
+import grpc
+
+from openenv_grpc.metadata import SERVICE_NAME, SERVING_LINE
 from openenv_grpc.providers.base import Provider, ProviderError, wait_serving
-from openenv_grpc.server.app import SERVING_LINE
-from openenv_grpc.server.service import SERVICE_NAME
 
 __all__ = ["LocalProcessProvider"]
 
@@ -66,8 +67,9 @@ class LocalProcessProvider(Provider):
         start_timeout: float = 60.0,
         stop_timeout: float | None = None,
         health_service: str = SERVICE_NAME,
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(credentials=credentials)
         self.env = env
         flags = ["--host", host, "--port", "0"]
         if max_concurrent_envs is not None:
@@ -135,7 +137,13 @@ class LocalProcessProvider(Provider):
         try:
             if not self._announced.wait(self.start_timeout) or not self.port:
                 raise ProviderError(f"{self.env!r} printed no port in {self.start_timeout}s")
-            wait_serving(self.target, self.health_service, self.start_timeout, self.running)
+            wait_serving(
+                self.target,
+                self.health_service,
+                self.start_timeout,
+                self.running,
+                credentials=self.credentials,
+            )
         except BaseException as exc:  # includes KeyboardInterrupt: never leave the child
             output = self.stderr()
             self.stop()

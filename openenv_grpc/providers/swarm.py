@@ -54,10 +54,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import docker
+import grpc
 from docker.errors import APIError, DockerException, NotFound
 from docker.types import Healthcheck, Resources, RestartPolicy, ServiceMode
 from docker.utils import parse_bytes
 
+from openenv_grpc.metadata import SERVICE_NAME, SERVING_LINE
 from openenv_grpc.providers.base import Provider, ProviderError, wait_serving
 from openenv_grpc.providers.docker_provider import docker_client
 from openenv_grpc.providers.ownership import (
@@ -67,8 +69,6 @@ from openenv_grpc.providers.ownership import (
     remove_stale_leases,
     take_lease,
 )
-from openenv_grpc.server.app import SERVING_LINE
-from openenv_grpc.server.service import SERVICE_NAME
 
 __all__ = ["PROVIDER_SWARM", "DockerSwarmProvider", "cleanup_orphan_services"]
 
@@ -239,8 +239,9 @@ class DockerSwarmProvider(Provider):
         docker_url: str | None = None,
         client: docker.DockerClient | None = None,
         health_service: str = SERVICE_NAME,
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(credentials=credentials)
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
         if endpoint not in ("host", "ingress"):
@@ -461,7 +462,12 @@ class DockerSwarmProvider(Provider):
         if self.endpoint == "ingress":
             self.port = self._published_port()
         try:
-            wait_serving(self.target, self.health_service, max(1.0, deadline - time.monotonic()))
+            wait_serving(
+                self.target,
+                self.health_service,
+                max(1.0, deadline - time.monotonic()),
+                credentials=self.credentials,
+            )
         except ProviderError as exc:
             if self.endpoint == "ingress":
                 ipvs = "" if os.path.exists("/proc/sys/net/ipv4/vs") else " (this kernel has none)"

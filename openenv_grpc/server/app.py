@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import signal
 import sys
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from openenv_grpc.metadata import SERVICE_NAME, serving_line
 from openenv_grpc.server.activity import Activity
 from openenv_grpc.server.auth import TokenAuthInterceptor
 from openenv_grpc.server.config import ServerConfig
@@ -32,17 +32,13 @@ from openenv_grpc.server.metrics import (
     PrometheusMetrics,
     start_metrics_server,
 )
-from openenv_grpc.server.service import SERVICE_NAME, EnvServicer, add_env_service
+from openenv_grpc.server.service import EnvServicer, add_env_service
 from openenv_grpc.server.session import SessionManager
 from openenv_grpc.server.spec import EnvSpec
 from openenv_grpc.server.tls import server_credentials
 from openenv_grpc.server.workers import serve_workers
 
-__all__ = ["SERVING_LINE", "EnvServer", "serve"]
-
-#: The status line a server prints once it listens (groups: env, host, port); providers,
-#: test helpers and tools wait for it. Printed by :func:`_announce` and the workers.
-SERVING_LINE = re.compile(r"openenv-grpc: serving (\S+) on (\S+):(\d+)")
+__all__ = ["EnvServer", "serve"]
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +107,7 @@ class EnvServer:
             self.metrics_port = start_metrics_server(prometheus, host, self.config.metrics_port)
             metrics = MetricsTee(activity, prometheus)
         if self.config.isolated:
-            call_timeout = self.config.step_timeout or self.spec.env_class.step_timeout or None
+            call_timeout = self.config.call_timeout(self.spec.env_class.step_timeout)
             self._isolated = IsolatedPool(
                 self.spec.factory, self.config.isolated, call_timeout, metrics
             )
@@ -173,7 +169,7 @@ def say(line: str) -> None:
 
 def _announce(name: str, host: str, port: int) -> None:
     # Tests and tools wait for this line; it carries the port actually bound.
-    say(f"openenv-grpc: serving {name} on {host}:{port}")
+    say(serving_line(name, host, port))
 
 
 async def _serve(
@@ -211,7 +207,7 @@ def serve(factory: Callable[[], Any], config: ServerConfig | None = None) -> int
 
         def announce(port: int) -> None:
             host = config.address.rpartition(":")[0]
-            say(f"openenv-grpc: serving {spec.name} on {host}:{port} with {config.workers} workers")
+            say(serving_line(spec.name, host, port, f" with {config.workers} workers"))
 
         return serve_workers(run_worker, config, announce)
     asyncio.run(_serve(factory, config))

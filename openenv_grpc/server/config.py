@@ -1,4 +1,9 @@
-"""Server settings: one dataclass, filled from arguments and environment variables.
+"""Server settings: each defined once, here, with its flag, variable, default, range and help.
+
+:class:`ServerConfig` is the one dataclass; each field is declared with :func:`setting`,
+which records everything else about it. The ``openenv-grpc serve`` options, the variables
+:meth:`ServerConfig.from_env` reads and the README's settings table are all made from
+these declarations (``tests/test_cli_config.py`` fails when the README drifts).
 
 Precedence: an explicit argument, then the environment variable, then the default.
 Nothing is read at import time; :meth:`ServerConfig.from_env` reads the environment when
@@ -8,116 +13,191 @@ the server starts.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import MISSING, Field, dataclass, field, fields
+from typing import Any, TypeVar, cast
 
-__all__ = ["ServerConfig"]
+__all__ = ["ENV_VARS", "ServerConfig", "Setting", "settings", "settings_table"]
 
-#: Field name -> environment variable that sets it.
-ENV_VARS: dict[str, str] = {
-    "host": "HOST",
-    "port": "PORT",
-    "max_concurrent_envs": "MAX_CONCURRENT_ENVS",
-    "idle_timeout": "IDLE_TIMEOUT",
-    "grace_period": "GRACE_PERIOD",
-    "max_message_bytes": "MAX_MESSAGE_BYTES",
-    "env_threads": "ENV_THREADS",
-    "retry_pushback_ms": "RETRY_PUSHBACK_MS",
-    "keepalive_time": "KEEPALIVE_TIME",
-    "keepalive_timeout": "KEEPALIVE_TIMEOUT",
-    "step_timeout": "STEP_TIMEOUT",
-    "auth_token": "AUTH_TOKEN",
-    "tls_cert": "TLS_CERT",
-    "tls_key": "TLS_KEY",
-    "tls_client_ca": "TLS_CLIENT_CA",
-    "metrics_port": "METRICS_PORT",
-    "workers": "WORKERS",
-    "isolated": "ISOLATED",
-    "reuse_port": "REUSE_PORT",
-}
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """Everything about one setting but its name and type (the dataclass field has those).
+
+    Attributes:
+        variable: The environment variable that sets it.
+        flag: The ``serve`` option (None: no option, e.g. a secret kept off the command
+            line, where other users could read it).
+        help: One line for ``--help`` and the README.
+        minimum: Smallest allowed value (numbers); None: no bound.
+        above: The value must be greater than this (numbers); None: no bound.
+        maximum: Largest allowed value (numbers); None: no bound.
+        choices: The only values allowed, when it is a short list.
+        shown_default: How the README shows a computed default.
+        details: More words for the README's table, after ``help``.
+        secret: Never printed (repr, logs).
+    """
+
+    variable: str
+    flag: str | None
+    help: str
+    minimum: float | None = None
+    above: float | None = None
+    maximum: float | None = None
+    choices: tuple[Any, ...] = ()
+    shown_default: str = ""
+    details: str = ""
+    secret: bool = False
+
+
+def setting(
+    default: T | None = None,
+    *,
+    factory: Callable[[], T] | None = None,
+    variable: str,
+    flag: str | None,
+    help: str,
+    minimum: float | None = None,
+    above: float | None = None,
+    maximum: float | None = None,
+    choices: tuple[Any, ...] = (),
+    shown_default: str = "",
+    details: str = "",
+    secret: bool = False,
+) -> T:
+    """Declare a :class:`ServerConfig` field: its default (or ``factory``) and the rest."""
+    meta = Setting(
+        variable, flag, help, minimum, above, maximum, choices, shown_default, details, secret
+    )
+    metadata = {"setting": meta}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata, repr=not secret)
+    return cast(T, field(default=default, metadata=metadata, repr=not secret))
+
+
+def _default_threads() -> int:
+    return min(32, (os.cpu_count() or 1) + 4)
 
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
-    """How a server listens, admits sessions and reclaims them.
+    """How a server listens, admits sessions and reclaims them; see each field's setting
+    (``openenv-grpc serve --help`` and the README's settings table say the same)."""
 
-    Attributes:
-        host: Address to listen on; ``127.0.0.1`` keeps the server local, ``0.0.0.0`` or
-            ``[::]`` exposes it (containers).
-        port: TCP port; 0 picks a free one (the chosen port is printed at start).
-        max_concurrent_envs: Sessions (= env instances) this process admits at once;
-            0 or a negative number means unlimited.
-        idle_timeout: Seconds a session may wait for its client's next request before the
-            server closes it; 0 disables. Reclaims slots of vanished clients.
-        grace_period: Seconds running sessions get to finish after SIGTERM/SIGINT.
-        max_message_bytes: Largest message accepted or sent, in bytes.
-        env_threads: Threads in the shared pool that runs blocking sync envs.
-        retry_pushback_ms: The retry hint sent with RESOURCE_EXHAUSTED.
-        keepalive_time: Seconds between HTTP/2 pings to each client; a peer that does not
-            answer within ``keepalive_timeout`` is dropped and its sessions closed.
-        keepalive_timeout: Seconds to wait for a ping's answer.
-        step_timeout: Seconds an env's reset, step or state may take before the client gets
-            DEADLINE_EXCEEDED and the env is replaced; 0 uses the env's own
-            ``step_timeout`` (none by default). Inline envs cannot be interrupted.
-        auth_token: When set, every call but health checks needs the metadata
-            ``authorization: Bearer <token>``; others get UNAUTHENTICATED.
-        tls_cert: PEM certificate chain file; with ``tls_key``, the server speaks TLS.
-        tls_key: PEM private key file.
-        tls_client_ca: PEM CA file; when set, clients must present a certificate it
-            signed (mutual TLS).
-        metrics_port: Port of the Prometheus ``/metrics`` endpoint (on ``host``); -1 turns
-            metrics off, 0 picks a free port (printed at start). With workers, worker i
-            serves on ``metrics_port + i``.
-        workers: Server processes sharing the port (SO_REUSEPORT); the kernel balances
-            connections, not streams, so clients open several channels to use them all.
-            ``max_concurrent_envs`` is split evenly among them.
-        isolated: When > 0, env instances run in this many worker processes instead of
-            the server process: a crash in env code ends only the sessions on its worker
-            (UNAVAILABLE "session lost") and the worker is replaced.
-        reuse_port: 1 lets other server processes bind the same port (SO_REUSEPORT) even
-            with one worker, e.g. swarm replicas sharing a host network; the kernel then
-            balances connections among them. 0 (the default) makes binding a taken port
-            fail loudly. Workers always share their port.
-    """
-
-    host: str = "127.0.0.1"
-    port: int = 50051
-    max_concurrent_envs: int = 1024
-    idle_timeout: float = 600.0
-    grace_period: float = 25.0
-    max_message_bytes: int = 16 * 1024 * 1024
-    env_threads: int = field(default_factory=lambda: min(32, (os.cpu_count() or 1) + 4))
-    retry_pushback_ms: int = 500
-    keepalive_time: float = 30.0
-    keepalive_timeout: float = 10.0
-    step_timeout: float = 0.0
-    auth_token: str = field(default="", repr=False)  # a secret: never printed
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_client_ca: str = ""
-    metrics_port: int = -1
-    workers: int = 1
-    isolated: int = 0
-    reuse_port: int = 0
+    host: str = setting(
+        "127.0.0.1", variable="HOST", flag="--host",
+        help="listen address (`0.0.0.0` / `[::]` in containers)",
+    )  # fmt: skip
+    port: int = setting(
+        50051, variable="PORT", flag="--port", minimum=0, maximum=65535,
+        help="port; `0` picks a free one (printed at start)",
+    )  # fmt: skip
+    max_concurrent_envs: int = setting(
+        1024, variable="MAX_CONCURRENT_ENVS", flag="--max-concurrent-envs",
+        help="sessions (= env instances) per server process; `0` or `-1` (any number "
+        "below 1) = unlimited",
+    )  # fmt: skip
+    idle_timeout: float = setting(
+        600.0, variable="IDLE_TIMEOUT", flag="--idle-timeout", minimum=0,
+        help="seconds a session may wait for its client before the server closes it; "
+        "`0` = forever",
+    )  # fmt: skip
+    grace_period: float = setting(
+        25.0, variable="GRACE_PERIOD", flag="--grace", minimum=0,
+        help="seconds running sessions get after SIGTERM/SIGINT",
+    )  # fmt: skip
+    max_message_bytes: int = setting(
+        16 * 1024 * 1024, variable="MAX_MESSAGE_BYTES", flag="--max-message-bytes", minimum=1,
+        help="largest message in or out",
+    )  # fmt: skip
+    env_threads: int = setting(
+        factory=_default_threads, variable="ENV_THREADS", flag="--env-threads", minimum=1,
+        shown_default="cores + 4 (≤ 32)", help="shared pool for blocking sync envs",
+    )  # fmt: skip
+    retry_pushback_ms: int = setting(
+        500, variable="RETRY_PUSHBACK_MS", flag="--retry-pushback-ms", minimum=0,
+        help="retry hint sent with `RESOURCE_EXHAUSTED`",
+    )  # fmt: skip
+    workers: int = setting(
+        1, variable="WORKERS", flag="--workers", minimum=1,
+        help="server processes sharing the port (SO_REUSEPORT, forked before any gRPC "
+        "object)",
+        details="the kernel balances *connections*, so clients use "
+        "`AioChannelPool(target, size)` to spread sessions; `MAX_CONCURRENT_ENVS` is per "
+        "server and split evenly (Info reports the answering worker's share, its pid and "
+        "the worker count); a worker that dies is restarted",
+    )  # fmt: skip
+    isolated: int = setting(
+        0, variable="ISOLATED", flag="--isolated", minimum=0,
+        help="run env instances in this many worker processes (spawned); `0` = off",
+        details="a crash, `os._exit` or segfault in env code ends only that worker's "
+        "sessions (`UNAVAILABLE` \"session lost\") and the worker is replaced; CPU-heavy "
+        "envs use every core even over one connection. Env calls in a worker run one at "
+        "a time; step timeouts do not interrupt them",
+    )  # fmt: skip
+    reuse_port: int = setting(
+        0, variable="REUSE_PORT", flag="--reuse-port", choices=(0, 1),
+        help="`1` lets separate server processes bind the same port (SO_REUSEPORT)",
+        details="e.g. swarm replicas on one host network; the kernel balances connections "
+        "among them. With `0` binding a taken port fails loudly",
+    )  # fmt: skip
+    keepalive_time: float = setting(
+        30.0, variable="KEEPALIVE_TIME", flag="--keepalive-time", above=0,
+        help="seconds between pings that detect dead clients",
+    )  # fmt: skip
+    keepalive_timeout: float = setting(
+        10.0, variable="KEEPALIVE_TIMEOUT", flag="--keepalive-timeout", above=0,
+        help="seconds to wait for a ping's answer",
+    )  # fmt: skip
+    step_timeout: float = setting(
+        0.0, variable="STEP_TIMEOUT", flag="--step-timeout", minimum=0,
+        shown_default="`0` (the env's own `step_timeout`, none by default)",
+        help="seconds an env's reset/step/state may take",
+        details="past it the client gets `DEADLINE_EXCEEDED` and the session a fresh env "
+        "(reset to go on); the hung instance is closed when its call returns. Inline envs "
+        "run on the event loop and cannot be interrupted",
+    )  # fmt: skip
+    tls_cert: str = setting(
+        "", variable="TLS_CERT", flag="--tls-cert",
+        help="PEM certificate chain file; with `--tls-key`, the server speaks TLS",
+    )  # fmt: skip
+    tls_key: str = setting(
+        "", variable="TLS_KEY", flag="--tls-key", help="PEM private key file for `--tls-cert`"
+    )
+    tls_client_ca: str = setting(
+        "", variable="TLS_CLIENT_CA", flag="--tls-client-ca",
+        help="PEM CA file: clients must present a certificate it signed (mutual TLS)",
+    )  # fmt: skip
+    auth_token: str = setting(
+        "", variable="AUTH_TOKEN", flag=None, secret=True,
+        help="every call but health checks needs `authorization: Bearer <token>`; others "
+        "get `UNAUTHENTICATED` before any env exists",
+        details="compared in constant time; no option on purpose: a command line is "
+        "visible to other users",
+    )  # fmt: skip
+    log_level: str = setting(
+        "INFO", variable="LOG_LEVEL", flag="--log-level",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+        help="what the server logs (to stderr), in any case",
+    )  # fmt: skip
+    log_format: str = setting(
+        "text", variable="LOG_FORMAT", flag="--log-format", choices=("text", "json"),
+        help="log lines as text, or one JSON object per line",
+        details="every line about a session carries its id, which the client sees as "
+        "`env.session_id`",
+    )  # fmt: skip
+    metrics_port: int = setting(
+        -1, variable="METRICS_PORT", flag="--metrics-port", minimum=-1, maximum=65535,
+        help="Prometheus `/metrics` port on the listen host; `-1` off, `0` a free port",
+        details="with workers, worker i serves on `metrics_port + i`",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in 0..65535, got {self.port}")
-        if not -1 <= self.metrics_port <= 65535:
-            raise ValueError(f"metrics_port must be in -1..65535, got {self.metrics_port}")
-        for name in (
-            "idle_timeout", "grace_period", "retry_pushback_ms", "step_timeout", "isolated"
-        ):  # fmt: skip
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in (
-            "max_message_bytes", "env_threads", "keepalive_time", "keepalive_timeout", "workers"
-        ):  # fmt: skip
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.reuse_port not in (0, 1):
-            raise ValueError(f"reuse_port must be 0 or 1, got {self.reuse_port}")
+        for spec, meta in _declared():
+            value = getattr(self, spec.name)
+            _check(meta, spec.name, value)
 
     @property
     def capacity(self) -> int:
@@ -132,6 +212,11 @@ class ServerConfig:
             host = f"[{host}]"
         return f"{host}:{self.port}"
 
+    def call_timeout(self, env_default: float | None) -> float | None:
+        """Longest an env call may take: this server's ``step_timeout`` if set, else the
+        env class's own (``env_default``); None means no limit."""
+        return self.step_timeout or env_default or None
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> ServerConfig:
         """Build a config from ``environ`` (default: ``os.environ``), then ``overrides``.
@@ -143,12 +228,78 @@ class ServerConfig:
         """
         environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}
-        for spec in fields(cls):
-            var = ENV_VARS.get(spec.name)
-            if var is not None and environ.get(var, "").strip():
-                values[spec.name] = _parse(var, environ[var].strip(), spec.type)
+        for spec, meta in _declared():
+            raw = environ.get(meta.variable, "").strip()
+            if raw:
+                values[spec.name] = _parse(meta.variable, raw, spec.type)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
+
+
+def _declared() -> Iterator[tuple[Field[Any], Setting]]:
+    for spec in fields(ServerConfig):
+        yield spec, spec.metadata["setting"]
+
+
+def settings() -> list[tuple[str, type, Setting, Any]]:
+    """Every setting: (field name, type, its :class:`Setting`, its default value)."""
+    kinds = {"int": int, "float": float, "str": str}
+    result = []
+    for spec, meta in _declared():
+        factory: Callable[[], Any] | None = (
+            None if spec.default_factory is MISSING else spec.default_factory
+        )
+        default = factory() if factory is not None else spec.default
+        result.append((spec.name, kinds[str(spec.type)], meta, default))
+    return result
+
+
+#: Field name -> the environment variable that sets it.
+ENV_VARS: dict[str, str] = {name: meta.variable for name, _, meta, _ in settings()}
+
+
+def settings_table() -> str:
+    """The README's settings table, in Markdown (one row per setting)."""
+    lines = ["| flag | variable | default | meaning |", "|---|---|---|---|"]
+    for _, _, meta, default in settings():
+        flag = f"`{meta.flag}`" if meta.flag else "—"
+        value = _number(default) if isinstance(default, float) else default
+        shown = meta.shown_default or (f"`{value}`" if default != "" else "unset")
+        meaning = meta.help + (f"; {meta.details}" if meta.details else "")
+        bounds = _bounds(meta)
+        if bounds:
+            meaning += f" ({bounds})"
+        lines.append(f"| {flag} | `{meta.variable}` | {shown} | {meaning} |")
+    return "\n".join(lines) + "\n"
+
+
+def _bounds(meta: Setting) -> str:
+    if meta.choices:
+        return "one of " + ", ".join(f"`{c}`" for c in meta.choices)
+    if meta.minimum is not None and meta.maximum is not None:
+        return f"`{_number(meta.minimum)}`..`{_number(meta.maximum)}`"
+    if meta.minimum is not None:
+        return f"≥ `{_number(meta.minimum)}`"
+    if meta.above is not None:
+        return f"> `{_number(meta.above)}`"
+    return ""
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+def _check(meta: Setting, name: str, value: Any) -> None:
+    """Raise ValueError when ``value`` is outside what ``meta`` allows."""
+    if meta.choices and str(value).lower() not in {str(c).lower() for c in meta.choices}:
+        allowed = " or ".join(str(c) for c in meta.choices)
+        raise ValueError(f"{name} must be {allowed}, got {value}")
+    if meta.above is not None and value <= meta.above:
+        raise ValueError(f"{name} must be > {_number(meta.above)}, got {value}")
+    if meta.minimum is not None and value < meta.minimum:
+        raise ValueError(f"{name} must be >= {_number(meta.minimum)}, got {value}")
+    if meta.maximum is not None and value > meta.maximum:
+        raise ValueError(f"{name} must be <= {_number(meta.maximum)}, got {value}")
 
 
 def _parse(var: str, raw: str, annotation: Any) -> Any:

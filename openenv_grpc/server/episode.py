@@ -127,7 +127,7 @@ class EpisodeDriver:
         if self._phase is not _Phase.RUNNING:
             raise _RequestError(_FAILED_PRECONDITION, _NEEDS_RESET[self._phase])
         spec = self._spec
-        action = _decode(command.action, spec.types.action, spec.action_url, "action")
+        action = _decode(command.action, spec.types.action, "action")
         started = time.perf_counter()
         transition = await self._call_env("step", self.runner.env.step, action)
         self._metrics.step(time.perf_counter() - started)
@@ -138,12 +138,7 @@ class EpisodeDriver:
         spec = self._spec
         options: Message | None = None
         if command.HasField("options"):
-            options = _decode(
-                command.options,
-                spec.types.reset_options,
-                spec.reset_options_url,
-                "reset options",
-            )
+            options = _decode(command.options, spec.types.reset_options, "reset options")
         episode_id = command.episode_id if command.HasField("episode_id") else uuid.uuid4().hex
         seed = command.seed if command.HasField("seed") else None
         transition = await self._call_env(
@@ -243,9 +238,9 @@ class EpisodeDriver:
             self._phase = _Phase.RUNNING
 
 
-def _decode(payload: Any, message_class: type[Message], url: str, what: str) -> Message:
+def _decode(payload: Any, message_class: type[Message], what: str) -> Message:
     try:
-        return unpack(payload, message_class, url, what)
+        return unpack(payload, message_class, what)
     except PayloadError as exc:
         raise _RequestError(_INVALID_ARGUMENT, str(exc)) from None
 

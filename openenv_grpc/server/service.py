@@ -8,14 +8,12 @@ from collections.abc import AsyncIterator
 import grpc
 
 from openenv_grpc._version import __version__
+from openenv_grpc.metadata import PROTOCOL, SERVICE_NAME
 from openenv_grpc.server.session import SessionManager
 from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
 
 __all__ = ["PROTOCOL", "SERVICE_NAME", "EnvServicer", "add_env_service"]
-
-SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["EnvService"].full_name
-PROTOCOL: str = pb.DESCRIPTOR.package
 
 
 class EnvServicer(pb_grpc.EnvServiceServicer):

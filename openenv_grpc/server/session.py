@@ -107,7 +107,7 @@ class SessionManager:
         #: Set when a drain's grace period is over: sessions still starting end at once.
         self._ending: _EndReason | None = None
         #: Longest an env call may take; the server's setting wins over the env's own.
-        self._call_timeout = config.step_timeout or spec.env_class.step_timeout or None
+        self._call_timeout = config.call_timeout(spec.env_class.step_timeout)
 
     async def _new_runner(self) -> EnvRunner:
         return await EnvRunner.create(self.spec, self._pool)

@@ -20,6 +20,14 @@ FileDescriptorSet decodes a real observation; reset/step/state round trips; seed
 determinism; terminated/truncated, then reset on the same session; step before reset;
 a wrong-typed action; concurrent sessions that never see each other's state; close
 releases every session (plus :meth:`EnvConformance.check_released` for env resources).
+
+Every check also holds for an env whose observations are not fully deterministic (set
+``deterministic = False``, e.g. observations that carry timings): override
+:meth:`EnvConformance.comparable` to return the part that must repeat, and the seeded and
+isolation checks compare that part. Without the override they compare no observations,
+but each session's own bookkeeping is always checked -- step counts that go up by one per
+step from 0 after each reset, the client's episode id echoed on every result, and
+sessions stepped interleaved that never move each other's step counts or episode ids.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ from google.protobuf.message import Message
 from openenv_grpc.client.async_session import AsyncSession
 from openenv_grpc.client.errors import EnvError
 from openenv_grpc.client.info import message_classes
-from openenv_grpc.client.protocol import StepResult
+from openenv_grpc.client.outcome import StepOutcome
 from openenv_grpc.client.sync_session import Session
 from openenv_grpc.testing.server_process import ServerProcess
 from openenv_grpc.v1 import session_pb2 as pb
@@ -45,6 +53,8 @@ from openenv_grpc.v1 import session_pb2 as pb
 __all__ = ["EnvConformance"]
 
 _Trace = list[tuple[bytes, float, bool, bool]]
+#: What the server's bookkeeping said for each result of an episode.
+_Books = list[tuple[str, int]]
 
 
 class EnvConformance:
@@ -86,6 +96,18 @@ class EnvConformance:
     def check_released(self, server: ServerProcess) -> None:
         """Assert that the env's own resources are gone once its sessions closed."""
 
+    def comparable(self, observation: Message) -> Message:
+        """The part of ``observation`` that must repeat for the same seed and actions: all
+        of it by default. An env with ``deterministic = False`` returns a copy without
+        the fields that vary from run to run (timings, say)."""
+        return observation
+
+    @property
+    def _compares(self) -> bool:
+        """Whether the seeded and isolation checks compare observations."""
+        overridden = type(self).comparable is not EnvConformance.comparable
+        return self.deterministic or overridden
+
     # -- fixtures ---------------------------------------------------------------------
 
     @pytest.fixture(scope="class")
@@ -102,17 +124,27 @@ class EnvConformance:
 
     # -- helpers ----------------------------------------------------------------------
 
-    def _play(self, env: Session[Any, Any, Any, Any], seed: int) -> _Trace:
-        """One seeded episode of ``steps`` steps (or until done); what it observed."""
+    def _play(
+        self, env: Session[Any, Any, Any, Any], seed: int, episode_id: str | None = None
+    ) -> _Trace:
+        """One seeded episode of ``steps`` steps (or until done); what it observed. The
+        server's bookkeeping is checked on the way: step counts 0, 1, 2, ... and one
+        episode id (``episode_id`` when given) on every result."""
         rng = random.Random(seed)
-        result = env.reset(seed=seed, options=self.reset_options())
-        trace = [_entry(result)]
+        result = env.reset(seed=seed, episode_id=episode_id, options=self.reset_options())
+        trace, books = [self._entry(result)], [_books(result)]
         for step in range(self.steps):
             if result.done:
                 break
             result = env.step(self.make_action(result.observation, step, rng))
-            trace.append(_entry(result))
+            trace.append(self._entry(result))
+            books.append(_books(result))
+        _check_books(books, episode_id)
         return trace
+
+    def _entry(self, result: StepOutcome[Any]) -> tuple[bytes, float, bool, bool]:
+        observation = self.comparable(result.observation).SerializeToString(deterministic=True)
+        return observation, result.reward, result.terminated, result.truncated
 
     # -- the checks -------------------------------------------------------------------
 
@@ -156,13 +188,14 @@ class EnvConformance:
             _session(conformance_server) as first,
             _session(conformance_server) as second,
         ):
-            a = self._play(first, self.seed)
-            b = self._play(second, self.seed)
-            again = self._play(first, self.seed)  # and on a reused session
-        if self.deterministic:
+            a = self._play(first, self.seed, episode_id="conformance-a")
+            b = self._play(second, self.seed, episode_id="conformance-b")
+            # A reused session starts over: its step count is back at 0 (checked by _play).
+            again = self._play(first, self.seed, episode_id="conformance-again")
+            assert first.episode_id == "conformance-again"
+            assert second.episode_id == "conformance-b"
+        if self._compares:
             assert a == b == again
-        else:
-            assert len(a) >= 1 and len(b) >= 1
 
     def test_episode_end_then_reset_on_the_same_session(
         self, conformance_server: ServerProcess
@@ -213,9 +246,8 @@ class EnvConformance:
     ) -> None:
         seeds = [self.seed + i for i in range(self.concurrent_sessions)]
         traces = asyncio.run(self._play_interleaved(conformance_server.target, seeds))
-        episode_ids = {trace_id for trace_id, _ in traces}
-        assert len(episode_ids) == len(seeds)
-        if self.deterministic:
+        assert [trace_id for trace_id, _ in traces] == [f"conformance-{s}" for s in seeds]
+        if self._compares:
             with _session(conformance_server) as env:
                 for seed, (_, trace) in zip(seeds, traces, strict=True):
                     assert self._play(env, seed) == trace, f"seed {seed} saw another's state"
@@ -229,11 +261,12 @@ class EnvConformance:
             rngs = [random.Random(seed) for seed in seeds]
             results = await asyncio.gather(
                 *(
-                    e.reset(seed=s, options=self.reset_options())
+                    e.reset(seed=s, episode_id=f"conformance-{s}", options=self.reset_options())
                     for e, s in zip(envs, seeds, strict=True)
                 )
             )
-            traces: list[_Trace] = [[_entry(r)] for r in results]
+            traces: list[_Trace] = [[self._entry(r)] for r in results]
+            books: list[_Books] = [[_books(r)] for r in results]
             for step in range(self.steps):
                 live = [i for i, r in enumerate(results) if not r.done]
                 if not live:
@@ -244,10 +277,40 @@ class EnvConformance:
                 )  # fmt: skip
                 for i, result in zip(live, stepped, strict=True):
                     results[i] = result
-                    traces[i].append(_entry(result))
+                    traces[i].append(self._entry(result))
+                    books[i].append(_books(result))
+            # Only the first session steps now: nobody else's step count may move.
+            if not results[0].done:
+                action = self.make_action(results[0].observation, self.steps, rngs[0])
+                results[0] = await envs[0].step(action)
+                books[0].append(_books(results[0]))
+            for seed, episode in zip(seeds, books, strict=True):
+                _check_books(episode, f"conformance-{seed}")
             for env in envs:
                 await env.close()
         return [(r.episode_id, t) for r, t in zip(results, traces, strict=True)]
+
+    def test_interleaved_sessions_keep_their_own_books(
+        self, conformance_server: ServerProcess
+    ) -> None:
+        """Stepping one session never moves another's step count or episode id -- a check
+        that holds whether or not the env is deterministic."""
+        rng = random.Random(self.seed)
+        with _session(conformance_server) as a, _session(conformance_server) as b:
+            first_a = a.reset(seed=self.seed, episode_id="iso-a", options=self.reset_options())
+            first_b = b.reset(seed=self.seed, episode_id="iso-b", options=self.reset_options())
+            result, steps = first_a, 0
+            for step in range(min(self.steps, 3)):
+                if result.done:
+                    break
+                result = a.step(self.make_action(result.observation, step, rng))
+                steps += 1
+                assert (result.episode_id, result.step_count) == ("iso-a", steps)
+            if first_b.done:
+                return
+            stepped_b = b.step(self.make_action(first_b.observation, 0, rng))
+            assert (stepped_b.episode_id, stepped_b.step_count) == ("iso-b", 1)
+            assert (a.episode_id, a.step_count) == ("iso-a", steps)
 
     def test_close_releases_every_session(self, conformance_server: ServerProcess) -> None:
         sessions = [_session(conformance_server) for _ in range(3)]
@@ -269,9 +332,19 @@ def _session(server: ServerProcess) -> Session[Any, Any, Any, Any]:
     return Session(server.target)
 
 
-def _entry(result: StepResult[Any]) -> tuple[bytes, float, bool, bool]:
-    observation = result.observation.SerializeToString(deterministic=True)
-    return observation, result.reward, result.terminated, result.truncated
+def _books(result: StepOutcome[Any]) -> tuple[str, int]:
+    return result.episode_id, result.step_count
+
+
+def _check_books(books: _Books, episode_id: str | None) -> None:
+    """One episode's results: one episode id (the given one, if any) and step counts 0,
+    1, 2, ... in order."""
+    ids = {episode for episode, _ in books}
+    assert len(ids) == 1, f"one episode, several ids: {sorted(ids)}"
+    if episode_id is not None:
+        assert ids == {episode_id}, f"the episode id {episode_id!r} was not echoed: {ids}"
+    counts = [count for _, count in books]
+    assert counts == list(range(len(books))), f"step counts {counts}"
 
 
 def _full_name(message: Message) -> str:

@@ -17,7 +17,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from openenv_grpc.client.info import fetch_info
-from openenv_grpc.server.app import SERVING_LINE
+from openenv_grpc.metadata import SERVING_LINE
 from openenv_grpc.v1 import session_pb2 as pb
 
 __all__ = ["ServerProcess"]

@@ -7,6 +7,11 @@ One Session stream owns exactly one environment instance: opening the stream cre
 it, ending the stream closes it. Environment-specific payloads (actions, observations,
 states, reset options) are messages from the environment's own package, carried as
 google.protobuf.Any so that the core protocol never changes per environment.
+
+Type urls: the server sends "type.googleapis.com/<full message name>" and accepts any
+url whose last path segment is the expected full name (the protobuf rule for Any), so
+a client may use its own prefix; a url naming another type is refused in-band with
+INVALID_ARGUMENT, and the error names both the expected type and the url received.
 """
 
 from google.protobuf import any_pb2 as _any_pb2
@@ -37,7 +42,9 @@ class SessionRequest(_message.Message):
     STATE_FIELD_NUMBER: _builtins.int
     CLOSE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.int
-    """Client-chosen id, echoed by the response to this request."""
+    """Client-chosen id, echoed by the response to this request. Start at 1 and count up:
+    proto3 leaves 0 off the wire, and the server uses 0 for messages it sends unasked.
+    """
     @_builtins.property
     def reset(self) -> Global___ResetCommand:
         """Start a new episode."""

@@ -7,6 +7,11 @@ One Session stream owns exactly one environment instance: opening the stream cre
 it, ending the stream closes it. Environment-specific payloads (actions, observations,
 states, reset options) are messages from the environment's own package, carried as
 google.protobuf.Any so that the core protocol never changes per environment.
+
+Type urls: the server sends "type.googleapis.com/<full message name>" and accepts any
+url whose last path segment is the expected full name (the protobuf rule for Any), so
+a client may use its own prefix; a url naming another type is refused in-band with
+INVALID_ARGUMENT, and the error names both the expected type and the url received.
 """
 
 from collections import abc as _abc

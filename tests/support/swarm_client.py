@@ -95,9 +95,9 @@ def episodes(params: dict[str, Any]) -> dict[str, Any]:
             "truncated": [s.truncated for s in steps],
             "total_length": env.state().total_length,
         }
-        with EchoEnv.from_provider(p) as other:  # a second session on the provider's channel
+        with p.session(EchoEnv) as other:  # a second session on the provider's channel
             other.reset(seed=2)
-            out["from_provider"] = other.step(EchoAction(message="x")).observation.echoed_message
+            out["second_session"] = other.step(EchoAction(message="x")).observation.echoed_message
         out["sessions"] = asyncio.run(spread(p.target, params.get("sessions", 12)))
         service = p.client.services.get(p.service_id)
         spec = service.attrs["Spec"]

@@ -1,7 +1,7 @@
 """Trainer-side adapters: remote sessions as Gymnasium environments.
 
 Optional: this package needs ``gymnasium`` and ``numpy`` (``pip install
-openenv-grpc[adapters]``); the rest of ``openenv_grpc`` never imports it.
+'openenv-grpc[gymnasium]'``); the rest of ``openenv_grpc`` never imports it.
 
 * :class:`RemoteGymnasiumEnv`: one session of the ``gymnasium`` env of the catalogue as a
   local ``gymnasium.Env`` (spaces rebuilt from the server's description).

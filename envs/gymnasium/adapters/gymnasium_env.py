@@ -25,7 +25,7 @@ import grpc
 import gymnasium
 from google.protobuf import struct_pb2
 
-from openenv_grpc.client.protocol import StepResult
+from openenv_grpc.client.outcome import StepOutcome
 from openenv_grpc_envs.gymnasium import convert
 from openenv_grpc_envs.gymnasium.client import GymnasiumEnv
 from openenv_grpc_envs.gymnasium.v1.gymnasium_pb2 import (
@@ -209,7 +209,7 @@ class RemoteGymnasiumEnv(gymnasium.Env[Any, Any]):
             dict(result.info),
         )
 
-    def _observation(self, result: StepResult[GymnasiumObservation]) -> Any:
+    def _observation(self, result: StepOutcome[GymnasiumObservation]) -> Any:
         """The observation as an element of ``observation_space`` (new, writable arrays)."""
         return convert.decode(result.observation.value, self.observation_space, "observation")
 

@@ -42,7 +42,7 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
 from openenv_grpc.client.channel import AioChannelPool
-from openenv_grpc.client.protocol import StepResult
+from openenv_grpc.client.outcome import StepOutcome
 from openenv_grpc_envs.gymnasium import convert
 from openenv_grpc_envs.gymnasium.adapters.gymnasium_env import _options_from_mapping, reset_options
 from openenv_grpc_envs.gymnasium.client import AsyncGymnasiumEnv
@@ -57,7 +57,7 @@ from openenv_grpc_envs.gymnasium.v1.gymnasium_pb2 import (
 __all__ = ["RemoteGymnasiumVectorEnv"]
 
 T = TypeVar("T")
-_Result = StepResult[GymnasiumObservation]
+_Result = StepOutcome[GymnasiumObservation]
 
 #: Seconds close() waits for the sessions to close before it stops the loop anyway.
 CLOSE_TIMEOUT = 30.0

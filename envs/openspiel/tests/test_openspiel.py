@@ -11,7 +11,7 @@ import pyspiel  # type: ignore[import-not-found]
 import pytest
 
 from openenv_grpc import EnvError, Session
-from openenv_grpc.client.protocol import StepResult
+from openenv_grpc.client.outcome import StepOutcome
 from openenv_grpc.testing import ServerProcess
 from openenv_grpc_envs.openspiel import (
     CONTROL_MODE_ALL_PLAYERS,
@@ -26,7 +26,7 @@ from openenv_grpc_envs.openspiel import (
 TIC_TAC_TOE_LEGAL = (
     "0=x(0,0), 1=x(0,1), 2=x(0,2), 3=x(1,0), 4=x(1,1), 5=x(1,2), 6=x(2,0), 7=x(2,1), 8=x(2,2)"
 )
-Result = StepResult[OpenSpielObservation]
+Result = StepOutcome[OpenSpielObservation]
 #: What ``with OpenSpielEnv(...) as env`` binds (Session.__enter__ is not typed as Self).
 Env = Session[OpenSpielAction, OpenSpielObservation, OpenSpielState, OpenSpielResetOptions]
 

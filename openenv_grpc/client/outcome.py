@@ -1,0 +1,45 @@
+"""What the client hands back for a reset or a step: :class:`StepOutcome`.
+
+(The wire message it is decoded from is ``openenv_grpc.v1.StepResult``; the client's
+type has a name of its own so the two are never confused.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from google.protobuf.message import Message
+
+__all__ = ["StepOutcome"]
+
+ObservationT = TypeVar("ObservationT", bound=Message)
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutcome(Generic[ObservationT]):
+    """What a reset or a step returned.
+
+    Attributes:
+        observation: The typed observation (a raw ``Any`` from an untyped session when
+            the type is not imported in this process).
+        reward: Reward for the step (0 after a reset).
+        terminated: The episode reached a terminal state of the task.
+        truncated: The episode was cut short by a limit outside the task.
+        episode_id: The episode this result belongs to.
+        step_count: Steps taken in this episode so far (0 after a reset).
+        info: Extra data the environment returned.
+    """
+
+    observation: ObservationT
+    reward: float
+    terminated: bool
+    truncated: bool
+    episode_id: str
+    step_count: int
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def done(self) -> bool:
+        """The episode is over (terminated or truncated): reset before stepping again."""
+        return self.terminated or self.truncated
