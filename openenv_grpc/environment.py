@@ -82,6 +82,17 @@ class _EnvironmentBase(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
     #: a fresh instance (None: no limit; the server's ``--step-timeout`` overrides it).
     step_timeout: ClassVar[float | None] = None
 
+    @classmethod
+    def reclaim_orphans(cls) -> None:
+        """Release what instances of this class left behind in processes that died without
+        closing them: called by the server once at start (leftovers of a previous run) and
+        after an isolated worker process dies. Must be safe to call at any time from the
+        server process; must not touch resources of live instances.
+
+        Runs in a thread of its own and may block. Does nothing by default; what it raises
+        is logged and otherwise ignored.
+        """
+
 
 class Environment(_EnvironmentBase[ActionT, ObservationT, StateT, ResetOptionsT]):
     """A synchronous environment; one instance serves exactly one session.

@@ -32,6 +32,7 @@ from openenv_grpc.server.metrics import (
     PrometheusMetrics,
     start_metrics_server,
 )
+from openenv_grpc.server.orphans import reclaim_orphans_quietly
 from openenv_grpc.server.service import EnvServicer, add_env_service
 from openenv_grpc.server.session import SessionManager
 from openenv_grpc.server.spec import EnvSpec
@@ -95,6 +96,8 @@ class EnvServer:
             ValueError, OSError: the TLS settings are incomplete or a file is unreadable.
         """
         credentials = server_credentials(self.config)  # before binding: bad files fail early
+        # Leftovers of a previous run go before any new instance competes for them.
+        await asyncio.to_thread(reclaim_orphans_quietly, self.spec.env_class)
         interceptors = (
             [TokenAuthInterceptor(self.config.auth_token)] if self.config.auth_token else []
         )
@@ -148,6 +151,8 @@ class EnvServer:
             return
         grace = self.config.grace_period if grace is None else grace
         await self._health.enter_graceful_shutdown()
+        if self._isolated is not None:
+            self._isolated.start_draining(grace)  # hung calls cannot outlast the grace
         await self._sessions.drain(grace)
         await self._server.stop(grace=1.0)
         self._server = None

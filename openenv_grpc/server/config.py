@@ -134,8 +134,15 @@ class ServerConfig:
         help="run env instances in this many worker processes (spawned); `0` = off",
         details="a crash, `os._exit` or segfault in env code ends only that worker's "
         "sessions (`UNAVAILABLE` \"session lost\") and the worker is replaced; CPU-heavy "
-        "envs use every core even over one connection. Env calls in a worker run one at "
-        "a time; step timeouts do not interrupt them",
+        "envs use every core even over one connection. Env calls in a worker run one at a "
+        "time, but the front never waits on a worker: a busy one delays only its own "
+        "sessions, never health, Info or other workers. Step timeouts interrupt: a worker "
+        "that has not answered a call (reset/step/state/close) within the step timeout is "
+        "killed and replaced; the waiting session gets `DEADLINE_EXCEEDED` and a fresh env "
+        "on a live worker, the worker's other sessions end with `UNAVAILABLE` \"session "
+        "lost\" (async envs are cancelled inside the worker first). On drain, a worker "
+        "still busy with one call 2 s after the grace ends is killed, so a hung call cannot "
+        "hold the process. After a worker dies, the env's `reclaim_orphans()` runs",
     )  # fmt: skip
     reuse_port: int = setting(
         0, variable="REUSE_PORT", flag="--reuse-port", choices=(0, 1),
@@ -157,7 +164,8 @@ class ServerConfig:
         help="seconds an env's reset/step/state may take",
         details="past it the client gets `DEADLINE_EXCEEDED` and the session a fresh env "
         "(reset to go on); the hung instance is closed when its call returns. Inline envs "
-        "run on the event loop and cannot be interrupted",
+        "run on the event loop and cannot be interrupted, except with `--isolated`, where "
+        "the front kills the worker (see above)",
     )  # fmt: skip
     tls_cert: str = setting(
         "", variable="TLS_CERT", flag="--tls-cert",

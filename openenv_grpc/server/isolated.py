@@ -1,152 +1,101 @@
 """Isolated execution: env instances live in a pool of worker processes.
 
-The gRPC front (one process) keeps the sessions; each env lives in one worker process.
-A session's request bytes go to its worker, which answers them with the same request
-handler as the in-process path, and the response bytes come back unchanged. So a
-segfault, ``os._exit`` or runaway memory in env code ends only the sessions on that
-worker (their clients get UNAVAILABLE "session lost"), the pool starts a replacement, and
-CPU-heavy envs use every core even when all streams share one HTTP/2 connection.
+The gRPC front (one process) keeps the sessions; each env lives in one worker process
+(``isolated_worker.py``). A session's request bytes go to its worker, which answers them
+with the same request handler as the in-process path, and the response bytes come back
+unchanged. So a segfault, ``os._exit`` or runaway memory in env code ends only the
+sessions on that worker (their clients get UNAVAILABLE "session lost"), the pool starts a
+replacement, and CPU-heavy envs use every core even when all streams share one HTTP/2
+connection.
 
-Frames between front and worker carry protobuf bytes behind an 9-byte header (env id,
-operation); nothing is pickled after start-up (only the factory reference, once, to
-spawn the worker).
+The front never blocks on a worker: frames go out through asyncio streams (a frame for a
+busy worker waits in that worker's queue, written as the worker reads), and answers come
+in the same way. A worker answers its frames one at a time, in order, so the front knows
+which call each worker is busy with and since when. That is how it enforces the step
+timeout, which a worker running env code inline cannot: a worker that has not answered a
+call in time is killed; the session that waited gets DEADLINE_EXCEEDED in-band and a fresh
+env on a live worker, the other sessions on that worker lose their envs as on a crash,
+and a replacement worker starts. A drain uses the same watchdog to keep its grace period.
+After a worker dies, the env's ``reclaim_orphans`` hook runs in a thread (``orphans.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import multiprocessing
-import struct
+import socket
 import time
+from collections import deque
 from collections.abc import Callable
-from multiprocessing.connection import Connection
 from typing import Any
 
-from openenv_grpc.server.backend import (
-    EnvFactoryError,
-    LocalBackend,
-    SessionLostError,
-    UndecodableRequest,
-)
+import grpc
+
+from openenv_grpc.server.backend import EnvFactoryError, SessionLostError, UndecodableRequest
+from openenv_grpc.server.isolated_worker import HEADER, READ_LIMIT, Op, Status, worker_main
 from openenv_grpc.server.metrics import NO_METRICS, Metrics
-from openenv_grpc.server.runner import EnvRunner
+from openenv_grpc.server.orphans import OrphanReaper
 from openenv_grpc.server.spec import EnvSpec, ExecutionMode
+from openenv_grpc.v1 import session_pb2 as pb
 
 __all__ = ["IsolatedBackend", "IsolatedPool"]
 
 log = logging.getLogger(__name__)
 
-_HEADER = struct.Struct("<QB")  # env id, operation or status
-# Front -> worker operations.
-_CREATE, _REQUEST, _CLOSE = 1, 2, 3
-# Worker -> front statuses (_STEPPED: an answered step, which the front counts).
-_OK, _CLOSED, _FAILED, _UNDECODABLE, _STEPPED = 0, 1, 2, 3, 4
+#: Frames smaller than this are joined to their header and written in one piece; larger
+#: ones are written after it, never copied into one buffer.
+_JOIN_BELOW = 64 * 1024
+#: Seconds an async env's worker gets past the timeout before the front kills it: the
+#: worker cancels the call itself at the timeout (as in-process) and answers.
+_ASYNC_MARGIN = 1.0
+#: Once a drain's grace period is over, seconds a call may still keep its worker busy
+#: (e.g. the closes the drain sends) before that worker is killed.
+_DRAIN_ALLOWANCE = 2.0
+#: Seconds :meth:`IsolatedPool.stop` waits for workers to exit, then for the orphan hook.
+_STOP_WAIT = 2.0
+
+_DIED = "the environment's worker process died"
+_DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED
+_INTERNAL = grpc.StatusCode.INTERNAL
 
 
-# -- the worker process ---------------------------------------------------------------
+class _CallTimedOut(SessionLostError):
+    """The worker did not answer this call within the step timeout and was killed."""
 
 
-def _worker_main(conn: Connection, factory: Callable[[], Any], call_timeout: float | None) -> None:
-    """Entry point of a worker process: serve frames until the front goes away."""
-    asyncio.run(_worker_loop(conn, factory, call_timeout))
+class _Call:
+    """One frame sent to a worker and the answer awaited for it."""
 
+    __slots__ = ("future", "limit", "started")
 
-async def _worker_loop(
-    conn: Connection, factory: Callable[[], Any], call_timeout: float | None
-) -> None:
-    spec = EnvSpec.from_factory(factory)
-    if spec.mode is ExecutionMode.POOL:
-        # The worker is the env's own process: blocking calls run inline, one at a time.
-        spec = dataclasses.replace(spec, mode=ExecutionMode.INLINE)
-    backends: dict[int, LocalBackend] = {}
-    loop = asyncio.get_running_loop()
-    steps = _StepFlag()
-
-    async def new_runner() -> EnvRunner:
-        return await EnvRunner.create(spec, pool=_NO_POOL)
-
-    while True:
-        try:
-            frame = await loop.run_in_executor(None, conn.recv_bytes)
-        except (EOFError, OSError):
-            break  # the front is gone
-        env_id, op = _HEADER.unpack_from(frame)
-        payload = frame[_HEADER.size :]
-        if op == _REQUEST:
-            backend = backends[env_id]
-            steps.stepped = False
-            try:
-                answer = await backend.handle(payload)
-            except UndecodableRequest as exc:
-                conn.send_bytes(_HEADER.pack(env_id, _UNDECODABLE) + str(exc).encode())
-                continue
-            status = _CLOSED if backend.closed else _STEPPED if steps.stepped else _OK
-            conn.send_bytes(_HEADER.pack(env_id, status) + answer)
-        elif op == _CREATE:
-            try:
-                backends[env_id] = await LocalBackend.open(spec, new_runner, call_timeout, steps)
-            except Exception as exc:
-                log.exception("environment factory raised")
-                message = f"{type(exc).__name__}: {exc}".encode()
-                conn.send_bytes(_HEADER.pack(env_id, _FAILED) + message)
-                continue
-            conn.send_bytes(_HEADER.pack(env_id, _OK))
-        elif op == _CLOSE:
-            backend_to_close = backends.pop(env_id, None)
-            if backend_to_close is not None:
-                await backend_to_close.close()
-            conn.send_bytes(_HEADER.pack(env_id, _OK))
-    for backend in backends.values():
-        await backend.close()
-
-
-class _StepFlag:
-    """The worker's metrics sink: notes that a request was a completed step, so the front
-    can count it (the front forwards request bytes without parsing them)."""
-
-    __slots__ = ("stepped",)
-
-    def __init__(self) -> None:
-        self.stepped = False
-
-    def session_refused(self, reason: str) -> None:
-        pass
-
-    def session_ended(self, seconds: float, reason: str) -> None:
-        pass
-
-    def step(self, seconds: float) -> None:
-        self.stepped = True
-
-    def request_error(self, code: str) -> None:
-        pass
-
-
-class _NoPool:
-    """Inline and async envs never use the pool; the worker has none."""
-
-    def submit(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError("isolated workers run env calls inline")
-
-
-_NO_POOL: Any = _NoPool()
-
-
-# -- the front ----------------------------------------------------------------------
+    def __init__(self, future: asyncio.Future[tuple[int, bytes]], limit: float | None) -> None:
+        self.future = future
+        #: Seconds the worker may spend on it (None: no limit).
+        self.limit = limit
+        #: Loop time at which the worker began it (it answers in order, one at a time).
+        self.started = 0.0
 
 
 class _Worker:
-    """One worker process and the replies it owes."""
+    """One worker process, its socket, and the calls it owes answers to, oldest first."""
 
-    def __init__(self, process: Any, conn: Connection) -> None:
+    def __init__(self, process: Any, sock: socket.socket) -> None:
         self.process = process
-        self.conn = conn
-        self.waiting: dict[int, asyncio.Future[tuple[int, bytes]]] = {}
+        self.sock = sock
+        self.writer: asyncio.StreamWriter | None = None  # once connected
+        #: Frames not yet handed to the transport (it holds at most one frame more).
+        self.unsent: deque[tuple[bytes, bytes]] = deque()
+        self.wake = asyncio.Event()  # set when ``unsent`` has frames
+        self.owed: deque[_Call] = deque()
+        self.timer: asyncio.TimerHandle | None = None  # the watchdog of ``owed[0]``
         self.envs: set[int] = set()
         self.alive = True
+        #: Why it is gone, once it is: what its sessions are told.
+        self.gone = _DIED
+        self.ready = False  # the process is up and reading
+        self.task: asyncio.Task[None] | None = None  # connects, then reads its answers
 
 
 class IsolatedPool:
@@ -162,82 +111,199 @@ class IsolatedPool:
         if size < 1:
             raise ValueError(f"isolated pool size must be >= 1, got {size}")
         self.metrics = metrics
+        #: The step timeout this pool enforces (None: none).
+        self.call_timeout = call_timeout
+        spec = EnvSpec.from_factory(factory)
+        margin = _ASYNC_MARGIN if spec.mode is ExecutionMode.ASYNC else 0.0
+        self._worker_limit = None if call_timeout is None else call_timeout + margin
         self._factory = factory
         self._size = size
-        self._call_timeout = call_timeout
         # spawn: the front already runs gRPC, which must never be forked.
         self._context = multiprocessing.get_context("spawn")
         self._workers: list[_Worker] = []
         self._next_env = 1
+        self._reaper = OrphanReaper(spec.env_class)
+        self._closing: set[asyncio.Task[None]] = set()
+        self._drain_timer: asyncio.TimerHandle | None = None
+        #: Loop time at which a drain's grace period ended (None: not yet).
+        self._grace_over_at: float | None = None
+        self._stopped = False
 
     def start(self) -> None:
         """Start the workers; call on the server's event loop."""
         for _ in range(self._size):
             self._workers.append(self._spawn())
 
+    # -- worker processes ---------------------------------------------------------------
+
     def _spawn(self) -> _Worker:
-        front, back = self._context.Pipe(duplex=True)
+        front, back = socket.socketpair()
         process = self._context.Process(
-            target=_worker_main,
-            args=(back, self._factory, self._call_timeout),
+            target=worker_main,
+            args=(back, self._factory, self.call_timeout),
             name="openenv-env-worker",
             daemon=True,
         )
-        process.start()
-        back.close()
+        try:
+            process.start()
+        except BaseException:
+            front.close()
+            raise
+        finally:
+            back.close()
         worker = _Worker(process, front)
-        asyncio.get_running_loop().add_reader(front.fileno(), self._on_readable, worker)
+        worker.task = asyncio.get_running_loop().create_task(
+            self._run(worker), name=f"openenv-env-worker-{process.pid}"
+        )
         return worker
 
-    def _on_readable(self, worker: _Worker) -> None:
+    async def _run(self, worker: _Worker) -> None:
+        """Connect to a worker and dispatch its answers until it is gone."""
+        writing: asyncio.Task[None] | None = None
         try:
-            frame = worker.conn.recv_bytes()
-        except (EOFError, OSError):
-            self._lost(worker)
-            return
-        env_id, status = _HEADER.unpack_from(frame)
-        future = worker.waiting.pop(env_id, None)
-        if future is not None and not future.done():
-            future.set_result((status, frame[_HEADER.size :]))
+            reader, writer = await asyncio.open_unix_connection(sock=worker.sock, limit=READ_LIMIT)
+            worker.writer = writer
+            writing = asyncio.create_task(self._write(worker, writer))
+            while True:
+                length, _, status = HEADER.unpack(await reader.readexactly(HEADER.size))
+                payload = await reader.readexactly(length) if length else b""
+                self._answered(worker, status, payload)
+        except (asyncio.IncompleteReadError, OSError):
+            pass  # the worker is gone (mid-frame or not), or was stopped
+        finally:
+            if writing is not None:
+                writing.cancel()
+            if worker.writer is not None:
+                worker.writer.transport.abort()
+            else:
+                worker.sock.close()
+        self._lost(worker, "died", _DIED)
 
-    def _lost(self, worker: _Worker) -> None:
-        """The worker died: fail what it owed, forget its envs, start a replacement."""
+    async def _write(self, worker: _Worker, writer: asyncio.StreamWriter) -> None:
+        """Hand queued frames to the transport as the worker takes them."""
+        with contextlib.suppress(ConnectionError):  # the reader sees the worker go
+            while True:
+                while worker.unsent:
+                    # Room first: the transport holds at most one frame past its mark.
+                    await writer.drain()
+                    _put(writer, *worker.unsent.popleft())
+                worker.wake.clear()
+                await worker.wake.wait()
+
+    def _send(self, worker: _Worker, header: bytes, payload: bytes) -> None:
+        writer = worker.writer
+        if (
+            writer is not None
+            and not worker.unsent
+            and not writer.transport.get_write_buffer_size()
+        ):
+            _put(writer, header, payload)  # the common case: straight to the socket
+        else:
+            worker.unsent.append((header, payload))
+            worker.wake.set()
+
+    def _answered(self, worker: _Worker, status: int, payload: bytes) -> None:
+        if status == Status.READY:
+            worker.ready = True
+            return
+        call = worker.owed.popleft()
+        if not call.future.done():  # not cancelled by a session that went away
+            call.future.set_result((status, payload))
+        if worker.owed:
+            self._begin(worker, worker.owed[0])
+        elif worker.timer is not None:
+            worker.timer.cancel()
+            worker.timer = None
+
+    # -- the watchdog -------------------------------------------------------------------
+
+    def _begin(self, worker: _Worker, call: _Call) -> None:
+        """The worker starts on ``call`` now."""
+        call.started = asyncio.get_running_loop().time()
+        self._arm(worker)
+
+    def _arm(self, worker: _Worker) -> None:
+        """Set the watchdog for the call the worker is busy with."""
+        if worker.timer is not None:
+            worker.timer.cancel()
+            worker.timer = None
+        call = worker.owed[0]
+        deadline = None if call.limit is None else call.started + call.limit
+        if self._grace_over_at is not None:
+            latest = max(call.started, self._grace_over_at) + _DRAIN_ALLOWANCE
+            deadline = latest if deadline is None else min(deadline, latest)
+        if deadline is not None:
+            worker.timer = asyncio.get_running_loop().call_at(deadline, self._expired, worker, call)
+
+    def _expired(self, worker: _Worker, call: _Call) -> None:
+        worker.timer = None
+        if not worker.alive or not worker.owed or worker.owed[0] is not call:
+            return
+        pid = worker.process.pid
+        if self._grace_over_at is not None:
+            log.warning("env worker pid %s still busy after the drain's grace: killing it", pid)
+            reason = "the environment's worker process was stopped: the server is draining"
+            worker.process.kill()
+            self._lost(worker, "was killed (drain)", reason)
+            return
+        limit = self.call_timeout
+        log.warning("env worker pid %s: a call did not finish within %gs: killing it", pid, limit)
+        worker.process.kill()
+        self._lost(
+            worker,
+            "was killed (step timeout)",
+            "the environment's worker process was stopped: another session's call on it "
+            f"did not finish within {limit:g}s",
+            culprit=call,
+        )
+
+    def _lost(self, worker: _Worker, how: str, message: str, culprit: _Call | None = None) -> None:
+        """The worker is gone: fail what it owed, reclaim its leftovers, replace it."""
         if not worker.alive:
             return
+        self._disconnect(worker)
+        worker.gone = message
+        for call in worker.owed:
+            if not call.future.done():
+                error = _CallTimedOut if call is culprit else SessionLostError
+                call.future.set_exception(error(message))
+        worker.owed.clear()
+        log.error("env worker pid %s %s: %d envs lost", worker.process.pid, how, len(worker.envs))
+        self._reaper.reap(worker.process)
+        if not self._stopped and self._grace_over_at is None:
+            self._workers[self._workers.index(worker)] = self._spawn()
+
+    def _disconnect(self, worker: _Worker) -> None:
         worker.alive = False
-        asyncio.get_running_loop().remove_reader(worker.conn.fileno())
-        worker.process.join(timeout=1)
-        log.error(
-            "env worker pid %s died (exit %s): %d sessions lost",
-            worker.process.pid, worker.process.exitcode, len(worker.envs),
-        )  # fmt: skip
-        for future in worker.waiting.values():
-            if not future.done():
-                future.set_exception(SessionLostError("the environment's worker process died"))
-        worker.waiting.clear()
-        worker.conn.close()
-        index = self._workers.index(worker)
-        self._workers[index] = self._spawn()
+        if worker.timer is not None:
+            worker.timer.cancel()
+            worker.timer = None
+        worker.unsent.clear()
+        # Shut down, not closed: the transport owns the socket. The worker sees EOF now,
+        # even if this loop does not run for a while (stop() waits on it).
+        with contextlib.suppress(OSError):
+            worker.sock.shutdown(socket.SHUT_RDWR)
+
+    # -- calls ----------------------------------------------------------------------------
 
     async def call(
-        self, worker: _Worker, env_id: int, op: int, payload: bytes
+        self, worker: _Worker, env_id: int, op: int, payload: bytes = b""
     ) -> tuple[int, bytes]:
-        """Send one frame and wait for its reply.
+        """Send one frame and wait for its answer; returns its status and payload.
 
         Raises:
-            SessionLostError: the worker is (or becomes) dead.
+            SessionLostError: the worker is (or becomes) dead, or was killed because this
+                call (``_CallTimedOut``) or another one on it took too long.
         """
         if not worker.alive:
-            raise SessionLostError("the environment's worker process died")
-        future: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
-        worker.waiting[env_id] = future
-        try:
-            worker.conn.send_bytes(_HEADER.pack(env_id, op) + payload)
-        except OSError:
-            worker.waiting.pop(env_id, None)
-            self._lost(worker)
-            raise SessionLostError("the environment's worker process died") from None
-        return await future
+            raise SessionLostError(worker.gone)
+        loop = asyncio.get_running_loop()
+        call = _Call(loop.create_future(), None if op == Op.CREATE else self._worker_limit)
+        worker.owed.append(call)
+        if len(worker.owed) == 1:
+            self._begin(worker, call)
+        self._send(worker, HEADER.pack(len(payload), env_id, op), payload)
+        return await call.future
 
     async def open(self) -> IsolatedBackend:
         """Create an env on the least-loaded worker.
@@ -246,27 +312,107 @@ class IsolatedPool:
             EnvFactoryError: the env factory raised in the worker (its message says what).
             SessionLostError: the worker died meanwhile.
         """
-        worker = min((w for w in self._workers if w.alive), key=lambda w: len(w.envs))
-        env_id = self._next_env
-        self._next_env += 1
-        status, payload = await self.call(worker, env_id, _CREATE, b"")
-        if status == _FAILED:
-            raise EnvFactoryError(payload.decode(errors="replace"))
-        worker.envs.add(env_id)
+        worker, env_id = await self.create()
         return IsolatedBackend(self, worker, env_id)
 
-    def stop(self) -> None:
-        """Stop every worker (after the sessions closed their envs)."""
+    async def create(self, *, prefer_ready: bool = False) -> tuple[_Worker, int]:
+        """Create an env on the least-loaded live worker (with ``prefer_ready``, one that
+        is up already, if any); returns the worker and the env's id.
+
+        Raises:
+            EnvFactoryError: the env factory raised in the worker.
+            SessionLostError: no worker is running, or it died meanwhile.
+        """
+        live = [worker for worker in self._workers if worker.alive]
+        if prefer_ready:
+            live = [worker for worker in live if worker.ready] or live
+        if not live:
+            raise SessionLostError("no environment worker process is running")
+        worker = min(live, key=lambda w: len(w.envs))
+        env_id = self._next_env
+        self._next_env += 1
+        worker.envs.add(env_id)  # counted at once, so opens at the same time spread out
+        try:
+            status, payload = await self.call(worker, env_id, Op.CREATE)
+        except asyncio.CancelledError:
+            worker.envs.discard(env_id)
+            self.close_env(worker, env_id)  # the worker builds it all the same
+            raise
+        except BaseException:
+            worker.envs.discard(env_id)
+            raise
+        if status == Status.FAILED:
+            worker.envs.discard(env_id)
+            raise EnvFactoryError(payload.decode(errors="replace"))
+        return worker, env_id
+
+    def close_env(self, worker: _Worker, env_id: int) -> asyncio.Task[None]:
+        """Close an env in its worker, in a task of its own (a cancelled session must not
+        skip it); the task ends quietly if the worker is or becomes dead."""
+        task = asyncio.get_running_loop().create_task(self._close_env(worker, env_id))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+        return task
+
+    async def _close_env(self, worker: _Worker, env_id: int) -> None:
+        with contextlib.suppress(SessionLostError):  # it died with its process
+            await self.call(worker, env_id, Op.CLOSE)
+
+    # -- the end ----------------------------------------------------------------------------
+
+    def start_draining(self, grace: float) -> None:
+        """The server drains: once ``grace`` seconds have passed, a call that keeps its
+        worker busy for more than a couple of seconds kills that worker (its envs are
+        lost and reclaimed), so a hung env call cannot hold the drain past its grace.
+        Dead workers are not replaced from then on."""
         loop = asyncio.get_running_loop()
+        self._drain_timer = loop.call_later(grace, self._end_grace)
+
+    def _end_grace(self) -> None:
+        self._grace_over_at = asyncio.get_running_loop().time()
         for worker in self._workers:
-            if worker.alive:
-                worker.alive = False
-                loop.remove_reader(worker.conn.fileno())
-                worker.conn.close()  # the worker sees EOF, closes what is left, exits
-        for worker in self._workers:
-            worker.process.join(timeout=5)
+            if worker.alive and worker.owed:
+                self._arm(worker)
+
+    def stop(self) -> None:
+        """Stop every worker, after the sessions closed their envs; returns within about
+        ``2 * _STOP_WAIT`` seconds.
+
+        Each worker closes the envs it still holds and exits; one still running after
+        ``_STOP_WAIT`` seconds is killed. Then the env's ``reclaim_orphans`` hook gets up to
+        ``_STOP_WAIT`` seconds for what killed workers left. Blocks the event loop (the
+        server has stopped serving by then).
+        """
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._drain_timer is not None:
+            self._drain_timer.cancel()
+        live = [worker for worker in self._workers if worker.alive]
+        for worker in live:
+            self._disconnect(worker)
+            for call in worker.owed:
+                if not call.future.done():
+                    call.future.set_exception(SessionLostError("the server stopped"))
+            worker.owed.clear()
+        deadline = time.monotonic() + _STOP_WAIT
+        for worker in live:
+            worker.process.join(max(0.0, deadline - time.monotonic()))
+        for worker in live:
             if worker.process.is_alive():
+                log.warning("env worker pid %s did not exit: killing it", worker.process.pid)
                 worker.process.kill()
+                self._reaper.reap(worker.process)
+        if not self._reaper.wait(_STOP_WAIT):
+            log.warning("reclaim_orphans() did not finish in %gs; exiting anyway", _STOP_WAIT)
+
+
+def _put(writer: asyncio.StreamWriter, header: bytes, payload: bytes) -> None:
+    if len(payload) < _JOIN_BELOW:
+        writer.write(header + payload)
+    else:
+        writer.write(header)
+        writer.write(payload)  # sent as far as the socket takes it; the rest is buffered
 
 
 class IsolatedBackend:
@@ -282,14 +428,52 @@ class IsolatedBackend:
 
     async def handle(self, raw: bytes) -> bytes:
         started = time.perf_counter()
-        status, payload = await self._pool.call(self._worker, self._env_id, _REQUEST, raw)
-        if status == _STEPPED:
+        try:
+            status, payload = await self._pool.call(self._worker, self._env_id, Op.REQUEST, raw)
+        except _CallTimedOut:
+            return await self._replace(raw)
+        if status == Status.STEPPED:
             # Measured here, so the step's time includes the hop to the worker and back.
             self._pool.metrics.step(time.perf_counter() - started)
-        elif status == _UNDECODABLE:
+        elif status == Status.UNDECODABLE:
             raise UndecodableRequest(payload.decode(errors="replace"))
-        self.closed = status == _CLOSED
+        self.closed = status == Status.CLOSED
         return payload
+
+    async def _replace(self, raw: bytes) -> bytes:
+        """Answer a request whose worker was killed for taking too long: in-band
+        DEADLINE_EXCEEDED and a fresh env on a live worker (as ``episode.py`` does
+        in-process), or, if that fails, INTERNAL and the end of the session."""
+        self._worker.envs.discard(self._env_id)
+        # The worker parsed it before calling the env (which then hung), so it parses.
+        request = pb.SessionRequest.FromString(raw)
+        command = request.WhichOneof("command")
+        limit = self._pool.call_timeout
+        code = _DEADLINE_EXCEEDED
+        if command == "close":
+            self.closed = True
+            message = (
+                f"close did not finish within {limit:g}s; the environment's worker process "
+                "was stopped"
+            )
+        else:
+            try:
+                self._worker, self._env_id = await self._pool.create(prefer_ready=True)
+            except (EnvFactoryError, SessionLostError) as exc:
+                log.error("could not replace a hung environment: %s", exc)
+                self.closed = True  # nothing left to serve: the stream ends after this answer
+                code = _INTERNAL
+                message = f"the environment hung and a new one could not be created: {exc}"
+            else:
+                message = (
+                    f"{command} did not finish within {limit:g}s; the environment was "
+                    "replaced with a fresh one: call reset"
+                )
+        self._pool.metrics.request_error(code.name)
+        response = pb.SessionResponse(request_id=request.request_id)
+        response.error.code = code.value[0]
+        response.error.message = message
+        return response.SerializeToString()
 
     async def close(self) -> None:
         worker = self._worker
@@ -298,6 +482,7 @@ class IsolatedBackend:
         worker.envs.discard(self._env_id)
         if not worker.alive:
             return  # it died with its process
-        # Shielded: a server stopping must not skip the close; a dead worker took it along.
-        with contextlib.suppress(SessionLostError, asyncio.CancelledError):
-            await asyncio.shield(self._pool.call(worker, self._env_id, _CLOSE, b""))
+        # Shielded: a server stopping must not skip the close. A worker that is stuck
+        # ends it too: by the step timeout, or by the drain's watchdog.
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(self._pool.close_env(worker, self._env_id))

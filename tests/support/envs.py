@@ -1,8 +1,9 @@
 """Environments for tests, loaded by real server processes through ``module:factory``.
 
 Each instance records its life in a ledger directory (``OPENENV_TEST_LEDGER``): one file
-per created env, renamed when it closes, so a test can count envs created and closed
-across processes without trusting the server's own word.
+per created env (``PID-ID.open``, PID the process it lives in), renamed when it closes, so
+a test can count envs created and closed across processes without trusting the server's
+own word.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ class Ledger:
 
     def __init__(self) -> None:
         root = os.environ.get("OPENENV_TEST_LEDGER")
-        self._path = Path(root) / f"{uuid.uuid4().hex}.open" if root else None
+        # The pid tells reclaim_orphans (OrphanReclaimingEnv) a dead process's entries.
+        self._path = Path(root) / f"{os.getpid()}-{uuid.uuid4().hex}.open" if root else None
         if self._path is not None:
             self._path.touch()
 
@@ -94,7 +96,8 @@ class FaultyEnv(Environment[EchoAction, EchoObservation, EchoState, Empty]):
     ``raise`` raises RuntimeError; ``invalid`` raises InvalidAction; ``wrong-type``
     returns a state as the observation; ``not-transition`` returns a bare observation;
     ``sleep:S`` blocks S seconds; ``info`` returns a rich info map; ``exit`` and
-    ``segfault`` kill the process; anything else echoes.
+    ``segfault`` kill the process; ``pid`` echoes the id of the process the env lives in;
+    ``slow-close:S`` makes ``close`` block S seconds; anything else echoes.
     ``state`` raises after a ``break-state`` step.
     """
 
@@ -104,6 +107,7 @@ class FaultyEnv(Environment[EchoAction, EchoObservation, EchoState, Empty]):
     def __init__(self) -> None:
         self._ledger = Ledger()
         self._state_broken = False
+        self._close_delay = 0.0
 
     def reset(
         self, *, seed: int | None, episode_id: str, options: Empty | None
@@ -131,6 +135,10 @@ class FaultyEnv(Environment[EchoAction, EchoObservation, EchoState, Empty]):
             ctypes.string_at(0)
         if command == "break-state":
             self._state_broken = True
+        if command == "pid":
+            return Transition(EchoObservation(echoed_message=str(os.getpid())))
+        if command.startswith("slow-close:"):
+            self._close_delay = float(command.split(":", 1)[1])
         if command == "info":
             return Transition(
                 EchoObservation(echoed_message=command),
@@ -144,6 +152,7 @@ class FaultyEnv(Environment[EchoAction, EchoObservation, EchoState, Empty]):
         return EchoState()
 
     def close(self) -> None:
+        time.sleep(self._close_delay)
         self._ledger.closed()
 
 
@@ -200,4 +209,48 @@ class OneShotFactoryEnv(FaultyEnv):
         if OneShotFactoryEnv.built:
             raise RuntimeError("no second instance available")
         OneShotFactoryEnv.built += 1
+        super().__init__()
+
+
+class OrphanReclaimingEnv(FaultyEnv):
+    """A FaultyEnv whose ``reclaim_orphans`` renames the ledger entries of processes that
+    no longer exist to ``.reclaimed`` and logs each call (the calling pid, one line) in
+    ``<ledger>.reclaims``."""
+
+    @classmethod
+    def reclaim_orphans(cls) -> None:
+        root = os.environ.get("OPENENV_TEST_LEDGER")
+        if not root:
+            return
+        with open(f"{root}.reclaims", "a") as calls:
+            calls.write(f"{os.getpid()}\n")
+        for entry in Path(root).glob("*.open"):
+            if not _process_exists(int(entry.name.split("-", 1)[0])):
+                entry.rename(entry.with_suffix(".reclaimed"))
+
+
+def _process_exists(pid: int) -> bool:
+    """True while ``pid`` exists, a zombie not yet reaped included (its parent has not
+    seen it die, so its leftovers are not free yet)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+class FlakyFactoryEnv(FaultyEnv):
+    """A FaultyEnv whose factory raises while the file ``<ledger>.no-factory`` exists."""
+
+    def __init__(self) -> None:
+        if Path(f"{os.environ.get('OPENENV_TEST_LEDGER')}.no-factory").exists():
+            raise RuntimeError("the factory is switched off")
+        super().__init__()
+
+
+class SlowStartEnv(CountingEchoEnv):
+    """The counting echo env, taking a second to build."""
+
+    def __init__(self) -> None:
+        time.sleep(1.0)
         super().__init__()

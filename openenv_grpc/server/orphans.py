@@ -1,0 +1,86 @@
+"""Runs the env's ``reclaim_orphans`` hook: what dead processes' instances left behind.
+
+The server calls it once at start (leftovers of a previous run) and the isolated pool
+after each worker process dies (:class:`OrphanReaper`). The hook may block, so it never
+runs on the event loop; what it raises is logged and otherwise ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+__all__ = ["OrphanReaper", "reclaim_orphans_quietly"]
+
+log = logging.getLogger(__name__)
+
+#: Seconds a worker that closed its end of the pipe may take to exit before it is killed.
+_EXIT_WAIT = 5.0
+
+
+def reclaim_orphans_quietly(env_class: type[Any]) -> None:
+    """Call ``env_class.reclaim_orphans()``; log what it raises instead of raising it."""
+    try:
+        env_class.reclaim_orphans()
+    except Exception:
+        log.exception("%s.reclaim_orphans() raised", env_class.__qualname__)
+
+
+class OrphanReaper:
+    """A thread that waits for dead worker processes to be gone, then calls the hook.
+
+    The hook must not touch live instances' resources, so it runs only once each dead
+    worker has been reaped (a zombie still holds its pid). Requests that arrive while the
+    hook runs are served by one more call afterwards.
+    """
+
+    def __init__(self, env_class: type[Any]) -> None:
+        self._env_class = env_class
+        self._lock = threading.Lock()
+        self._dead: list[Any] = []  # multiprocessing.Process objects to reap
+        self._wanted = False
+        self._thread: threading.Thread | None = None
+
+    def reap(self, process: Any) -> None:
+        """Reap ``process`` (a worker that died or was killed), then reclaim. Never blocks."""
+        with self._lock:
+            self._dead.append(process)
+            self._wanted = True
+            if self._thread is None:
+                # A daemon: a hook that hangs must not keep the server from exiting.
+                self._thread = threading.Thread(
+                    target=self._run, name="openenv-orphan-reaper", daemon=True
+                )
+                self._thread.start()
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for pending reaps and reclaims; returns True when
+        none is left."""
+        with self._lock:
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+            return not thread.is_alive()
+        return True
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._wanted:
+                    self._thread = None
+                    return
+                dead, self._dead, self._wanted = self._dead, [], False
+            for process in dead:
+                _reap(process)
+            reclaim_orphans_quietly(self._env_class)
+
+
+def _reap(process: Any) -> None:
+    """Wait until ``process`` has exited (killing it if it lingers) and collect it."""
+    process.join(_EXIT_WAIT)
+    if process.is_alive():
+        log.warning("env worker pid %s did not exit: killing it", process.pid)
+        process.kill()
+        process.join(1.0)
+    log.info("env worker pid %s exited with %s", process.pid, process.exitcode)

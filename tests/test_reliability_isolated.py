@@ -1,0 +1,370 @@
+"""Isolated mode under attack: a busy worker never stalls the front, step timeouts kill
+and replace a stuck worker, a drain keeps its grace with a hung call, and the env's
+``reclaim_orphans`` hook runs at start and after a worker dies.
+
+Every server here is a real ``openenv-grpc serve ... --isolated K`` process. Sessions are
+placed on the least-loaded worker, ties to the first, so the first and third session of a
+fresh two-worker server share a worker and the second has the other one; the tests check
+that with the ``pid`` command of ``support.envs:FaultyEnv`` before relying on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from openenv_grpc import AsyncSession, EnvError, Session, SessionLost
+from openenv_grpc.v1 import session_pb2 as pb
+from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
+from openenv_grpc_envs.echo import EchoAction
+from support.envs import _process_exists
+
+LOST = "session lost: the environment's worker process died"
+
+
+def pid_of(env: Session) -> int:  # type: ignore[type-arg]
+    """The pid of the worker process that holds ``env``'s environment."""
+    return int(env.step(EchoAction(message="pid")).observation.echoed_message)
+
+
+def three_sessions(target: str) -> tuple[Session, Session, Session]:  # type: ignore[type-arg]
+    """Three reset sessions: the first and third on one worker, the second on the other."""
+    sessions = (Session(target), Session(target), Session(target))
+    for env in sessions:
+        env.open()
+        env.reset()
+    first, second, third = (pid_of(env) for env in sessions)
+    assert first == third != second
+    return sessions
+
+
+def in_thread(work, results: dict[str, object], key: str) -> threading.Thread:  # type: ignore[no-untyped-def]
+    """Run ``work()`` in a thread; its result or exception lands in ``results[key]``."""
+
+    def run() -> None:
+        try:
+            results[key] = work()
+        except Exception as exc:
+            results[key] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def reclaim_calls(ledger: Path) -> list[int]:
+    """The pids that called OrphanReclaimingEnv.reclaim_orphans, in order."""
+    calls = Path(f"{ledger}.reclaims")
+    return [int(line) for line in calls.read_text().split()] if calls.exists() else []
+
+
+def reclaimed(ledger: Path) -> int:
+    return len(list(ledger.glob("*.reclaimed")))
+
+
+# -- (a) a busy worker and a 1 MB frame queued for it stall nothing else ---------------
+
+
+def test_a_busy_worker_and_a_large_frame_for_it_never_stall_the_front(start_server) -> None:
+    """While one worker sleeps 5 s in a step and a 1 MB action waits for that worker,
+    health, Info and a session on the other worker keep answering. Bound: the median of
+    each kind under 100 ms (the promise), none over 1 s (room for a loaded 2-core
+    machine; the frozen front this guards against took the whole 5 s)."""
+    server = start_server("support.envs:FaultyEnv", "--isolated", "2")
+    busy, other, queued = three_sessions(server.target)
+    results: dict[str, object] = {}
+    big = "x" * (1 << 20)
+    hung = in_thread(lambda: busy.step(EchoAction(message="sleep:5")), results, "busy")
+    time.sleep(0.5)  # the worker is inside the step now
+    in_thread(lambda: queued.step(EchoAction(message=big)), results, "queued")
+    time.sleep(0.3)  # the 1 MB frame is on its way to the busy worker
+    latencies: dict[str, list[float]] = {"health": [], "info": [], "step": []}
+    with grpc.insecure_channel(server.target) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        info = pb_grpc.EnvServiceStub(channel)
+        calls = {
+            "health": lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=10),
+            "info": lambda: info.Info(pb.InfoRequest(), timeout=10),
+            "step": lambda: other.step(EchoAction(message="quick")),
+        }
+        until = time.monotonic() + 3.0
+        while time.monotonic() < until:
+            for kind, call in calls.items():
+                started = time.perf_counter()
+                call()
+                latencies[kind].append(time.perf_counter() - started)
+    summary = {
+        kind: (len(values), statistics.median(values), max(values))
+        for kind, values in latencies.items()
+    }
+    print(
+        "ISOLATED busy worker: "
+        + ", ".join(
+            f"{k} n={n} p50={p * 1e3:.1f}ms max={m * 1e3:.1f}ms" for k, (n, p, m) in summary.items()
+        )
+    )
+    assert hung.is_alive(), "the measurement must happen while the worker is busy"
+    for kind, (count, median, worst) in summary.items():
+        assert count >= 10, kind
+        assert median < 0.1, f"{kind}: median {median * 1e3:.0f} ms"
+        assert worst < 1.0, f"{kind}: worst {worst * 1e3:.0f} ms"
+    server.wait_until(lambda: "queued" in results and "busy" in results, what="both answers")
+    queued_result = results["queued"]
+    assert not isinstance(queued_result, Exception), queued_result
+    assert queued_result.observation.echoed_message == big  # type: ignore[attr-defined]
+    for env in (busy, other, queued):
+        env.close()
+    server.wait_until(lambda: server.closed_envs() == 3, what="every env closed")
+
+
+def test_a_worker_killed_with_a_large_frame_half_sent_ends_only_its_sessions(
+    start_server,
+) -> None:
+    """A 1 MB action waits, partly written, for a busy worker that is then SIGKILLed: both
+    sessions on it are lost, the other worker's session and health go on, and the
+    replacement worker takes new sessions."""
+    server = start_server("support.envs:FaultyEnv", "--isolated", "2")
+    busy, other, queued = three_sessions(server.target)
+    worker = pid_of(busy)
+    results: dict[str, object] = {}
+    threads = [
+        in_thread(lambda: busy.step(EchoAction(message="sleep:60")), results, "busy"),
+        in_thread(lambda: queued.step(EchoAction(message="x" * (1 << 20))), results, "queued"),
+    ]
+    time.sleep(0.5)
+    os.kill(worker, signal.SIGKILL)
+    for thread in threads:
+        thread.join(10)
+    for key in ("busy", "queued"):
+        assert isinstance(results[key], SessionLost), results[key]
+        assert results[key].message == LOST  # type: ignore[attr-defined]
+    assert other.step(EchoAction(message="fine")).observation.echoed_message == "fine"
+    assert server.health() == health_pb2.HealthCheckResponse.SERVING
+    with Session(server.target) as fresh:
+        fresh.reset()
+        assert pid_of(fresh) not in (worker, pid_of(other))
+    other.close()
+    server.wait_until(lambda: server.active() == 0, what="slots released")
+
+
+# -- (b) step timeouts: the stuck worker is killed, the session gets a fresh env --------
+
+
+def test_a_step_past_the_timeout_replaces_the_stuck_worker(start_server) -> None:
+    server = start_server(
+        "support.envs:OrphanReclaimingEnv", "--isolated", "2", "--step-timeout", "1"
+    )
+    hung, other, neighbour = three_sessions(server.target)
+    stuck_pid, other_pid = pid_of(hung), pid_of(other)
+    started = time.monotonic()
+    with pytest.raises(EnvError) as failed:
+        hung.step(EchoAction(message="sleep:60"))
+    elapsed = time.monotonic() - started
+    print(f"ISOLATED step timeout 1s: DEADLINE_EXCEEDED after {elapsed:.2f}s")
+    assert failed.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
+    assert failed.value.message == (
+        "step did not finish within 1s; the environment was replaced with a fresh one: call reset"
+    )
+    assert 0.9 < elapsed < 5.0, elapsed  # the timeout, not the 60 s hang
+    server.wait_until(lambda: not _process_exists(stuck_pid), what="stuck worker killed")
+    # The session goes on with a fresh env, on the live worker.
+    with pytest.raises(EnvError) as early:
+        hung.step(EchoAction(message="too early"))
+    assert early.value.code is grpc.StatusCode.FAILED_PRECONDITION
+    hung.reset()
+    assert pid_of(hung) == other_pid
+    assert hung.step(EchoAction(message="fresh")).observation.echoed_message == "fresh"
+    # The other session on the killed worker lost its env, as on a crash.
+    with pytest.raises(SessionLost) as lost:
+        neighbour.step(EchoAction(message="anyone there?"))
+    assert lost.value.code is grpc.StatusCode.UNAVAILABLE
+    assert lost.value.message == (
+        "session lost: the environment's worker process was stopped: another session's "
+        "call on it did not finish within 1s"
+    )
+    assert other.step(EchoAction(message="unaffected")).observation.echoed_message == "unaffected"
+    server.wait_until(lambda: server.active() == 2, what="the lost session released")
+    # The stuck worker was replaced: a new session lands on a third process.
+    with Session(server.target) as newcomer:
+        newcomer.reset()
+        new_pid = pid_of(newcomer)
+        assert new_pid not in (stuck_pid, other_pid)
+        assert fetch_capacity(server.target) == (1024, 3)
+    for env in (hung, other):
+        env.close()
+    server.wait_until(lambda: server.active() == 0, what="slots released")
+    # No env leaks: the two on the killed worker were reclaimed, every other one closed.
+    server.wait_until(lambda: reclaimed(server.ledger) == 2, what="killed envs reclaimed")
+    assert server.closed_envs() == 3  # other's, hung's fresh one and the newcomer's
+    assert server.open_envs() == 0
+    assert server.proc.poll() is None
+
+
+def fetch_capacity(target: str) -> tuple[int, int]:
+    with grpc.insecure_channel(target) as channel:
+        capacity = pb_grpc.EnvServiceStub(channel).Info(pb.InfoRequest(), timeout=10).capacity
+    return capacity.max_sessions, capacity.active_sessions
+
+
+def test_a_close_past_the_timeout_ends_the_session_and_frees_its_slot(start_server) -> None:
+    """An env whose ``close`` hangs: the in-band close answers DEADLINE_EXCEEDED and ends
+    the stream; a cancelled session's close kills its worker. Both slots are freed in
+    about the timeout, not the 60 s hang."""
+    server = start_server("support.envs:FaultyEnv", "--isolated", "2", "--step-timeout", "1")
+    closing, aborting = Session(server.target), Session(server.target)
+    pids = []
+    for env in (closing, aborting):
+        env.open()
+        env.reset()
+        pids.append(pid_of(env))
+        env.step(EchoAction(message="slow-close:60"))
+    assert pids[0] != pids[1]
+    started = time.monotonic()
+    with pytest.raises(EnvError) as failed:
+        closing.close()
+    assert failed.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
+    assert failed.value.message == (
+        "close did not finish within 1s; the environment's worker process was stopped"
+    )
+    aborting.abort()
+    server.wait_until(lambda: server.active() == 0, timeout=10, what="both slots freed")
+    assert time.monotonic() - started < 8.0
+    for pid in pids:
+        server.wait_until(lambda pid=pid: not _process_exists(pid), what=f"worker {pid} killed")
+    with Session(server.target) as fresh:  # both workers were replaced
+        fresh.reset()
+        assert fresh.step(EchoAction(message="ok")).observation.echoed_message == "ok"
+
+
+def test_a_failed_replacement_after_a_timeout_ends_the_session(start_server) -> None:
+    server = start_server(
+        "support.envs:FlakyFactoryEnv", "--isolated", "1", "--step-timeout", "0.5"
+    )
+    with Session(server.target) as env:
+        env.reset()
+        Path(f"{server.ledger}.no-factory").touch()
+        with pytest.raises(EnvError) as failed:
+            env.step(EchoAction(message="sleep:60"))
+        assert failed.value.code is grpc.StatusCode.INTERNAL
+        assert failed.value.message == (
+            "the environment hung and a new one could not be created: "
+            "RuntimeError: the factory is switched off"
+        )
+        with pytest.raises(SessionLost):  # the stream ended after that answer
+            env.reset()
+    server.wait_until(lambda: server.active() == 0, what="slot released")
+    Path(f"{server.ledger}.no-factory").unlink()
+    with Session(server.target) as fresh:
+        fresh.reset()
+
+
+def test_an_async_env_past_the_timeout_is_cancelled_in_its_worker(start_server) -> None:
+    """Async envs are cancelled inside the worker, as in-process: the worker lives and
+    its other sessions keep their envs."""
+    server = start_server("support.envs:AsyncEchoEnv", "--isolated", "1", "--step-timeout", "0.3")
+    with Session(server.target) as slow, Session(server.target) as neighbour:
+        slow.reset()
+        neighbour.reset()
+        neighbour.step(EchoAction(message="before"))
+        with pytest.raises(EnvError) as failed:
+            slow.step(EchoAction(message="sleep:60"))
+        assert failed.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "within 0.3s" in failed.value.message
+        time.sleep(1.5)  # past the front's own limit for the worker
+        assert neighbour.step(EchoAction(message="after")).observation.echoed_message == "after"
+        slow.reset()
+        assert slow.step(EchoAction(message="again")).observation.echoed_message == "again"
+    server.wait_until(lambda: server.closed_envs() == 3, what="every env closed")
+
+
+def test_a_session_cancelled_while_its_env_is_built_leaks_nothing(start_server) -> None:
+    server = start_server("support.envs:SlowStartEnv", "--isolated", "1")
+
+    async def give_up() -> None:
+        session = AsyncSession(server.target)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(session.open(), 0.3)
+
+    asyncio.run(give_up())
+    server.wait_until(lambda: server.created() == 1, what="the env was built")
+    server.wait_until(lambda: server.closed_envs() == 1, what="and then closed")
+    server.wait_until(lambda: server.active() == 0, what="slot released")
+
+
+# -- (c) drain keeps its grace with a hung call ----------------------------------------
+
+
+def test_drain_with_a_hung_call_exits_within_the_grace(start_server) -> None:
+    server = start_server("support.envs:OrphanReclaimingEnv", "--isolated", "2", "--grace", "2")
+    hung, other, neighbour = three_sessions(server.target)
+    results: dict[str, object] = {}
+    in_thread(lambda: hung.step(EchoAction(message="sleep:120")), results, "hung")
+    time.sleep(0.5)
+    started = time.monotonic()
+    try:
+        code = server.terminate(timeout=30)
+    finally:
+        for env in (hung, other, neighbour):
+            env.abort()
+    elapsed = time.monotonic() - started
+    print(f"ISOLATED drain with a hung call: exit {code} after {elapsed:.2f}s (grace 2s)")
+    assert code == 0
+    assert elapsed < 2 + 5
+    # The healthy worker closed its env; the two on the killed worker were reclaimed.
+    assert server.closed_envs() == 1
+    assert reclaimed(server.ledger) == 2
+    assert server.open_envs() == 0
+
+
+# -- (d) reclaim_orphans at start and after a worker dies ------------------------------
+
+
+def test_reclaim_orphans_runs_at_start_and_after_a_worker_is_killed(start_server) -> None:
+    # A previous run, SIGKILLed with an env open, leaves a ledger entry behind.
+    previous = start_server("support.envs:OrphanReclaimingEnv")
+    ledger = previous.ledger
+    env = Session(previous.target)
+    env.open()
+    env.reset()
+    os.killpg(previous.proc.pid, signal.SIGKILL)
+    previous.proc.wait(10)
+    env.abort()
+    assert reclaim_calls(ledger) == [previous.proc.pid]  # threaded servers call it at start
+    assert previous.open_envs() == 1
+    server = start_server(
+        "support.envs:OrphanReclaimingEnv",
+        "--isolated",
+        "2",
+        extra_env={"OPENENV_TEST_LEDGER": str(ledger)},
+    )
+    assert reclaim_calls(ledger) == [previous.proc.pid, server.proc.pid]  # before serving
+    assert reclaimed(ledger) == 1 and previous.open_envs() == 0
+    with Session(server.target) as doomed, Session(server.target) as survivor:
+        doomed.reset()
+        survivor.reset()
+        worker = pid_of(doomed)
+        assert worker != pid_of(survivor)
+        results: dict[str, object] = {}
+        stepping = in_thread(lambda: doomed.step(EchoAction(message="sleep:60")), results, "doomed")
+        time.sleep(0.3)
+        killed = time.monotonic()
+        os.kill(worker, signal.SIGKILL)
+        stepping.join(10)
+        assert isinstance(results["doomed"], SessionLost)
+        assert results["doomed"].message == LOST  # type: ignore[attr-defined]
+        server.wait_until(lambda: len(reclaim_calls(ledger)) == 3, what="reclaim after the kill")
+        print(f"ISOLATED reclaim_orphans {time.monotonic() - killed:.2f}s after the SIGKILL")
+        assert reclaim_calls(ledger)[2] == server.proc.pid  # the front calls it
+        assert reclaimed(ledger) == 2  # the killed worker's env; the survivor's untouched
+        assert previous.open_envs() == 1
+        assert survivor.step(EchoAction(message="alive")).observation.echoed_message == "alive"
+    server.wait_until(lambda: server.active() == 0, what="slots released")
