@@ -93,8 +93,9 @@ class FaultyEnv(Environment[EchoAction, EchoObservation, EchoState, Empty]):
 
     ``raise`` raises RuntimeError; ``invalid`` raises InvalidAction; ``wrong-type``
     returns a state as the observation; ``not-transition`` returns a bare observation;
-    ``sleep:S`` blocks S seconds; ``info`` returns a rich info map; ``exit`` and
-    ``segfault`` kill the process; anything else echoes.
+    ``sleep:S`` blocks S seconds; ``info`` returns a rich info map; ``big:N`` returns an
+    observation of N bytes; ``exit`` and ``segfault`` kill the process; anything else
+    echoes.
     ``state`` raises after a ``break-state`` step.
     """
 
@@ -131,6 +132,8 @@ class FaultyEnv(Environment[EchoAction, EchoObservation, EchoState, Empty]):
             ctypes.string_at(0)
         if command == "break-state":
             self._state_broken = True
+        if command.startswith("big:"):
+            return Transition(EchoObservation(echoed_message="x" * int(command[4:])))
         if command == "info":
             return Transition(
                 EchoObservation(echoed_message=command),
@@ -200,4 +203,23 @@ class OneShotFactoryEnv(FaultyEnv):
         if OneShotFactoryEnv.built:
             raise RuntimeError("no second instance available")
         OneShotFactoryEnv.built += 1
+        super().__init__()
+
+
+class SlowFactoryEnv(FaultyEnv):
+    """A FaultyEnv whose factory takes ``OPENENV_TEST_FACTORY_SECONDS`` (default 2) seconds;
+    the ledger records it once built."""
+
+    def __init__(self) -> None:
+        time.sleep(float(os.environ.get("OPENENV_TEST_FACTORY_SECONDS", "2")))
+        super().__init__()
+
+
+class SlowFactoryEchoEnv(CountingEchoEnv):
+    """The echo env, pooled, whose factory takes ``OPENENV_TEST_FACTORY_SECONDS`` seconds."""
+
+    runs_inline = False
+
+    def __init__(self) -> None:
+        time.sleep(float(os.environ.get("OPENENV_TEST_FACTORY_SECONDS", "2")))
         super().__init__()
