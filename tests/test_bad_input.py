@@ -507,7 +507,7 @@ def test_oversize_request_is_resource_exhausted_and_server_stays_healthy(small_s
     assert_books_balanced(server)
 
 
-def test_oversize_response_is_resource_exhausted_and_server_stays_healthy(small_server) -> None:
+def test_oversize_response_is_an_in_band_error_and_the_session_goes_on(small_server) -> None:
     server = small_server
     neighbour = Neighbour(server.target)
     with grpc.insecure_channel(server.target) as channel:
@@ -516,11 +516,15 @@ def test_oversize_response_is_resource_exhausted_and_server_stays_healthy(small_
         # The largest message whose request fits the limit; its echo, whose envelope also
         # carries the episode id, the step count and the reward, does not.
         size = max(n for n in range(3800, 4096) if step(2, "z" * n).ByteSize() <= 4096)
-        request = step(2, "z" * size)
-        with pytest.raises(grpc.RpcError) as raised:
-            session.send(request)
-        assert raised.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        error = session.error(step(2, "z" * size))
+        assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+        assert "over the server's message limit of 4096 bytes (--max-message-bytes)" in (
+            error.message
+        )
         neighbour.check()
+        # The step took effect (its answer was lost); the episode goes on.
+        assert session.result(step(3, "small")).step_count == 2
+        session.close()
     neighbour.close()
     assert_books_balanced(server)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -224,3 +225,30 @@ def test_full_server_without_retries_reports_capacity(
     assert code == 1
     assert summary["capacity"]["admitted"] is False and summary["episodes"] == []
     assert "RESOURCE_EXHAUSTED" in summary["failure"] or "ResourceExhausted" in summary["failure"]
+
+
+def test_players_read_past_a_drain_notice(player: list[str]) -> None:
+    """A draining server tells each session so with a notice (request_id 0) that answers no
+    request: the players skip it and play on through the grace period."""
+    server = ServerProcess(
+        "support.envs:SlowFactoryEchoEnv", ["--grace", "30"],
+        {"OPENENV_TEST_FACTORY_SECONDS": "1.5"}, pythonpath=[ROOT / "tests"],
+    )  # fmt: skip
+    proc = subprocess.Popen(
+        [*player, "--target", server.target, "--env", "echo", "--episodes", "2",
+         "--max-steps", "3"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        # SIGTERM while the player's env is being built: the notice is the first message
+        # after the headers, before the answer to the player's first request.
+        server.wait_until(lambda: server.active() == 1, 20, "the player's open admitted")
+        server.proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT)
+        assert proc.returncode == 0, stderr
+        summary = _summary(stdout)
+        assert summary["episodes_finished"] == 2 and summary["closed"] is True
+        assert server.proc.wait(15) == 0  # the drain ended with the player's session
+    finally:
+        proc.kill()
+        server.stop()

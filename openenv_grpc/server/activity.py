@@ -38,6 +38,9 @@ class Activity:
     def request_error(self, code: str) -> None:
         pass
 
+    def pool_saturated(self) -> None:
+        pass
+
     def fill(self, target: pb.Activity, limiter: SessionLimiter) -> None:
         """Write the counters into an Info response's ``activity``; sessions open now
         (held by ``limiter``) count as opened."""

@@ -12,7 +12,6 @@ import os
 import signal
 import sys
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -24,6 +23,7 @@ from openenv_grpc.metadata import SERVICE_NAME, serving_line
 from openenv_grpc.server.activity import Activity
 from openenv_grpc.server.auth import TokenAuthInterceptor
 from openenv_grpc.server.config import ServerConfig
+from openenv_grpc.server.env_threads import EnvThreadPool
 from openenv_grpc.server.isolated import IsolatedPool
 from openenv_grpc.server.limiter import SessionLimiter
 from openenv_grpc.server.metrics import (
@@ -73,7 +73,11 @@ class EnvServer:
     def __init__(self, factory: Callable[[], Any], config: ServerConfig | None = None) -> None:
         self.config = config or ServerConfig.from_env()
         self.spec = EnvSpec.from_factory(factory)
-        self._pool = ThreadPoolExecutor(self.config.env_threads, thread_name_prefix="openenv-env")
+        # Daemon threads (see env_threads.py): a hung env call cannot hold up the exit.
+        self._pool = EnvThreadPool(self.config.env_threads, "openenv-env")
+        # Factories and closes of pooled envs: a replacement env or a close never waits
+        # behind env calls that hang on the pool above.
+        self._lifecycle = EnvThreadPool(self.config.env_threads, "openenv-env-lifecycle")
         self._server: grpc.aio.Server | None = None
         self._health: health_aio.HealthServicer | None = None
         self._sessions: SessionManager | None = None
@@ -116,8 +120,9 @@ class EnvServer:
             )
             self._isolated.start()
         self._sessions = SessionManager(
-            self.spec, self.config, self._pool, limiter, metrics, self._isolated, activity
-        )
+            self.spec, self.config, self._pool, limiter, metrics, self._isolated, activity,
+            lifecycle=self._lifecycle,
+        )  # fmt: skip
         server = grpc.aio.server(options=grpc_options(self.config), interceptors=interceptors)
         add_env_service(EnvServicer(self._sessions), server)
         self._health = health_aio.HealthServicer()
@@ -144,21 +149,29 @@ class EnvServer:
         self._sessions.start()
         return self.port
 
-    async def drain(self, grace: float | None = None) -> None:
-        """Report NOT_SERVING, refuse new sessions, let running ones finish within
-        ``grace`` seconds (default: the config's), close every env, stop the server."""
+    async def drain(self, grace: float | None = None) -> int:
+        """Report NOT_SERVING, tell running sessions and let them finish within ``grace``
+        seconds (default: the config's), close every env, stop the server. Takes at most
+        ``grace`` + :data:`~openenv_grpc.server.session.CLOSE_BUDGET` + 1 s (plus the
+        isolated workers' stop).
+
+        Returns the number of envs that could not be closed (stuck in env code); their
+        threads are daemons, abandoned to the process exit.
+        """
         if self._server is None or self._health is None or self._sessions is None:
-            return
+            return 0
         grace = self.config.grace_period if grace is None else grace
         await self._health.enter_graceful_shutdown()
         if self._isolated is not None:
             self._isolated.start_draining(grace)  # hung calls cannot outlast the grace
-        await self._sessions.drain(grace)
+        stuck = await self._sessions.drain(grace)
         await self._server.stop(grace=1.0)
         self._server = None
         if self._isolated is not None:
             self._isolated.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._lifecycle.shutdown(wait=False, cancel_futures=True)
+        return stuck
 
     async def wait_for_termination(self) -> None:
         if self._server is not None:
@@ -181,7 +194,8 @@ async def _serve(
     factory: Callable[[], Any],
     config: ServerConfig,
     on_ready: Callable[[str, str, int], None] = _announce,
-) -> None:
+) -> int:
+    """Serve until SIGTERM/SIGINT, then drain; returns the number of envs left unclosed."""
     server = EnvServer(factory, config)
     # Handlers first: a SIGTERM that arrives as soon as the server is up must drain it.
     stop = asyncio.Event()
@@ -195,8 +209,12 @@ async def _serve(
     on_ready(server.spec.name, host, port)
     await stop.wait()
     log.info("signal received: draining (grace %.1fs)", config.grace_period)
-    await server.drain()
-    say("openenv-grpc: drained, every environment closed")
+    stuck = await server.drain()
+    if stuck:
+        say(f"openenv-grpc: drained, {stuck} environment(s) stuck in env code left unclosed")
+    else:
+        say("openenv-grpc: drained, every environment closed")
+    return stuck
 
 
 def serve(factory: Callable[[], Any], config: ServerConfig | None = None) -> int:
@@ -207,7 +225,8 @@ def serve(factory: Callable[[], Any], config: ServerConfig | None = None) -> int
     if config.workers > 1:
 
         def run_worker(worker: ServerConfig, on_ready: Callable[[], None]) -> None:
-            # Workers announce themselves to the parent, which announces the server.
+            # Workers announce themselves to the parent, which announces the server; they
+            # end with os._exit, so stuck env threads cannot hold them either.
             asyncio.run(_serve(factory, worker, lambda *_: on_ready()))
 
         def announce(port: int) -> None:
@@ -215,5 +234,13 @@ def serve(factory: Callable[[], Any], config: ServerConfig | None = None) -> int
             say(serving_line(spec.name, host, port, f" with {config.workers} workers"))
 
         return serve_workers(run_worker, config, announce)
-    asyncio.run(_serve(factory, config))
+    if asyncio.run(_serve(factory, config)):
+        # Every env that could be closed is closed. The rest are stuck in env code on
+        # threads nothing can stop; a normal exit would wait for any non-daemon thread
+        # among them (concurrent.futures joins its workers at exit, and an env may use
+        # its own), past the grace period, until Docker or Kubernetes SIGKILLs us.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0

@@ -107,14 +107,24 @@ class ServerConfig:
     grace_period: float = setting(
         25.0, variable="GRACE_PERIOD", flag="--grace", minimum=0,
         help="seconds running sessions get after SIGTERM/SIGINT",
+        details="each is told at once (a `DRAINING` notice with the seconds left). Then the "
+        "sessions still open end (`UNAVAILABLE`) and their envs get 2 s to close; an env "
+        "stuck in a call or in `close()` after that is abandoned (logged; its thread cannot "
+        "be stopped) and the process exits 0 anyway: at most grace + 3 s after the signal",
     )  # fmt: skip
     max_message_bytes: int = setting(
         16 * 1024 * 1024, variable="MAX_MESSAGE_BYTES", flag="--max-message-bytes", minimum=1,
         help="largest message in or out",
+        details="a larger request ends its stream (`RESOURCE_EXHAUSTED`), a larger response "
+        "(a huge observation, info or state) is replaced by an in-band `RESOURCE_EXHAUSTED` "
+        "error naming the limit and the session goes on",
     )  # fmt: skip
     env_threads: int = setting(
         factory=_default_threads, variable="ENV_THREADS", flag="--env-threads", minimum=1,
-        shown_default="cores + 4 (≤ 32)", help="shared pool for blocking sync envs",
+        shown_default="cores + 4 (≤ 32)",
+        help="shared pool for blocking sync envs' reset/step/state",
+        details="as many threads again build and close those envs, so a fresh env never "
+        "waits behind blocked calls (daemon threads, started on demand)",
     )  # fmt: skip
     retry_pushback_ms: int = setting(
         500, variable="RETRY_PUSHBACK_MS", flag="--retry-pushback-ms", minimum=0,
@@ -161,11 +171,16 @@ class ServerConfig:
     step_timeout: float = setting(
         0.0, variable="STEP_TIMEOUT", flag="--step-timeout", minimum=0,
         shown_default="`0` (the env's own `step_timeout`, none by default)",
-        help="seconds an env's reset/step/state may take",
+        help="seconds an env's reset/step/state may take, counted from when the call starts "
+        "(not while it waits for a pool thread)",
         details="past it the client gets `DEADLINE_EXCEEDED` and the session a fresh env "
-        "(reset to go on); the hung instance is closed when its call returns. Inline envs "
-        "run on the event loop and cannot be interrupted, except with `--isolated`, where "
-        "the front kills the worker (see above)",
+        "(reset to go on); the hung instance is closed when its call returns and holds its "
+        "slot until then (so at the cap no fresh env can be made: `RESOURCE_EXHAUSTED` and "
+        "the session ends). A call still waiting for a thread when the timeout passes never "
+        "runs: `RESOURCE_EXHAUSTED` \"env thread pool saturated: N of N threads busy; the "
+        "episode is unchanged, retry\" (metric `openenv_env_pool_saturated_total`). Inline "
+        "envs run on the event loop and cannot be interrupted, except with `--isolated`, "
+        "where the front kills the worker (see above)",
     )  # fmt: skip
     tls_cert: str = setting(
         "", variable="TLS_CERT", flag="--tls-cert",

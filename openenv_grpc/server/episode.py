@@ -4,6 +4,9 @@ This is the per-request half of a session (the stream's lifecycle is in ``sessio
 It owns the episode bookkeeping the environment should not have to: the episode id, the
 step count, and whether a step is allowed now. Every failure here becomes an in-band
 ``Error`` response; the stream and the neighbouring sessions are untouched.
+
+Sizes a client chooses and the server would store or echo are capped here (the limits
+below); the rest of a request is bounded by ``--max-message-bytes`` alone.
 """
 
 from __future__ import annotations
@@ -20,12 +23,18 @@ from google.protobuf.message import Message
 
 from openenv_grpc.codec import PayloadError, info_to_struct, unpack
 from openenv_grpc.environment import InvalidAction, Transition
+from openenv_grpc.server.limiter import NoSlot
 from openenv_grpc.server.metrics import NO_METRICS, Metrics
-from openenv_grpc.server.runner import EnvRunner
+from openenv_grpc.server.runner import EnvRunner, PoolSaturated
 from openenv_grpc.server.spec import EnvSpec
 from openenv_grpc.v1 import session_pb2 as pb
 
-__all__ = ["EpisodeDriver"]
+__all__ = [
+    "MAX_EPISODE_ID_BYTES",
+    "MAX_RESET_OPTIONS_BYTES",
+    "MAX_TYPE_URL_BYTES",
+    "EpisodeDriver",
+]
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +43,17 @@ _DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
 _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 _FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION.value[0]
 _INTERNAL = grpc.StatusCode.INTERNAL.value[0]
+_RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+
+#: A client-chosen episode id is echoed in every result of its episode: at most this many
+#: UTF-8 bytes (a UUID is 36; 8 MB ids once cost 8 MB per step and per session).
+MAX_EPISODE_ID_BYTES = 256
+#: Reset options are handed to the env, which may keep them for the whole episode; env
+#: configs are small, so this bounds what a session can make an env store per reset.
+MAX_RESET_OPTIONS_BYTES = 64 * 1024
+#: A payload's type url names a message type; longer ones are refused before they are
+#: compared (and echoed in the error).
+MAX_TYPE_URL_BYTES = 256
 
 
 class _Phase(enum.Enum):
@@ -67,7 +87,9 @@ class EpisodeDriver:
 
     An env call that exceeds ``call_timeout`` is answered with DEADLINE_EXCEEDED; the
     env is then abandoned (closed once its hung call returns) and replaced with a fresh
-    instance, so the session lives on and the client must reset.
+    instance, so the session lives on and the client must reset. A pooled call still
+    waiting for a free thread when ``call_timeout`` passes never runs: RESOURCE_EXHAUSTED,
+    and the env and the episode are unchanged.
     """
 
     __slots__ = (
@@ -136,8 +158,23 @@ class EpisodeDriver:
 
     async def _reset(self, command: pb.ResetCommand, result: pb.StepResult) -> None:
         spec = self._spec
+        if command.HasField("episode_id"):
+            size = len(command.episode_id.encode())
+            if size > MAX_EPISODE_ID_BYTES:
+                raise _RequestError(
+                    _INVALID_ARGUMENT,
+                    f"episode_id is {size} bytes; at most {MAX_EPISODE_ID_BYTES} are allowed "
+                    "(the episode is unchanged)",
+                )
         options: Message | None = None
         if command.HasField("options"):
+            size = len(command.options.value)
+            if size > MAX_RESET_OPTIONS_BYTES:
+                raise _RequestError(
+                    _INVALID_ARGUMENT,
+                    f"reset options are {size} bytes; at most {MAX_RESET_OPTIONS_BYTES} are "
+                    "allowed (the episode is unchanged)",
+                )
             options = _decode(command.options, spec.types.reset_options, "reset options")
         episode_id = command.episode_id if command.HasField("episode_id") else uuid.uuid4().hex
         seed = command.seed if command.HasField("seed") else None
@@ -174,12 +211,16 @@ class EpisodeDriver:
         try:
             return await self.runner.call_within(self._timeout, method, *args, **kwargs)
         except TimeoutError:
-            await self._replace_env()
+            await self._replace_env(what)
             raise _RequestError(
                 _DEADLINE_EXCEEDED,
                 f"{what} did not finish within {self._timeout:g}s; the environment was "
                 "replaced with a fresh one: call reset",
             ) from None
+        except PoolSaturated as exc:
+            # Never ran: the env and the episode are as they were; nothing to replace.
+            self._metrics.pool_saturated()
+            raise _RequestError(_RESOURCE_EXHAUSTED, str(exc)) from None
         except InvalidAction as exc:
             raise _RequestError(_INVALID_ARGUMENT, str(exc), _qualname(exc)) from None
         except Exception as exc:
@@ -190,13 +231,21 @@ class EpisodeDriver:
                 _INTERNAL, f"{what} failed: {_describe(exc)}", _qualname(exc)
             ) from None
 
-    async def _replace_env(self) -> None:
+    async def _replace_env(self, what: str) -> None:
         self.runner.abandon()
         self._phase = _Phase.NO_EPISODE
         self.episode_id = ""
         self.step_count = 0
         try:
             self.runner = await self._make_runner()
+        except NoSlot as exc:
+            # The hung instance keeps its slot until its call returns: the cap is on envs.
+            self.closed = True
+            raise _RequestError(
+                _RESOURCE_EXHAUSTED,
+                f"{what} did not finish within {self._timeout:g}s and no fresh environment "
+                f"can be made: {exc}; the session ends",
+            ) from None
         except Exception as exc:
             log.exception("environment factory raised while replacing a hung environment")
             self.closed = True  # nothing left to serve: the stream ends after this answer
@@ -242,6 +291,13 @@ def _decode(payload: Any, message_class: type[Message], what: str) -> Message:
     try:
         return unpack(payload, message_class, what)
     except PayloadError as exc:
+        # Checked only here, off the hot path: a wrong type url is echoed in the error.
+        size = len(payload.type_url.encode())
+        if size > MAX_TYPE_URL_BYTES:
+            raise _RequestError(
+                _INVALID_ARGUMENT,
+                f"{what} type_url is {size} bytes; at most {MAX_TYPE_URL_BYTES} are allowed",
+            ) from None
         raise _RequestError(_INVALID_ARGUMENT, str(exc)) from None
 
 

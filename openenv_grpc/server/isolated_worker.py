@@ -142,6 +142,9 @@ class _StepFlag:
     def request_error(self, code: str) -> None:
         pass
 
+    def pool_saturated(self) -> None:
+        pass
+
 
 class _NoPool:
     """Inline and async envs never use the pool; the worker has none."""

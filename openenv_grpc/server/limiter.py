@@ -1,7 +1,12 @@
-"""Admission control: how many sessions a server process holds, and whether it admits any.
+"""Admission control: how many env instances a server process holds, and whether it
+admits new sessions.
 
-Only Session streams pass through here; health, reflection and Info never do. All calls
-happen on the server's event loop thread, so plain integers need no lock.
+Only Session streams pass through here; health, reflection and Info never do. A slot is
+taken before a session's env is created and given back when that env is closed -- which
+can be after its session ended: an open cancelled while the factory runs, or an env
+abandoned in a hung call, keeps its slot until the factory or the call returns and the
+env is closed. So the cap is a hard limit on live envs. All calls happen on the server's
+event loop thread, so plain integers need no lock.
 """
 
 from __future__ import annotations
@@ -9,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import enum
 
-__all__ = ["Admission", "SessionLimiter"]
+__all__ = ["Admission", "NoSlot", "SessionLimiter"]
 
 
 class Admission(enum.Enum):
@@ -20,8 +25,12 @@ class Admission(enum.Enum):
     DRAINING = "draining"
 
 
+class NoSlot(Exception):
+    """No slot is free for a replacement env; the message says the capacity."""
+
+
 class SessionLimiter:
-    """Counts open sessions against a cap (0 = unlimited) and stops admitting on drain."""
+    """Counts live envs against a cap (0 = unlimited) and stops admitting on drain."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = max(capacity, 0)
@@ -40,6 +49,18 @@ class SessionLimiter:
         self._idle.clear()
         return Admission.ADMITTED
 
+    def acquire_for_replacement(self) -> None:
+        """Take a slot for a session's replacement env (also while draining: the session
+        is already admitted); the caller must :meth:`release` it exactly once.
+
+        Raises:
+            NoSlot: every slot is held.
+        """
+        if self.capacity and self.active >= self.capacity:
+            raise NoSlot(f"server at {self.describe()} (an env stuck in a call holds its slot)")
+        self.active += 1
+        self._idle.clear()
+
     def release(self) -> None:
         """Give back a slot taken by :meth:`try_acquire`."""
         if self.active <= 0:
@@ -53,7 +74,7 @@ class SessionLimiter:
         self.draining = True
 
     async def wait_idle(self) -> None:
-        """Return once no session holds a slot."""
+        """Return once no env holds a slot."""
         await self._idle.wait()
 
     def describe(self) -> str:

@@ -30,6 +30,7 @@ class Metrics(Protocol):
     def session_ended(self, seconds: float, reason: str) -> None: ...
     def step(self, seconds: float) -> None: ...
     def request_error(self, code: str) -> None: ...
+    def pool_saturated(self) -> None: ...
 
 
 class _NoMetrics:
@@ -43,6 +44,9 @@ class _NoMetrics:
         pass
 
     def request_error(self, code: str) -> None:
+        pass
+
+    def pool_saturated(self) -> None:
         pass
 
 
@@ -75,6 +79,10 @@ class MetricsTee:
         self._first.request_error(code)
         self._second.request_error(code)
 
+    def pool_saturated(self) -> None:
+        self._first.pool_saturated()
+        self._second.pool_saturated()
+
 
 class PrometheusMetrics:
     """Counters and histograms in their own registry (several servers can share a process)."""
@@ -104,6 +112,12 @@ class PrometheusMetrics:
             "openenv_request_errors", "In-band request errors, by gRPC code.",
             labelnames=["env", "code"], registry=self.registry,
         )  # fmt: skip
+        self._saturated = Counter(
+            "openenv_env_pool_saturated",
+            "Env calls never run: every env thread was busy until the step timeout passed "
+            "(answered RESOURCE_EXHAUSTED in-band, episode unchanged).",
+            labelnames=["env"], registry=self.registry,
+        ).labels(**labels)  # fmt: skip
         steps = Histogram(
             "openenv_step_seconds", "Time an env step took (the env call only).",
             labelnames=["env"], buckets=_STEP_BUCKETS, registry=self.registry,
@@ -123,6 +137,9 @@ class PrometheusMetrics:
 
     def request_error(self, code: str) -> None:
         self._errors.labels(self._env, code).inc()
+
+    def pool_saturated(self) -> None:
+        self._saturated.inc()
 
 
 def start_metrics_server(metrics: PrometheusMetrics, host: str, port: int) -> int:

@@ -3,60 +3,112 @@
 No thread per session: inline and async envs run on the event loop, blocking sync envs
 share one bounded thread pool. Calls on one instance never overlap because a session
 awaits each call before reading its next request.
+
+Each instance holds one slot of the session limiter from before its factory runs until
+it is closed, wherever that happens: the runner gives the slot back (its ``release``
+callback) when the env is closed, when its factory raised, or -- for an open that was
+cancelled while the factory ran, or an instance abandoned in a hung call -- once the
+factory or the call finally returns and the env is closed. So the cap counts live envs,
+not sessions. Factories and closes of pooled envs run on their own ``lifecycle`` threads,
+so a fresh env is never built behind env calls that hang on the shared pool.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from typing import Any
 
 from openenv_grpc.environment import AnyEnvironment
+from openenv_grpc.server.env_threads import EnvThreadPool
 from openenv_grpc.server.spec import EnvSpec, ExecutionMode
 
-__all__ = ["EnvRunner", "RunnerFactory"]
+__all__ = ["EnvRunner", "PoolSaturated", "RunnerFactory"]
 
 log = logging.getLogger(__name__)
+
+
+class PoolSaturated(Exception):
+    """A pooled env call waited for a free thread until its timeout: it never ran, so the
+    env is untouched."""
+
+
+def _nothing() -> None:
+    pass
 
 
 class EnvRunner:
     """One live environment instance and the way to call it."""
 
-    __slots__ = ("_closed", "_inflight", "_mode", "_pool", "env")
+    __slots__ = ("_closed", "_inflight", "_lifecycle", "_loop", "_mode", "_pool", "_release", "env")
 
-    def __init__(self, env: AnyEnvironment, mode: ExecutionMode, pool: Executor) -> None:
+    def __init__(
+        self,
+        env: AnyEnvironment,
+        mode: ExecutionMode,
+        pool: Executor,
+        *,
+        lifecycle: Executor | None = None,
+        release: Callable[[], None] = _nothing,
+    ) -> None:
         self.env = env
         self._mode = mode
         self._pool = pool
+        self._lifecycle = lifecycle if lifecycle is not None else pool
+        self._release = release
+        self._loop = asyncio.get_running_loop()
         self._closed = False
         #: The last call submitted to the pool; a cancelled session may leave it running.
         self._inflight: concurrent.futures.Future[Any] | None = None
 
     @classmethod
-    async def create(cls, spec: EnvSpec, pool: Executor) -> EnvRunner:
-        """Make a fresh instance with the spec's factory (on the pool for pooled envs).
+    async def create(
+        cls,
+        spec: EnvSpec,
+        pool: Executor,
+        *,
+        lifecycle: Executor | None = None,
+        release: Callable[[], None] = _nothing,
+    ) -> EnvRunner:
+        """Make a fresh instance with the spec's factory (on ``lifecycle``, default
+        ``pool``, for pooled envs). From here on the runner owns ``release``: it is called
+        once, on the event loop, when the instance is closed or could not be made -- also
+        when this call is cancelled (then once the factory's env is closed).
 
         Raises:
             Exception: whatever the factory raised.
+            TypeError: the factory returned an instance of another class than the spec's.
         """
-        if spec.mode is ExecutionMode.POOL:
-            future = pool.submit(spec.factory)
-            try:
-                env = await asyncio.wrap_future(future)
-            except asyncio.CancelledError:
-                # The session is gone but the env may still be born: close it then.
-                future.add_done_callback(_close_orphan)
-                raise
-        else:
-            env = spec.factory()
+        loop = asyncio.get_running_loop()
+        lifecycle = lifecycle if lifecycle is not None else pool
+        try:
+            if spec.mode is ExecutionMode.POOL:
+                future = lifecycle.submit(spec.factory)
+                try:
+                    env = await asyncio.wrap_future(future)
+                except asyncio.CancelledError:
+                    # The session is gone but the env may still be born: it keeps its
+                    # slot until it is, and is closed then.
+                    _close_orphan_later(future, lifecycle, loop, release)
+                    raise
+            else:
+                env = spec.factory()
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            release()
+            raise
         if not isinstance(env, spec.env_class):
+            release()
             raise TypeError(
                 f"factory returned {type(env).__qualname__}, not {spec.env_class.__qualname__}"
             )
-        return cls(env, spec.mode, pool)
+        return cls(env, spec.mode, pool, lifecycle=lifecycle, release=release)
 
     async def call(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Call one of the env's methods and return its result (awaited if async)."""
@@ -70,46 +122,102 @@ class EnvRunner:
     async def call_within(
         self, timeout: float | None, method: Callable[..., Any], *args: Any, **kwargs: Any
     ) -> Any:
-        """:meth:`call`, giving up after ``timeout`` seconds (None: wait for ever).
+        """:meth:`call`, giving up ``timeout`` seconds after the call started (None: wait
+        for ever).
 
         Inline envs run on the event loop and cannot be interrupted: no timeout applies.
-        After a timeout the instance is unusable; see :meth:`abandon`.
+        A pooled call that waits ``timeout`` seconds for a free thread is cancelled
+        before it ever runs. After a timeout the instance is unusable; see :meth:`abandon`.
 
         Raises:
-            TimeoutError: the call did not return in time (it may still be running).
+            TimeoutError: the call ran longer than ``timeout`` (it may still be running).
+            PoolSaturated: the call was still queued for a thread after ``timeout``.
         """
         if timeout is None or self._mode is ExecutionMode.INLINE:
             return await self.call(method, *args, **kwargs)
         if self._mode is ExecutionMode.ASYNC:
-            awaitable = method(*args, **kwargs)  # cancelled on timeout
-        else:
-            self._inflight = future = self._pool.submit(method, *args, **kwargs)
-            awaitable = asyncio.wrap_future(future)  # a future: wait_for makes no task for it
+            try:
+                return await asyncio.wait_for(method(*args, **kwargs), timeout)  # cancelled
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"no answer within {timeout:g}s") from None
+        submitted = time.monotonic()
+        self._inflight = future = self._pool.submit(method, *args, **kwargs)
+        waiter = asyncio.wrap_future(future)
         try:
-            return await asyncio.wait_for(awaitable, timeout)
-        except asyncio.TimeoutError:
-            raise TimeoutError(f"no answer within {timeout:g}s") from None
+            # Not wait_for: it would cancel the waiter, and a call that started late
+            # gets more time below.
+            done, _ = await asyncio.wait((waiter,), timeout=timeout)
+            while not done:
+                if future.cancel():  # still queued: it never ran, the env is untouched
+                    raise PoolSaturated(self._saturation())
+                started = getattr(future, "started_at", None) or submitted
+                left = started + timeout - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no answer within {timeout:g}s")
+                done, _ = await asyncio.wait((waiter,), timeout=left)
+            return waiter.result()
+        finally:
+            # Given up (timeout, saturation, the session cancelled): a call still queued
+            # is dropped, as with call(); a running one goes on unobserved.
+            if not waiter.done():
+                waiter.cancel()
+
+    def _saturation(self) -> str:
+        pool = self._pool
+        if isinstance(pool, EnvThreadPool):
+            threads = f"{pool.busy} of {pool.size} threads busy"
+        else:
+            threads = "every thread busy"
+        return f"env thread pool saturated: {threads}; the episode is unchanged, retry"
 
     def abandon(self) -> None:
         """Give up on this instance after a timeout: close it once its running call ends,
-        without waiting for that here. Counts as closed."""
+        without waiting for that here. Counts as closed; the slot is freed after the close."""
         if self._closed:
             return
         self._closed = True
+        self._close_later()
+
+    def _close_later(self) -> None:
+        """Close the env (and free its slot) in the background, never overlapping a
+        call still running on the pool."""
         inflight = self._inflight
         if self._mode is ExecutionMode.POOL and inflight is not None and not inflight.done():
-            # Runs on the pool thread that finishes the hung call.
-            inflight.add_done_callback(lambda _: _close_quietly(self.env))
+            # Runs when the hung call returns, on its thread (on this one if it just did).
+            inflight.add_done_callback(lambda _: self._submit_close())
             return
         if self._mode is ExecutionMode.ASYNC:
-            task = asyncio.get_running_loop().create_task(_aclose_quietly(self.env))
+            task = self._loop.create_task(self._aclose_then_release())
             _background.add(task)
             task.add_done_callback(_background.discard)
             return
-        self._pool.submit(_close_quietly, self.env)
+        self._submit_close()
+
+    def _submit_close(self) -> None:
+        """Close the env on a lifecycle thread (never on the event loop), then free its slot."""
+        try:
+            self._lifecycle.submit(self._close_here)
+        except RuntimeError:  # the pool is shut down: the process is exiting
+            log.warning("environment not closed: the server is stopping")
+
+    def _close_here(self) -> None:
+        """Close a pooled or inline env on this (pool) thread, then free its slot."""
+        _close_quietly(self.env)
+        _release_from_thread(self._loop, self._release)
+
+    async def _aclose_then_release(self) -> None:
+        try:
+            await self.env.close()  # type: ignore[misc]
+        except Exception:
+            log.exception("closing an abandoned environment raised")
+        finally:
+            self._release()
 
     async def close(self) -> None:
-        """Close the env exactly once; later calls do nothing.
+        """Close the env exactly once and free its slot; later calls do nothing.
+
+        A call a cancelled session left running is not waited for: the env is closed
+        (and its slot freed) once that call returns, so close() never overlaps it.
 
         Raises:
             Exception: whatever the env's ``close`` raised (it still counts as closed).
@@ -119,9 +227,15 @@ class EnvRunner:
         self._closed = True
         inflight = self._inflight
         if inflight is not None and not inflight.done():
-            # Never overlap close() with a call a cancelled session left running.
-            await asyncio.wait([asyncio.wrap_future(inflight)])
-        await self.call(self.env.close)
+            self._close_later()
+            return
+        try:
+            if self._mode is ExecutionMode.POOL:
+                await asyncio.wrap_future(self._lifecycle.submit(self.env.close))
+            else:
+                await self.call(self.env.close)
+        finally:
+            self._release()
 
     async def close_quietly(self) -> None:
         """:meth:`close`, shielded from a second cancellation (a server stopping must not
@@ -142,21 +256,40 @@ RunnerFactory = Callable[[], Awaitable[EnvRunner]]
 _background: set[asyncio.Task[Any]] = set()
 
 
-def _close_orphan(future: concurrent.futures.Future[Any]) -> None:
-    """Close an env whose session ended while its factory ran (runs on a pool thread)."""
-    if not future.cancelled() and future.exception() is None:
-        _close_quietly(future.result())
+def _release_from_thread(loop: asyncio.AbstractEventLoop, release: Callable[[], None]) -> None:
+    """Run ``release`` on ``loop`` (the limiter lives there); nothing if the loop is gone."""
+    # A closed loop means the server has stopped: nothing left to free.
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(release)
+
+
+def _close_orphan_later(
+    future: concurrent.futures.Future[Any],
+    lifecycle: Executor,
+    loop: asyncio.AbstractEventLoop,
+    release: Callable[[], None],
+) -> None:
+    """Close the env of a cancelled open once its factory returns, then free its slot."""
+
+    def done(finished: concurrent.futures.Future[Any]) -> None:
+        if finished.cancelled() or finished.exception() is not None:
+            _release_from_thread(loop, release)
+            return
+        _close_quietly(finished.result())
+        _release_from_thread(loop, release)
+
+    if future.done():
+        # Done already (the cancel raced the result): close off the event loop.
+        try:
+            lifecycle.submit(done, future)
+        except RuntimeError:
+            release()
+        return
+    future.add_done_callback(done)  # runs on the factory's thread, or here if cancelled
 
 
 def _close_quietly(env: Any) -> None:
     try:
         env.close()
-    except Exception:
-        log.exception("closing an abandoned environment raised")
-
-
-async def _aclose_quietly(env: Any) -> None:
-    try:
-        await env.close()
     except Exception:
         log.exception("closing an abandoned environment raised")

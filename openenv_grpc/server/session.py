@@ -4,7 +4,11 @@ to close.
 Every path that ends a stream goes through :meth:`SessionManager.serve`'s ``finally``:
 the client closes or cancels, its process dies, keepalive drops the connection, the idle
 reaper or a drain cancels the session. There the env is closed exactly once and the slot
-released exactly once.
+released exactly once (for in-process envs the slot goes with the env: see ``runner.py``).
+
+A drain tells every held session at once with a notice (request_id 0), ends them when
+the grace period is over, and gives their envs a short budget to close; an env stuck in
+a call after that is abandoned, so the process exits on time whatever env code does.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import uuid
 from concurrent.futures import Executor
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from openenv_grpc.metadata import ADMITTED_KEY, RETRY_PUSHBACK_KEY, SESSION_ID_KEY
 from openenv_grpc.server.activity import Activity
@@ -29,19 +34,28 @@ from openenv_grpc.server.backend import (
     UndecodableRequest,
 )
 from openenv_grpc.server.config import ServerConfig
+from openenv_grpc.server.episode import EpisodeDriver
 from openenv_grpc.server.isolated import IsolatedPool
 from openenv_grpc.server.limiter import Admission, SessionLimiter
 from openenv_grpc.server.logs import SESSION_ID
 from openenv_grpc.server.metrics import NO_METRICS, Metrics
 from openenv_grpc.server.runner import EnvRunner
 from openenv_grpc.server.spec import EnvSpec
+from openenv_grpc.v1 import session_pb2 as pb
 
-__all__ = ["SessionManager"]
+__all__ = ["CLOSE_BUDGET", "SessionManager"]
 
 log = logging.getLogger(__name__)
 
 #: Session requests arrive as raw bytes; the loop parses them (see service.add_env_service).
 _Context = grpc.aio.ServicerContext[bytes, bytes]
+
+#: Seconds a drain gives envs to close once the grace period is over (or every session has
+#: ended). Closing takes milliseconds; what is still closing after this is stuck in env
+#: code (a hung call, a hung close) and is abandoned so the process can exit.
+CLOSE_BUDGET = 2.0
+
+_RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 
 
 class _EndReason(enum.Enum):
@@ -52,33 +66,62 @@ class _EndReason(enum.Enum):
 
 
 class _LiveSession:
-    """The handle the reaper and the drain use to end a session from outside."""
+    """The handle the reaper and the drain use to reach a session from outside."""
 
-    __slots__ = ("end_reason", "task", "waiting_since")
+    __slots__ = (
+        "context", "deferred", "end_reason", "noticed", "ready", "side_write", "task",
+        "waiting_since", "writing",
+    )  # fmt: skip
 
-    def __init__(self, task: asyncio.Task[object]) -> None:
+    def __init__(self, task: asyncio.Task[object], context: _Context) -> None:
         self.task = task
+        self.context = context
         #: Loop time when the session began waiting for its client; None while it works.
         self.waiting_since: float | None = None
         self.end_reason: _EndReason | None = None
+        #: Headers are sent (the env exists): a notice may be written from now on.
+        self.ready = False
+        #: Writes on a stream must never overlap. The session loop sets ``writing`` around
+        #: its own writes; a notice written from outside meanwhile waits in ``deferred``
+        #: (the loop sends it next), otherwise it is written at once as ``side_write``,
+        #: which the loop's next write awaits first.
+        self.writing = False
+        self.deferred: bytes | None = None
+        self.side_write: asyncio.Task[None] | None = None
+        self.noticed = False
 
     def end(self, reason: _EndReason) -> None:
         if self.end_reason is None:
             self.end_reason = reason
             self.task.cancel()
 
+    def notify(self, notice: bytes, tasks: set[asyncio.Task[None]]) -> None:
+        """Send ``notice`` once, between the loop's answers; ``tasks`` keeps the write."""
+        if self.noticed or not self.ready:
+            return
+        self.noticed = True
+        if self.writing:
+            self.deferred = notice
+            return
+        self.side_write = task = asyncio.create_task(_write_quietly(self.context, notice))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
 
 class _Held:
     """What an admitted session holds until :meth:`SessionManager._release`."""
 
-    __slots__ = ("backend", "live", "reason", "released", "started")
+    __slots__ = ("backend", "live", "owns_slot", "reason", "released", "started")
 
-    def __init__(self) -> None:
+    def __init__(self, live: _LiveSession) -> None:
         self.started = time.monotonic()
         self.reason = "error"  # how the session ended, for logs and metrics
         self.backend: SessionBackend | None = None
-        self.live: _LiveSession | None = None
+        self.live = live
         self.released = False
+        #: The session frees its limiter slot itself; False once an in-process env runner
+        #: took it over (it frees the slot when its env is closed, maybe after the session).
+        self.owns_slot = True
 
 
 class SessionManager:
@@ -93,6 +136,7 @@ class SessionManager:
         metrics: Metrics = NO_METRICS,
         isolated: IsolatedPool | None = None,
         activity: Activity | None = None,
+        lifecycle: Executor | None = None,
     ) -> None:
         self._isolated = isolated
         self.spec = spec
@@ -102,23 +146,48 @@ class SessionManager:
         #: Counters for the Info RPC; ``metrics`` must report to it (the server wires both).
         self.activity = activity if activity is not None else Activity()
         self._pool = pool
+        #: Where factories and closes of pooled envs run: never behind hung env calls.
+        self._lifecycle = lifecycle if lifecycle is not None else pool
+        #: Every admitted session, from admission (before its env exists) to its release.
         self._live: set[_LiveSession] = set()
+        self._no_sessions = asyncio.Event()
+        self._no_sessions.set()
         self._reaper: asyncio.Task[None] | None = None
         #: Set when a drain's grace period is over: sessions still starting end at once.
         self._ending: _EndReason | None = None
+        #: While draining: when the grace period ends (loop time, wall-clock time).
+        self._drain_deadline: tuple[float, float] | None = None
+        self._notices: set[asyncio.Task[None]] = set()
         #: Longest an env call may take; the server's setting wins over the env's own.
         self._call_timeout = config.call_timeout(spec.env_class.step_timeout)
+        self._max_response = config.max_message_bytes
 
     async def _new_runner(self) -> EnvRunner:
-        return await EnvRunner.create(self.spec, self._pool)
+        """A replacement env for a session whose env hung; it needs a slot of its own.
 
-    async def _open_backend(self) -> SessionBackend:
+        Raises:
+            NoSlot: the cap is reached (the hung env still holds its slot).
+            Exception: whatever the factory raised.
+        """
+        self.limiter.acquire_for_replacement()
+        return await EnvRunner.create(
+            self.spec, self._pool, lifecycle=self._lifecycle, release=self.limiter.release
+        )
+
+    async def _open_backend(self, held: _Held) -> SessionBackend:
         """A fresh env for one session: in a worker process when isolated, else here."""
         if self._isolated is not None:
             return await self._isolated.open()
-        return await LocalBackend.open(
-            self.spec, self._new_runner, self._call_timeout, self._metrics
+        # From here the runner frees the session's slot: when its env is closed, when the
+        # factory fails, or -- open cancelled -- once the factory returns and its env closes.
+        held.owns_slot = False
+        runner = await EnvRunner.create(
+            self.spec, self._pool, lifecycle=self._lifecycle, release=self.limiter.release
         )
+        driver = EpisodeDriver(
+            self.spec, runner, self._new_runner, self._call_timeout, self._metrics
+        )
+        return LocalBackend(driver)
 
     async def serve(self, context: _Context) -> None:
         """Run one Session stream, given its RPC context, to its end."""
@@ -129,10 +198,13 @@ class SessionManager:
             return
         session_id = uuid.uuid4().hex[:16]
         SESSION_ID.set(session_id)  # this task's context: every log line below carries it
-        held = _Held()
+        live = _LiveSession(asyncio.current_task(), context)  # type: ignore[arg-type]
+        held = _Held(live)
+        self._live.add(live)
+        self._no_sessions.clear()
         try:
             try:
-                held.backend = await self._open_backend()
+                held.backend = await self._open_backend(held)
             except Exception as exc:
                 held.reason = "factory_error"
                 log.exception("environment factory raised")
@@ -146,13 +218,12 @@ class SessionManager:
                 ((ADMITTED_KEY, self.spec.name), (SESSION_ID_KEY, session_id))
             )
             log.debug("session opened")
-            held.live = live = _LiveSession(asyncio.current_task())  # type: ignore[arg-type]
-            self._live.add(live)
-            if self._ending is not None:
-                live.end(self._ending)
+            live.ready = True
+            if self._drain_deadline is not None:
+                live.notify(self._drain_notice(), self._notices)
             held.reason = await self._loop(context, held.backend, live)
         except asyncio.CancelledError:
-            end_reason = held.live.end_reason if held.live is not None else None
+            end_reason = live.end_reason
             if end_reason is None:
                 held.reason = "cancelled"
                 raise  # the client went away or the server is stopping: nobody to tell
@@ -170,11 +241,13 @@ class SessionManager:
         if held.released:
             return
         held.released = True
-        if held.live is not None:
-            self._live.discard(held.live)
+        self._live.discard(held.live)
+        if not self._live:
+            self._no_sessions.set()
         if held.backend is not None:
             await held.backend.close()
-        self.limiter.release()
+        if held.owns_slot:
+            self.limiter.release()
         elapsed = time.monotonic() - held.started
         self._metrics.session_ended(elapsed, held.reason)
         log.debug("session ended (%s) after %.3fs", held.reason, elapsed)
@@ -183,6 +256,7 @@ class SessionManager:
         """Answer requests until the stream ends; returns how it ended."""
         loop = asyncio.get_running_loop()
         read, write, handle = context.read, context.write, backend.handle
+        max_response = self._max_response
         live.waiting_since = loop.time()
         while True:
             # Idle = waiting on the client: for its next request, or for it to take our
@@ -199,10 +273,40 @@ class SessionManager:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except SessionLostError as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"session lost: {exc}")
+            if len(response) > max_response:
+                # gRPC would end the stream; fail this request instead.
+                response = self._too_large(raw, len(response))  # type: ignore[arg-type]
             live.waiting_since = loop.time()
+            if live.side_write is not None:  # a notice is on its way: never overlap it
+                await live.side_write
+                live.side_write = None
+            live.writing = True
             await write(response)
+            live.writing = False
             if backend.closed:
-                return "closed"
+                return "closed"  # nothing may follow the answer to a close
+            if live.deferred is not None:  # a notice arrived during our write
+                notice, live.deferred = live.deferred, None
+                live.writing = True
+                await write(notice)
+                live.writing = False
+
+    def _too_large(self, raw: bytes, size: int) -> bytes:
+        """The in-band error that replaces a response over the message limit."""
+        try:
+            request = pb.SessionRequest.FromString(raw)
+        except DecodeError:  # decoded once already; kept total for safety
+            request = pb.SessionRequest()
+        command = request.WhichOneof("command") or "request"
+        self._metrics.request_error(grpc.StatusCode.RESOURCE_EXHAUSTED.name)
+        response = pb.SessionResponse(request_id=request.request_id)
+        response.error.code = _RESOURCE_EXHAUSTED
+        response.error.message = (
+            f"the {command} response is {size} bytes, over the server's message limit of "
+            f"{self._max_response} bytes (--max-message-bytes): the {command} took effect "
+            "but its result cannot be sent; the session goes on"
+        )
+        return response.SerializeToString()
 
     async def _refuse(
         self,
@@ -243,23 +347,66 @@ class SessionManager:
                 if live.waiting_since is not None and live.waiting_since < cutoff:
                     live.end(_EndReason.IDLE)
 
-    async def drain(self, grace: float) -> None:
-        """Admit nothing more, give running sessions ``grace`` seconds, then end them all.
+    async def drain(self, grace: float) -> int:
+        """Admit nothing more, tell every session it has ``grace`` seconds (a notice), end
+        those still open when the grace is over, and give their envs :data:`CLOSE_BUDGET`
+        seconds to close.
 
-        Returns once every session's env is closed.
+        Returns the number of envs left unclosed: stuck in a call or in ``close`` (their
+        threads cannot be stopped; the caller exits without them).
         """
         self.limiter.start_draining()
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self.limiter.wait_idle(), grace)
+        loop = asyncio.get_running_loop()
+        self._drain_deadline = (loop.time() + grace, time.time() + grace)
+        if self._live:
+            notice = self._drain_notice()
+            for live in list(self._live):
+                live.notify(notice, self._notices)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._no_sessions.wait(), grace)
         self._ending = _EndReason.DRAIN
         for live in list(self._live):
             live.end(_EndReason.DRAIN)
-        await self.limiter.wait_idle()
+        stuck = 0
+        try:
+            await asyncio.wait_for(self.limiter.wait_idle(), CLOSE_BUDGET)
+        except asyncio.TimeoutError:
+            stuck = self.limiter.active
+            log.error(
+                "%d environment(s) still in a call or in close() %.0fs after the sessions "
+                "ended: abandoned without close (env code that never returns)",
+                stuck, CLOSE_BUDGET,
+            )  # fmt: skip
+        for task in list(self._notices):
+            task.cancel()
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
             self._reaper = None
+        return stuck
+
+    def _drain_notice(self) -> bytes:
+        """The DRAINING notice, with the time left until the grace period ends."""
+        assert self._drain_deadline is not None
+        at, wall = self._drain_deadline
+        left = max(0.0, at - asyncio.get_running_loop().time())
+        response = pb.SessionResponse(request_id=0)
+        notice = response.notice
+        notice.kind = pb.NOTICE_KIND_DRAINING
+        notice.seconds_left = left
+        notice.deadline.FromNanoseconds(int(wall * 1e9))
+        notice.message = (
+            f"server is draining: this session ends in {left:.1f}s (UNAVAILABLE) and its "
+            "environment is closed; finish the episode or move to another server"
+        )
+        return response.SerializeToString()
+
+
+async def _write_quietly(context: _Context, message: bytes) -> None:
+    """Write ``message`` on a stream that may end meanwhile (then it is simply not sent)."""
+    with contextlib.suppress(Exception):
+        await context.write(message)
 
 
 def _describe(exc: BaseException) -> str:

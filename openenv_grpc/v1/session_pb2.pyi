@@ -19,6 +19,8 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import descriptor_pb2 as _descriptor_pb2
 from google.protobuf import message as _message
 from google.protobuf import struct_pb2 as _struct_pb2
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -30,9 +32,38 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _NoticeKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _NoticeKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_NoticeKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    NOTICE_KIND_UNSPECIFIED: _NoticeKind.ValueType  # 0
+    """Never sent; a kind this client does not know."""
+    NOTICE_KIND_DRAINING: _NoticeKind.ValueType  # 1
+    """The server drains (SIGTERM): no new sessions; this one may go on until the deadline.
+    Finish the episode, or move to another server.
+    """
+
+class NoticeKind(_NoticeKind, metaclass=_NoticeKindEnumTypeWrapper):
+    """NoticeKind says what a Notice is about."""
+
+NOTICE_KIND_UNSPECIFIED: NoticeKind.ValueType  # 0
+"""Never sent; a kind this client does not know."""
+NOTICE_KIND_DRAINING: NoticeKind.ValueType  # 1
+"""The server drains (SIGTERM): no new sessions; this one may go on until the deadline.
+Finish the episode, or move to another server.
+"""
+Global___NoticeKind: _TypeAlias = NoticeKind  # noqa: Y015
+
 @_typing.final
 class SessionRequest(_message.Message):
-    """SessionRequest is one command from the client on a Session stream."""
+    """SessionRequest is one command from the client on a Session stream. The whole message
+    is at most the server's --max-message-bytes (16 MiB by default); larger ones end the
+    stream with RESOURCE_EXHAUSTED. Fields the server would store or echo have smaller caps
+    (see ResetCommand and google.protobuf.Any payloads); over a cap the request gets an
+    in-band INVALID_ARGUMENT error and the session goes on.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -42,8 +73,9 @@ class SessionRequest(_message.Message):
     STATE_FIELD_NUMBER: _builtins.int
     CLOSE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.int
-    """Client-chosen id, echoed by the response to this request. Start at 1 and count up:
-    proto3 leaves 0 off the wire, and the server uses 0 for messages it sends unasked.
+    """Client-chosen id, echoed by the response to this request. Number requests from 1 and
+    count up: proto3 leaves 0 off the wire, and 0 is the id of notices
+    (SessionResponse.notice), which answer no request.
     """
     @_builtins.property
     def reset(self) -> Global___ResetCommand:
@@ -92,10 +124,15 @@ class ResetCommand(_message.Message):
     seed: _builtins.int
     """Seed for the environment's random number generators; unset means unseeded."""
     episode_id: _builtins.str
-    """Episode id to use; unset means the server generates one."""
+    """Episode id to use; unset means the server generates one. At most 256 bytes (UTF-8):
+    it is echoed in every result of the episode.
+    """
     @_builtins.property
     def options(self) -> _any_pb2.Any:
-        """Environment-specific reset options, of the env's declared reset-options type."""
+        """Environment-specific reset options, of the env's declared reset-options type. Its
+        value is at most 64 KiB (the env may keep it for the episode); its type_url, like
+        every payload's, at most 256 bytes.
+        """
 
     def __init__(
         self,
@@ -128,7 +165,9 @@ class StepCommand(_message.Message):
     ACTION_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def action(self) -> _any_pb2.Any:
-        """The action, of the env's declared action type."""
+        """The action, of the env's declared action type; bounded by the message limit only
+        (the env decides what of it to keep).
+        """
 
     def __init__(
         self,
@@ -179,7 +218,11 @@ Global___CloseCommand: _TypeAlias = CloseCommand  # noqa: Y015
 
 @_typing.final
 class SessionResponse(_message.Message):
-    """SessionResponse answers exactly one SessionRequest."""
+    """SessionResponse answers exactly one SessionRequest, or is a notice (request_id 0).
+    A response that would exceed --max-message-bytes (a huge observation, info or state
+    from the env) is replaced by an Error with code RESOURCE_EXHAUSTED naming the limit;
+    the request took effect (a step was taken) and the session goes on.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -188,8 +231,11 @@ class SessionResponse(_message.Message):
     STATE_FIELD_NUMBER: _builtins.int
     CLOSED_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    NOTICE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.int
-    """The request_id of the request this answers."""
+    """The request_id of the request this answers; 0 for a notice. Clients that predate
+    notices drop them as the late answer to an earlier request.
+    """
     @_builtins.property
     def result(self) -> Global___StepResult:
         """The answer to a reset or a step."""
@@ -206,6 +252,10 @@ class SessionResponse(_message.Message):
     def error(self) -> Global___Error:
         """The request failed; the session stays usable."""
 
+    @_builtins.property
+    def notice(self) -> Global___Notice:
+        """News from the server that answers no request (request_id 0), e.g. that it drains."""
+
     def __init__(
         self,
         *,
@@ -214,16 +264,57 @@ class SessionResponse(_message.Message):
         state: Global___StateResult | None = ...,
         closed: Global___CloseResult | None = ...,
         error: Global___Error | None = ...,
+        notice: Global___Notice | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["closed", b"closed", "error", b"error", "outcome", b"outcome", "result", b"result", "state", b"state"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["closed", b"closed", "error", b"error", "notice", b"notice", "outcome", b"outcome", "result", b"result", "state", b"state"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["closed", b"closed", "error", b"error", "outcome", b"outcome", "request_id", b"request_id", "result", b"result", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["closed", b"closed", "error", b"error", "notice", b"notice", "outcome", b"outcome", "request_id", b"request_id", "result", b"result", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["result", "state", "closed", "error"]  # noqa: Y015
+    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["result", "state", "closed", "error", "notice"]  # noqa: Y015
     _WhichOneofArgType_outcome: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_outcome) -> _WhichOneofReturnType_outcome | None: ...
 
 Global___SessionResponse: _TypeAlias = SessionResponse  # noqa: Y015
+
+@_typing.final
+class Notice(_message.Message):
+    """Notice tells a session something it did not ask: sent with request_id 0, between
+    answers, at most once per kind.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KIND_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    SECONDS_LEFT_FIELD_NUMBER: _builtins.int
+    DEADLINE_FIELD_NUMBER: _builtins.int
+    kind: Global___NoticeKind.ValueType
+    """What the notice is about."""
+    message: _builtins.str
+    """A human-readable description."""
+    seconds_left: _builtins.float
+    """For DRAINING: seconds left, when the notice was sent, until the server ends this
+    session (UNAVAILABLE) and closes its environment.
+    """
+    @_builtins.property
+    def deadline(self) -> _timestamp_pb2.Timestamp:
+        """For DRAINING: when the server ends this session, by the server's wall clock."""
+
+    def __init__(
+        self,
+        *,
+        kind: Global___NoticeKind.ValueType = ...,
+        message: _builtins.str = ...,
+        seconds_left: _builtins.float = ...,
+        deadline: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline", "kind", b"kind", "message", b"message", "seconds_left", b"seconds_left"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Notice: _TypeAlias = Notice  # noqa: Y015
 
 @_typing.final
 class StepResult(_message.Message):
@@ -334,8 +425,12 @@ class Error(_message.Message):
     MESSAGE_FIELD_NUMBER: _builtins.int
     EXCEPTION_TYPE_FIELD_NUMBER: _builtins.int
     code: _builtins.int
-    """A gRPC status code (google.rpc.Code), never OK: INVALID_ARGUMENT for a bad request,
-    FAILED_PRECONDITION for a command out of order, INTERNAL for an env exception.
+    """A gRPC status code (google.rpc.Code), never OK: INVALID_ARGUMENT for a bad request
+    (including a size over its cap), FAILED_PRECONDITION for a command out of order,
+    INTERNAL for an env exception, DEADLINE_EXCEEDED for an env call past the step
+    timeout (the env was replaced: reset), RESOURCE_EXHAUSTED for a response over the
+    message limit or an env call that never got a thread before the step timeout (the
+    episode is unchanged: retry).
     """
     message: _builtins.str
     """A human-readable description."""
@@ -464,7 +559,10 @@ class Capacity(_message.Message):
     workers, the server's MAX_CONCURRENT_ENVS is split evenly among them.
     """
     active_sessions: _builtins.int
-    """Sessions open now in this process."""
+    """Env slots held now in this process: open sessions, plus envs not yet closed after
+    their session ended (an open cancelled while its factory runs, an env abandoned in a
+    call past the step timeout). max_sessions caps this number.
+    """
     draining: _builtins.bool
     """The server is draining and admits no new sessions."""
     workers: _builtins.int

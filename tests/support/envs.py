@@ -95,9 +95,10 @@ class FaultyEnv(Environment[EchoAction, EchoObservation, EchoState, Empty]):
 
     ``raise`` raises RuntimeError; ``invalid`` raises InvalidAction; ``wrong-type``
     returns a state as the observation; ``not-transition`` returns a bare observation;
-    ``sleep:S`` blocks S seconds; ``info`` returns a rich info map; ``exit`` and
-    ``segfault`` kill the process; ``pid`` echoes the id of the process the env lives in;
-    ``slow-close:S`` makes ``close`` block S seconds; anything else echoes.
+    ``sleep:S`` blocks S seconds; ``info`` returns a rich info map; ``big:N`` returns an
+    observation of N bytes; ``exit`` and ``segfault`` kill the process; ``pid`` echoes the
+    id of the process the env lives in; ``slow-close:S`` makes ``close`` block S seconds;
+    anything else echoes.
     ``state`` raises after a ``break-state`` step.
     """
 
@@ -139,6 +140,8 @@ class FaultyEnv(Environment[EchoAction, EchoObservation, EchoState, Empty]):
             return Transition(EchoObservation(echoed_message=str(os.getpid())))
         if command.startswith("slow-close:"):
             self._close_delay = float(command.split(":", 1)[1])
+        if command.startswith("big:"):
+            return Transition(EchoObservation(echoed_message="x" * int(command[4:])))
         if command == "info":
             return Transition(
                 EchoObservation(echoed_message=command),
@@ -253,4 +256,23 @@ class SlowStartEnv(CountingEchoEnv):
 
     def __init__(self) -> None:
         time.sleep(1.0)
+        super().__init__()
+
+
+class SlowFactoryEnv(FaultyEnv):
+    """A FaultyEnv whose factory takes ``OPENENV_TEST_FACTORY_SECONDS`` (default 2) seconds;
+    the ledger records it once built."""
+
+    def __init__(self) -> None:
+        time.sleep(float(os.environ.get("OPENENV_TEST_FACTORY_SECONDS", "2")))
+        super().__init__()
+
+
+class SlowFactoryEchoEnv(CountingEchoEnv):
+    """The echo env, pooled, whose factory takes ``OPENENV_TEST_FACTORY_SECONDS`` seconds."""
+
+    runs_inline = False
+
+    def __init__(self) -> None:
+        time.sleep(float(os.environ.get("OPENENV_TEST_FACTORY_SECONDS", "2")))
         super().__init__()

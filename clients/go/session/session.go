@@ -51,7 +51,10 @@ func (e *CapacityError) Error() string { return e.Status.Err().Error() }
 // goroutine per session (many sessions may share one *grpc.ClientConn).
 type Session struct {
 	// ID is the server's session id (the openenv-session-id header).
-	ID     string
+	ID string
+	// Notice is the last notice the server sent (request_id 0), e.g. that it drains; nil
+	// if none came.
+	Notice *pb.Notice
 	stream pb.EnvService_SessionClient
 	cancel context.CancelFunc
 	nextID uint64
@@ -138,6 +141,11 @@ func (s *Session) do(req *pb.SessionRequest) (*pb.SessionResponse, error) {
 		return nil, err
 	}
 	resp, err := s.stream.Recv()
+	// A notice answers no request (request_id 0): keep it and read on.
+	for err == nil && resp.RequestId == 0 && resp.GetNotice() != nil {
+		s.Notice = resp.GetNotice()
+		resp, err = s.stream.Recv()
+	}
 	if err != nil {
 		return nil, err
 	}
