@@ -152,7 +152,8 @@ def _run_session(requests: list[pb.SessionRequest]) -> list[pb.SessionResponse]:
 
         driver = EpisodeDriver(spec, await new_runner(), new_runner, None)
         try:
-            return [await driver.handle(request) for request in requests]
+            answers = [await driver.handle(r.SerializeToString()) for r in requests]
+            return [pb.SessionResponse.FromString(a.response) for a in answers]
         finally:
             await driver.runner.close()
 

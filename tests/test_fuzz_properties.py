@@ -45,6 +45,7 @@ from hypothesis import strategies as st
 from openenv_grpc import EnvError
 from openenv_grpc.codec import info_from_struct, info_to_struct
 from openenv_grpc.metadata import ADMITTED_KEY
+from openenv_grpc.server.episode import MAX_EPISODE_ID_BYTES
 from openenv_grpc.testing import ServerProcess
 from openenv_grpc.tools.v1.tools_pb2 import ToolCall
 from openenv_grpc.v1 import session_pb2 as pb
@@ -256,10 +257,14 @@ class Model:
             if response.error.code == INTERNAL:
                 self.running = False  # the env raised: only a reset may follow
             else:
-                # A refused reset (options of the wrong type or undecodable) changes nothing.
+                # A refused reset (an episode id over its cap, options of the wrong type,
+                # undecodable or over their cap) changes nothing.
                 assert response.error.code == INVALID_ARGUMENT
-                assert command.HasField("options")
-                assert response.error.message.startswith("reset options ")
+                if len(command.episode_id.encode()) > MAX_EPISODE_ID_BYTES:
+                    assert response.error.message.startswith("episode_id is ")
+                else:
+                    assert command.HasField("options")
+                    assert response.error.message.startswith("reset options ")
             return
         result = response.result
         if command.HasField("options"):

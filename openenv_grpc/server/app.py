@@ -23,15 +23,10 @@ from openenv_grpc.metadata import SERVICE_NAME, serving_line
 from openenv_grpc.server.activity import Activity
 from openenv_grpc.server.auth import TokenAuthInterceptor
 from openenv_grpc.server.config import ServerConfig
+from openenv_grpc.server.env_process_pool import EnvProcessPool
 from openenv_grpc.server.env_threads import EnvThreadPool
-from openenv_grpc.server.isolated import IsolatedPool
 from openenv_grpc.server.limiter import SessionLimiter
-from openenv_grpc.server.metrics import (
-    Metrics,
-    MetricsTee,
-    PrometheusMetrics,
-    start_metrics_server,
-)
+from openenv_grpc.server.metrics import PrometheusMetrics, start_metrics_server
 from openenv_grpc.server.orphans import reclaim_orphans_quietly
 from openenv_grpc.server.service import EnvServicer, add_env_service
 from openenv_grpc.server.session import SessionManager
@@ -81,7 +76,7 @@ class EnvServer:
         self._server: grpc.aio.Server | None = None
         self._health: health_aio.HealthServicer | None = None
         self._sessions: SessionManager | None = None
-        self._isolated: IsolatedPool | None = None
+        self._processes: EnvProcessPool | None = None
         self.port = 0
         #: Port of the Prometheus endpoint, once started (None: metrics off).
         self.metrics_port: int | None = None
@@ -106,21 +101,18 @@ class EnvServer:
             [TokenAuthInterceptor(self.config.auth_token)] if self.config.auth_token else []
         )
         limiter = SessionLimiter(self.config.capacity)
-        activity = Activity()
-        metrics: Metrics = activity
+        prometheus: PrometheusMetrics | None = None
         if self.config.metrics_port >= 0:
             prometheus = PrometheusMetrics(limiter, self.spec.name)
             host = self.config.host.strip("[]")
             self.metrics_port = start_metrics_server(prometheus, host, self.config.metrics_port)
-            metrics = MetricsTee(activity, prometheus)
         if self.config.isolated:
             call_timeout = self.config.call_timeout(self.spec.env_class.step_timeout)
-            self._isolated = IsolatedPool(
-                self.spec.factory, self.config.isolated, call_timeout, metrics
-            )
-            self._isolated.start()
+            self._processes = EnvProcessPool(self.spec.factory, self.config.isolated, call_timeout)
+            self._processes.start()
         self._sessions = SessionManager(
-            self.spec, self.config, self._pool, limiter, metrics, self._isolated, activity,
+            self.spec, self.config, self._pool, limiter,
+            activity=Activity(), prometheus=prometheus, processes=self._processes,
             lifecycle=self._lifecycle,
         )  # fmt: skip
         server = grpc.aio.server(options=grpc_options(self.config), interceptors=interceptors)
@@ -153,7 +145,7 @@ class EnvServer:
         """Report NOT_SERVING, tell running sessions and let them finish within ``grace``
         seconds (default: the config's), close every env, stop the server. Takes at most
         ``grace`` + :data:`~openenv_grpc.server.session.CLOSE_BUDGET` + 1 s (plus the
-        isolated workers' stop).
+        env processes' stop).
 
         Returns the number of envs that could not be closed (stuck in env code); their
         threads are daemons, abandoned to the process exit.
@@ -162,13 +154,13 @@ class EnvServer:
             return 0
         grace = self.config.grace_period if grace is None else grace
         await self._health.enter_graceful_shutdown()
-        if self._isolated is not None:
-            self._isolated.start_draining(grace)  # hung calls cannot outlast the grace
+        if self._processes is not None:
+            self._processes.start_draining(grace)  # hung calls cannot outlast the grace
         stuck = await self._sessions.drain(grace)
         await self._server.stop(grace=1.0)
         self._server = None
-        if self._isolated is not None:
-            self._isolated.stop()
+        if self._processes is not None:
+            self._processes.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._lifecycle.shutdown(wait=False, cancel_futures=True)
         return stuck

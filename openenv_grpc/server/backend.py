@@ -1,35 +1,33 @@
-"""Where a session's requests are answered: in this process, or in an isolated worker.
+"""Where a session's requests are answered: in this process, or in an env process.
 
 The session lifecycle (``session.py``) reads raw request bytes, hands them to a backend
-and writes back the raw response bytes; it never needs to know which backend it has.
+and writes back the raw response bytes; it never needs to know which backend it has. A
+backend says what it answered (:class:`Answer`): the session records the metrics from
+that, and ends the stream after a close, so no flag or metrics sink is relayed through
+the layers below it.
+
+The two backends: :class:`~openenv_grpc.server.episode.EpisodeDriver` (the env in this
+process) and :class:`~openenv_grpc.server.env_process_pool.EnvProcessBackend` (the env in
+an env process of ``--isolated``; the driver runs there).
 """
 
 from __future__ import annotations
 
-import logging
-from typing import Protocol
-
-from google.protobuf.message import DecodeError
-
-from openenv_grpc.server.episode import EpisodeDriver
-from openenv_grpc.server.metrics import NO_METRICS, Metrics
-from openenv_grpc.server.runner import RunnerFactory
-from openenv_grpc.server.spec import EnvSpec
-from openenv_grpc.v1 import session_pb2 as pb
+import enum
+from typing import NamedTuple, Protocol
 
 __all__ = [
+    "Answer",
     "EnvFactoryError",
-    "LocalBackend",
+    "Outcome",
     "SessionBackend",
     "SessionLostError",
     "UndecodableRequest",
 ]
 
-log = logging.getLogger(__name__)
-
 
 class EnvFactoryError(Exception):
-    """The env factory raised where it ran (a worker process); the message says what."""
+    """The env factory raised where it ran (an env process); the message says what."""
 
 
 class UndecodableRequest(Exception):
@@ -37,17 +35,39 @@ class UndecodableRequest(Exception):
 
 
 class SessionLostError(Exception):
-    """The backend lost the env (its worker process died): the session cannot go on."""
+    """The backend lost the env (its process died): the session cannot go on."""
+
+
+class Outcome(enum.IntEnum):
+    """What a request was answered with (small ints: env processes send them as is)."""
+
+    RESET = 0  # a reset's first observation
+    STEPPED = 1  # a completed step (counted in Info's activity and Prometheus)
+    STATE = 2  # the env's state
+    CLOSED = 3  # the env is closed: the stream ends after this answer
+    FAILED = 4  # an in-band error; Answer.error names its code
+    SATURATED = 5  # RESOURCE_EXHAUSTED: the call never got an env thread in time
+
+
+class Answer(NamedTuple):
+    """One serialized response and what it was."""
+
+    response: bytes
+    outcome: Outcome
+    #: For STEPPED: seconds the step took (the env call, or the round trip to its process).
+    seconds: float = 0.0
+    #: For FAILED and SATURATED: the gRPC code's name.
+    error: str = ""
+    #: The stream ends after this answer: a close, or a hung env that could not be
+    #: replaced (nothing is left to serve).
+    ends: bool = False
 
 
 class SessionBackend(Protocol):
     """One session's env, wherever it runs."""
 
-    #: Set once a close command was answered: the stream must end.
-    closed: bool
-
-    async def handle(self, raw: bytes) -> bytes:
-        """Answer one serialized request with one serialized response.
+    async def handle(self, raw: bytes) -> Answer:
+        """Answer one serialized request.
 
         Raises:
             UndecodableRequest: ``raw`` does not parse.
@@ -58,38 +78,3 @@ class SessionBackend(Protocol):
     async def close(self) -> None:
         """Close the env; once, surviving a raising ``close`` (it is logged)."""
         ...
-
-
-class LocalBackend:
-    """The env runs in this process (inline, on the thread pool, or on the loop)."""
-
-    __slots__ = ("_driver", "closed")
-
-    def __init__(self, driver: EpisodeDriver) -> None:
-        self._driver = driver
-        self.closed = False
-
-    @classmethod
-    async def open(
-        cls,
-        spec: EnvSpec,
-        new_runner: RunnerFactory,
-        call_timeout: float | None,
-        metrics: Metrics = NO_METRICS,
-    ) -> LocalBackend:
-        """Create the env. Raises whatever the factory raised."""
-        runner = await new_runner()
-        return cls(EpisodeDriver(spec, runner, new_runner, call_timeout, metrics))
-
-    async def handle(self, raw: bytes) -> bytes:
-        try:
-            request = pb.SessionRequest.FromString(raw)
-        except DecodeError as exc:
-            name = pb.SessionRequest.DESCRIPTOR.full_name
-            raise UndecodableRequest(f"request is not a valid {name}: {exc}") from None
-        response = await self._driver.handle(request)
-        self.closed = self._driver.closed
-        return response.SerializeToString()
-
-    async def close(self) -> None:
-        await self._driver.runner.close_quietly()

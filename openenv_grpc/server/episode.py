@@ -19,12 +19,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 
 from openenv_grpc.codec import PayloadError, info_to_struct, unpack
 from openenv_grpc.environment import InvalidAction, Transition
+from openenv_grpc.server.backend import Answer, Outcome, UndecodableRequest
 from openenv_grpc.server.limiter import NoSlot
-from openenv_grpc.server.metrics import NO_METRICS, Metrics
 from openenv_grpc.server.runner import EnvRunner, PoolSaturated
 from openenv_grpc.server.spec import EnvSpec
 from openenv_grpc.v1 import session_pb2 as pb
@@ -75,15 +75,27 @@ _NEEDS_RESET = {
 class _RequestError(Exception):
     """A request failed; carried to the single place that turns it into a response."""
 
-    def __init__(self, code: int, message: str, exception_type: str = "") -> None:
+    def __init__(
+        self, code: int, message: str, exception_type: str = "", *, saturated: bool = False
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.exception_type = exception_type
+        #: The env call never ran: every env thread was busy (its own metric).
+        self.saturated = saturated
+
+
+_REQUEST_NAME = pb.SessionRequest.DESCRIPTOR.full_name
+_OUTCOMES = {"reset": Outcome.RESET, "step": Outcome.STEPPED, "state": Outcome.STATE}
 
 
 class EpisodeDriver:
-    """The request handler of one session, bound to one environment instance at a time.
+    """The request handler of one session, bound to one environment instance at a time:
+    the in-process backend (``backend.SessionBackend``), also run inside env processes.
+
+    It answers serialized requests with serialized responses and says what it answered
+    (an :class:`~openenv_grpc.server.backend.Answer`); metrics are the caller's to record.
 
     An env call that exceeds ``call_timeout`` is answered with DEADLINE_EXCEEDED; the
     env is then abandoned (closed once its hung call returns) and replaced with a fresh
@@ -93,8 +105,7 @@ class EpisodeDriver:
     """
 
     __slots__ = (
-        "_make_runner", "_metrics", "_phase", "_spec", "_timeout", "closed", "episode_id",
-        "runner",
+        "_ends", "_make_runner", "_phase", "_spec", "_timeout", "episode_id", "runner",
         "step_count",
     )  # fmt: skip
 
@@ -104,9 +115,7 @@ class EpisodeDriver:
         runner: EnvRunner,
         make_runner: Callable[[], Awaitable[EnvRunner]],
         call_timeout: float | None,
-        metrics: Metrics = NO_METRICS,
     ) -> None:
-        self._metrics = metrics
         self._spec = spec
         #: The env instance in use now; the session closes this one when it ends.
         self.runner = runner
@@ -115,16 +124,25 @@ class EpisodeDriver:
         self._phase = _Phase.NO_EPISODE
         self.episode_id = ""
         self.step_count = 0
-        #: Set once a close command has been answered: the stream must end.
-        self.closed = False
+        #: Set when nothing is left to serve (closed, or not replaceable): the stream ends.
+        self._ends = False
 
-    async def handle(self, request: pb.SessionRequest) -> pb.SessionResponse:
-        """Answer one request. Never raises for anything the client or env did."""
+    async def handle(self, raw: bytes) -> Answer:
+        """Answer one serialized request. Never raises for anything the env did.
+
+        Raises:
+            UndecodableRequest: ``raw`` is not a SessionRequest (no id to answer to).
+        """
+        try:
+            request = pb.SessionRequest.FromString(raw)
+        except DecodeError as exc:
+            raise UndecodableRequest(f"request is not a valid {_REQUEST_NAME}: {exc}") from None
         response = pb.SessionResponse(request_id=request.request_id)
         command = request.WhichOneof("command")
+        seconds = 0.0
         try:
             if command == "step":
-                await self._step(request.step, response.result)
+                seconds = await self._step(request.step, response.result)
             elif command == "reset":
                 await self._reset(request.reset, response.result)
             elif command == "state":
@@ -132,29 +150,38 @@ class EpisodeDriver:
             elif command == "close":
                 await self._close()
                 response.closed.SetInParent()
+                return Answer(response.SerializeToString(), Outcome.CLOSED, ends=True)
             else:
                 raise _RequestError(
                     _INVALID_ARGUMENT, "empty request: set one of reset, step, state, close"
                 )
         except _RequestError as err:
-            self._metrics.request_error(_CODE_NAMES.get(err.code, str(err.code)))
             response.ClearField("outcome")
             error = response.error
             error.code = err.code
             error.message = err.message
             error.exception_type = err.exception_type
-        return response
+            outcome = Outcome.SATURATED if err.saturated else Outcome.FAILED
+            name = _CODE_NAMES.get(err.code, str(err.code))
+            return Answer(response.SerializeToString(), outcome, 0.0, name, self._ends)
+        return Answer(response.SerializeToString(), _OUTCOMES[command], seconds)
 
-    async def _step(self, command: pb.StepCommand, result: pb.StepResult) -> None:
+    async def close(self) -> None:
+        """Close the env in use, once (``backend.SessionBackend``)."""
+        await self.runner.close_quietly()
+
+    async def _step(self, command: pb.StepCommand, result: pb.StepResult) -> float:
+        """Take one step into ``result``; returns the seconds the env call took."""
         if self._phase is not _Phase.RUNNING:
             raise _RequestError(_FAILED_PRECONDITION, _NEEDS_RESET[self._phase])
         spec = self._spec
         action = _decode(command.action, spec.types.action, "action")
         started = time.perf_counter()
         transition = await self._call_env("step", self.runner.env.step, action)
-        self._metrics.step(time.perf_counter() - started)
+        seconds = time.perf_counter() - started
         self.step_count += 1
         self._record(transition, result)
+        return seconds
 
     async def _reset(self, command: pb.ResetCommand, result: pb.StepResult) -> None:
         spec = self._spec
@@ -195,7 +222,7 @@ class EpisodeDriver:
         result.step_count = self.step_count
 
     async def _close(self) -> None:
-        self.closed = True
+        self._ends = True
         try:
             await self.runner.close()
         except Exception as exc:
@@ -219,8 +246,7 @@ class EpisodeDriver:
             ) from None
         except PoolSaturated as exc:
             # Never ran: the env and the episode are as they were; nothing to replace.
-            self._metrics.pool_saturated()
-            raise _RequestError(_RESOURCE_EXHAUSTED, str(exc)) from None
+            raise _RequestError(_RESOURCE_EXHAUSTED, str(exc), saturated=True) from None
         except InvalidAction as exc:
             raise _RequestError(_INVALID_ARGUMENT, str(exc), _qualname(exc)) from None
         except Exception as exc:
@@ -240,7 +266,7 @@ class EpisodeDriver:
             self.runner = await self._make_runner()
         except NoSlot as exc:
             # The hung instance keeps its slot until its call returns: the cap is on envs.
-            self.closed = True
+            self._ends = True
             raise _RequestError(
                 _RESOURCE_EXHAUSTED,
                 f"{what} did not finish within {self._timeout:g}s and no fresh environment "
@@ -248,7 +274,7 @@ class EpisodeDriver:
             ) from None
         except Exception as exc:
             log.exception("environment factory raised while replacing a hung environment")
-            self.closed = True  # nothing left to serve: the stream ends after this answer
+            self._ends = True  # nothing left to serve: the stream ends after this answer
             raise _RequestError(
                 _INTERNAL,
                 f"the environment hung and a new one could not be created: {_describe(exc)}",

@@ -27,18 +27,19 @@ from google.protobuf.message import DecodeError
 from openenv_grpc.metadata import ADMITTED_KEY, RETRY_PUSHBACK_KEY, SESSION_ID_KEY
 from openenv_grpc.server.activity import Activity
 from openenv_grpc.server.backend import (
+    Answer,
     EnvFactoryError,
-    LocalBackend,
+    Outcome,
     SessionBackend,
     SessionLostError,
     UndecodableRequest,
 )
 from openenv_grpc.server.config import ServerConfig
+from openenv_grpc.server.env_process_pool import EnvProcessPool
 from openenv_grpc.server.episode import EpisodeDriver
-from openenv_grpc.server.isolated import IsolatedPool
 from openenv_grpc.server.limiter import Admission, SessionLimiter
 from openenv_grpc.server.logs import SESSION_ID
-from openenv_grpc.server.metrics import NO_METRICS, Metrics
+from openenv_grpc.server.metrics import Metrics, MetricsTee
 from openenv_grpc.server.runner import EnvRunner
 from openenv_grpc.server.spec import EnvSpec
 from openenv_grpc.v1 import session_pb2 as pb
@@ -133,18 +134,22 @@ class SessionManager:
         config: ServerConfig,
         pool: Executor,
         limiter: SessionLimiter,
-        metrics: Metrics = NO_METRICS,
-        isolated: IsolatedPool | None = None,
+        *,
         activity: Activity | None = None,
+        prometheus: Metrics | None = None,
+        processes: EnvProcessPool | None = None,
         lifecycle: Executor | None = None,
     ) -> None:
-        self._isolated = isolated
+        self._processes = processes
         self.spec = spec
         self.config = config
         self.limiter = limiter
-        self._metrics = metrics
-        #: Counters for the Info RPC; ``metrics`` must report to it (the server wires both).
+        #: Counters for the Info RPC, always kept; Prometheus too when it is on. Both are
+        #: fed from what each request was answered with (:meth:`_record`).
         self.activity = activity if activity is not None else Activity()
+        self._metrics: Metrics = (
+            self.activity if prometheus is None else MetricsTee(self.activity, prometheus)
+        )
         self._pool = pool
         #: Where factories and closes of pooled envs run: never behind hung env calls.
         self._lifecycle = lifecycle if lifecycle is not None else pool
@@ -175,19 +180,16 @@ class SessionManager:
         )
 
     async def _open_backend(self, held: _Held) -> SessionBackend:
-        """A fresh env for one session: in a worker process when isolated, else here."""
-        if self._isolated is not None:
-            return await self._isolated.open()
+        """A fresh env for one session: in an env process when isolated, else here."""
+        if self._processes is not None:
+            return await self._processes.open()
         # From here the runner frees the session's slot: when its env is closed, when the
         # factory fails, or -- open cancelled -- once the factory returns and its env closes.
         held.owns_slot = False
         runner = await EnvRunner.create(
             self.spec, self._pool, lifecycle=self._lifecycle, release=self.limiter.release
         )
-        driver = EpisodeDriver(
-            self.spec, runner, self._new_runner, self._call_timeout, self._metrics
-        )
-        return LocalBackend(driver)
+        return EpisodeDriver(self.spec, runner, self._new_runner, self._call_timeout)
 
     async def serve(self, context: _Context) -> None:
         """Run one Session stream, given its RPC context, to its end."""
@@ -255,7 +257,7 @@ class SessionManager:
     async def _loop(self, context: _Context, backend: SessionBackend, live: _LiveSession) -> str:
         """Answer requests until the stream ends; returns how it ended."""
         loop = asyncio.get_running_loop()
-        read, write, handle = context.read, context.write, backend.handle
+        read, write, handle, record = context.read, context.write, backend.handle, self._record
         max_response = self._max_response
         live.waiting_since = loop.time()
         while True:
@@ -267,12 +269,14 @@ class SessionManager:
                 # The client half-closed or cancelled: gRPC shows both as the end of input.
                 return "client_ended"
             try:
-                response = await handle(raw)  # type: ignore[arg-type]
+                answer = await handle(raw)  # type: ignore[arg-type]
             except UndecodableRequest as exc:
                 # No request id to answer to: the stream is out of sync, so end it.
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except SessionLostError as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"session lost: {exc}")
+            record(answer)
+            response = answer.response
             if len(response) > max_response:
                 # gRPC would end the stream; fail this request instead.
                 response = self._too_large(raw, len(response))  # type: ignore[arg-type]
@@ -283,13 +287,24 @@ class SessionManager:
             live.writing = True
             await write(response)
             live.writing = False
-            if backend.closed:
+            if answer.ends:
                 return "closed"  # nothing may follow the answer to a close
             if live.deferred is not None:  # a notice arrived during our write
                 notice, live.deferred = live.deferred, None
                 live.writing = True
                 await write(notice)
                 live.writing = False
+
+    def _record(self, answer: Answer) -> None:
+        """Count what a request was answered with, in Info's activity and in Prometheus."""
+        outcome = answer.outcome
+        if outcome is Outcome.STEPPED:
+            self._metrics.step(answer.seconds)
+        elif outcome is Outcome.FAILED:
+            self._metrics.request_error(answer.error)
+        elif outcome is Outcome.SATURATED:
+            self._metrics.request_error(answer.error)
+            self._metrics.pool_saturated()
 
     def _too_large(self, raw: bytes, size: int) -> bytes:
         """The in-band error that replaces a response over the message limit."""

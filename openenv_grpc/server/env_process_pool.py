@@ -1,7 +1,8 @@
-"""Isolated execution: env instances live in a pool of worker processes.
+"""Isolated execution (``--isolated K``): env instances live in a pool of K env processes.
 
-The gRPC front (one process) keeps the sessions; each env lives in one worker process
-(``isolated_worker.py``). A session's request bytes go to its worker, which answers them
+The gRPC front (one process) keeps the sessions; each env lives in one env process
+(``env_process.py``; "worker" below means one of them, never a ``--workers`` server
+process). A session's request bytes go to its worker, which answers them
 with the same request handler as the in-process path, and the response bytes come back
 unchanged. So a segfault, ``os._exit`` or runaway memory in env code ends only the
 sessions on that worker (their clients get UNAVAILABLE "session lost"), the pool starts a
@@ -33,14 +34,26 @@ from typing import Any
 
 import grpc
 
-from openenv_grpc.server.backend import EnvFactoryError, SessionLostError, UndecodableRequest
-from openenv_grpc.server.isolated_worker import HEADER, READ_LIMIT, Op, Status, worker_main
-from openenv_grpc.server.metrics import NO_METRICS, Metrics
+from openenv_grpc.server.backend import (
+    Answer,
+    EnvFactoryError,
+    Outcome,
+    SessionLostError,
+    UndecodableRequest,
+)
+from openenv_grpc.server.env_process import (
+    HEADER,
+    READ_LIMIT,
+    Op,
+    Status,
+    answered,
+    worker_main,
+)
 from openenv_grpc.server.orphans import OrphanReaper
 from openenv_grpc.server.spec import EnvSpec, ExecutionMode
 from openenv_grpc.v1 import session_pb2 as pb
 
-__all__ = ["IsolatedBackend", "IsolatedPool"]
+__all__ = ["EnvProcessBackend", "EnvProcessPool"]
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +66,13 @@ _ASYNC_MARGIN = 1.0
 #: Once a drain's grace period is over, seconds a call may still keep its worker busy
 #: (e.g. the closes the drain sends) before that worker is killed.
 _DRAIN_ALLOWANCE = 2.0
-#: Seconds :meth:`IsolatedPool.stop` waits for workers to exit, then for the orphan hook.
+#: Seconds :meth:`EnvProcessPool.stop` waits for workers to exit, then for the orphan hook.
 _STOP_WAIT = 2.0
 
 _DIED = "the environment's worker process died"
 _DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED
 _INTERNAL = grpc.StatusCode.INTERNAL
+_CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 
 
 class _CallTimedOut(SessionLostError):
@@ -98,19 +112,17 @@ class _Worker:
         self.task: asyncio.Task[None] | None = None  # connects, then reads its answers
 
 
-class IsolatedPool:
-    """Worker processes that host env instances for the sessions of this server."""
+class EnvProcessPool:
+    """Env processes that host env instances for the sessions of this server."""
 
     def __init__(
         self,
         factory: Callable[[], Any],
         size: int,
         call_timeout: float | None,
-        metrics: Metrics = NO_METRICS,
     ) -> None:
         if size < 1:
-            raise ValueError(f"isolated pool size must be >= 1, got {size}")
-        self.metrics = metrics
+            raise ValueError(f"env process pool size must be >= 1, got {size}")
         #: The step timeout this pool enforces (None: none).
         self.call_timeout = call_timeout
         spec = EnvSpec.from_factory(factory)
@@ -305,7 +317,7 @@ class IsolatedPool:
         self._send(worker, HEADER.pack(len(payload), env_id, op), payload)
         return await call.future
 
-    async def open(self) -> IsolatedBackend:
+    async def open(self) -> EnvProcessBackend:
         """Create an env on the least-loaded worker.
 
         Raises:
@@ -313,7 +325,7 @@ class IsolatedPool:
             SessionLostError: the worker died meanwhile.
         """
         worker, env_id = await self.create()
-        return IsolatedBackend(self, worker, env_id)
+        return EnvProcessBackend(self, worker, env_id)
 
     async def create(self, *, prefer_ready: bool = False) -> tuple[_Worker, int]:
         """Create an env on the least-loaded live worker (with ``prefer_ready``, one that
@@ -415,32 +427,34 @@ def _put(writer: asyncio.StreamWriter, header: bytes, payload: bytes) -> None:
         writer.write(payload)  # sent as far as the socket takes it; the rest is buffered
 
 
-class IsolatedBackend:
+class EnvProcessBackend:
     """A session's env in a worker process."""
 
-    __slots__ = ("_env_id", "_pool", "_worker", "closed")
+    __slots__ = ("_env_id", "_pool", "_worker")
 
-    def __init__(self, pool: IsolatedPool, worker: _Worker, env_id: int) -> None:
+    def __init__(self, pool: EnvProcessPool, worker: _Worker, env_id: int) -> None:
         self._pool = pool
         self._worker = worker
         self._env_id = env_id
-        self.closed = False
 
-    async def handle(self, raw: bytes) -> bytes:
+    async def handle(self, raw: bytes) -> Answer:
         started = time.perf_counter()
         try:
             status, payload = await self._pool.call(self._worker, self._env_id, Op.REQUEST, raw)
         except _CallTimedOut:
             return await self._replace(raw)
-        if status == Status.STEPPED:
-            # Measured here, so the step's time includes the hop to the worker and back.
-            self._pool.metrics.step(time.perf_counter() - started)
-        elif status == Status.UNDECODABLE:
+        if status == Status.UNDECODABLE:
             raise UndecodableRequest(payload.decode(errors="replace"))
-        self.closed = status == Status.CLOSED
-        return payload
+        outcome, ends = answered(status)
+        if outcome is Outcome.STEPPED:
+            # Measured here, so the step's time includes the hop to the worker and back.
+            return Answer(payload, outcome, time.perf_counter() - started)
+        if outcome is Outcome.FAILED or outcome is Outcome.SATURATED:
+            code = pb.SessionResponse.FromString(payload).error.code  # errors are rare
+            return Answer(payload, outcome, 0.0, _CODE_NAMES.get(code, str(code)), ends)
+        return Answer(payload, outcome, ends=ends)
 
-    async def _replace(self, raw: bytes) -> bytes:
+    async def _replace(self, raw: bytes) -> Answer:
         """Answer a request whose worker was killed for taking too long: in-band
         DEADLINE_EXCEEDED and a fresh env on a live worker (as ``episode.py`` does
         in-process), or, if that fails, INTERNAL and the end of the session."""
@@ -450,8 +464,9 @@ class IsolatedBackend:
         command = request.WhichOneof("command")
         limit = self._pool.call_timeout
         code = _DEADLINE_EXCEEDED
+        ends = False
         if command == "close":
-            self.closed = True
+            ends = True
             message = (
                 f"close did not finish within {limit:g}s; the environment's worker process "
                 "was stopped"
@@ -461,7 +476,7 @@ class IsolatedBackend:
                 self._worker, self._env_id = await self._pool.create(prefer_ready=True)
             except (EnvFactoryError, SessionLostError) as exc:
                 log.error("could not replace a hung environment: %s", exc)
-                self.closed = True  # nothing left to serve: the stream ends after this answer
+                ends = True  # nothing left to serve: the stream ends after this answer
                 code = _INTERNAL
                 message = f"the environment hung and a new one could not be created: {exc}"
             else:
@@ -469,11 +484,10 @@ class IsolatedBackend:
                     f"{command} did not finish within {limit:g}s; the environment was "
                     "replaced with a fresh one: call reset"
                 )
-        self._pool.metrics.request_error(code.name)
         response = pb.SessionResponse(request_id=request.request_id)
         response.error.code = code.value[0]
         response.error.message = message
-        return response.SerializeToString()
+        return Answer(response.SerializeToString(), Outcome.FAILED, 0.0, code.name, ends)
 
     async def close(self) -> None:
         worker = self._worker

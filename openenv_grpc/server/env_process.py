@@ -1,9 +1,11 @@
-"""The worker process of the isolated pool, and the frames it exchanges with the front.
+"""An env process of ``--isolated`` (the env process pool's worker), and the frames it
+exchanges with the front.
 
-A worker hosts env instances for the front (``isolated.py``) and answers one frame at a
-time, in the order the frames arrive, with the same request handler as the in-process
-path. It talks to the front over one socket pair with asyncio streams; nothing is
-pickled after start-up (only the factory reference, once, to spawn the worker).
+An env process hosts env instances for the front (``env_process_pool.py``) and answers
+one frame at a time, in the order the frames arrive, with the same request handler as the
+in-process path (:class:`~openenv_grpc.server.episode.EpisodeDriver`). It talks to the
+front over one socket pair with asyncio streams; nothing is pickled after start-up (only
+the factory reference, once, to spawn the process).
 
 A frame is a fixed header and a payload of ``length`` bytes::
 
@@ -25,11 +27,12 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
-from openenv_grpc.server.backend import LocalBackend, UndecodableRequest
+from openenv_grpc.server.backend import Answer, Outcome, UndecodableRequest
+from openenv_grpc.server.episode import EpisodeDriver
 from openenv_grpc.server.runner import EnvRunner
 from openenv_grpc.server.spec import EnvSpec, ExecutionMode
 
-__all__ = ["HEADER", "READ_LIMIT", "Op", "Status", "worker_main"]
+__all__ = ["HEADER", "READ_LIMIT", "Op", "Status", "answer_status", "answered", "worker_main"]
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +49,25 @@ class Op:
 
 
 class Status:
-    """Worker -> front statuses. STEPPED: an answered step, which the front counts (it
-    forwards request bytes without parsing them). READY: sent once, when the
-    worker is up, env id 0."""
+    """Worker -> front statuses. OK: an env was created or closed; FAILED: its factory
+    raised; UNDECODABLE: a request did not parse; READY: sent once, when the worker is up,
+    env id 0. An answered request has status ``ANSWER + outcome`` (plus ``ENDS`` when the
+    stream must end after it): the driver's :class:`~openenv_grpc.server.backend.Answer`,
+    which the front rebuilds without parsing the response."""
 
-    OK, CLOSED, FAILED, UNDECODABLE, STEPPED, READY = 0, 1, 2, 3, 4, 5
+    OK, FAILED, UNDECODABLE, READY = 0, 2, 3, 5
+    ANSWER, ENDS = 16, 8
+
+
+def answer_status(answer: Answer) -> int:
+    """The status byte that carries ``answer``'s outcome (and whether the stream ends)."""
+    return Status.ANSWER + int(answer.outcome) + (Status.ENDS if answer.ends else 0)
+
+
+def answered(status: int) -> tuple[Outcome, bool]:
+    """The outcome and the end-of-stream flag an answer's status byte carries."""
+    code = status - Status.ANSWER
+    return Outcome(code & ~Status.ENDS), bool(code & Status.ENDS)
 
 
 def worker_main(
@@ -71,8 +88,7 @@ async def _serve(
         # The worker is the env's own process: blocking calls run inline, one at a time.
         spec = dataclasses.replace(spec, mode=ExecutionMode.INLINE)
     reader, writer = await asyncio.open_unix_connection(sock=sock, limit=READ_LIMIT)
-    backends: dict[int, LocalBackend] = {}
-    steps = _StepFlag()
+    drivers: dict[int, EpisodeDriver] = {}
 
     async def new_runner() -> EnvRunner:
         return await EnvRunner.create(spec, pool=_NO_POOL)
@@ -87,22 +103,16 @@ async def _serve(
             length, env_id, op = HEADER.unpack(await reader.readexactly(HEADER.size))
             payload = await reader.readexactly(length) if length else b""
             if op == Op.REQUEST:
-                backend = backends[env_id]
-                steps.stepped = False
                 try:
-                    response = await backend.handle(payload)
+                    done = await drivers[env_id].handle(payload)
                 except UndecodableRequest as exc:
                     await answer(env_id, Status.UNDECODABLE, str(exc).encode())
                     continue
-                if backend.closed:
-                    await answer(env_id, Status.CLOSED, response)
-                else:
-                    await answer(env_id, Status.STEPPED if steps.stepped else Status.OK, response)
+                await answer(env_id, answer_status(done), done.response)
             elif op == Op.CREATE:
                 try:
-                    backends[env_id] = await LocalBackend.open(
-                        spec, new_runner, call_timeout, steps
-                    )
+                    runner = await new_runner()
+                    drivers[env_id] = EpisodeDriver(spec, runner, new_runner, call_timeout)
                 except Exception as exc:
                     log.exception("environment factory raised")
                     message = f"{type(exc).__name__}: {exc}".encode()
@@ -110,40 +120,15 @@ async def _serve(
                     continue
                 await answer(env_id, Status.OK)
             elif op == Op.CLOSE:
-                closing = backends.pop(env_id, None)
+                closing = drivers.pop(env_id, None)
                 if closing is not None:
                     await closing.close()
                 await answer(env_id, Status.OK)
     except (asyncio.IncompleteReadError, ConnectionError):
         pass  # the front is gone (or ended this worker): close what is left
     finally:
-        for backend in backends.values():
-            await backend.close()
-
-
-class _StepFlag:
-    """The worker's metrics sink: notes that a request was a completed step, so the front
-    can count it."""
-
-    __slots__ = ("stepped",)
-
-    def __init__(self) -> None:
-        self.stepped = False
-
-    def session_refused(self, reason: str) -> None:
-        pass
-
-    def session_ended(self, seconds: float, reason: str) -> None:
-        pass
-
-    def step(self, seconds: float) -> None:
-        self.stepped = True
-
-    def request_error(self, code: str) -> None:
-        pass
-
-    def pool_saturated(self) -> None:
-        pass
+        for driver in drivers.values():
+            await driver.close()
 
 
 class _NoPool:
