@@ -437,3 +437,36 @@ def test_no_replacement_beyond_the_cap_ends_the_session(start_server) -> None:
     server.wait_until(lambda: server.closed_envs() == 1, 10, "hung env closed")
     server.wait_until(lambda: server.active() == 0, 5, "its slot freed")
     assert server.created() == 1
+
+
+def test_clients_surface_the_drain_notice_as_env_draining(start_server) -> None:
+    """Session and AsyncSession read the notice on their way to the next answer and show
+    it as ``env.draining``; the session goes on until the grace ends."""
+    from openenv_grpc import AsyncSession, Session
+    from openenv_grpc.client import Draining
+
+    grace = 30.0
+    server = start_server("support.envs:FaultyEnv", "--grace", str(grace))
+
+    async def main() -> None:
+        with Session(server.target) as sync_env:
+            async with AsyncSession(server.target) as async_env:
+                sync_env.reset()
+                await async_env.reset()
+                assert sync_env.draining is None and async_env.draining is None
+                server.proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(1.0)  # the notice is on the wire by now
+                sync_env.step(EchoAction(message="a"))
+                await async_env.step(EchoAction(message="b"))
+                for env in (sync_env, async_env):
+                    notice = env.draining
+                    assert isinstance(notice, Draining)
+                    assert "server is draining" in notice.message
+                    assert grace - 6 < notice.remaining() <= grace
+                    assert abs(notice.deadline - (time.time() + notice.remaining())) < 6
+                # Still usable during the grace period.
+                assert sync_env.step(EchoAction(message="c")).step_count == 2
+                assert (await async_env.step(EchoAction(message="d"))).step_count == 2
+
+    asyncio.run(main())
+    assert server.proc.wait(15) == 0

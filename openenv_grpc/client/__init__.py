@@ -17,6 +17,7 @@ from openenv_grpc.client.errors import (
     SessionTimeout,
 )
 from openenv_grpc.client.info import fetch_info
+from openenv_grpc.client.notices import Draining
 from openenv_grpc.client.outcome import StepOutcome
 from openenv_grpc.client.retry import OpenRetry
 from openenv_grpc.client.session_core import SessionOptions, SessionSource
@@ -25,6 +26,7 @@ from openenv_grpc.client.sync_session import Session
 __all__ = [
     "AsyncSession",
     "CapacityError",
+    "Draining",
     "EnvError",
     "InfoUnavailable",
     "OpenEnvError",

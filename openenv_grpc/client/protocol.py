@@ -24,6 +24,7 @@ from openenv_grpc.client.errors import (
     SessionLost,
     SessionRefused,
 )
+from openenv_grpc.client.notices import Draining, read_notice
 from openenv_grpc.client.outcome import StepOutcome
 from openenv_grpc.codec import PayloadError, info_from_struct, pack, type_name, unpack
 from openenv_grpc.metadata import ADMITTED_KEY, RETRY_PUSHBACK_KEY, SESSION_ID_KEY
@@ -68,13 +69,15 @@ class SessionTypes:
 class SessionProtocol:
     """Request ids, envelopes and decoding for one session."""
 
-    __slots__ = ("_next_id", "_types", "episode_id", "step_count")
+    __slots__ = ("_next_id", "_types", "draining", "episode_id", "step_count")
 
     def __init__(self, types: SessionTypes) -> None:
         self._types = types
         # Request ids start at 1: proto3 leaves 0 off the wire, and 0 is the server's id
         # for messages it sends on its own.
         self._next_id = 1
+        #: The server's DRAINING notice, once one was read.
+        self.draining: Draining | None = None
         self.episode_id = ""
         self.step_count = 0
 
@@ -117,9 +120,13 @@ class SessionProtocol:
     # -- responses --------------------------------------------------------------------
 
     def is_stale(self, response: pb.SessionResponse, request: pb.SessionRequest) -> bool:
-        """True for the late answer to an earlier request (one the caller gave up on)."""
+        """True for what is not the answer to ``request``: the late answer to an earlier
+        request (one the caller gave up on), or a notice (request id 0, kept)."""
         if response.request_id == request.request_id:
             return False
+        if response.request_id == 0 and response.WhichOneof("outcome") == "notice":
+            self.draining = read_notice(response.notice) or self.draining
+            return True
         if response.request_id < request.request_id:
             return True
         raise ProtocolError(

@@ -26,6 +26,7 @@ from google.protobuf.message import Message
 
 from openenv_grpc.client.channel import auth_metadata
 from openenv_grpc.client.errors import CapacityError, SessionRefused, SessionStateError
+from openenv_grpc.client.notices import Draining
 from openenv_grpc.client.protocol import (
     Metadata,
     SessionProtocol,
@@ -286,6 +287,13 @@ class SessionBase:
     def episode_id(self) -> str:
         """The current episode's id ("" before the first reset)."""
         return self._core.protocol.episode_id
+
+    @property
+    def draining(self) -> Draining | None:
+        """The server's DRAINING notice once the session has read one (None before):
+        the session ends at its deadline. Notices are read on the way to a call's answer,
+        so this turns on at the first call after the server began to drain."""
+        return self._core.protocol.draining
 
     @property
     def step_count(self) -> int:
