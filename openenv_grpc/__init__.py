@@ -25,6 +25,9 @@ from openenv_grpc.client import (
 )
 from openenv_grpc.environment import (
     AsyncEnvironment,
+    AutoresetMode,
+    BatchEnvironment,
+    BatchTransition,
     Environment,
     InvalidAction,
     Transition,
@@ -34,6 +37,9 @@ from openenv_grpc.server import EnvServer, ServerConfig, serve
 __all__ = [
     "AsyncEnvironment",
     "AsyncSession",
+    "AutoresetMode",
+    "BatchEnvironment",
+    "BatchTransition",
     "CapacityError",
     "EnvError",
     "EnvServer",

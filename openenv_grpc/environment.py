@@ -14,12 +14,18 @@ The server reads those types at start-up (:func:`message_types`), checks them, a
 them in the Info RPC, and decodes every action into the declared type before calling
 ``step``. An environment never sees the transport: it gets messages and returns messages.
 Use ``google.protobuf.Empty`` for the reset options of an environment that takes none.
+
+Optional, for envs that can: :meth:`Environment.snapshot` / :meth:`Environment.restore`
+(branch an episode, resume it elsewhere), :meth:`Environment.make_batch` (answer a vector
+stream's N envs natively, as a :class:`BatchEnvironment`), and
+:meth:`Environment.reclaim_orphans` (release what dead processes left behind).
 """
 
 from __future__ import annotations
 
+import enum
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -27,6 +33,9 @@ from google.protobuf.message import Message
 
 __all__ = [
     "AsyncEnvironment",
+    "AutoresetMode",
+    "BatchEnvironment",
+    "BatchTransition",
     "Environment",
     "EnvironmentTypes",
     "InvalidAction",
@@ -147,6 +156,59 @@ class Environment(_EnvironmentBase[ActionT, ObservationT, StateT, ResetOptionsT]
     def close(self) -> None:
         """Release what the instance holds. Called exactly once, even after errors."""
 
+    def snapshot(self) -> bytes:
+        """Optional: the current episode as bytes, from which :meth:`restore` on a fresh
+        instance of this class (same ``name`` and ``version``, any server) continues
+        exactly from here -- the env's RNGs included, so the same actions then give the
+        same transitions.
+
+        An env that overrides this (and :meth:`restore`) supports snapshots, and Info says
+        so. The server adds the episode's bookkeeping (episode id, step count, phase),
+        signs the whole with its key (HMAC) and hands it to the client; only bytes it has
+        authenticated as its own ever reach :meth:`restore`. Put plain data in it
+        (protobuf bytes, JSON, an engine's own serialization): never pickle, and nothing
+        that is executed when read.
+
+        Returns:
+            The snapshot; at most the server's snapshot size limit.
+
+        Raises:
+            NotImplementedError: the default: this env cannot snapshot (the client gets
+                UNIMPLEMENTED in-band and the session goes on).
+            InvalidAction: a snapshot cannot be taken now (say why; INVALID_ARGUMENT).
+        """
+        raise NotImplementedError
+
+    def restore(self, snapshot: bytes) -> None:
+        """Optional: continue from ``snapshot``, bytes an earlier :meth:`snapshot` of this
+        class and version returned (authenticated by the server before this is called).
+        Also called on a fresh instance that has never been reset.
+
+        Raises:
+            InvalidAction: the bytes are not acceptable after all (INVALID_ARGUMENT; the
+                previous episode, if any, stands).
+        """
+        raise NotImplementedError
+
+    @classmethod
+    def make_batch(
+        cls, size: int, autoreset: AutoresetMode
+    ) -> BatchEnvironment[ActionT, ObservationT, StateT, ResetOptionsT] | None:
+        """Optional: ``size`` instances of this env answered together, for a vector
+        stream (``EnvService.VectorSession``), as a :class:`BatchEnvironment`.
+
+        By default (None) the server makes ``size`` instances with the factory and loops
+        over them, one payload per env; an env that can answer a whole batch natively
+        (one action message and one observation message for all its envs, e.g. arrays
+        stacked into one tensor, or a C++ batch simulator) returns a batch instead. Called
+        where the env would be made (on the thread pool, or in an env process).
+
+        Raises:
+            InvalidAction: this batch cannot be made (e.g. ``size`` too large; the open is
+                refused with INVALID_ARGUMENT).
+        """
+        return None
+
 
 class AsyncEnvironment(_EnvironmentBase[ActionT, ObservationT, StateT, ResetOptionsT]):
     """An asyncio environment: the same contract as :class:`Environment`, with coroutines.
@@ -170,6 +232,126 @@ class AsyncEnvironment(_EnvironmentBase[ActionT, ObservationT, StateT, ResetOpti
 
     async def close(self) -> None:
         """See :meth:`Environment.close`."""
+
+    async def snapshot(self) -> bytes:
+        """See :meth:`Environment.snapshot`."""
+        raise NotImplementedError
+
+    async def restore(self, snapshot: bytes) -> None:
+        """See :meth:`Environment.restore`."""
+        raise NotImplementedError
+
+
+class AutoresetMode(enum.Enum):
+    """How a vector stream starts a new episode in an env whose episode ended (the modes
+    of Gymnasium 1.x's vector envs, same names and meaning)."""
+
+    #: The step after the one that ended the episode resets that env instead (its action
+    #: is ignored) and returns the first observation, reward 0 and both flags False.
+    NEXT_STEP = "next_step"
+    #: The step that ends an episode resets at once and returns the new first observation;
+    #: the ended episode's last observation and info come as the final ones.
+    SAME_STEP = "same_step"
+    #: No autoreset: an ended env must be reset by the client before it steps again.
+    DISABLED = "disabled"
+
+
+@dataclass(slots=True)
+class BatchTransition(Generic[ObservationT]):
+    """What a :class:`BatchEnvironment` returns for the indices of one call.
+
+    Rows are the call's indices, in order, minus those in ``errors``.
+
+    Attributes:
+        observation: One message of the observation type holding every row (its batch
+            form, e.g. a tensor whose leading dimension is the number of rows).
+        rewards, terminated, truncated: One per row.
+        infos: One info map (or None) per row, or None when no row has one.
+        reset: Per row, True when the row is the first observation of a new episode that
+            autoreset started in this call (None: no row was).
+        final_observation: With SAME_STEP: one message holding, for every row whose
+            ``reset`` is True, the last observation of the episode that just ended, in row
+            order (None: no episode ended).
+        final_infos: With SAME_STEP: the info of each of those ended episodes' last step.
+        errors: Indices whose env raised, and what it raised; they have no row. Raise
+            :class:`InvalidAction` for a refused action (INVALID_ARGUMENT for that index,
+            its episode unchanged); anything else is INTERNAL and breaks that episode.
+    """
+
+    observation: ObservationT
+    rewards: Sequence[float]
+    terminated: Sequence[bool]
+    truncated: Sequence[bool]
+    infos: Sequence[Mapping[str, Any] | None] | None = None
+    reset: Sequence[bool] | None = None
+    final_observation: ObservationT | None = None
+    final_infos: Sequence[Mapping[str, Any] | None] | None = None
+    errors: Mapping[int, Exception] | None = None
+
+
+class BatchEnvironment(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
+    """``size`` instances of one environment answered together (see
+    :meth:`Environment.make_batch`); one instance serves exactly one vector stream.
+
+    Env indices are ``0 .. size - 1``. Each call names the indices it is about, in
+    increasing order, without repeats, and never overlaps another call. The server keeps
+    the bookkeeping (episode ids, step counts, which envs may step); the batch keeps the
+    envs and does the autoreset its ``autoreset`` mode asks for.
+    """
+
+    def __init__(self, size: int, autoreset: AutoresetMode) -> None:
+        #: How many envs the batch holds.
+        self.size = size
+        #: What :meth:`step` does when an episode ends.
+        self.autoreset = autoreset
+
+    def reset(
+        self,
+        indices: Sequence[int],
+        seeds: Sequence[int | None],
+        options: Sequence[ResetOptionsT | None],
+    ) -> BatchTransition[ObservationT]:
+        """Start a new episode in each env of ``indices`` (one seed and options each).
+
+        Raises:
+            InvalidAction: the options are refused (every named env keeps its episode).
+        """
+        raise NotImplementedError
+
+    def step(self, indices: Sequence[int], actions: ActionT) -> BatchTransition[ObservationT]:
+        """Apply one action to each env of ``indices``: ``actions`` is one message of the
+        action type in its batch form (a row per index, in order).
+
+        With NEXT_STEP, an env whose episode ended at its previous step is reset instead
+        and its row marked in ``reset``; with SAME_STEP, an env whose episode ends now is
+        reset at once and its last observation goes to ``final_observation``; with
+        DISABLED the server never steps an ended env.
+
+        Raises:
+            InvalidAction: ``actions`` does not fit (wrong shape; INVALID_ARGUMENT for the
+                request, nothing stepped).
+        """
+        raise NotImplementedError
+
+    def state(self, index: int) -> StateT:
+        """The state of one env of the batch."""
+        raise NotImplementedError
+
+    def join_actions(self, actions: Sequence[ActionT]) -> ActionT:
+        """One batch-form action from one action per env (a client that sent one payload
+        per env, e.g. in another language, is served through this).
+
+        Raises:
+            InvalidAction: an action does not fit.
+        """
+        raise NotImplementedError
+
+    def split_observation(self, observation: ObservationT, rows: int) -> list[ObservationT]:
+        """One observation per row from a batch-form observation (for such clients)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release every env of the batch. Called exactly once, even after errors."""
 
 
 AnyEnvironment = Environment[Any, Any, Any, Any] | AsyncEnvironment[Any, Any, Any, Any]
