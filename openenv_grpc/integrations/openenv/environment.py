@@ -42,7 +42,9 @@ import concurrent.futures
 import contextlib
 import copyreg
 import functools
+import hashlib
 import inspect
+import re
 import types
 import typing
 from collections.abc import Callable
@@ -131,10 +133,16 @@ def _adapter(
         raise TypeError(f"{env_class!r} is not a subclass of openenv's Environment")
     found = _find_types(env_class, action, observation, state)
     label = name or env_class.__name__
-    module = env_class.__module__.replace("-", "_")
+    module = env_class.__module__
+    # One file (and package) per recipe, named the same in every process that builds it
+    # (an --isolated worker must agree with the front on the type urls).
+    stem = re.sub(r"\W", "_", label)
+    if (action, observation, state) != (None, None, None):
+        models = repr([_qualnames(x) for x in (action, observation, state)]).encode()
+        stem += "_" + hashlib.sha256(models).hexdigest()[:8]
     builder = SchemaBuilder(
-        f"openenv_bridge/{module.replace('.', '/')}/{env_class.__name__}.proto",
-        f"openenv_bridge.{module}.{env_class.__name__}",
+        f"openenv_bridge/{module.replace('.', '/')}/{stem}.proto",
+        f"openenv_bridge.{module}.{stem}",
     )
     action_plan = _plan(builder, f"{label}Action", found.action, frozenset())
     observation_plan = _plan(builder, f"{label}Observation", found.observation, RESULT_FIELDS)
@@ -230,6 +238,10 @@ def _generic_args(env_class: type[Any]) -> tuple[Any, Any, Any]:
                 padded = [*args, None, None, None]
                 return padded[0], padded[1], padded[2]
     return None, None, None
+
+
+def _qualnames(value: Any) -> list[str]:
+    return [f"{m.__module__}.{m.__qualname__}" for m in _as_tuple(value) if m is not None]
 
 
 def _as_tuple(value: Any) -> tuple[Any, ...]:
