@@ -37,9 +37,7 @@ processes) rebuild the same types from the same env class.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
-import contextlib
 import copyreg
 import functools
 import hashlib
@@ -51,7 +49,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from google.protobuf.message import Message
 from openenv.core.env_server.interfaces import Environment as OpenEnvEnvironment
 from openenv.core.env_server.mcp_environment import MCPEnvironment
 from openenv.core.env_server.mcp_types import (
@@ -61,17 +58,24 @@ from openenv.core.env_server.mcp_types import (
     ListToolsObservation,
 )
 from openenv.core.env_server.types import Action, Observation, State
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
-from openenv_grpc.environment import AsyncEnvironment, Environment, InvalidAction, Transition
-from openenv_grpc.integrations.openenv.convert import jsonable, to_message, to_python
+from openenv_grpc.environment import AsyncEnvironment, Environment
+from openenv_grpc.integrations.openenv.bridge import Bridge
+from openenv_grpc.integrations.openenv.execution import async_methods, sync_methods
 from openenv_grpc.integrations.openenv.schema import ModelPlan, SchemaBuilder, UnionPlan
+from openenv_grpc.integrations.openenv.signatures import (
+    has_mcp,
+    hints,
+    overrides,
+    reset_method,
+    reset_parameters,
+)
 
 __all__ = ["OpenEnvTypes", "openenv_environment"]
 
 #: Observation fields that travel in the result, not in the observation message.
 RESULT_FIELDS = frozenset({"done", "reward", "metadata"})
-_SKIPPED_PARAMETERS = frozenset({"self", "seed", "episode_id"})
 
 
 @dataclass(frozen=True)
@@ -147,14 +151,12 @@ def _adapter(
     action_plan = _plan(builder, f"{label}Action", found.action, frozenset())
     observation_plan = _plan(builder, f"{label}Observation", found.observation, RESULT_FIELDS)
     state_plan = builder.model(found.state)
-    reset_method, asynchronous = _reset_method(env_class)
-    parameters, var_keyword = _reset_parameters(reset_method)
-    options_plan = builder.parameters(
-        f"{label}ResetOptions", parameters, _hints(reset_method), var_keyword
-    )
+    reset, asynchronous = reset_method(env_class)
+    parameters, var_keyword = reset_parameters(reset)
+    options_plan = builder.parameters(f"{label}ResetOptions", parameters, hints(reset), var_keyword)
     builder.build()
-    bridge = _Bridge(env_class, found, action_plan, observation_plan, state_plan, options_plan)
-    needs_loop = asynchronous or _overrides(env_class, "step_async") or _has_mcp(env_class)
+    bridge = Bridge(env_class, found, action_plan, observation_plan, state_plan, options_plan)
+    needs_loop = asynchronous or overrides(env_class, "step_async") or has_mcp(env_class)
     single_thread = bool(getattr(env_class, "REQUIRES_SINGLE_THREAD_EXECUTOR", False))
     base: Any = AsyncEnvironment if needs_loop or single_thread else Environment
     generic = base[
@@ -175,9 +177,9 @@ def _adapter(
     }
     if base is AsyncEnvironment:
         executor = concurrent.futures.ThreadPoolExecutor(1) if single_thread else None
-        body.update(_async_methods(bridge, executor))
+        body.update(async_methods(bridge, executor))
     else:
-        body.update(_sync_methods(bridge))
+        body.update(sync_methods(bridge))
     return types.new_class(
         f"{env_class.__name__}Bridge",
         (generic,),
@@ -196,13 +198,13 @@ def _find_types(
     state: type[BaseModel] | None,
 ) -> OpenEnvTypes:
     generic = _generic_args(env_class)
-    hints = _hints(env_class.step)
+    step_hints = hints(env_class.step)
     state_property = inspect.getattr_static(env_class, "state", None)
     state_hint = (
-        _hints(state_property.fget).get("return") if isinstance(state_property, property) else None
+        hints(state_property.fget).get("return") if isinstance(state_property, property) else None
     )
-    found_action = action or generic[0] or hints.get("action")
-    found_observation = observation or generic[1] or hints.get("return")
+    found_action = action or generic[0] or step_hints.get("action")
+    found_observation = observation or generic[1] or step_hints.get("return")
     found_state = state or generic[2] or state_hint or State
     if issubclass(env_class, MCPEnvironment):
         # OpenEnv routes list_tools / call_tool to every MCP env whatever it declares.
@@ -248,234 +250,9 @@ def _as_tuple(value: Any) -> tuple[Any, ...]:
     return value if isinstance(value, tuple) else (value,)
 
 
-def _hints(function: Any) -> dict[str, Any]:
-    try:
-        return typing.get_type_hints(function)
-    except Exception:  # unresolvable string annotations: use none of them
-        return {}
-
-
 def _plan(
     builder: SchemaBuilder, name: str, models: tuple[type[BaseModel], ...], exclude: frozenset[str]
 ) -> ModelPlan | UnionPlan:
     if len(models) == 1:
         return builder.model(models[0], exclude)
     return builder.union(name, list(models), exclude)
-
-
-def _overrides(env_class: type[Any], method: str) -> bool:
-    return getattr(env_class, method) is not getattr(OpenEnvEnvironment, method)
-
-
-def _has_mcp(env_class: type[Any]) -> bool:
-    return callable(getattr(env_class, "mcp_session", None))
-
-
-def _reset_method(env_class: type[Any]) -> tuple[Callable[..., Any], bool]:
-    """The reset OpenEnv would call (``reset_async`` if overridden) and whether it is it."""
-    if _overrides(env_class, "reset_async"):
-        return env_class.reset_async, True
-    return env_class.reset, False
-
-
-def _reset_parameters(reset: Callable[..., Any]) -> tuple[list[inspect.Parameter], bool]:
-    parameters = list(inspect.signature(reset).parameters.values())
-    named = [
-        p for p in parameters
-        if p.name not in _SKIPPED_PARAMETERS
-        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-    ]  # fmt: skip
-    return named, any(p.kind is p.VAR_KEYWORD for p in parameters)
-
-
-# -- the bridge between the two ----------------------------------------------------------
-
-
-class _Bridge:
-    """Conversions for one env class, shared by its sync and async adapters."""
-
-    def __init__(
-        self,
-        env_class: type[OpenEnvEnvironment],
-        found: OpenEnvTypes,
-        action: ModelPlan | UnionPlan,
-        observation: ModelPlan | UnionPlan,
-        state: ModelPlan,
-        options: ModelPlan,
-    ) -> None:
-        self.env_class = env_class
-        self.found = found
-        self.action = action
-        self.observation = observation
-        self.state = state
-        self.options = options
-        parameters = inspect.signature(_reset_method(env_class)[0]).parameters
-        takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
-        self.takes_seed = takes_any or "seed" in parameters
-        self.takes_episode_id = takes_any or "episode_id" in parameters
-        self.kwargs_field = next(
-            (
-                f.name
-                for f in options.fields
-                if f.name in ("kwargs", "extra_kwargs") and f.kind == "Struct"
-            ),
-            None,
-        )
-
-    def reset_kwargs(
-        self, seed: int | None, episode_id: str, options: Message | None
-    ) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {}
-        if options is not None:
-            _, kwargs = to_python(self.options, options)
-            if self.kwargs_field is not None:  # **kwargs: its Struct's keys, as they are
-                kwargs.update(kwargs.pop(self.kwargs_field, None) or {})
-        if seed is not None and self.takes_seed:
-            kwargs["seed"] = seed
-        if self.takes_episode_id:
-            kwargs["episode_id"] = episode_id
-        return kwargs
-
-    def action_in(self, message: Message) -> BaseModel:
-        """Raises InvalidAction: the env's model refuses the action."""
-        try:
-            model, data = to_python(self.action, message)
-            return model.model_validate(data)
-        except (ValidationError, ValueError) as exc:
-            raise InvalidAction(_validation_message(exc)) from None
-
-    def transition(self, observation: Any) -> Transition[Message]:
-        if not isinstance(observation, BaseModel):
-            raise TypeError(
-                f"{self.env_class.__qualname__} returned {type(observation).__name__}, "
-                "not an Observation"
-            )
-        reward = getattr(observation, "reward", None)
-        metadata = getattr(observation, "metadata", None)
-        return Transition(
-            to_message(self.observation, observation),
-            reward=0.0 if reward is None else float(reward),
-            terminated=bool(getattr(observation, "done", False)),
-            info=jsonable(metadata) if metadata else None,
-        )
-
-    def state_out(self, env: Any) -> Message:
-        state = env.state
-        if callable(state):  # an env that made state a method instead of a property
-            state = state()
-        if isinstance(state, BaseModel) and not isinstance(state, self.state.python):
-            state = self.state.python.model_validate(state.model_dump())
-        return to_message(self.state, state)
-
-
-def _validation_message(exc: Exception) -> str:
-    if isinstance(exc, ValidationError):
-        parts = [
-            f"{'.'.join(str(p) for p in error['loc']) or 'action'}: {error['msg']}"
-            for error in exc.errors()
-        ]
-        return f"invalid {exc.title}: " + "; ".join(parts)
-    return str(exc)
-
-
-def _sync_methods(bridge: _Bridge) -> dict[str, Any]:
-    def __init__(self: Any) -> None:
-        self._env = bridge.env_class()
-
-    def reset(self: Any, *, seed: int | None, episode_id: str, options: Message | None) -> Any:
-        return bridge.transition(self._env.reset(**bridge.reset_kwargs(seed, episode_id, options)))
-
-    def step(self: Any, action: Message) -> Any:
-        return bridge.transition(self._env.step(bridge.action_in(action)))
-
-    def state(self: Any) -> Message:
-        return bridge.state_out(self._env)
-
-    def close(self: Any) -> None:
-        self._env.close()
-
-    return {"__init__": __init__, "reset": reset, "step": step, "state": state, "close": close}
-
-
-def _async_methods(
-    bridge: _Bridge, executor: concurrent.futures.ThreadPoolExecutor | None
-) -> dict[str, Any]:
-    env_class = bridge.env_class
-    reset_is_async = _overrides(env_class, "reset_async")
-    step_is_async = _overrides(env_class, "step_async")
-
-    async def in_thread(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(executor, functools.partial(function, *args, **kwargs))
-
-    def __init__(self: Any) -> None:
-        self._env = env_class()
-        self._mcp = None  # the MCP session held open, once a call needs it
-
-    async def open_mcp(self: Any) -> None:
-        if self._mcp is None and _has_mcp(env_class):
-            self._mcp = _HeldContext(self._env.mcp_session)
-            await self._mcp.enter()
-
-    async def reset(
-        self: Any, *, seed: int | None, episode_id: str, options: Message | None
-    ) -> Any:
-        await open_mcp(self)
-        kwargs = bridge.reset_kwargs(seed, episode_id, options)
-        if reset_is_async:
-            observation = await self._env.reset_async(**kwargs)
-        else:
-            observation = await in_thread(self._env.reset, **kwargs)
-        return bridge.transition(observation)
-
-    async def step(self: Any, action: Message) -> Any:
-        await open_mcp(self)
-        model = bridge.action_in(action)
-        if step_is_async:
-            return bridge.transition(await self._env.step_async(model))
-        return bridge.transition(await in_thread(self._env.step, model))
-
-    async def state(self: Any) -> Message:
-        return bridge.state_out(self._env)
-
-    async def close(self: Any) -> None:
-        try:
-            if self._mcp is not None:
-                await self._mcp.exit()
-        finally:
-            await in_thread(self._env.close)
-
-    return {"__init__": __init__, "reset": reset, "step": step, "state": state, "close": close}
-
-
-class _HeldContext:
-    """An async context manager held open by a task of its own: entered and exited in
-    that task (anyio, under FastMCP, insists), whichever task asks."""
-
-    def __init__(self, factory: Callable[[], contextlib.AbstractAsyncContextManager[Any]]) -> None:
-        self._factory = factory
-        self._entered: asyncio.Future[None] | None = None
-        self._release = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-
-    async def enter(self) -> None:
-        self._entered = asyncio.get_running_loop().create_future()
-        self._task = asyncio.create_task(self._hold())
-        await self._entered
-
-    async def _hold(self) -> None:
-        assert self._entered is not None
-        try:
-            async with self._factory():
-                self._entered.set_result(None)
-                await self._release.wait()
-        except BaseException as exc:
-            if not self._entered.done():
-                self._entered.set_exception(exc)
-            raise
-
-    async def exit(self) -> None:
-        self._release.set()
-        if self._task is not None:
-            with contextlib.suppress(Exception):
-                await self._task
