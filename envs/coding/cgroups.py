@@ -197,6 +197,11 @@ class SandboxCgroup:
             pass
         return 0
 
+    def empty(self) -> bool:
+        """No process is in it: nothing of the sandbox is alive, nor can be born (a
+        process joins only as its parent's child, and the code cannot move itself)."""
+        return not any(_members(path) for path in self.paths)
+
     def destroy(self) -> bool:
         """Kill what runs in it and remove it; True when it is gone."""
         return destroy(self.paths)
@@ -209,10 +214,13 @@ def _write(path: Path, value: int, *, optional: bool = False) -> None:
 
 
 def _members(path: Path) -> list[int]:
+    """The pids in cgroup ``path`` ([] when it is gone; [-1] when it cannot be read)."""
     try:
         return [int(pid) for pid in (path / "cgroup.procs").read_text().split()]
-    except (OSError, ValueError):
+    except FileNotFoundError:
         return []
+    except (OSError, ValueError):
+        return [-1]
 
 
 def _kill_members(path: Path) -> None:
@@ -220,6 +228,8 @@ def _kill_members(path: Path) -> None:
     with contextlib.suppress(OSError):
         (path / "cgroup.kill").write_text("1")  # v2, Linux 5.14+: all at once
     for pid in _members(path):
+        if pid < 0:
+            continue
         try:
             pidfd = os.pidfd_open(pid)
         except OSError:

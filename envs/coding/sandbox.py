@@ -297,6 +297,18 @@ class Sandbox:
             return self._lease.owns
         return lambda fields: fields.session == leader
 
+    def _end_every_process(self, match: Callable[[ProcFields], bool]) -> bool:
+        """SIGKILL whatever of the sandbox still runs; True when nothing is left.
+
+        An empty cgroup proves there is nothing (the common case: the code left no
+        background process), which saves spawning the uid's killer.
+        """
+        if self.cgroup is not None and self.cgroup.empty():
+            return True
+        if self._lease is not None:
+            return self._lease.kill_all()
+        return kill_matching(match)
+
     def run(self, stdin: bytes, tests: Sequence[str] = (), staging: str = "") -> RunResult:
         """Run ``src/main.py`` (then ``tests``) once; blocks until the run is over."""
         if self.closed:
@@ -389,7 +401,7 @@ class Sandbox:
             # The run is over: nothing of it may outlive it (background children included).
             with contextlib.suppress(OSError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            if not (self._lease.kill_all() if self._lease is not None else kill_matching(match)):
+            if not self._end_every_process(match):
                 log.error("coding sandbox: processes of uid %d survived SIGKILL", self.uid)
             drain_until = time.monotonic() + DRAIN_SECONDS
             while len(selector.get_map()) > (1 if pidfd >= 0 else 0):

@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -176,8 +177,17 @@ def _parent(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[1])
 
 
+def report(line: str) -> None:
+    """One summary line per measurement (run with ``-s`` to see them)."""
+    print(f"SANDBOX {line}")
+
+
 def wait_until(predicate: Any, what: str, timeout: float = 10) -> None:
     ServerProcess.wait_until(predicate, timeout=timeout, what=what)
+
+
+def host_kind(state: CodingState) -> str:
+    return "full" if state.ipc_isolated else "degraded"
 
 
 def isolated_state(state: CodingState, *, full: bool) -> None:
@@ -242,6 +252,10 @@ def test_sysv_shared_memory_does_not_outlive_the_run(host: ServerProcess) -> Non
         else:
             assert made["made"] == 4  # the host's limits: the segments exist until the run ends
         assert host_segments(uid) == []  # removed after the run
+        report(
+            f"{host_kind(state)} sysv: 4 x 256 MiB asked, {made['made']} made, "
+            f"{len(host_segments(uid))} left on the host after the run"
+        )
         assert run(env, SHM_TABLE).stdout == "0\n"  # the next run starts with none
         facts(run(env, SHM_BOMB))
         assert host_segments(uid) == []
@@ -286,7 +300,12 @@ def test_dev_shm_and_run_lock_are_private_or_swept_per_run(host: ServerProcess) 
             # 1 GiB into /dev/shm stops at the sandbox's 256 MiB budget (tmpfs size and
             # cgroup), and the RAM is freed with the run, not held until the session ends.
             obs = run(env, FILL_SHM)
-            assert int(obs.stdout.split()[-1]) < 256
+            written = int(obs.stdout.split()[-1])
+            report(
+                f"full /dev/shm: 1 GiB asked under memory_mb=256, {written} MiB written, "
+                f"limit {Limit.Name(obs.limit)}, exit {obs.exit_code}"
+            )
+            assert written < 256
             # Stopped by the tmpfs size (ENOSPC) or by the cgroup (an OOM kill).
             assert obs.limit == Limit.LIMIT_MEMORY or "No space left" in obs.stderr, obs
             assert files_of(uid, "/dev/shm") == []
@@ -321,6 +340,10 @@ def test_children_share_the_sandboxs_memory_budget(full: ServerProcess) -> None:
         assert env.state().memory_cgroup
         obs = run(env, _children(6, 400))  # 2.4 GB asked in all, under one 512 MiB budget
         statuses = facts(obs)
+        report(
+            f"full memory: 6 children x 400 MiB under memory_mb=512: exit codes {statuses}, "
+            f"limit {Limit.Name(obs.limit)}"
+        )
         assert statuses.count(0) <= 1, statuses  # at most one 400 MiB child fits
         assert statuses.count(-9) >= 5, statuses  # the others: killed by the cgroup's OOM
         assert obs.limit == Limit.LIMIT_MEMORY
@@ -333,7 +356,9 @@ def test_without_a_cgroup_memory_is_bounded_per_process(degraded: ServerProcess)
         # The documented fallback: each process alone is bounded (RLIMIT_AS) ...
         assert facts(run(env, _children(1, 200))) == [3]  # MemoryError
         # ... but not the children together: 4 x 80 MiB all fit under memory_mb=128.
-        assert facts(run(env, _children(4, 80))) == [0, 0, 0, 0]
+        together = facts(run(env, _children(4, 80)))
+        report(f"degraded memory: 4 children x 80 MiB under memory_mb=128: exit codes {together}")
+        assert together == [0, 0, 0, 0]
         # So memory_mb x processes is what a sandbox may hold, and the server bounds it.
         with pytest.raises(EnvError) as refused:
             env.reset(
@@ -480,24 +505,48 @@ def test_a_server_with_a_bad_setting_says_which(start_server: Any) -> None:
 ESCAPES = """\
 import ctypes, json, os, subprocess, threading
 libc = ctypes.CDLL(None, use_errno=True)
-CLONE_NEWUSER, CLONE_NEWNS, SIGCHLD = 0x10000000, 0x00020000, 17
-def call(result):
-    return "ok" if result >= 0 else os.strerror(ctypes.get_errno())
-seen = {}
-if hasattr(os, "unshare"):  # Python 3.12+
-    try:
-        os.unshare(os.CLONE_NEWUSER)
-        seen["os.unshare"] = "ok"
-    except OSError as exc:
-        seen["os.unshare"] = exc.strerror
-seen["unshare(NEWUSER)"] = call(libc.unshare(CLONE_NEWUSER))
-seen["unshare(NEWUSER|NEWNS)"] = call(libc.unshare(CLONE_NEWUSER | CLONE_NEWNS))
 libc.syscall.restype = ctypes.c_long
-pid = libc.syscall(56, CLONE_NEWUSER | SIGCHLD, 0, 0, 0, 0)  # clone(2) on x86-64
-if pid == 0:
-    os._exit(0)
-seen["clone(NEWUSER)"] = call(pid)
-seen["mount tmpfs"] = call(libc.mount(b"tmpfs", os.getcwd().encode(), b"tmpfs", 0, b"size=100g"))
+CLONE_NEWUSER, CLONE_NEWNS, SIGCHLD = 0x10000000, 0x00020000, 17
+
+def call(result):
+    if result < 0:
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+    return "ok"
+
+def clone_user():
+    pid = libc.syscall(56, CLONE_NEWUSER | SIGCHLD, 0, 0, 0, 0)  # clone(2) on x86-64
+    if pid == 0:
+        os._exit(0)
+    return call(pid)
+
+def mount_100g():  # what the issue did: a user + mount namespace, then a big tmpfs
+    call(libc.unshare(CLONE_NEWUSER | CLONE_NEWNS))
+    return call(libc.mount(b"tmpfs", b"/tmp", b"tmpfs", 0, b"size=100g"))
+
+def attempt(escape):
+    # Each in a fresh child, so that one that works does not change the next.
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            outcome = escape()
+        except OSError as exc:
+            outcome = exc.strerror
+        os.write(write, outcome.encode())
+        os._exit(0)
+    os.close(write)
+    outcome = os.read(read, 200).decode()
+    os.waitpid(pid, 0)
+    return outcome
+
+seen = {
+    "unshare(NEWUSER)": attempt(lambda: call(libc.unshare(CLONE_NEWUSER))),
+    "clone(NEWUSER)": attempt(clone_user),
+    "unshare(NEWUSER|NEWNS) + mount tmpfs size=100g": attempt(mount_100g),
+    "mount tmpfs": attempt(lambda: call(libc.mount(b"tmpfs", b"/tmp", b"tmpfs", 0, b"size=1m"))),
+}
+if hasattr(os, "unshare"):  # Python 3.12+
+    seen["os.unshare"] = attempt(lambda: os.unshare(os.CLONE_NEWUSER) or "ok")
 seen["unshare -Urm"] = subprocess.run(["unshare", "-Urm", "true"], capture_output=True).returncode
 thread = threading.Thread(target=lambda: None)
 thread.start()
@@ -511,12 +560,13 @@ def test_user_namespaces_and_mounts_fail_inside(host: ServerProcess) -> None:
     with CodingEnv(host.target) as env:
         env.reset()
         seen = facts(run(env, ESCAPES))
+        report(f"{host_kind(env.state())} escapes: {seen}")
     refused = "Operation not permitted"
     assert seen.pop("os.unshare", refused) == refused
     assert seen == {
         "unshare(NEWUSER)": refused,
-        "unshare(NEWUSER|NEWNS)": refused,
         "clone(NEWUSER)": refused,
+        "unshare(NEWUSER|NEWNS) + mount tmpfs size=100g": refused,
         "mount tmpfs": refused,
         "unshare -Urm": 1,
         "subprocess": 0,  # threads and child processes still work under the filter
@@ -620,7 +670,11 @@ def test_a_dead_owners_sandbox_is_reclaimed_and_a_live_one_is_not(kind: str, orp
         assert Path(f"/proc/{made['child']}/root/dev/shm/orphan-{uid}").exists()
         assert len(files_of(uid, "/tmp")) == 1
 
+    started = time.monotonic()
     CodingEnvironment.reclaim_orphans()  # from another process: this one
+    report(
+        f"{kind} reclaim: 1 dead owner's sandbox reclaimed in {time.monotonic() - started:.3f} s"
+    )
 
     assert live_pids(uid) == []
     assert not Path(sandbox["base"]).exists()
@@ -663,13 +717,14 @@ def test_a_killed_servers_leftovers_are_reclaimed_by_the_next_server() -> None:
         servers[0].proc.wait(10)
         env.abort()
         assert child in live_pids(state.sandbox_uid) and Path(state.workdir).exists()
-        servers.append(_serve({}))
-        with CodingEnv(servers[1].target) as fresh:
-            fresh.reset()  # the first sandbox of the new server reclaims the old ones
-        assert live_pids(state.sandbox_uid) == []
+        servers.append(_serve({}))  # the new server reclaims the old one's sandboxes at start
+        wait_until(lambda: not live_pids(state.sandbox_uid), "the old sandbox's processes gone")
         assert not Path(state.workdir).parent.exists()
         assert files_of(state.sandbox_uid, "/tmp") == []
-        assert "reclaimed" in servers[1].stderr()
+        assert f"reclaiming {Path(state.workdir).parent}" in servers[1].stderr()
+        with CodingEnv(servers[1].target) as fresh:
+            fresh.reset()
+            assert run(fresh, "print('fresh')").stdout == "fresh\n"
     finally:
         for server in servers:
             server.stop()
@@ -695,10 +750,14 @@ def test_a_killed_isolated_workers_leftovers_are_reclaimed() -> None:
         os.kill(worker, signal.SIGKILL)
         wait_until(lambda: child in live_pids(state.sandbox_uid), "the child outlived the worker")
         env.abort()
+        # The server reclaims what the dead worker left (so would the next worker's first
+        # sandbox); a new session works meanwhile.
         with CodingEnv(server.target) as fresh:
-            fresh.reset()  # a new worker's first sandbox reclaims the dead worker's
+            fresh.reset()
+            assert run(fresh, "print('fresh')").stdout == "fresh\n"
         wait_until(lambda: not live_pids(state.sandbox_uid), "the dead worker's processes gone")
         assert not Path(state.workdir).parent.exists()
+        assert f"reclaiming {Path(state.workdir).parent}" in server.stderr()
     finally:
         server.stop()
         CodingEnvironment.reclaim_orphans()  # whatever a failure above left
