@@ -187,6 +187,7 @@ class Sandbox:
         self.cgroup: SandboxCgroup | None = None
         self._registration: Registration | None = None
         self.base = Path()
+        made_base = False
         try:
             name = f"{BASE_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
             self.base = Path(tempfile.gettempdir()) / name
@@ -210,6 +211,7 @@ class Sandbox:
             self.src = self.base / "src"
             self.workdir = self.base / "work"
             self.base.mkdir(mode=0o700)
+            made_base = True
             self.src.mkdir()
             self.workdir.mkdir()
             if self._lease is not None:
@@ -222,6 +224,8 @@ class Sandbox:
             if parents is not None:
                 self.cgroup = SandboxCgroup(parents, name, limits.memory_mb << 20, limits.processes)
         except BaseException:
+            if not made_base:
+                self.base = Path()  # not ours: close() must not remove it
             self.close()
             raise
         self._env = {**RUN_ENV, "HOME": str(self.workdir), "TMPDIR": str(self.workdir)}
