@@ -22,6 +22,7 @@ from openenv_grpc.scaffold import add_init_command, run_init
 from openenv_grpc.server.app import serve
 from openenv_grpc.server.config import ENV_VARS, ServerConfig, settings
 from openenv_grpc.server.logs import configure_logging
+from openenv_grpc.server.spec import EnvSpec
 
 __all__ = ["main"]
 
@@ -135,6 +136,16 @@ def _serve(args: argparse.Namespace) -> int:
         else:
             factory = load_factory(args.env)
     except (ValueError, LookupError, TypeError, ImportError) as exc:
+        print(f"openenv-grpc: {exc}", file=sys.stderr)
+        return 2
+    try:
+        env_class = EnvSpec.from_factory(factory).env_class
+    except TypeError as exc:
+        print(f"openenv-grpc: {exc}", file=sys.stderr)
+        return 1
+    try:
+        env_class.check_settings()  # a bad env setting is a usage error, like a bad flag
+    except ValueError as exc:
         print(f"openenv-grpc: {exc}", file=sys.stderr)
         return 2
     try:

@@ -119,6 +119,12 @@ class CodingEnvironment(
     )
     runs_inline = False  # a step blocks for as long as the code runs
 
+    @classmethod
+    def check_settings(cls) -> None:
+        """Parse the ``CODING_*`` variables at server start: a bad value stops the server
+        with its message instead of failing every session."""
+        CodingSettings.from_env()
+
     def __init__(self, settings: CodingSettings | None = None) -> None:
         """Args:
             settings: The server's maxima; None reads them from the ``CODING_*``

@@ -17,6 +17,7 @@ lives here once:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypedDict, TypeVar
@@ -128,8 +129,8 @@ class SessionCore:
     """The state of one session, whichever shell moves its bytes."""
 
     __slots__ = (
-        "call", "channel", "lost", "metadata", "protocol", "provider", "reconnect", "retry",
-        "session_id", "stub",
+        "call", "channel", "dial", "lost", "metadata", "protocol", "provider", "reconnect",
+        "retry", "session_id", "stub",
     )  # fmt: skip
 
     def __init__(
@@ -140,12 +141,16 @@ class SessionCore:
         metadata: Metadata,
         retry: OpenRetry | None,
         reconnect: bool,
+        dial: Callable[[], Any] | None = None,
     ) -> None:
         self.protocol = SessionProtocol(types)
         #: The EnvService stub the stream is opened on.
         self.stub = stub
         #: The channel this session made and closes (None when the caller gave one).
         self.channel = channel
+        #: Makes the owned channel anew for an open after the last one was let go (None
+        #: when the caller gave the channel).
+        self.dial = dial
         #: A provider this session launched and stops when it ends.
         self.provider: SessionSource | None = None
         self.metadata = tuple(metadata)
@@ -168,6 +173,10 @@ class SessionCore:
         """
         if self.call is not None:
             raise SessionStateError("session is already open")
+        if self.channel is None and self.dial is not None:
+            # Closed or lost before: a session that owns its channel makes a new one.
+            self.channel = self.dial()
+            self.stub = pb_grpc.EnvServiceStub(self.channel)
         return OpenSchedule(self.retry)
 
     def admit(self, call: Any, initial_metadata: Metadata | None) -> bool:
@@ -260,11 +269,11 @@ class SessionBase:
         unknown = set(options) - set(SessionOptions.__annotations__)
         if unknown:
             raise TypeError(f"unknown session option(s): {', '.join(sorted(unknown))}")
-        channel = None
+        channel = dial = None
         if isinstance(target, str):
             # Looked up on the class: a plain function kept as a class attribute.
-            make_channel = type(self)._make_channel
-            channel = target = make_channel(target, options.get("credentials"))
+            dial = functools.partial(type(self)._make_channel, target, options.get("credentials"))
+            channel = target = dial()
         if isinstance(target, self._channel_class):
             target = pb_grpc.EnvServiceStub(target)
         metadata = (*auth_metadata(options.get("token")), *options.get("metadata", ()))
@@ -275,6 +284,7 @@ class SessionBase:
             metadata,
             options.get("retry"),
             options.get("reconnect", False),
+            dial,
         )
 
     @property
