@@ -65,6 +65,14 @@ def _parser() -> argparse.ArgumentParser:
     option("--tls-key", "tls_key", str, "PEM private key for --tls-cert")
     option("--tls-client-ca", "tls_client_ca", str, "PEM CA: require client certs (mTLS)")
     option("--metrics-port", "metrics_port", int, "Prometheus /metrics port; -1 off, 0 free")
+    option(
+        "--max-streams-per-connection", "max_streams_per_connection", int,
+        "HTTP/2 streams one client connection may have open",
+    )  # fmt: skip
+    option(
+        "--max-pending-calls", "max_pending_calls", int,
+        "calls gRPC holds before the handlers take them",
+    )  # fmt: skip
     option("--workers", "workers", int, "server processes sharing the port (SO_REUSEPORT)")
     option("--isolated", "isolated", int, "run envs in this many worker processes; 0 = off")
     option("--reuse-port", "reuse_port", int, "1: share the port with other servers")

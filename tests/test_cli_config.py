@@ -61,6 +61,8 @@ def test_from_env_parses_every_variable() -> None:
         "TLS_KEY": "/certs/server.key",
         "TLS_CLIENT_CA": "/certs/ca.pem",
         "METRICS_PORT": "9100",
+        "MAX_STREAMS_PER_CONNECTION": "64",
+        "MAX_PENDING_CALLS": "5000",
         "WORKERS": "3",
         "ISOLATED": "2",
         "REUSE_PORT": "1",
@@ -84,6 +86,8 @@ def test_from_env_parses_every_variable() -> None:
         tls_key="/certs/server.key",
         tls_client_ca="/certs/ca.pem",
         metrics_port=9100,
+        max_streams_per_connection=64,
+        max_pending_calls=5000,
         workers=3,
         isolated=2,
         reuse_port=1,
@@ -152,6 +156,10 @@ def test_from_env_bad_value_raises_value_error_naming_the_variable(var: str, raw
         ("KEEPALIVE_TIME", "0", "keepalive_time"),
         ("KEEPALIVE_TIMEOUT", "-2", "keepalive_timeout"),
         ("REUSE_PORT", "2", "reuse_port"),
+        ("MAX_STREAMS_PER_CONNECTION", "0", "max_streams_per_connection"),
+        ("MAX_STREAMS_PER_CONNECTION", "2147483648", "max_streams_per_connection"),
+        ("MAX_PENDING_CALLS", "0", "max_pending_calls"),
+        ("MAX_PENDING_CALLS", "-5", "max_pending_calls"),
     ],
 )
 def test_from_env_out_of_range_is_rejected(var: str, raw: str, field: str) -> None:

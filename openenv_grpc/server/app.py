@@ -46,14 +46,24 @@ SERVING_LINE = re.compile(r"openenv-grpc: serving (\S+) on (\S+):(\d+)")
 
 log = logging.getLogger(__name__)
 
+#: The HTTP/2 flow-control window of each stream the server receives on (see grpc_options).
+STREAM_WINDOW_BYTES = 64 * 1024
+
 
 def grpc_options(config: ServerConfig) -> list[tuple[str, Any]]:
-    """Channel arguments: message limits and keepalive that detects dead peers."""
+    """Channel arguments: message limits, keepalive that detects dead peers, and the
+    bounds on what a hostile HTTP/2 peer can make the server hold (docs/reliability.md,
+    "Hostile HTTP/2", has the measurements behind each number)."""
+    keepalive_timeout_ms = int(config.keepalive_timeout * 1000)
     return [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.keepalive_time_ms", int(config.keepalive_time * 1000)),
-        ("grpc.keepalive_timeout_ms", int(config.keepalive_timeout * 1000)),
+        ("grpc.keepalive_timeout_ms", keepalive_timeout_ms),
+        # grpc-core closes a connection whose ping goes unanswered after the *ping*
+        # timeout (60 s by default), not the keepalive timeout: a stopped client would
+        # keep its sessions 60 s, whatever KEEPALIVE_TIMEOUT says.
+        ("grpc.http2.ping_timeout_ms", keepalive_timeout_ms),
         ("grpc.keepalive_permit_without_calls", 1),
         # Let clients ping as often as every 10 s without being told to go away.
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
@@ -62,11 +72,21 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, Any]]:
         # the port. Off, so binding a taken port fails loudly -- unless workers (or, with
         # REUSE_PORT=1, other servers such as swarm replicas) share it on purpose.
         ("grpc.so_reuseport", 1 if config.workers > 1 or config.reuse_port else 0),
-        # gRPC cancels new calls at random beyond 1,000 waiting for the application (all
-        # beyond 3,000): a burst of session opens would see CANCELLED instead of either a
-        # session or our RESOURCE_EXHAUSTED. The limiter is the admission control.
-        ("grpc.server.max_pending_requests", 1_000_000),
-        ("grpc.server.max_pending_requests_hard_limit", 1_000_000),
+        # A stream reset by the client still counts against this until the server has let
+        # it go (grpc's overload protection, on by default): one connection can make the
+        # server hold at most this many calls, however fast it resets them.
+        ("grpc.max_concurrent_streams", config.max_streams_per_connection),
+        # gRPC cancels calls at random once more than its default 1,000 wait for the
+        # application: a burst of session opens would see CANCELLED instead of either a
+        # session or our RESOURCE_EXHAUSTED. Soft = hard: no random early drop below it.
+        ("grpc.server.max_pending_requests", config.max_pending_calls),
+        ("grpc.server.max_pending_requests_hard_limit", config.max_pending_calls),
+        # What a stream may send before the server reads it: 64 KiB (HTTP/2's own
+        # default). A message being read gets the window it needs anyway; what this bounds
+        # is what a client that never reads its answers can park on each stream. BDP
+        # probing would grow the window to 32 MiB per stream, so it is off.
+        ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
+        ("grpc.http2.bdp_probe", 0),
     ]
 
 

@@ -14,6 +14,8 @@ from typing import Any
 
 __all__ = ["ServerConfig"]
 
+_INT32_MAX = 2**31 - 1
+
 #: Field name -> environment variable that sets it.
 ENV_VARS: dict[str, str] = {
     "host": "HOST",
@@ -32,6 +34,8 @@ ENV_VARS: dict[str, str] = {
     "tls_key": "TLS_KEY",
     "tls_client_ca": "TLS_CLIENT_CA",
     "metrics_port": "METRICS_PORT",
+    "max_streams_per_connection": "MAX_STREAMS_PER_CONNECTION",
+    "max_pending_calls": "MAX_PENDING_CALLS",
     "workers": "WORKERS",
     "isolated": "ISOLATED",
     "reuse_port": "REUSE_PORT",
@@ -69,6 +73,14 @@ class ServerConfig:
         metrics_port: Port of the Prometheus ``/metrics`` endpoint (on ``host``); -1 turns
             metrics off, 0 picks a free port (printed at start). With workers, worker i
             serves on ``metrics_port + i``.
+        max_streams_per_connection: HTTP/2 streams (sessions and other calls) one client
+            connection may have open at once. gRPC clients queue calls beyond it until
+            one ends, so a client wanting more sessions opens more channels. It also
+            bounds what one connection's reset streams cost (rapid reset).
+        max_pending_calls: Calls gRPC holds for the server before its handlers pick them
+            up; beyond it gRPC itself refuses calls (not the limiter). Must cover the
+            largest burst of session opens expected at once; it also bounds what a
+            rapid-reset flood over many connections costs.
         workers: Server processes sharing the port (SO_REUSEPORT); the kernel balances
             connections, not streams, so clients open several channels to use them all.
             ``max_concurrent_envs`` is split evenly among them.
@@ -97,6 +109,8 @@ class ServerConfig:
     tls_key: str = ""
     tls_client_ca: str = ""
     metrics_port: int = -1
+    max_streams_per_connection: int = 256
+    max_pending_calls: int = 32768
     workers: int = 1
     isolated: int = 0
     reuse_port: int = 0
@@ -112,10 +126,14 @@ class ServerConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in (
-            "max_message_bytes", "env_threads", "keepalive_time", "keepalive_timeout", "workers"
+            "max_message_bytes", "env_threads", "keepalive_time", "keepalive_timeout", "workers",
+            "max_streams_per_connection", "max_pending_calls",
         ):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("max_streams_per_connection", "max_pending_calls"):
+            if getattr(self, name) > _INT32_MAX:  # gRPC channel arguments are C ints
+                raise ValueError(f"{name} must be <= {_INT32_MAX}, got {getattr(self, name)}")
         if self.reuse_port not in (0, 1):
             raise ValueError(f"reuse_port must be 0 or 1, got {self.reuse_port}")
 
