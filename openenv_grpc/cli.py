@@ -35,8 +35,8 @@ def _parser() -> argparse.ArgumentParser:
         "serve",
         help="serve an environment until SIGTERM/SIGINT",
         description="Serve ENV. Each option falls back to its environment variable, then "
-        "to its default. Token auth: set AUTH_TOKEN in the environment (never on the "
-        "command line, where other users can read it).",
+        "to its default. Token auth: set AUTH_TOKEN (and METRICS_TOKEN for /metrics) in "
+        "the environment (never on the command line, where other users can read it).",
     )
     run.add_argument("env", metavar="ENV", help="a packaged env (see `list`) or module:factory")
     defaults = ServerConfig()
@@ -65,6 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     option("--tls-key", "tls_key", str, "PEM private key for --tls-cert")
     option("--tls-client-ca", "tls_client_ca", str, "PEM CA: require client certs (mTLS)")
     option("--metrics-port", "metrics_port", int, "Prometheus /metrics port; -1 off, 0 free")
+    option("--metrics-host", "metrics_host", str, "address of the metrics endpoint")
     option(
         "--max-streams-per-connection", "max_streams_per_connection", int,
         "HTTP/2 streams one client connection may have open",

@@ -26,12 +26,8 @@ from openenv_grpc.server.auth import TokenAuthInterceptor
 from openenv_grpc.server.config import ServerConfig
 from openenv_grpc.server.isolated import IsolatedPool
 from openenv_grpc.server.limiter import SessionLimiter
-from openenv_grpc.server.metrics import (
-    Metrics,
-    MetricsTee,
-    PrometheusMetrics,
-    start_metrics_server,
-)
+from openenv_grpc.server.metrics import Metrics, MetricsTee, PrometheusMetrics
+from openenv_grpc.server.metrics_endpoint import MetricsEndpoint
 from openenv_grpc.server.service import SERVICE_NAME, EnvServicer, add_env_service
 from openenv_grpc.server.session import SessionManager
 from openenv_grpc.server.spec import EnvSpec
@@ -104,6 +100,7 @@ class EnvServer:
         self.port = 0
         #: Port of the Prometheus endpoint, once started (None: metrics off).
         self.metrics_port: int | None = None
+        self._metrics_endpoint: MetricsEndpoint | None = None
 
     @property
     def sessions(self) -> SessionManager:
@@ -127,8 +124,10 @@ class EnvServer:
         metrics: Metrics = activity
         if self.config.metrics_port >= 0:
             prometheus = PrometheusMetrics(limiter, self.spec.name)
-            host = self.config.host.strip("[]")
-            self.metrics_port = start_metrics_server(prometheus, host, self.config.metrics_port)
+            token = self.config.metrics_token or self.config.auth_token
+            self._metrics_endpoint = MetricsEndpoint(prometheus.registry, token)
+            host = self.config.metrics_host.strip("[]")
+            self.metrics_port = await self._metrics_endpoint.start(host, self.config.metrics_port)
             metrics = MetricsTee(activity, prometheus)
         if self.config.isolated:
             call_timeout = self.config.step_timeout or self.spec.env_class.step_timeout or None
@@ -177,6 +176,8 @@ class EnvServer:
         self._server = None
         if self._isolated is not None:
             self._isolated.stop()
+        if self._metrics_endpoint is not None:
+            await self._metrics_endpoint.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def wait_for_termination(self) -> None:
@@ -210,7 +211,10 @@ async def _serve(
     port = await server.start()
     host = config.address.rpartition(":")[0]
     if server.metrics_port is not None:
-        say(f"openenv-grpc: metrics on http://{host}:{server.metrics_port}/metrics")
+        metrics_host = config.metrics_host
+        if ":" in metrics_host and not metrics_host.startswith("["):
+            metrics_host = f"[{metrics_host}]"
+        say(f"openenv-grpc: metrics on http://{metrics_host}:{server.metrics_port}/metrics")
     on_ready(server.spec.name, host, port)
     await stop.wait()
     log.info("signal received: draining (grace %.1fs)", config.grace_period)

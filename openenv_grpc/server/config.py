@@ -34,6 +34,8 @@ ENV_VARS: dict[str, str] = {
     "tls_key": "TLS_KEY",
     "tls_client_ca": "TLS_CLIENT_CA",
     "metrics_port": "METRICS_PORT",
+    "metrics_host": "METRICS_HOST",
+    "metrics_token": "METRICS_TOKEN",
     "max_streams_per_connection": "MAX_STREAMS_PER_CONNECTION",
     "max_pending_calls": "MAX_PENDING_CALLS",
     "workers": "WORKERS",
@@ -70,9 +72,13 @@ class ServerConfig:
         tls_key: PEM private key file.
         tls_client_ca: PEM CA file; when set, clients must present a certificate it
             signed (mutual TLS).
-        metrics_port: Port of the Prometheus ``/metrics`` endpoint (on ``host``); -1 turns
-            metrics off, 0 picks a free port (printed at start). With workers, worker i
-            serves on ``metrics_port + i``.
+        metrics_port: Port of the Prometheus ``/metrics`` endpoint (on ``metrics_host``);
+            -1 turns metrics off, 0 picks a free port (printed at start). With workers,
+            worker i serves on ``metrics_port + i``.
+        metrics_host: Address of the metrics endpoint: loopback unless told otherwise
+            (``0.0.0.0`` for a Prometheus outside the pod), whatever ``host`` is.
+        metrics_token: When set, a scrape needs ``authorization: Bearer <metrics_token>``;
+            when empty, ``auth_token`` (if set) guards the endpoint instead.
         max_streams_per_connection: HTTP/2 streams (sessions and other calls) one client
             connection may have open at once. gRPC clients queue calls beyond it until
             one ends, so a client wanting more sessions opens more channels. It also
@@ -109,6 +115,8 @@ class ServerConfig:
     tls_key: str = ""
     tls_client_ca: str = ""
     metrics_port: int = -1
+    metrics_host: str = "127.0.0.1"
+    metrics_token: str = field(default="", repr=False)  # a secret: never printed
     max_streams_per_connection: int = 256
     max_pending_calls: int = 32768
     workers: int = 1
