@@ -68,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     option("--metrics-host", "metrics_host", str, "address of the metrics endpoint")
     option(
         "--max-streams-per-connection", "max_streams_per_connection", int,
-        "HTTP/2 streams one client connection may have open",
+        "HTTP/2 streams one client connection may have open; 0 = capacity + 32",
     )  # fmt: skip
     option(
         "--max-pending-calls", "max_pending_calls", int,

@@ -28,7 +28,6 @@ FLOOD_SECONDS = 12
 #: What a stream whose answers are never taken may cost the server: its 64 KiB window,
 #: the answer waiting on it and the bookkeeping, with room to spare.
 STALLED_STREAM_BOUND_KIB = 512
-MAX_STREAMS_PER_CONNECTION = 256  # the default
 ENHANCE_YOUR_CALM = 0xB
 
 
@@ -83,18 +82,20 @@ def test_clients_that_never_take_their_answers_park_at_most_a_window_per_stream(
     assert server.created() == server.closed_envs()
 
 
-Frames = tuple[dict[int, int], set[int], dict[int, int]]
+Frames = tuple[dict[int, int], set[int], set[int], dict[int, int]]
 
 
 def _read_frames(sock: socket.socket, seconds: float) -> Frames:
     """Read the server's frames for ``seconds``, acknowledging SETTINGS and PINGs.
 
     Returns:
-        The server's SETTINGS, the streams it answered with HEADERS, and the streams it
-        reset with their error codes.
+        The server's SETTINGS; the streams it answered with HEADERS (an admitted
+        session); those it answered with HEADERS that end the stream (a trailers-only
+        status: refused by the limiter); and those it reset, with their error codes.
     """
     settings: dict[int, int] = {}
     answered: set[int] = set()
+    ended: set[int] = set()
     reset: dict[int, int] = {}
     buffer = bytearray()
     sock.settimeout(0.2)
@@ -123,50 +124,60 @@ def _read_frames(sock: socket.socket, seconds: float) -> Frames:
                 ack = len(payload).to_bytes(3, "big") + b"\x06\x01\x00\x00\x00\x00"
                 sock.sendall(ack + payload)
             elif kind == 0x1:
-                answered.add(stream)
+                (ended if flags & 0x1 else answered).add(stream)
             elif kind == 0x3:
                 reset[stream] = int.from_bytes(payload, "big")
-    return settings, answered, reset
+    return settings, answered, ended, reset
 
 
 @pytest.mark.timeout(60)
-def test_a_connection_gets_at_most_max_streams_even_if_it_ignores_the_setting(
-    start_server,
+@pytest.mark.parametrize(
+    ("flags", "limit", "sessions"),
+    [
+        # The default: the capacity plus 32 (Info, health, refusals on their way out).
+        (("--max-concurrent-envs", "200"), 232, 200),
+        (("--max-streams-per-connection", "256"), 256, 256),
+    ],
+    ids=["capacity-plus-headroom", "explicit"],
+)
+def test_a_connection_gets_at_most_its_streams_even_if_it_ignores_the_setting(
+    start_server, flags: tuple[str, ...], limit: int, sessions: int
 ) -> None:
     """A peer that ignores SETTINGS_MAX_CONCURRENT_STREAMS opens 300 Session streams on
-    one connection: 256 become sessions, the rest are reset, and the server lives on."""
+    one connection: up to the limit the server takes them (as sessions, or refused by
+    the limiter), the rest are reset, and the server lives on."""
     import h2.config
     import h2.connection
 
-    server = start_server("support.envs:CountingEchoEnv")
+    server = start_server("support.envs:CountingEchoEnv", *flags)
     # h2 builds the frames; it never hears the server, so it does not enforce the limit.
     encoder = h2.connection.H2Connection(
         h2.config.H2Configuration(client_side=True, header_encoding=None)
     )
     encoder.initiate_connection()
-    streams = []
     for _ in range(300):
-        stream = encoder.get_next_available_stream_id()
-        encoder.send_headers(stream, grpc_headers(server.target))
-        streams.append(stream)
+        encoder.send_headers(encoder.get_next_available_stream_id(), grpc_headers(server.target))
     host, port = server.target.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=10) as sock:
         sock.sendall(encoder.data_to_send())
-        settings, answered, reset = _read_frames(sock, 4.0)
-        assert settings.get(0x3) == MAX_STREAMS_PER_CONNECTION  # SETTINGS_MAX_CONCURRENT_STREAMS
-        assert len(answered) == MAX_STREAMS_PER_CONNECTION
-        assert server.active() == MAX_STREAMS_PER_CONNECTION
-        assert len(reset) == 300 - MAX_STREAMS_PER_CONNECTION
-        assert set(reset.values()) == {ENHANCE_YOUR_CALM}
-        assert answered.isdisjoint(reset)
+        settings, admitted, refused, reset = _read_frames(sock, 4.0)
+        assert settings.get(0x3) == limit  # SETTINGS_MAX_CONCURRENT_STREAMS
+        assert len(admitted) == sessions == server.active()
+        assert len(refused) == limit - sessions
+        # Beyond the limit: reset with ENHANCE_YOUR_CALM. (A refused stream's status is
+        # followed by RST_STREAM NO_ERROR, as gRPC ends a stream the client still sends on.)
+        calm = {stream for stream, code in reset.items() if code == ENHANCE_YOUR_CALM}
+        assert len(calm) == 300 - limit
+        assert {stream for stream, code in reset.items() if code != ENHANCE_YOUR_CALM} == refused
+        assert calm.isdisjoint(admitted | refused)
     server.wait_until(lambda: server.active() == 0, what="the sessions of the closed socket")
-    assert server.created() == server.closed_envs() == MAX_STREAMS_PER_CONNECTION
+    assert server.created() == server.closed_envs() == sessions
 
 
 @pytest.mark.timeout(180)
 def test_a_burst_of_16384_opens_is_admitted_or_refused_by_the_limiter(start_server) -> None:
-    """With the stream cap, the burst rides 64 connections of 256 streams; gRPC's own
-    pending-call limit must not cancel any open (at gRPC's defaults it cancels ~half)."""
+    """16,384 opens at once over 64 connections: gRPC's own pending-call limit must not
+    cancel any of them (at gRPC's defaults it cancels about half)."""
     server = start_server("support.envs:CountingEchoEnv", "--max-concurrent-envs", "4096")
     result = admission_burst_run(server, sessions=16_384, channels=64)
     _print(result)

@@ -51,7 +51,7 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, Any]]:
     bounds on what a hostile HTTP/2 peer can make the server hold (docs/reliability.md,
     "Hostile HTTP/2", has the measurements behind each number)."""
     keepalive_timeout_ms = int(config.keepalive_timeout * 1000)
-    return [
+    options: list[tuple[str, Any]] = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.keepalive_time_ms", int(config.keepalive_time * 1000)),
@@ -68,10 +68,6 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, Any]]:
         # the port. Off, so binding a taken port fails loudly -- unless workers (or, with
         # REUSE_PORT=1, other servers such as swarm replicas) share it on purpose.
         ("grpc.so_reuseport", 1 if config.workers > 1 or config.reuse_port else 0),
-        # A stream reset by the client still counts against this until the server has let
-        # it go (grpc's overload protection, on by default): one connection can make the
-        # server hold at most this many calls, however fast it resets them.
-        ("grpc.max_concurrent_streams", config.max_streams_per_connection),
         # gRPC cancels calls at random once more than its default 1,000 wait for the
         # application: a burst of session opens would see CANCELLED instead of either a
         # session or our RESOURCE_EXHAUSTED. Soft = hard: no random early drop below it.
@@ -84,6 +80,13 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, Any]]:
         ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
         ("grpc.http2.bdp_probe", 0),
     ]
+    streams = config.streams_per_connection
+    if streams:
+        # A stream reset by the client still counts against this until the server has
+        # let it go (grpc's overload protection, on by default): one connection can make
+        # the server hold at most this many calls, however fast it resets them.
+        options.append(("grpc.max_concurrent_streams", streams))
+    return options
 
 
 class EnvServer:

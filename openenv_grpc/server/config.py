@@ -12,9 +12,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-__all__ = ["ServerConfig"]
+__all__ = ["STREAM_HEADROOM", "ServerConfig"]
 
 _INT32_MAX = 2**31 - 1
+#: Streams a connection gets beyond the session capacity by default: room for Info,
+#: health and reflection calls, and for refused opens on their way out, while one
+#: client's connection holds every session.
+STREAM_HEADROOM = 32
 
 #: Field name -> environment variable that sets it.
 ENV_VARS: dict[str, str] = {
@@ -80,9 +84,11 @@ class ServerConfig:
         metrics_token: When set, a scrape needs ``authorization: Bearer <metrics_token>``;
             when empty, ``auth_token`` (if set) guards the endpoint instead.
         max_streams_per_connection: HTTP/2 streams (sessions and other calls) one client
-            connection may have open at once. gRPC clients queue calls beyond it until
-            one ends, so a client wanting more sessions opens more channels. It also
-            bounds what one connection's reset streams cost (rapid reset).
+            connection may have open at once; 0 (the default) means the session capacity
+            plus :data:`STREAM_HEADROOM`, or no limit when the capacity is unlimited.
+            gRPC clients queue calls beyond it until one ends, and every channel of a
+            process to one target shares a connection, so it must not be below the
+            capacity. It bounds what one connection's reset streams cost (rapid reset).
         max_pending_calls: Calls gRPC holds for the server before its handlers pick them
             up; beyond it gRPC itself refuses calls (not the limiter). Must cover the
             largest burst of session opens expected at once; it also bounds what a
@@ -117,7 +123,7 @@ class ServerConfig:
     metrics_port: int = -1
     metrics_host: str = "127.0.0.1"
     metrics_token: str = field(default="", repr=False)  # a secret: never printed
-    max_streams_per_connection: int = 256
+    max_streams_per_connection: int = 0
     max_pending_calls: int = 32768
     workers: int = 1
     isolated: int = 0
@@ -129,13 +135,14 @@ class ServerConfig:
         if not -1 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in -1..65535, got {self.metrics_port}")
         for name in (
-            "idle_timeout", "grace_period", "retry_pushback_ms", "step_timeout", "isolated"
+            "idle_timeout", "grace_period", "retry_pushback_ms", "step_timeout", "isolated",
+            "max_streams_per_connection",
         ):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in (
             "max_message_bytes", "env_threads", "keepalive_time", "keepalive_timeout", "workers",
-            "max_streams_per_connection", "max_pending_calls",
+            "max_pending_calls",
         ):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -149,6 +156,13 @@ class ServerConfig:
     def capacity(self) -> int:
         """The session cap, with 0 meaning unlimited."""
         return max(self.max_concurrent_envs, 0)
+
+    @property
+    def streams_per_connection(self) -> int:
+        """The HTTP/2 stream limit per connection, 0 meaning none (see the attribute)."""
+        if self.max_streams_per_connection:
+            return self.max_streams_per_connection
+        return self.capacity + STREAM_HEADROOM if self.capacity else 0
 
     @property
     def address(self) -> str:
