@@ -146,3 +146,20 @@ def test_declared_envs_are_not_measured(start_server) -> None:
             env.step(EchoAction(message="hi"))
     assert "now run on the event loop" not in server.stderr()
 
+
+def test_gymnasium_places_each_env_id_by_measurement(start_server) -> None:
+    from openenv_grpc_envs.gymnasium.adapters import RemoteGymnasiumEnv
+
+    server = start_server("gymnasium", extra_env={"GYM_ENV_ID": "CartPole-v1"})
+    env = RemoteGymnasiumEnv(server.target, "CartPole-v1")
+    try:
+        env.reset(seed=0)
+        env.action_space.seed(0)
+        for _ in range(10 * PROBATION):  # CartPole steps take microseconds
+            _, _, terminated, truncated, _ = env.step(env.action_space.sample())
+            if terminated or truncated:
+                env.reset()
+    finally:
+        env.close()
+    line = "env calls gymnasium.step [CartPole-v1] now run on the event loop"
+    assert line in server.stderr()
