@@ -113,7 +113,8 @@ class Environment(_EnvironmentBase[ActionT, ObservationT, StateT, ResetOptionsT]
     on a shared thread pool when they are not.
     """
 
-    #: Where the server runs ``reset``, ``step`` and ``state`` (and ``snapshot``/``restore``):
+    #: Where the server runs ``reset``, ``step``, ``state`` (and the other instance methods
+    #: it calls during a session):
     #:
     #: - ``None`` (the default): **measured**. The server times the calls, grouped by
     #:   method and by :meth:`cost_class`, across all sessions. A group starts on the
@@ -122,9 +123,11 @@ class Environment(_EnvironmentBase[ActionT, ObservationT, StateT, ResetOptionsT]
     #:   saves a thread hop per call (for a microsecond step, most of the server's CPU
     #:   per step). A call on the loop cannot be interrupted, only timed once it returns:
     #:   a second call over the threshold within 64 calls, or one over 50 times it, sends
-    #:   the group back to the pool, and each move back doubles the run of cheap calls the
-    #:   next move needs, so an env near the threshold settles on the pool. Every move is
-    #:   logged (INFO to the loop; WARNING back, with how long the loop was blocked).
+    #:   the group back to the pool (only the call's own time counts: it computed or
+    #:   blocked; time the OS gave other processes does not), and each move back doubles
+    #:   the run of cheap calls the next move needs, so an env near the threshold settles
+    #:   on the pool. Every move is logged (INFO to the loop; WARNING back, with how long
+    #:   the loop was blocked).
     #:   When a step timeout applies (the server's ``--step-timeout`` or
     #:   :attr:`step_timeout`), measured calls always run on the pool, where a call past
     #:   it can be given up on. The factory and :meth:`close` always run on the pool.
@@ -144,10 +147,10 @@ class Environment(_EnvironmentBase[ActionT, ObservationT, StateT, ResetOptionsT]
     def cost_class(self) -> str:
         """Optional, for a measured env (``runs_inline = None``) whose cost depends on what
         an instance is configured to run: a short name for the current configuration's
-        cost, e.g. the gymnasium env's env id (``"CartPole-v1"`` steps take microseconds,
-        ``"ALE/Pong-v5"`` steps a few hundred). The server places and measures the calls
-        of each (method, cost class) apart, so one slow class never moves the others off
-        the event loop, and a new class starts on the pool.
+        cost, e.g. the gymnasium env's env id (``"CartPole-v1"`` steps take a few
+        microseconds, ``"ALE/Pong-v5"`` steps a few hundred). The server places and
+        measures the calls of each (method, cost class) apart, so one slow class never
+        moves the others off the event loop, and a new class starts on the pool.
 
         Called on the event loop before each ``reset``, ``step`` and ``state``; it must
         return at once (read an attribute) and should name few classes (the server
