@@ -82,8 +82,10 @@ class GymnasiumEnvironment(
         "Any registered Gymnasium environment (classic control, toy text, Box2D, "
         "Atari via ale-py), chosen by env_id at reset."
     )
-    # Atari steps take 0.1-1 ms and making an env takes tens of ms: keep them off the loop.
-    runs_inline = False
+    # Execution hint: measured by the server per env id (see cost_class). Classic control
+    # steps take microseconds and run on the event loop; what measures slow (a first
+    # reset that makes the env, a heavy id) stays on the thread pool.
+    runs_inline = None
 
     def __init__(self) -> None:
         # Read here, not at import, so each server process (and test) sets its own.
@@ -167,6 +169,12 @@ class GymnasiumEnvironment(
         env, self._env = self._env, None
         if env is not None:
             env.close()
+
+    def cost_class(self) -> str:
+        """The running env id: the server measures each id's calls apart ("" before the
+        first reset)."""
+        config = self._config
+        return config.env_id if config is not None else ""
 
     # -- helpers ------------------------------------------------------------------------
 

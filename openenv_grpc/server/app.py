@@ -91,7 +91,9 @@ class EnvServer:
 
     def __init__(self, factory: Callable[[], Any], config: ServerConfig | None = None) -> None:
         self.config = config or ServerConfig.from_env()
-        self.spec = EnvSpec.from_factory(factory)
+        self.spec = EnvSpec.from_factory(
+            factory, inline_threshold=self.config.inline_threshold_ms / 1000
+        )
         # Daemon threads (see env_threads.py): a hung env call cannot hold up the exit.
         self._pool = EnvThreadPool(self.config.env_threads, "openenv-env")
         # Factories and closes of pooled envs: a replacement env or a close never waits

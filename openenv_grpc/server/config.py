@@ -132,6 +132,18 @@ class ServerConfig:
         details="as many threads again build and close those envs, so a fresh env never "
         "waits behind blocked calls (daemon threads, started on demand)",
     )  # fmt: skip
+    inline_threshold_ms: float = setting(
+        1.0, variable="INLINE_THRESHOLD_MS", flag="--inline-threshold-ms", minimum=0,
+        help="milliseconds: a sync env that leaves `runs_inline` unset has its calls run on "
+        "the event loop while they take less than this, on the thread pool otherwise; `0` = "
+        "always the pool",
+        details="measured per method and per `cost_class()` (the gymnasium env's env id): "
+        "32 calls in a row under half of it move a group to the loop, a second call over it "
+        "within 64 (or one over 50 times it) moves it back, logged as a WARNING with how long the "
+        "loop was blocked; each move back doubles the next probation. With a step timeout "
+        "such calls stay on the pool. Envs with `runs_inline = True`/`False` are not "
+        "measured",
+    )  # fmt: skip
     retry_pushback_ms: int = setting(
         500, variable="RETRY_PUSHBACK_MS", flag="--retry-pushback-ms", minimum=0,
         help="retry hint sent with `RESOURCE_EXHAUSTED`",

@@ -84,7 +84,7 @@ async def _serve(
     sock: socket.socket, factory: Callable[[], Any], call_timeout: float | None
 ) -> None:
     spec = EnvSpec.from_factory(factory)
-    if spec.mode is ExecutionMode.POOL:
+    if spec.mode in (ExecutionMode.POOL, ExecutionMode.MEASURED):
         # The worker is the env's own process: blocking calls run inline, one at a time.
         spec = dataclasses.replace(spec, mode=ExecutionMode.INLINE)
     reader, writer = await asyncio.open_unix_connection(sock=sock, limit=READ_LIMIT)

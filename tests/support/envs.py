@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import threading
 import time
 import uuid
 from collections import deque
@@ -276,3 +277,26 @@ class SlowFactoryEchoEnv(CountingEchoEnv):
     def __init__(self) -> None:
         time.sleep(float(os.environ.get("OPENENV_TEST_FACTORY_SECONDS", "2")))
         super().__init__()
+
+
+class MeasuredEnv(FaultyEnv):
+    """A FaultyEnv the server places by measurement (``runs_inline = None``). Two more
+    commands: ``thread`` echoes the name of the thread the step ran on (``MainThread``:
+    the event loop), ``class:NAME`` puts the instance in cost class NAME."""
+
+    runs_inline = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._cost_class = ""
+
+    def cost_class(self) -> str:
+        return self._cost_class
+
+    def step(self, action: EchoAction) -> Transition[EchoObservation]:
+        command = action.message
+        if command == "thread":
+            return Transition(EchoObservation(echoed_message=threading.current_thread().name))
+        if command.startswith("class:"):
+            self._cost_class = command.split(":", 1)[1]
+        return super().step(action)
