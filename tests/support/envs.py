@@ -297,10 +297,12 @@ class SnapshotEchoEnv(Environment[EchoAction, EchoObservation, EchoState, EchoRe
     if the snapshot carried the stream; episodes end like echo's (``max_steps``,
     ``stop_word``). The snapshot is JSON (plain data, never pickle).
 
-    Misbehaves on command: a step message ``snapshot:raise``, ``snapshot:invalid``,
-    ``snapshot:not-bytes`` or ``snapshot:big:N`` (N bytes of padding) makes the next
-    snapshots fail that way; ``restore:raise`` or ``restore:invalid`` is written into the
-    snapshots taken after it, whose restore then fails that way.
+    A step message ``environ:NAME`` echoes the variable NAME of the env's process
+    environment, ``pid`` the process id (neither moves the random stream). Misbehaves on
+    command: ``snapshot:raise``, ``snapshot:invalid``, ``snapshot:not-bytes`` or
+    ``snapshot:big:N`` (N bytes of padding) makes the next snapshots fail that way;
+    ``restore:raise`` or ``restore:invalid`` is written into the snapshots taken after it,
+    whose restore then fails that way.
     """
 
     name = "snapshot-echo"
@@ -333,6 +335,11 @@ class SnapshotEchoEnv(Environment[EchoAction, EchoObservation, EchoState, EchoRe
 
     def step(self, action: EchoAction) -> Transition[EchoObservation]:
         message = action.message
+        if message.startswith("environ:"):  # what env code finds in its environment
+            value = os.environ.get(message.removeprefix("environ:"), "<unset>")
+            return Transition(EchoObservation(echoed_message=value))
+        if message == "pid":
+            return Transition(EchoObservation(echoed_message=str(os.getpid())))
         if message.startswith("snapshot:"):
             self._snapshot_mode = message.removeprefix("snapshot:")
         elif message.startswith("restore:"):
