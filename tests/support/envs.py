@@ -413,3 +413,22 @@ class HalfSnapshotEnv(FaultyEnv):
 
     def snapshot(self) -> bytes:
         return b""
+
+
+class RandomRewardEnv(AsyncEchoEnv):
+    """Broken on purpose: rewards ignore the seed, so a replayed episode diverges."""
+
+    async def step(self, action: EchoAction) -> Transition[EchoObservation]:
+        transition = await super().step(action)
+        transition.reward = random.random()
+        return transition
+
+
+class StrictAsyncEchoEnv(AsyncEchoEnv):
+    """The async echo env (same name), refusing the message ``alpha``: a server of it
+    cannot replay an episode another server's env accepted."""
+
+    async def step(self, action: EchoAction) -> Transition[EchoObservation]:
+        if action.message == "alpha":
+            raise InvalidAction("alpha is not allowed here")
+        return await super().step(action)
