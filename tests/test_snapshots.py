@@ -423,6 +423,8 @@ def test_env_processes_sign_with_the_servers_key_which_env_code_never_sees(
         with EchoEnv(servers["main"].target) as plain:  # a server without env processes
             plain.restore(data)
             assert play(plain, ACTIONS[3:]) == original
+            peek = plain.step(EchoAction(message="environ:SNAPSHOT_KEYS"))  # env code inline
+            assert peek.observation.echoed_message == "<unset>"
         # The random key of a server is its env processes' too: a snapshot made on one
         # worker restores on the other.
         with EchoEnv(ephemeral.target) as a, EchoEnv(ephemeral.target) as b:
