@@ -174,13 +174,18 @@ def test_what_cannot_be_recovered_is_raised_as_the_loss(servers: list[ServerProc
     gone = serve()
     servers.append(gone)
     with EchoEnv(gone.target, recovery=Recovery(within=1.5)) as env:
-        env.reset(seed=1)
-        env.step(EchoAction(message="one"))
+        env.reset(seed=SEED, options=EchoResetOptions(max_steps=50))
+        trajectory = [_entry(env, MESSAGES[0])]
         kill(gone)
         started = time.monotonic()
         with pytest.raises(SessionLost, match=r"no server took the episode within 1\.5s"):
-            env.step(EchoAction(message="two"))
+            env.step(EchoAction(message=MESSAGES[1]))
         assert time.monotonic() - started < 1.5 + 5.0
+        # The session still holds its base: once a server is back, the next call recovers.
+        servers.append(serve(SNAP, "--port", str(gone.port)))
+        trajectory += [_entry(env, m) for m in MESSAGES[1:]]
+        assert env.recoveries == 1
+    assert trajectory == undisturbed(servers[-1].target)
 
 
 def test_a_fallback_without_the_key_is_passed_over(servers: list[ServerProcess]) -> None:

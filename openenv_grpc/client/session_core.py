@@ -29,7 +29,12 @@ import grpc
 from google.protobuf.message import Message
 
 from openenv_grpc.client.channel import auth_metadata
-from openenv_grpc.client.errors import CapacityError, SessionRefused, SessionStateError
+from openenv_grpc.client.errors import (
+    CapacityError,
+    SessionLost,
+    SessionRefused,
+    SessionStateError,
+)
 from openenv_grpc.client.notices import Draining
 from openenv_grpc.client.protocol import (
     Metadata,
@@ -249,9 +254,12 @@ class SessionCore:
         """The open stream.
 
         Raises:
+            SessionLost: the stream was lost and recovery is on: it will try again.
             SessionStateError: the session is not open.
         """
         if self.call is None:
+            if self.lost and self.recovering:  # a recovery gave up before: try once more
+                raise SessionLost(grpc.StatusCode.UNAVAILABLE, "the session was lost earlier")
             raise SessionStateError(
                 "session is not open: use it in a `with` / `async with` block or open() it"
             )

@@ -152,8 +152,10 @@ class EpisodeDriver:
         snapshots: SnapshotSeal | None = None,
     ) -> None:
         self._spec = spec
-        self._seal = snapshots or SnapshotSeal(
-            spec.name, spec.version, ephemeral_ring(), _DEFAULT_SNAPSHOT_LIMIT
+        self._seal = (
+            snapshots
+            if snapshots is not None
+            else SnapshotSeal(spec.name, spec.version, ephemeral_ring(), _DEFAULT_SNAPSHOT_LIMIT)
         )
         #: The env instance in use now; the session closes this one when it ends.
         self.runner = runner
