@@ -38,8 +38,8 @@ def _parser() -> argparse.ArgumentParser:
         "serve",
         help="serve an environment until SIGTERM/SIGINT",
         description="Serve ENV. Each option falls back to its environment variable, then "
-        "to its default. Token auth: set AUTH_TOKEN in the environment (never on the "
-        "command line, where other users can read it).",
+        "to its default. Token auth: set AUTH_TOKEN (and METRICS_TOKEN for /metrics) in "
+        "the environment (never on the command line, where other users can read it).",
     )
     run.add_argument(
         "env", metavar="ENV", nargs="?", help="a packaged env (see `list`) or module:factory"

@@ -382,6 +382,14 @@ class SessionBase:
         return self._core.session_id
 
     @property
+    def is_open(self) -> bool:
+        """True while the stream is open: False before :meth:`open`, after ``close`` or
+        ``abort``, and once the stream has ended (a lost stream may show here before the
+        next call raises ``SessionLost``)."""
+        call = self._core.call
+        return call is not None and not call.done()
+
+    @property
     def episode_id(self) -> str:
         """The current episode's id ("" before the first reset)."""
         return self._core.protocol.episode_id
