@@ -37,6 +37,7 @@ from typing import Any
 
 import grpc
 
+from bench.hostile import rss_mib
 from openenv_grpc.client import EnvError
 from openenv_grpc.testing import ServerProcess
 from openenv_grpc_envs.echo import AsyncEchoEnv, EchoAction, EchoResetOptions
@@ -48,14 +49,6 @@ _BIG = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_l
 
 def _server(*args: str) -> ServerProcess:
     return ServerProcess("support.envs:SnapshotEchoEnv", list(args), KEYS, pythonpath=[TESTS])
-
-
-def _rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def _percentiles(seconds: list[float]) -> dict[str, float]:
@@ -150,7 +143,7 @@ async def _big() -> dict[str, Any]:
                 "altered": bytes(data),
             }
             await neighbour.reset(seed=2, options=EchoResetOptions(max_steps=10**6))
-            rss_before = _rss_mib(server.proc.pid)
+            rss_before = rss_mib(server.proc.pid)
             results: dict[str, Any] = {}
             context = multiprocessing.get_context("spawn")
             for phase, forged in phases.items():
@@ -175,7 +168,7 @@ async def _big() -> dict[str, Any]:
                     "refusals_per_s": round(counted.value / seconds, 1),
                     "neighbour_step": _percentiles(latencies),
                 }
-            rss_after = _rss_mib(server.proc.pid)
+            rss_after = rss_mib(server.proc.pid)
         payload = os.urandom(8 << 20)
         started = time.perf_counter()
         hmac.digest(b"k" * 32, payload, hashlib.sha256)
