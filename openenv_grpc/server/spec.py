@@ -70,6 +70,9 @@ class EnvSpec:
     #: Where a MEASURED env's calls run now, learnt from their timings (None otherwise).
     placement: CallPlacement | None = None
 
+    #: The env overrides ``snapshot()`` and ``restore()``: the snapshot commands work.
+    snapshots: bool = False
+
     @classmethod
     def from_factory(
         cls, factory: Callable[[], Any], *, inline_threshold: float = DEFAULT_INLINE_THRESHOLD
@@ -79,7 +82,8 @@ class EnvSpec:
         such envs run on the pool, as if they had said False).
 
         Raises:
-            TypeError: the environment class cannot be found or declares bad types.
+            TypeError: the environment class cannot be found, declares bad types, or
+                overrides only one of ``snapshot()`` and ``restore()``.
         """
         env_class = _env_class_of(factory)
         types = message_types(env_class)
@@ -111,7 +115,29 @@ class EnvSpec:
                 types.action, types.observation, types.state, types.reset_options
             ),
             placement=placement,
+            snapshots=_supports_snapshots(env_class),
         )
+
+
+def _supports_snapshots(env_class: type[AnyEnvironment]) -> bool:
+    """True when ``env_class`` overrides both ``snapshot`` and ``restore``.
+
+    Raises:
+        TypeError: it overrides one of them only (half a feature is a bug: say so at start).
+    """
+    base = AsyncEnvironment if issubclass(env_class, AsyncEnvironment) else Environment
+    overridden = {
+        name
+        for name in ("snapshot", "restore")
+        if getattr(env_class, name) is not getattr(base, name)
+    }
+    if len(overridden) == 1:
+        (done,) = overridden
+        missing = ({"snapshot", "restore"} - overridden).pop()
+        raise TypeError(
+            f"{env_class.__qualname__} overrides {done}() but not {missing}(): snapshots need both"
+        )
+    return bool(overridden)
 
 
 def _env_class_of(factory: Callable[[], Any]) -> type[AnyEnvironment]:
