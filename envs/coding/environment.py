@@ -13,7 +13,11 @@ from __future__ import annotations
 import posixpath
 from collections.abc import Sequence
 
+from google.protobuf import json_format
+
 from openenv_grpc import Environment, InvalidAction, Transition
+from openenv_grpc_envs import snapshot_body
+from openenv_grpc_envs.coding import workspace
 from openenv_grpc_envs.coding.sandbox import Limits, RunResult, Sandbox, host_support
 from openenv_grpc_envs.coding.v1.coding_pb2 import (
     CodingAction,
@@ -69,6 +73,8 @@ LIMIT_WORDS = {
 }
 #: Longest excerpt of an output quoted in a failed test's message.
 EXCERPT_CHARS = 80
+#: The layout of this env's snapshots (see :meth:`CodingEnvironment.snapshot`).
+SNAPSHOT_LAYOUT = "coding/1"
 
 
 def resolve_limits(requested: CodingLimits | None) -> Limits:
@@ -234,6 +240,75 @@ class CodingEnvironment(
 
     def close(self) -> None:
         self._close_sandbox()
+
+    def snapshot(self) -> bytes:
+        """The episode as JSON: its settings (limits, max_steps, continue_on_pass,
+        allow_network), its counters (step count, last exit code and limit; the env keeps
+        no transcript of earlier steps) and the working directory's files, directories and
+        links (see :mod:`.workspace`; at most 1000 entries and 4 MiB of file bytes).
+
+        Running processes are not captured: none is left between steps (every process
+        of the sandbox is killed when its run ends), and none is started by a restore.
+
+        Raises:
+            InvalidAction: no episode yet, or the working directory is over the caps.
+        """
+        sandbox = self._sandbox
+        if sandbox is None:  # the server never asks before a reset; be explicit anyway
+            raise InvalidAction("no episode to snapshot: call reset first")
+        limits = CodingLimits(**{name: getattr(self._limits, name) for name in Limits.__slots__})
+        return snapshot_body.dump(
+            SNAPSHOT_LAYOUT,
+            {
+                "limits": json_format.MessageToDict(limits),
+                "max_steps": self._max_steps,
+                "terminate_on_pass": self._terminate_on_pass,
+                "allow_network": self._allow_network,
+                "steps": self._steps,
+                "last_exit_code": self._last_exit_code,
+                "last_limit": int(self._last_limit),
+                "files": workspace.capture(sandbox.workdir),
+            },
+        )
+
+    def restore(self, snapshot: bytes) -> None:
+        """Continue from :meth:`snapshot`'s bytes in a fresh sandbox (a new directory and
+        uid) holding the recorded files; the limits pass the same checks as a reset's.
+
+        Raises:
+            InvalidAction: a field is malformed or over a cap (the episode is unchanged).
+        """
+        body = snapshot_body.load(SNAPSHOT_LAYOUT, snapshot)
+        try:
+            requested = json_format.ParseDict(body.mapping("limits"), CodingLimits())
+        except json_format.ParseError as exc:
+            raise body.invalid("limits", f"is not a CodingLimits: {exc}") from None
+        limits = resolve_limits(requested)
+        max_steps = body.integer("max_steps", low=0, high=(1 << 32) - 1)
+        terminate_on_pass = body.boolean("terminate_on_pass")
+        allow_network = body.boolean("allow_network")
+        steps = body.integer("steps", low=0)
+        last_exit_code = body.integer("last_exit_code", low=-(1 << 31), high=(1 << 31) - 1)
+        last_limit = body.integer("last_limit")
+        if last_limit not in Limit.values():
+            raise body.invalid("last_limit", f"is {last_limit}, not a Limit")
+        listing = workspace.check(body.children("files", max_items=workspace.MAX_ENTRIES))
+        sandbox = Sandbox(limits, allow_network=allow_network)
+        try:
+            own = sandbox.uid if self._support.own_uid else None
+            workspace.rebuild(sandbox.workdir, listing, own)
+        except BaseException:
+            sandbox.close()
+            raise
+        self._close_sandbox()
+        self._sandbox = sandbox
+        self._limits = limits
+        self._max_steps = max_steps
+        self._terminate_on_pass = terminate_on_pass
+        self._allow_network = allow_network
+        self._steps = steps
+        self._last_exit_code = last_exit_code
+        self._last_limit = Limit.ValueType(last_limit)
 
     # -- helpers ----------------------------------------------------------------------
 
