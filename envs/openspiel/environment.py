@@ -67,6 +67,7 @@ _TERMINAL = int(pyspiel.PlayerId.TERMINAL)
 _CHANCE = int(pyspiel.PlayerId.CHANCE)
 _SIMULTANEOUS = pyspiel.GameType.Dynamics.SIMULTANEOUS
 _MEAN_FIELD = pyspiel.GameType.Dynamics.MEAN_FIELD
+_EXPLICIT_CHANCE = pyspiel.GameType.ChanceMode.EXPLICIT_STOCHASTIC
 #: Every registered game's type, by short name: its parameters and their defaults.
 _GAME_TYPES: dict[str, Any] = {t.short_name: t for t in pyspiel.registered_games()}
 #: Environment variable naming the only games this server plays (comma-separated);
@@ -526,9 +527,10 @@ class OpenSpielEnvironment(
 
     def snapshot(self) -> bytes:
         """The episode as JSON: the game's name and parameters, who plays which seat, the
-        seed and step count, both generators' states (chance and opponents) and the game
-        state in OpenSpiel's own serialization (``State.serialize()``: for most games the
-        action history, chance outcomes included).
+        seed and step count, the generators' states (chance, for games with explicit
+        chance nodes; opponents, against random players) and the game state in
+        OpenSpiel's own serialization (``State.serialize()``: for most games the action
+        history, chance outcomes included).
 
         Raises:
             InvalidAction: no episode yet, or this game's state does not round-trip
@@ -564,8 +566,17 @@ class OpenSpielEnvironment(
                 "max_steps": episode.max_steps,
                 "seed": episode.seed,
                 "steps": episode.steps,
-                "chance_rng": snapshot_body.random_state(episode.chance_rng),
-                "opponent_rng": snapshot_body.random_state(episode.opponent_rng),
+                # Each generator only where it draws (2.5 KB of state each).
+                "chance_rng": (
+                    snapshot_body.random_state(episode.chance_rng)
+                    if loaded.game.get_type().chance_mode == _EXPLICIT_CHANCE
+                    else None
+                ),
+                "opponent_rng": (
+                    snapshot_body.random_state(episode.opponent_rng)
+                    if episode.control == CONTROL_MODE_AGENT_VS_RANDOM
+                    else None
+                ),
                 "state": text,
             },
         )
@@ -615,8 +626,11 @@ def _restored(body: snapshot_body.Body) -> _Episode:
         body.integer("seed", low=0, high=snapshot_body.MAX_SEED),
     )
     episode.steps = body.integer("steps", low=0)
-    episode.chance_rng = snapshot_body.random_from(body.child("chance_rng"))
-    episode.opponent_rng = snapshot_body.random_from(body.child("opponent_rng"))
+    # A generator left out never draws in this episode: the seeded one stands in.
+    if body.has("chance_rng"):
+        episode.chance_rng = snapshot_body.random_from(body.child("chance_rng"))
+    if body.has("opponent_rng"):
+        episode.opponent_rng = snapshot_body.random_from(body.child("opponent_rng"))
     try:
         episode.state = loaded.game.deserialize_state(body.string("state"))
     except Exception as exc:  # SpielError: the text is not a state of this game
