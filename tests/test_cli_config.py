@@ -66,6 +66,9 @@ def test_from_env_parses_every_variable() -> None:
         "REUSE_PORT": "1",
         "LOG_LEVEL": "debug",
         "LOG_FORMAT": "json",
+        "MAX_SNAPSHOT_BYTES": "4096",
+        "SNAPSHOT_KEYS": "k1:0123456789abcdef",
+        "SNAPSHOT_KEYS_FILE": "/keys/snapshots",
     }
     assert set(environ) == set(ENV_VARS.values())
     config = ServerConfig.from_env(environ)
@@ -91,6 +94,9 @@ def test_from_env_parses_every_variable() -> None:
         reuse_port=1,
         log_level="debug",
         log_format="json",
+        max_snapshot_bytes=4096,
+        snapshot_keys="k1:0123456789abcdef",
+        snapshot_keys_file="/keys/snapshots",
     )
     assert isinstance(config.port, int) and isinstance(config.grace_period, float)
 

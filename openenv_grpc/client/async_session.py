@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import asyncio
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Generic
+from typing import TYPE_CHECKING, Any, Generic, overload
 
 import grpc
 
 from openenv_grpc.client import session_core
 from openenv_grpc.client.channel import aio_channel
 from openenv_grpc.client.errors import CapacityError, SessionLost, SessionTimeout
-from openenv_grpc.client.outcome import StepOutcome
+from openenv_grpc.client.outcome import Restored, StepOutcome
 from openenv_grpc.client.protocol import lost
 from openenv_grpc.client.session_core import ActionT, ObservationT, ResetOptionsT, StateT
 from openenv_grpc.v1 import session_pb2 as pb
@@ -69,7 +69,8 @@ class AsyncSession(session_core.SessionBase, Generic[ActionT, ObservationT, Stat
         return session_core.launched(cls, provider, kwargs)
 
     async def __aenter__(self) -> Self:
-        await self.open()
+        if self._core.call is None:  # a fork arrives open
+            await self.open()
         return self
 
     async def __aexit__(
@@ -159,6 +160,46 @@ class AsyncSession(session_core.SessionBase, Generic[ActionT, ObservationT, Stat
         protocol = self._core.protocol
         response = await self._roundtrip(protocol.state_request(), timeout)
         return protocol.state_result(response)  # type: ignore[no-any-return]
+
+    async def snapshot(self, *, timeout: float | None = None) -> bytes:
+        """The current episode as bytes; see :meth:`Session.snapshot`."""
+        protocol = self._core.protocol
+        response = await self._roundtrip(protocol.snapshot_request(), timeout)
+        return protocol.snapshot_result(response)
+
+    async def restore(self, data: bytes, *, timeout: float | None = None) -> Restored:
+        """Continue from a snapshot; see :meth:`Session.restore`."""
+        protocol = self._core.protocol
+        response = await self._roundtrip(protocol.restore_request(data), timeout)
+        return protocol.restore_result(response)
+
+    @overload
+    async def fork(self, n: None = None, *, timeout: float | None = None) -> Self: ...
+    @overload
+    async def fork(self, n: int, *, timeout: float | None = None) -> list[Self]: ...
+    async def fork(
+        self, n: int | None = None, *, timeout: float | None = None
+    ) -> Self | list[Self]:
+        """Branch the episode into one open session (``n``: a list of ``n``, opened and
+        restored concurrently); see :meth:`Session.fork`. ``async with await
+        env.fork() as branch:``."""
+        children = self._forks(n)
+        try:
+            data = await self.snapshot(timeout=timeout)
+            done = await asyncio.gather(
+                *(child._open_from(data, timeout) for child in children), return_exceptions=True
+            )
+            failure = next((d for d in done if isinstance(d, BaseException)), None)
+            if failure is not None:
+                raise failure
+        except BaseException:
+            await asyncio.gather(*(child.abort() for child in children))
+            raise
+        return children if n is not None else children[0]
+
+    async def _open_from(self, data: bytes, timeout: float | None) -> None:
+        await self.open()
+        await self.restore(data, timeout=timeout)
 
     # -- transport --------------------------------------------------------------------
 

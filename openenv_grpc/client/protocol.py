@@ -25,7 +25,7 @@ from openenv_grpc.client.errors import (
     SessionRefused,
 )
 from openenv_grpc.client.notices import Draining, read_notice
-from openenv_grpc.client.outcome import StepOutcome
+from openenv_grpc.client.outcome import Restored, StepOutcome
 from openenv_grpc.codec import PayloadError, info_from_struct, pack, type_name, unpack
 from openenv_grpc.metadata import ADMITTED_KEY, RETRY_PUSHBACK_KEY, SESSION_ID_KEY
 from openenv_grpc.v1 import session_pb2 as pb
@@ -117,6 +117,19 @@ class SessionProtocol:
         request.close.SetInParent()
         return request
 
+    def snapshot_request(self) -> pb.SessionRequest:
+        request = self._envelope()
+        request.snapshot.SetInParent()
+        return request
+
+    def restore_request(self, data: bytes) -> pb.SessionRequest:
+        """Raises TypeError: ``data`` is not bytes (nothing is sent)."""
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise TypeError(f"a snapshot is bytes, got {type(data).__qualname__}")
+        request = self._envelope()
+        request.restore.snapshot = bytes(data)
+        return request
+
     # -- responses --------------------------------------------------------------------
 
     def is_stale(self, response: pb.SessionResponse, request: pb.SessionRequest) -> bool:
@@ -154,6 +167,16 @@ class SessionProtocol:
 
     def close_result(self, response: pb.SessionResponse) -> None:
         self._outcome(response, "closed")
+
+    def snapshot_result(self, response: pb.SessionResponse) -> bytes:
+        result = self._outcome(response, "snapshot")
+        return bytes(result.snapshot)
+
+    def restore_result(self, response: pb.SessionResponse) -> Restored:
+        result = self._outcome(response, "restored")
+        self.episode_id = result.episode_id
+        self.step_count = result.step_count
+        return Restored(result.episode_id, result.step_count, result.terminated, result.truncated)
 
     def _outcome(self, response: pb.SessionResponse, expected: str) -> Any:
         outcome = response.WhichOneof("outcome")

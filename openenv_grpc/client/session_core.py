@@ -11,12 +11,15 @@ lives here once:
   stub;
 - request ids, envelopes and decoding (:class:`~openenv_grpc.client.protocol.SessionProtocol`);
 - the open schedule (:class:`OpenSchedule`: retries while the server is full);
-- what the session owns (a channel it made, a provider it launched) and when each goes;
-- the reconnect state (a lost stream, and whether the next call opens a fresh one).
+- what the session owns (a channel it made, shared with its forks; a provider it
+  launched) and when each goes;
+- the reconnect state (a lost stream, and whether the next call opens a fresh one);
+- forks: unopened sessions of the same class on the same server and channel.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypedDict, TypeVar
@@ -41,6 +44,7 @@ if TYPE_CHECKING:  # typing.Self is 3.11+; only the type checker needs these
     from typing_extensions import Self, Unpack
 
 __all__ = [
+    "ChannelShare",
     "OpenSchedule",
     "Owned",
     "SessionBase",
@@ -102,6 +106,32 @@ class Owned:
 NOTHING = Owned()
 
 
+class ChannelShare:
+    """A channel a session made from a target string, shared with the sessions forked
+    from it: the last of them to let go closes it (so a parent closed before its forks
+    leaves them working)."""
+
+    __slots__ = ("_lock", "_users", "channel")
+
+    def __init__(self, channel: Any) -> None:
+        self.channel = channel
+        self._users = 1
+        self._lock = threading.Lock()  # sync forks may live in other threads
+
+    def join(self) -> ChannelShare:
+        """One more session uses the channel; returns this share."""
+        with self._lock:
+            self._users += 1
+        return self
+
+    def leave(self) -> Any:
+        """One session is done with the channel: returns it to close when that session
+        was the last user, else None."""
+        with self._lock:
+            self._users -= 1
+            return self.channel if self._users == 0 else None
+
+
 class OpenSchedule:
     """The attempts of one ``open``: retries while the server answers RESOURCE_EXHAUSTED,
     as ``retry`` allows (none without it)."""
@@ -128,8 +158,8 @@ class SessionCore:
     """The state of one session, whichever shell moves its bytes."""
 
     __slots__ = (
-        "call", "channel", "lost", "metadata", "protocol", "provider", "reconnect", "retry",
-        "session_id", "stub",
+        "call", "lost", "metadata", "protocol", "provider", "reconnect", "retry", "session_id",
+        "share", "stub",
     )  # fmt: skip
 
     def __init__(
@@ -144,8 +174,9 @@ class SessionCore:
         self.protocol = SessionProtocol(types)
         #: The EnvService stub the stream is opened on.
         self.stub = stub
-        #: The channel this session made and closes (None when the caller gave one).
-        self.channel = channel
+        #: The channel this session made (None when the caller gave one), shared with its
+        #: forks: the last of them to end closes it.
+        self.share = ChannelShare(channel) if channel is not None else None
         #: A provider this session launched and stops when it ends.
         self.provider: SessionSource | None = None
         self.metadata = tuple(metadata)
@@ -217,8 +248,8 @@ class SessionCore:
         self.lost = True
         if self.reconnect:
             return NOTHING
-        channel, self.channel = self.channel, None
-        return Owned(channel=channel)
+        share, self.share = self.share, None
+        return Owned(channel=share.leave() if share is not None else None)
 
     # -- ending -----------------------------------------------------------------------
 
@@ -232,8 +263,9 @@ class SessionCore:
         return self._take()
 
     def _take(self) -> Owned:
-        owned = Owned(self.channel, self.provider)
-        self.channel = self.provider = None
+        share, self.share = self.share, None
+        owned = Owned(share.leave() if share is not None else None, self.provider)
+        self.provider = None
         return owned
 
 
@@ -267,6 +299,8 @@ class SessionBase:
             channel = target = make_channel(target, options.get("credentials"))
         if isinstance(target, self._channel_class):
             target = pb_grpc.EnvServiceStub(target)
+        #: What the session was made with: its forks are made the same way.
+        self._options: SessionOptions = options
         metadata = (*auth_metadata(options.get("token")), *options.get("metadata", ()))
         self._core = SessionCore(
             self._types,
@@ -299,6 +333,24 @@ class SessionBase:
     def step_count(self) -> int:
         """Steps taken in the current episode, as the server last said."""
         return self._core.protocol.step_count
+
+    def _forks(self, n: int | None) -> list[Self]:
+        """``n`` (None: one) unopened sessions of this class on this session's server,
+        channel and options, for a fork; each must be opened, or aborted to let go of
+        the shared channel. The provider stays with this session.
+
+        Raises:
+            ValueError: ``n`` is below 1.
+        """
+        count = 1 if n is None else n
+        if count < 1:
+            raise ValueError(f"fork needs n >= 1, got {n}")
+        core = self._core
+        children = [type(self)(core.stub, **self._options) for _ in range(count)]
+        if core.share is not None:
+            for child in children:
+                child._core.share = core.share.join()
+        return children
 
     def _adopt(self, provider: SessionSource) -> Self:
         """Own ``provider``: the session stops it when it ends or fails to open."""

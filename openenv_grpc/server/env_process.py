@@ -30,6 +30,7 @@ from typing import Any
 from openenv_grpc.server.backend import Answer, Outcome, UndecodableRequest
 from openenv_grpc.server.episode import EpisodeDriver
 from openenv_grpc.server.runner import EnvRunner
+from openenv_grpc.server.snapshots import SnapshotSeal
 from openenv_grpc.server.spec import EnvSpec, ExecutionMode
 
 __all__ = ["HEADER", "READ_LIMIT", "Op", "Status", "answer_status", "answered", "worker_main"]
@@ -71,17 +72,28 @@ def answered(status: int) -> tuple[Outcome, bool]:
 
 
 def worker_main(
-    sock: socket.socket, factory: Callable[[], Any], call_timeout: float | None
+    sock: socket.socket,
+    factory: Callable[[], Any],
+    call_timeout: float | None,
+    snapshots: SnapshotSeal | None = None,
 ) -> None:
-    """Entry point of a worker process: serve frames until the front goes away."""
+    """Entry point of a worker process: serve frames until the front goes away.
+
+    ``snapshots`` is the front's seal, key ring included: it arrives through the spawn's
+    private pipe (never the environment or a command line), so every env process signs
+    and verifies exactly as the front's server would.
+    """
     # Ctrl-C reaches the whole process group: the front drains and then ends its workers,
     # so a worker must not die first and take its envs with it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    asyncio.run(_serve(sock, factory, call_timeout))
+    asyncio.run(_serve(sock, factory, call_timeout, snapshots))
 
 
 async def _serve(
-    sock: socket.socket, factory: Callable[[], Any], call_timeout: float | None
+    sock: socket.socket,
+    factory: Callable[[], Any],
+    call_timeout: float | None,
+    snapshots: SnapshotSeal | None,
 ) -> None:
     spec = EnvSpec.from_factory(factory)
     if spec.mode is ExecutionMode.POOL:
@@ -112,7 +124,9 @@ async def _serve(
             elif op == Op.CREATE:
                 try:
                     runner = await new_runner()
-                    drivers[env_id] = EpisodeDriver(spec, runner, new_runner, call_timeout)
+                    drivers[env_id] = EpisodeDriver(
+                        spec, runner, new_runner, call_timeout, snapshots
+                    )
                 except Exception as exc:
                     log.exception("environment factory raised")
                     message = f"{type(exc).__name__}: {exc}".encode()

@@ -55,13 +55,16 @@ class EnvSpec:
     state_url: str
     reset_options_url: str
     descriptors: descriptor_pb2.FileDescriptorSet
+    #: The env overrides ``snapshot()`` and ``restore()``: the snapshot commands work.
+    snapshots: bool = False
 
     @classmethod
     def from_factory(cls, factory: Callable[[], Any]) -> EnvSpec:
         """Inspect ``factory`` and the environment class it produces.
 
         Raises:
-            TypeError: the environment class cannot be found or declares bad types.
+            TypeError: the environment class cannot be found, declares bad types, or
+                overrides only one of ``snapshot()`` and ``restore()``.
         """
         env_class = _env_class_of(factory)
         types = message_types(env_class)
@@ -86,7 +89,29 @@ class EnvSpec:
             descriptors=file_descriptor_set(
                 types.action, types.observation, types.state, types.reset_options
             ),
+            snapshots=_supports_snapshots(env_class),
         )
+
+
+def _supports_snapshots(env_class: type[AnyEnvironment]) -> bool:
+    """True when ``env_class`` overrides both ``snapshot`` and ``restore``.
+
+    Raises:
+        TypeError: it overrides one of them only (half a feature is a bug: say so at start).
+    """
+    base = AsyncEnvironment if issubclass(env_class, AsyncEnvironment) else Environment
+    overridden = {
+        name
+        for name in ("snapshot", "restore")
+        if getattr(env_class, name) is not getattr(base, name)
+    }
+    if len(overridden) == 1:
+        (done,) = overridden
+        missing = ({"snapshot", "restore"} - overridden).pop()
+        raise TypeError(
+            f"{env_class.__qualname__} overrides {done}() but not {missing}(): snapshots need both"
+        )
+    return bool(overridden)
 
 
 def _env_class_of(factory: Callable[[], Any]) -> type[AnyEnvironment]:

@@ -28,45 +28,55 @@ from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dopenenv_grpc/v1/session.proto\x12\x0fopenenv_grpc.v1\x1a\x19google/protobuf/any.proto\x1a google/protobuf/descriptor.proto\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xed\x01\n\x0eSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12.\n\x05reset\x18\x02 \x01(\x0b\x32\x1d.openenv_grpc.v1.ResetCommandH\x00\x12,\n\x04step\x18\x03 \x01(\x0b\x32\x1c.openenv_grpc.v1.StepCommandH\x00\x12.\n\x05state\x18\x04 \x01(\x0b\x32\x1d.openenv_grpc.v1.StateCommandH\x00\x12.\n\x05\x63lose\x18\x05 \x01(\x0b\x32\x1d.openenv_grpc.v1.CloseCommandH\x00\x42\t\n\x07\x63ommand\"y\n\x0cResetCommand\x12\x11\n\x04seed\x18\x01 \x01(\x04H\x00\x88\x01\x01\x12\x17\n\nepisode_id\x18\x02 \x01(\tH\x01\x88\x01\x01\x12%\n\x07options\x18\x03 \x01(\x0b\x32\x14.google.protobuf.AnyB\x07\n\x05_seedB\r\n\x0b_episode_id\"3\n\x0bStepCommand\x12$\n\x06\x61\x63tion\x18\x01 \x01(\x0b\x32\x14.google.protobuf.Any\"\x0e\n\x0cStateCommand\"\x0e\n\x0c\x43loseCommand\"\x92\x02\n\x0fSessionResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12-\n\x06result\x18\x02 \x01(\x0b\x32\x1b.openenv_grpc.v1.StepResultH\x00\x12-\n\x05state\x18\x03 \x01(\x0b\x32\x1c.openenv_grpc.v1.StateResultH\x00\x12.\n\x06\x63losed\x18\x04 \x01(\x0b\x32\x1c.openenv_grpc.v1.CloseResultH\x00\x12\'\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x16.openenv_grpc.v1.ErrorH\x00\x12)\n\x06notice\x18\x06 \x01(\x0b\x32\x17.openenv_grpc.v1.NoticeH\x00\x42\t\n\x07outcome\"\x88\x01\n\x06Notice\x12)\n\x04kind\x18\x01 \x01(\x0e\x32\x1b.openenv_grpc.v1.NoticeKind\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x14\n\x0cseconds_left\x18\x03 \x01(\x01\x12,\n\x08\x64\x65\x61\x64line\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xbd\x01\n\nStepResult\x12)\n\x0bobservation\x18\x01 \x01(\x0b\x32\x14.google.protobuf.Any\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12\x12\n\nterminated\x18\x03 \x01(\x08\x12\x11\n\ttruncated\x18\x04 \x01(\x08\x12\x12\n\nepisode_id\x18\x05 \x01(\t\x12\x12\n\nstep_count\x18\x06 \x01(\x04\x12%\n\x04info\x18\x07 \x01(\x0b\x32\x17.google.protobuf.Struct\"Z\n\x0bStateResult\x12#\n\x05state\x18\x01 \x01(\x0b\x32\x14.google.protobuf.Any\x12\x12\n\nepisode_id\x18\x02 \x01(\t\x12\x12\n\nstep_count\x18\x03 \x01(\x04\"\r\n\x0b\x43loseResult\">\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x16\n\x0e\x65xception_type\x18\x03 \x01(\t\"\r\n\x0bInfoRequest\"\xfe\x02\n\x0cInfoResponse\x12\x10\n\x08\x65nv_name\x18\x01 \x01(\t\x12\x13\n\x0b\x65nv_version\x18\x02 \x01(\t\x12\x17\n\x0f\x65nv_description\x18\x03 \x01(\t\x12\x13\n\x0b\x61\x63tion_type\x18\x04 \x01(\t\x12\x18\n\x10observation_type\x18\x05 \x01(\t\x12\x12\n\nstate_type\x18\x06 \x01(\t\x12\x1a\n\x12reset_options_type\x18\x07 \x01(\t\x12\x37\n\x0b\x64\x65scriptors\x18\x08 \x01(\x0b\x32\".google.protobuf.FileDescriptorSet\x12+\n\x08\x63\x61pacity\x18\t \x01(\x0b\x32\x19.openenv_grpc.v1.Capacity\x12\x16\n\x0eserver_version\x18\n \x01(\t\x12\x10\n\x08protocol\x18\x0b \x01(\t\x12\x12\n\nserver_pid\x18\x0c \x01(\r\x12+\n\x08\x61\x63tivity\x18\r \x01(\x0b\x32\x19.openenv_grpc.v1.Activity\"\\\n\x08\x43\x61pacity\x12\x14\n\x0cmax_sessions\x18\x01 \x01(\r\x12\x17\n\x0f\x61\x63tive_sessions\x18\x02 \x01(\r\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\x12\x0f\n\x07workers\x18\x04 \x01(\r\"d\n\x08\x41\x63tivity\x12\r\n\x05steps\x18\x01 \x01(\x04\x12\x17\n\x0fsessions_opened\x18\x02 \x01(\x04\x12\x18\n\x10sessions_refused\x18\x03 \x01(\x04\x12\x16\n\x0euptime_seconds\x18\x04 \x01(\x01*C\n\nNoticeKind\x12\x1b\n\x17NOTICE_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14NOTICE_KIND_DRAINING\x10\x01\x32\xa3\x01\n\nEnvService\x12P\n\x07Session\x12\x1f.openenv_grpc.v1.SessionRequest\x1a .openenv_grpc.v1.SessionResponse(\x01\x30\x01\x12\x43\n\x04Info\x12\x1c.openenv_grpc.v1.InfoRequest\x1a\x1d.openenv_grpc.v1.InfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dopenenv_grpc/v1/session.proto\x12\x0fopenenv_grpc.v1\x1a\x19google/protobuf/any.proto\x1a google/protobuf/descriptor.proto\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xd7\x02\n\x0eSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12.\n\x05reset\x18\x02 \x01(\x0b\x32\x1d.openenv_grpc.v1.ResetCommandH\x00\x12,\n\x04step\x18\x03 \x01(\x0b\x32\x1c.openenv_grpc.v1.StepCommandH\x00\x12.\n\x05state\x18\x04 \x01(\x0b\x32\x1d.openenv_grpc.v1.StateCommandH\x00\x12.\n\x05\x63lose\x18\x05 \x01(\x0b\x32\x1d.openenv_grpc.v1.CloseCommandH\x00\x12\x34\n\x08snapshot\x18\x06 \x01(\x0b\x32 .openenv_grpc.v1.SnapshotCommandH\x00\x12\x32\n\x07restore\x18\x07 \x01(\x0b\x32\x1f.openenv_grpc.v1.RestoreCommandH\x00\x42\t\n\x07\x63ommand\"y\n\x0cResetCommand\x12\x11\n\x04seed\x18\x01 \x01(\x04H\x00\x88\x01\x01\x12\x17\n\nepisode_id\x18\x02 \x01(\tH\x01\x88\x01\x01\x12%\n\x07options\x18\x03 \x01(\x0b\x32\x14.google.protobuf.AnyB\x07\n\x05_seedB\r\n\x0b_episode_id\"3\n\x0bStepCommand\x12$\n\x06\x61\x63tion\x18\x01 \x01(\x0b\x32\x14.google.protobuf.Any\"\x0e\n\x0cStateCommand\"\x0e\n\x0c\x43loseCommand\"\x11\n\x0fSnapshotCommand\"\"\n\x0eRestoreCommand\x12\x10\n\x08snapshot\x18\x01 \x01(\x0c\"\xfb\x02\n\x0fSessionResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12-\n\x06result\x18\x02 \x01(\x0b\x32\x1b.openenv_grpc.v1.StepResultH\x00\x12-\n\x05state\x18\x03 \x01(\x0b\x32\x1c.openenv_grpc.v1.StateResultH\x00\x12.\n\x06\x63losed\x18\x04 \x01(\x0b\x32\x1c.openenv_grpc.v1.CloseResultH\x00\x12\'\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x16.openenv_grpc.v1.ErrorH\x00\x12)\n\x06notice\x18\x06 \x01(\x0b\x32\x17.openenv_grpc.v1.NoticeH\x00\x12\x33\n\x08snapshot\x18\x07 \x01(\x0b\x32\x1f.openenv_grpc.v1.SnapshotResultH\x00\x12\x32\n\x08restored\x18\x08 \x01(\x0b\x32\x1e.openenv_grpc.v1.RestoreResultH\x00\x42\t\n\x07outcome\"\x88\x01\n\x06Notice\x12)\n\x04kind\x18\x01 \x01(\x0e\x32\x1b.openenv_grpc.v1.NoticeKind\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x14\n\x0cseconds_left\x18\x03 \x01(\x01\x12,\n\x08\x64\x65\x61\x64line\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xbd\x01\n\nStepResult\x12)\n\x0bobservation\x18\x01 \x01(\x0b\x32\x14.google.protobuf.Any\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12\x12\n\nterminated\x18\x03 \x01(\x08\x12\x11\n\ttruncated\x18\x04 \x01(\x08\x12\x12\n\nepisode_id\x18\x05 \x01(\t\x12\x12\n\nstep_count\x18\x06 \x01(\x04\x12%\n\x04info\x18\x07 \x01(\x0b\x32\x17.google.protobuf.Struct\"Z\n\x0bStateResult\x12#\n\x05state\x18\x01 \x01(\x0b\x32\x14.google.protobuf.Any\x12\x12\n\nepisode_id\x18\x02 \x01(\t\x12\x12\n\nstep_count\x18\x03 \x01(\x04\"\r\n\x0b\x43loseResult\"J\n\x0eSnapshotResult\x12\x10\n\x08snapshot\x18\x01 \x01(\x0c\x12\x12\n\nepisode_id\x18\x02 \x01(\t\x12\x12\n\nstep_count\x18\x03 \x01(\x04\"^\n\rRestoreResult\x12\x12\n\nepisode_id\x18\x01 \x01(\t\x12\x12\n\nstep_count\x18\x02 \x01(\x04\x12\x12\n\nterminated\x18\x03 \x01(\x08\x12\x11\n\ttruncated\x18\x04 \x01(\x08\">\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x16\n\x0e\x65xception_type\x18\x03 \x01(\t\"\r\n\x0bInfoRequest\"\xad\x03\n\x0cInfoResponse\x12\x10\n\x08\x65nv_name\x18\x01 \x01(\t\x12\x13\n\x0b\x65nv_version\x18\x02 \x01(\t\x12\x17\n\x0f\x65nv_description\x18\x03 \x01(\t\x12\x13\n\x0b\x61\x63tion_type\x18\x04 \x01(\t\x12\x18\n\x10observation_type\x18\x05 \x01(\t\x12\x12\n\nstate_type\x18\x06 \x01(\t\x12\x1a\n\x12reset_options_type\x18\x07 \x01(\t\x12\x37\n\x0b\x64\x65scriptors\x18\x08 \x01(\x0b\x32\".google.protobuf.FileDescriptorSet\x12+\n\x08\x63\x61pacity\x18\t \x01(\x0b\x32\x19.openenv_grpc.v1.Capacity\x12\x16\n\x0eserver_version\x18\n \x01(\t\x12\x10\n\x08protocol\x18\x0b \x01(\t\x12\x12\n\nserver_pid\x18\x0c \x01(\r\x12+\n\x08\x61\x63tivity\x18\r \x01(\x0b\x32\x19.openenv_grpc.v1.Activity\x12-\n\tsnapshots\x18\x0e \x01(\x0b\x32\x1a.openenv_grpc.v1.Snapshots\"`\n\tSnapshots\x12\x11\n\tsupported\x18\x01 \x01(\x08\x12\x11\n\tmax_bytes\x18\x02 \x01(\x04\x12\x16\n\x0esigning_key_id\x18\x03 \x01(\t\x12\x15\n\rephemeral_key\x18\x04 \x01(\x08\"\\\n\x08\x43\x61pacity\x12\x14\n\x0cmax_sessions\x18\x01 \x01(\r\x12\x17\n\x0f\x61\x63tive_sessions\x18\x02 \x01(\r\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\x12\x0f\n\x07workers\x18\x04 \x01(\r\"d\n\x08\x41\x63tivity\x12\r\n\x05steps\x18\x01 \x01(\x04\x12\x17\n\x0fsessions_opened\x18\x02 \x01(\x04\x12\x18\n\x10sessions_refused\x18\x03 \x01(\x04\x12\x16\n\x0euptime_seconds\x18\x04 \x01(\x01*C\n\nNoticeKind\x12\x1b\n\x17NOTICE_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14NOTICE_KIND_DRAINING\x10\x01\x32\xa3\x01\n\nEnvService\x12P\n\x07Session\x12\x1f.openenv_grpc.v1.SessionRequest\x1a .openenv_grpc.v1.SessionResponse(\x01\x30\x01\x12\x43\n\x04Info\x12\x1c.openenv_grpc.v1.InfoRequest\x1a\x1d.openenv_grpc.v1.InfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'openenv_grpc.v1.session_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_NOTICEKIND']._serialized_start=1997
-  _globals['_NOTICEKIND']._serialized_end=2064
+  _globals['_NOTICEKIND']._serialized_start=2580
+  _globals['_NOTICEKIND']._serialized_end=2647
   _globals['_SESSIONREQUEST']._serialized_start=175
-  _globals['_SESSIONREQUEST']._serialized_end=412
-  _globals['_RESETCOMMAND']._serialized_start=414
-  _globals['_RESETCOMMAND']._serialized_end=535
-  _globals['_STEPCOMMAND']._serialized_start=537
-  _globals['_STEPCOMMAND']._serialized_end=588
-  _globals['_STATECOMMAND']._serialized_start=590
-  _globals['_STATECOMMAND']._serialized_end=604
-  _globals['_CLOSECOMMAND']._serialized_start=606
-  _globals['_CLOSECOMMAND']._serialized_end=620
-  _globals['_SESSIONRESPONSE']._serialized_start=623
-  _globals['_SESSIONRESPONSE']._serialized_end=897
-  _globals['_NOTICE']._serialized_start=900
-  _globals['_NOTICE']._serialized_end=1036
-  _globals['_STEPRESULT']._serialized_start=1039
-  _globals['_STEPRESULT']._serialized_end=1228
-  _globals['_STATERESULT']._serialized_start=1230
-  _globals['_STATERESULT']._serialized_end=1320
-  _globals['_CLOSERESULT']._serialized_start=1322
-  _globals['_CLOSERESULT']._serialized_end=1335
-  _globals['_ERROR']._serialized_start=1337
-  _globals['_ERROR']._serialized_end=1399
-  _globals['_INFOREQUEST']._serialized_start=1401
-  _globals['_INFOREQUEST']._serialized_end=1414
-  _globals['_INFORESPONSE']._serialized_start=1417
-  _globals['_INFORESPONSE']._serialized_end=1799
-  _globals['_CAPACITY']._serialized_start=1801
-  _globals['_CAPACITY']._serialized_end=1893
-  _globals['_ACTIVITY']._serialized_start=1895
-  _globals['_ACTIVITY']._serialized_end=1995
-  _globals['_ENVSERVICE']._serialized_start=2067
-  _globals['_ENVSERVICE']._serialized_end=2230
+  _globals['_SESSIONREQUEST']._serialized_end=518
+  _globals['_RESETCOMMAND']._serialized_start=520
+  _globals['_RESETCOMMAND']._serialized_end=641
+  _globals['_STEPCOMMAND']._serialized_start=643
+  _globals['_STEPCOMMAND']._serialized_end=694
+  _globals['_STATECOMMAND']._serialized_start=696
+  _globals['_STATECOMMAND']._serialized_end=710
+  _globals['_CLOSECOMMAND']._serialized_start=712
+  _globals['_CLOSECOMMAND']._serialized_end=726
+  _globals['_SNAPSHOTCOMMAND']._serialized_start=728
+  _globals['_SNAPSHOTCOMMAND']._serialized_end=745
+  _globals['_RESTORECOMMAND']._serialized_start=747
+  _globals['_RESTORECOMMAND']._serialized_end=781
+  _globals['_SESSIONRESPONSE']._serialized_start=784
+  _globals['_SESSIONRESPONSE']._serialized_end=1163
+  _globals['_NOTICE']._serialized_start=1166
+  _globals['_NOTICE']._serialized_end=1302
+  _globals['_STEPRESULT']._serialized_start=1305
+  _globals['_STEPRESULT']._serialized_end=1494
+  _globals['_STATERESULT']._serialized_start=1496
+  _globals['_STATERESULT']._serialized_end=1586
+  _globals['_CLOSERESULT']._serialized_start=1588
+  _globals['_CLOSERESULT']._serialized_end=1601
+  _globals['_SNAPSHOTRESULT']._serialized_start=1603
+  _globals['_SNAPSHOTRESULT']._serialized_end=1677
+  _globals['_RESTORERESULT']._serialized_start=1679
+  _globals['_RESTORERESULT']._serialized_end=1773
+  _globals['_ERROR']._serialized_start=1775
+  _globals['_ERROR']._serialized_end=1837
+  _globals['_INFOREQUEST']._serialized_start=1839
+  _globals['_INFOREQUEST']._serialized_end=1852
+  _globals['_INFORESPONSE']._serialized_start=1855
+  _globals['_INFORESPONSE']._serialized_end=2284
+  _globals['_SNAPSHOTS']._serialized_start=2286
+  _globals['_SNAPSHOTS']._serialized_end=2382
+  _globals['_CAPACITY']._serialized_start=2384
+  _globals['_CAPACITY']._serialized_end=2476
+  _globals['_ACTIVITY']._serialized_start=2478
+  _globals['_ACTIVITY']._serialized_end=2578
+  _globals['_ENVSERVICE']._serialized_start=2650
+  _globals['_ENVSERVICE']._serialized_end=2813
 # @@protoc_insertion_point(module_scope)
