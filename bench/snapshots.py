@@ -5,7 +5,8 @@ plays each case a few steps into an episode, then on one session:
 
 * **size**: the bytes a client holds (the env's body plus the server's signed envelope);
 * **round trip**: ``snapshot()`` then ``restore()`` of those bytes, ``--reps`` times
-  (p50/p99 of the pair, and of each half);
+  (p50/p99 of the pair, and of each half), beside ``state()`` (a round trip that does
+  next to nothing) as the reference for what the machine's load makes of any call;
 * **fork of 16**: ``env.fork(16)`` (one snapshot, 16 new sessions opened and restored)
   with the asyncio client (opened concurrently) and the blocking one (one after
   another), wall time from the call to 16 open sessions, ``--forks`` times; the forks
@@ -44,6 +45,7 @@ from openenv_grpc_envs.gymnasium import (
     Value,
 )
 from openenv_grpc_envs.openspiel import (
+    CONTROL_MODE_ALL_PLAYERS,
     AsyncOpenSpielEnv,
     OpenSpielAction,
     OpenSpielEnv,
@@ -73,6 +75,12 @@ def _discrete(n: int) -> Callable[[Any], GymnasiumAction]:
     return lambda _observation: GymnasiumAction(value=Value(discrete=next(counter) % n))
 
 
+def _cycling() -> Callable[[Any], OpenSpielAction]:
+    """Legal moves in turn (connect four's columns: no four in a row for a while)."""
+    counter = iter(range(1 << 30))
+    return lambda o: OpenSpielAction(id=o.legal_actions[next(counter) % len(o.legal_actions)].id)
+
+
 CASES = [
     Case("echo", "echo", EchoEnv, AsyncEchoEnv, EchoResetOptions(),
          lambda _o: EchoAction(message="hello world"), 5),
@@ -82,8 +90,8 @@ CASES = [
          OpenSpielResetOptions(game="tic_tac_toe"),
          lambda o: OpenSpielAction(id=o.legal_actions[0].id), 2),
     Case("connect_four", "openspiel", OpenSpielEnv, AsyncOpenSpielEnv,
-         OpenSpielResetOptions(game="connect_four"),
-         lambda o: OpenSpielAction(id=o.legal_actions[0].id), 6),
+         OpenSpielResetOptions(game="connect_four", control=CONTROL_MODE_ALL_PLAYERS),
+         _cycling(), 6),
     Case("cartpole", "gymnasium", GymnasiumEnv, AsyncGymnasiumEnv,
          GymnasiumResetOptions(env_id="CartPole-v1"), _discrete(2), 10),
     Case("pong", "gymnasium", GymnasiumEnv, AsyncGymnasiumEnv,
@@ -105,6 +113,11 @@ def _round_trips(case: Case, target: str, reps: int) -> dict[str, Any]:
         data = env.snapshot()
         for _ in range(min(20, reps)):  # warm up: first calls load and allocate
             env.restore(env.snapshot())
+        states = []
+        for _ in range(reps):  # the reference: one round trip that does next to nothing
+            started = time.perf_counter()
+            env.state()
+            states.append(time.perf_counter() - started)
         takes, restores, pairs = [], [], []
         for _ in range(reps):
             started = time.perf_counter()
@@ -120,6 +133,7 @@ def _round_trips(case: Case, target: str, reps: int) -> dict[str, Any]:
         "round_trip": _ms(pairs),
         "snapshot": _ms(takes),
         "restore": _ms(restores),
+        "state": _ms(states),
     }
 
 
@@ -186,14 +200,15 @@ def run(cases: Sequence[Case], reps: int, forks: int) -> list[dict[str, Any]]:
 def markdown(results: Sequence[dict[str, Any]]) -> str:
     """The tables of docs/benchmarks.md."""
     lines = [
-        "| env | snapshot size | snapshot + restore p50 | p99 | snapshot p50 | restore p50 |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| env | snapshot size | snapshot + restore p50 | p99 | snapshot p50 | restore p50 "
+        "| state() p50 (reference) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         lines.append(
             f"| {r['case']} | {r['snapshot_bytes']:,} B | {r['round_trip']['p50_ms']} ms | "
             f"{r['round_trip']['p99_ms']} ms | {r['snapshot']['p50_ms']} ms | "
-            f"{r['restore']['p50_ms']} ms |"
+            f"{r['restore']['p50_ms']} ms | {r['state']['p50_ms']} ms |"
         )
     lines += [
         "",

@@ -223,24 +223,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=4, help="forked sessions per move")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    server = None
-    if args.target is None:
-        from openenv_grpc.testing import ServerProcess
+    run = (args.game, args.games, args.simulations, args.workers, args.seed)
+    if args.target:
+        summary = asyncio.run(run_games(args.target, *run))
+    else:
+        from openenv_grpc.testing import ServerProcess  # only when we start our own server
 
         server = ServerProcess("openspiel")
-    try:
-        summary = asyncio.run(
-            run_games(
-                args.target or server.target,  # type: ignore[union-attr]
-                args.game,
-                args.games,
-                args.simulations,
-                args.workers,
-                args.seed,
-            )
-        )
-    finally:
-        if server is not None:
+        try:
+            summary = asyncio.run(run_games(server.target, *run))
+        finally:
             server.stop()
     print(json.dumps({"summary": summary}), flush=True)
     return 0

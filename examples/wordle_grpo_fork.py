@@ -180,24 +180,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     prefix = [w.strip() for w in args.prefix.split(",") if w.strip()]
-    server = None
-    if args.target is None:
-        from openenv_grpc.testing import ServerProcess
+    plan = (args.prompts, prefix, args.group, args.explore, args.seed)
+    if args.target:
+        summary = asyncio.run(run(args.target, *plan))
+    else:
+        from openenv_grpc.testing import ServerProcess  # only when we start our own server
 
         server = ServerProcess("wordle")
-    try:
-        summary = asyncio.run(
-            run(
-                args.target or server.target,  # type: ignore[union-attr]
-                args.prompts,
-                prefix,
-                args.group,
-                args.explore,
-                args.seed,
-            )
-        )
-    finally:
-        if server is not None:
+        try:
+            summary = asyncio.run(run(server.target, *plan))
+        finally:
             server.stop()
     print(json.dumps({"summary": summary}), flush=True)
     return 0

@@ -10,7 +10,6 @@ unless the reset options say to go on.
 
 from __future__ import annotations
 
-import posixpath
 from collections.abc import Sequence
 
 from google.protobuf import json_format
@@ -134,14 +133,7 @@ def _check_action(action: CodingAction) -> None:
 
 def _check_path(path: str) -> None:
     """A file path must stay inside the working directory."""
-    parts = path.split("/")
-    if (
-        not path
-        or path.startswith("/")
-        or "\0" in path
-        or posixpath.normpath(path) != path
-        or any(part in ("", ".", "..") or len(part.encode()) > 255 for part in parts)
-    ):
+    if not workspace.plain_path(path):
         raise InvalidAction(
             f"file path {path!r} is not a plain relative path (no '..', '.', '//' or leading '/')"
         )
@@ -180,15 +172,13 @@ class CodingEnvironment(
         limits = resolve_limits(options.limits if options.HasField("limits") else None)
         # A fresh sandbox per episode: new directory, new uid, nothing left of the last.
         sandbox = Sandbox(limits, allow_network=options.allow_network)
-        self._close_sandbox()
-        self._sandbox = sandbox
-        self._limits = limits
-        self._max_steps = options.max_steps
-        self._terminate_on_pass = not options.continue_on_pass
-        self._allow_network = options.allow_network
-        self._steps = 0
-        self._last_exit_code = 0
-        self._last_limit = Limit.LIMIT_UNSPECIFIED
+        self._begin(
+            sandbox,
+            limits,
+            max_steps=options.max_steps,
+            terminate_on_pass=not options.continue_on_pass,
+            allow_network=options.allow_network,
+        )
         return Transition(CodingObservation())
 
     def step(self, action: CodingAction) -> Transition[CodingObservation]:
@@ -300,6 +290,33 @@ class CodingEnvironment(
         except BaseException:
             sandbox.close()
             raise
+        self._begin(
+            sandbox,
+            limits,
+            max_steps=max_steps,
+            terminate_on_pass=terminate_on_pass,
+            allow_network=allow_network,
+            steps=steps,
+            last_exit_code=last_exit_code,
+            last_limit=Limit.ValueType(last_limit),
+        )
+
+    # -- helpers ----------------------------------------------------------------------
+
+    def _begin(
+        self,
+        sandbox: Sandbox,
+        limits: Limits,
+        *,
+        max_steps: int,
+        terminate_on_pass: bool,
+        allow_network: bool,
+        steps: int = 0,
+        last_exit_code: int = 0,
+        last_limit: Limit.ValueType = Limit.LIMIT_UNSPECIFIED,
+    ) -> None:
+        """Make ``sandbox`` the episode's (closing the previous one) with these settings
+        and counters."""
         self._close_sandbox()
         self._sandbox = sandbox
         self._limits = limits
@@ -308,9 +325,7 @@ class CodingEnvironment(
         self._allow_network = allow_network
         self._steps = steps
         self._last_exit_code = last_exit_code
-        self._last_limit = Limit.ValueType(last_limit)
-
-    # -- helpers ----------------------------------------------------------------------
+        self._last_limit = last_limit
 
     def _close_sandbox(self) -> None:
         if self._sandbox is not None:

@@ -23,7 +23,7 @@ from typing import Any
 from openenv_grpc import InvalidAction
 from openenv_grpc_envs.snapshot_body import Body, b64
 
-__all__ = ["MAX_ENTRIES", "MAX_FILE_BYTES", "Listing", "capture", "check", "rebuild"]
+__all__ = ["MAX_ENTRIES", "MAX_FILE_BYTES", "Listing", "capture", "check", "plain_path", "rebuild"]
 
 #: Bytes of file contents a snapshot holds at most (base64 makes 5.3 MiB of them, under
 #: the server's default 8 MiB snapshot limit).
@@ -36,6 +36,18 @@ _KINDS = ("dir", "file", "link")
 
 #: A checked listing: (relative path, kind, permission bits, file bytes or link target).
 Listing = list[tuple[str, str, int, bytes | str]]
+
+
+def plain_path(path: str) -> bool:
+    """Whether ``path`` is a plain relative path that stays inside its directory: no
+    leading ``/``, no ``..``, ``.`` or empty parts, no NUL, each part at most 255 bytes."""
+    return not (
+        not path
+        or path.startswith("/")
+        or "\0" in path
+        or posixpath.normpath(path) != path
+        or any(part in ("", ".", "..") or len(part.encode()) > 255 for part in path.split("/"))
+    )
 
 
 def _too_large(what: str) -> InvalidAction:
@@ -119,14 +131,7 @@ def check(entries: list[Body]) -> Listing:
     checked: Listing = []
     for entry in entries:
         path = entry.string("path", max_chars=4096)
-        parts = path.split("/")
-        if (
-            not path
-            or path.startswith("/")
-            or "\0" in path
-            or posixpath.normpath(path) != path
-            or any(part in ("", ".", "..") for part in parts)
-        ):
+        if not plain_path(path):
             raise entry.invalid("path", f"{path!r} is not a plain relative path")
         if path in seen:
             raise entry.invalid("path", f"{path!r} is listed twice")

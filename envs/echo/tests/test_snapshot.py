@@ -56,9 +56,8 @@ def test_history_tool_sees_the_restored_history() -> None:
 
 
 def edited(snapshot: bytes, **changes: object) -> bytes:
-    body = json.loads(snapshot)
-    body.update(changes)
-    return json.dumps(body).encode()
+    """``snapshot``'s JSON body with some fields replaced."""
+    return json.dumps({**json.loads(snapshot), **changes}).encode()
 
 
 @pytest.mark.parametrize(

@@ -95,9 +95,8 @@ def test_restore_obeys_this_servers_allowlist(monkeypatch: pytest.MonkeyPatch) -
 
 
 def edited(snapshot: bytes, **changes: object) -> bytes:
-    body = json.loads(snapshot)
-    body.update(changes)
-    return json.dumps(body).encode()
+    """``snapshot``'s JSON body with some fields replaced."""
+    return json.dumps({**json.loads(snapshot), **changes}).encode()
 
 
 @pytest.mark.parametrize(

@@ -55,9 +55,8 @@ def test_hard_mode_constraints_are_replayed() -> None:
 
 
 def edited(snapshot: bytes, **changes: object) -> bytes:
-    body = json.loads(snapshot)
-    body.update(changes)
-    return json.dumps(body).encode()
+    """``snapshot``'s JSON body with some fields replaced."""
+    return json.dumps({**json.loads(snapshot), **changes}).encode()
 
 
 @pytest.mark.parametrize(
