@@ -19,6 +19,7 @@ from openenv_grpc.client.errors import (
 from openenv_grpc.client.info import fetch_info
 from openenv_grpc.client.notices import Draining
 from openenv_grpc.client.outcome import Restored, StepOutcome
+from openenv_grpc.client.recovery import Recovery
 from openenv_grpc.client.retry import OpenRetry
 from openenv_grpc.client.session_core import SessionOptions, SessionSource
 from openenv_grpc.client.sync_session import Session
@@ -33,6 +34,7 @@ __all__ = [
     "OpenRetry",
     "PayloadTypeError",
     "ProtocolError",
+    "Recovery",
     "Restored",
     "Session",
     "SessionLost",

@@ -144,6 +144,8 @@ class AsyncSession(session_core.SessionBase, Generic[ActionT, ObservationT, Stat
         options: ResetOptionsT | None = None, timeout: float | None = None,
     ) -> StepOutcome[ObservationT]:  # fmt: skip
         """Start a new episode; see :meth:`Session.reset`."""
+        if self._recovering is not None:
+            return await self._recovering.reset(seed, episode_id, options, timeout)
         protocol = self._core.protocol
         response = await self._roundtrip(protocol.reset_request(seed, episode_id, options), timeout)
         return protocol.step_result(response)
@@ -152,23 +154,31 @@ class AsyncSession(session_core.SessionBase, Generic[ActionT, ObservationT, Stat
         self, action: ActionT, *, timeout: float | None = None
     ) -> StepOutcome[ObservationT]:
         """Apply ``action``; see :meth:`Session.step`."""
+        if self._recovering is not None:
+            return await self._recovering.step(action, timeout)
         protocol = self._core.protocol
         return protocol.step_result(await self._roundtrip(protocol.step_request(action), timeout))
 
     async def state(self, *, timeout: float | None = None) -> StateT:
         """The environment's current state; see :meth:`Session.state`."""
+        if self._recovering is not None:
+            return await self._recovering.state(timeout)  # type: ignore[no-any-return]
         protocol = self._core.protocol
         response = await self._roundtrip(protocol.state_request(), timeout)
         return protocol.state_result(response)  # type: ignore[no-any-return]
 
     async def snapshot(self, *, timeout: float | None = None) -> bytes:
         """The current episode as bytes; see :meth:`Session.snapshot`."""
+        if self._recovering is not None:
+            return await self._recovering.snapshot(timeout)
         protocol = self._core.protocol
         response = await self._roundtrip(protocol.snapshot_request(), timeout)
         return protocol.snapshot_result(response)
 
     async def restore(self, data: bytes, *, timeout: float | None = None) -> Restored:
         """Continue from a snapshot; see :meth:`Session.restore`."""
+        if self._recovering is not None:
+            return await self._recovering.restore(data, timeout)
         protocol = self._core.protocol
         response = await self._roundtrip(protocol.restore_request(data), timeout)
         return protocol.restore_result(response)
@@ -200,6 +210,22 @@ class AsyncSession(session_core.SessionBase, Generic[ActionT, ObservationT, Stat
     async def _open_from(self, data: bytes, timeout: float | None) -> None:
         await self.open()
         await self.restore(data, timeout=timeout)
+
+    # -- recovery's I/O (see recovery.RecoveryIO) ------------------------------------
+
+    async def _io_roundtrip(self, request: pb.SessionRequest, timeout: float | None) -> Any:
+        return await self._roundtrip(request, timeout)
+
+    async def _io_reopen(self, target: str | None) -> None:
+        call = self._core.drop_call()  # one a timed-out replay left open
+        if call is not None:
+            call.cancel()
+        self._pending = None
+        await self._let_go(self._retarget(target))
+        await self.open()
+
+    async def _io_pause(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
 
     # -- transport --------------------------------------------------------------------
 

@@ -117,6 +117,18 @@ class SessionProtocol:
         request.close.SetInParent()
         return request
 
+    def replayed_reset(self, command: pb.ResetCommand) -> pb.SessionRequest:
+        """A reset exactly as an earlier one was sent (recovery replays it)."""
+        request = self._envelope()
+        request.reset.CopyFrom(command)
+        return request
+
+    def replayed_step(self, action: any_pb2.Any) -> pb.SessionRequest:
+        """A step with an action exactly as it was packed before (recovery replays it)."""
+        request = self._envelope()
+        request.step.action.CopyFrom(action)
+        return request
+
     def snapshot_request(self) -> pb.SessionRequest:
         request = self._envelope()
         request.snapshot.SetInParent()

@@ -37,6 +37,7 @@ from openenv_grpc.client.protocol import (
     admitted_session_id,
     refusal,
 )
+from openenv_grpc.client.recovery import RecoveringCalls, Recovery
 from openenv_grpc.client.retry import OpenRetry
 from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
 
@@ -75,6 +76,8 @@ class SessionOptions(TypedDict, total=False):
     token: str | None
     #: After the stream was lost, the next call opens a fresh session (reset to go on).
     reconnect: bool
+    #: Survive a lost stream: reopen (here or on another target), restore, replay, go on.
+    recovery: Recovery | None
 
 
 class SessionSource(Protocol):
@@ -158,8 +161,8 @@ class SessionCore:
     """The state of one session, whichever shell moves its bytes."""
 
     __slots__ = (
-        "call", "lost", "metadata", "protocol", "provider", "reconnect", "retry", "session_id",
-        "share", "stub",
+        "call", "lost", "metadata", "protocol", "provider", "reconnect", "recovering", "retry",
+        "session_id", "share", "stub",
     )  # fmt: skip
 
     def __init__(
@@ -170,6 +173,7 @@ class SessionCore:
         metadata: Metadata,
         retry: OpenRetry | None,
         reconnect: bool,
+        recovering: bool = False,
     ) -> None:
         self.protocol = SessionProtocol(types)
         #: The EnvService stub the stream is opened on.
@@ -182,6 +186,8 @@ class SessionCore:
         self.metadata = tuple(metadata)
         self.retry = retry
         self.reconnect = reconnect
+        #: Recovery is on: a lost stream keeps the channel and the provider for reopening.
+        self.recovering = recovering
         #: The open stream (the shell's call object), None while closed.
         self.call: Any = None
         #: The stream was lost (not closed by us): with ``reconnect``, the next call reopens.
@@ -220,7 +226,7 @@ class SessionCore:
     def failed_open(self) -> Owned:
         """After an open that gave up: what to let go of (nothing when a later call will
         reconnect, which needs the channel and the provider)."""
-        return NOTHING if self.reconnect else self._take()
+        return NOTHING if self.reconnect or self.recovering else self._take()
 
     # -- calls ------------------------------------------------------------------------
 
@@ -246,16 +252,21 @@ class SessionCore:
         unless the next call will reconnect)."""
         self.call = None
         self.lost = True
-        if self.reconnect:
+        if self.reconnect or self.recovering:
             return NOTHING
         share, self.share = self.share, None
         return Owned(channel=share.leave() if share is not None else None)
+
+    def drop_call(self) -> Any:
+        """Forget the stream (recovery moves on from it): returns it to cancel, or None."""
+        call, self.call = self.call, None
+        return call
 
     # -- ending -----------------------------------------------------------------------
 
     def ending(self) -> None:
         """``close`` or ``abort`` started: closed means closed, never reopen."""
-        self.reconnect = self.lost = False
+        self.reconnect = self.lost = self.recovering = False
 
     def ended(self) -> Owned:
         """``close`` or ``abort`` is done with the stream: what to let go of (all)."""
@@ -292,16 +303,19 @@ class SessionBase:
         unknown = set(options) - set(SessionOptions.__annotations__)
         if unknown:
             raise TypeError(f"unknown session option(s): {', '.join(sorted(unknown))}")
-        channel = None
-        if isinstance(target, str):
-            # Looked up on the class: a plain function kept as a class attribute.
-            make_channel = type(self)._make_channel
-            channel = target = make_channel(target, options.get("credentials"))
-        if isinstance(target, self._channel_class):
-            target = pb_grpc.EnvServiceStub(target)
         #: What the session was made with: its forks are made the same way.
         self._options: SessionOptions = options
+        channel = None
+        #: The target string this session makes its channels from (None: given one).
+        self._home: str | None = target if isinstance(target, str) else None
+        if isinstance(target, str):
+            channel = target = self._new_channel(target)
+        if isinstance(target, self._channel_class):
+            target = pb_grpc.EnvServiceStub(target)
+        #: The stub it was given or made first: where recovery goes back to.
+        self._home_stub = target
         metadata = (*auth_metadata(options.get("token")), *options.get("metadata", ()))
+        recovery = options.get("recovery")
         self._core = SessionCore(
             self._types,
             target,
@@ -309,7 +323,37 @@ class SessionBase:
             metadata,
             options.get("retry"),
             options.get("reconnect", False),
+            recovering=recovery is not None,
         )
+        #: The calls with recovery on (None: off, the shells' direct paths).
+        self._recovering = (
+            RecoveringCalls(recovery, self._core.protocol, self)  # type: ignore[arg-type]
+            if recovery is not None
+            else None
+        )
+
+    def _new_channel(self, target: str) -> Any:
+        """A channel to ``target`` made the way this session makes its own."""
+        # Looked up on the class: a plain function kept as a class attribute.
+        return type(self)._make_channel(target, self._options.get("credentials"))
+
+    @property
+    def recoveries(self) -> int:
+        """Lost streams this session recovered from (0 without ``recovery``)."""
+        return self._recovering.recoveries if self._recovering is not None else 0
+
+    def _retarget(self, target: str | None) -> Owned:
+        """Point the session, for its next open, at ``target`` (None: its own) on a fresh
+        channel -- or back at the channel it was given; returns what to let go of."""
+        core = self._core
+        old = core.share
+        home = self._home
+        if target is None and home is None:
+            core.stub, core.share = self._home_stub, None
+        else:
+            channel = self._new_channel(target or home)  # type: ignore[arg-type]
+            core.stub, core.share = pb_grpc.EnvServiceStub(channel), ChannelShare(channel)
+        return Owned(channel=old.leave() if old is not None else None)
 
     @property
     def session_id(self) -> str:
@@ -347,8 +391,9 @@ class SessionBase:
             raise ValueError(f"fork needs n >= 1, got {n}")
         core = self._core
         children = [type(self)(core.stub, **self._options) for _ in range(count)]
-        if core.share is not None:
-            for child in children:
+        for child in children:
+            child._home = self._home  # recovery makes fresh channels to the same target
+            if core.share is not None:
                 child._core.share = core.share.join()
         return children
 

@@ -23,6 +23,7 @@ from openenv_grpc.client.channel import sync_channel
 from openenv_grpc.client.errors import CapacityError, SessionLost, SessionTimeout
 from openenv_grpc.client.outcome import Restored, StepOutcome
 from openenv_grpc.client.protocol import lost
+from openenv_grpc.client.recovery import run_blocking
 from openenv_grpc.client.session_core import ActionT, ObservationT, ResetOptionsT, StateT
 from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
@@ -74,7 +75,10 @@ class Session(session_core.SessionBase, Generic[ActionT, ObservationT, StateT, R
     call; ``retry`` (an :class:`~openenv_grpc.client.retry.OpenRetry`) retries the open
     while the server is full; with ``reconnect``, a call made after the stream was lost
     (:class:`SessionLost`) first opens a fresh session; the call that saw the loss still
-    raises, because its episode is gone: reset to go on.
+    raises, because its episode is gone: reset to go on. With ``recovery`` (a
+    :class:`~openenv_grpc.client.recovery.Recovery`), no call raises for a lost stream
+    the session can come back from: it reopens, restores its last snapshot, replays the
+    actions since and goes on with the same episode (``recoveries`` counts it).
 
     Each call takes a ``timeout``: :class:`SessionTimeout` leaves the session open and the
     late answer is dropped when it comes. Calls without a timeout read in the caller's
@@ -217,6 +221,8 @@ class Session(session_core.SessionBase, Generic[ActionT, ObservationT, StateT, R
             EnvError: the options were refused or the environment raised.
             SessionLost: the stream ended. SessionTimeout: no answer within ``timeout``.
         """
+        if self._recovering is not None:
+            return run_blocking(self._recovering.reset(seed, episode_id, options, timeout))
         request = self._core.protocol.reset_request(seed, episode_id, options)
         return self._core.protocol.step_result(self._roundtrip(request, timeout))
 
@@ -230,6 +236,8 @@ class Session(session_core.SessionBase, Generic[ActionT, ObservationT, StateT, R
             PayloadTypeError: a typed client got an action of another type (not sent).
             SessionLost: the stream ended. SessionTimeout: no answer within ``timeout``.
         """
+        if self._recovering is not None:
+            return run_blocking(self._recovering.step(action, timeout))
         request = self._core.protocol.step_request(action)
         return self._core.protocol.step_result(self._roundtrip(request, timeout))
 
@@ -240,6 +248,8 @@ class Session(session_core.SessionBase, Generic[ActionT, ObservationT, StateT, R
             EnvError: the environment raised (the episode goes on).
             SessionLost: the stream ended. SessionTimeout: no answer within ``timeout``.
         """
+        if self._recovering is not None:
+            return run_blocking(self._recovering.state(timeout))  # type: ignore[no-any-return]
         request = self._core.protocol.state_request()
         return self._core.protocol.state_result(self._roundtrip(request, timeout))  # type: ignore[no-any-return]
 
@@ -256,6 +266,8 @@ class Session(session_core.SessionBase, Generic[ActionT, ObservationT, StateT, R
                 on in every case.
             SessionLost: the stream ended. SessionTimeout: no answer within ``timeout``.
         """
+        if self._recovering is not None:
+            return run_blocking(self._recovering.snapshot(timeout))
         request = self._core.protocol.snapshot_request()
         return self._core.protocol.snapshot_result(self._roundtrip(request, timeout))
 
@@ -272,6 +284,8 @@ class Session(session_core.SessionBase, Generic[ActionT, ObservationT, StateT, R
             TypeError: ``data`` is not bytes (nothing sent).
             SessionLost: the stream ended. SessionTimeout: no answer within ``timeout``.
         """
+        if self._recovering is not None:
+            return run_blocking(self._recovering.restore(data, timeout))
         request = self._core.protocol.restore_request(data)
         return self._core.protocol.restore_result(self._roundtrip(request, timeout))
 
@@ -303,6 +317,22 @@ class Session(session_core.SessionBase, Generic[ActionT, ObservationT, StateT, R
                 child.abort()
             raise
         return children if n is not None else children[0]
+
+    # -- recovery's I/O (see recovery.RecoveryIO): blocking, so each await ends at once --
+
+    async def _io_roundtrip(self, request: pb.SessionRequest, timeout: float | None) -> Any:
+        return self._roundtrip(request, timeout)
+
+    async def _io_reopen(self, target: str | None) -> None:
+        call = self._core.drop_call()  # one a timed-out replay left open
+        if call is not None:
+            call.cancel()
+        self._end_stream()
+        self._let_go(self._retarget(target))
+        self.open()
+
+    async def _io_pause(self, seconds: float) -> None:
+        time.sleep(seconds)  # noqa: ASYNC251 -- run by run_blocking, never on a loop
 
     # -- transport --------------------------------------------------------------------
 

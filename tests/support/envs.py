@@ -291,21 +291,17 @@ _LCG_INCREMENT = 1442695040888963407
 _LCG_MASK = (1 << 64) - 1
 
 
-class SnapshotEchoEnv(Environment[EchoAction, EchoObservation, EchoState, EchoResetOptions]):
-    """A deterministic echo env with snapshots. Each step's reward is 0.1 per character
+class DeterministicEchoEnv(Environment[EchoAction, EchoObservation, EchoState, EchoResetOptions]):
+    """A deterministic echo env without snapshots. Each step's reward is 0.1 per character
     plus a draw from a random stream seeded by reset, so a restored episode repeats only
     if the snapshot carried the stream; episodes end like echo's (``max_steps``,
-    ``stop_word``). The snapshot is JSON (plain data, never pickle).
+    ``stop_word``).
 
     A step message ``environ:NAME`` echoes the variable NAME of the env's process
-    environment, ``pid`` the process id (neither moves the random stream). Misbehaves on
-    command: ``snapshot:raise``, ``snapshot:invalid``, ``snapshot:not-bytes`` or
-    ``snapshot:big:N`` (N bytes of padding) makes the next snapshots fail that way;
-    ``restore:raise`` or ``restore:invalid`` is written into the snapshots taken after it,
-    whose restore then fails that way.
+    environment, ``pid`` the process id (neither moves the random stream).
     """
 
-    name = "snapshot-echo"
+    name = "deterministic-echo"
     version = "1.0.0"
     runs_inline = True
 
@@ -358,6 +354,22 @@ class SnapshotEchoEnv(Environment[EchoAction, EchoObservation, EchoState, EchoRe
     def state(self) -> EchoState:
         return EchoState(total_length=self._total, seed=self._seed, history=self._history)
 
+    def close(self) -> None:
+        self._ledger.closed()
+
+
+class SnapshotEchoEnv(DeterministicEchoEnv):
+    """The deterministic echo env with snapshots (JSON: plain data, never pickle), so a
+    restored episode repeats only if the snapshot carried the random stream.
+
+    Misbehaves on command: a step message ``snapshot:raise``, ``snapshot:invalid``,
+    ``snapshot:not-bytes`` or ``snapshot:big:N`` (N bytes of padding) makes the next
+    snapshots fail that way; ``restore:raise`` or ``restore:invalid`` is written into the
+    snapshots taken after it, whose restore then fails that way.
+    """
+
+    name = "snapshot-echo"
+
     def snapshot(self) -> bytes:
         mode = self._snapshot_mode
         if mode == "raise":
@@ -386,9 +398,6 @@ class SnapshotEchoEnv(Environment[EchoAction, EchoObservation, EchoState, EchoRe
         self._max_steps, self._stop_word = captured["max_steps"], captured["stop_word"]
         self._snapshot_mode, self._restore_mode = "", captured["restore_mode"]
 
-    def close(self) -> None:
-        self._ledger.closed()
-
 
 class PooledSnapshotEchoEnv(SnapshotEchoEnv):
     """The snapshot echo env on the shared thread pool."""
@@ -413,3 +422,50 @@ class HalfSnapshotEnv(FaultyEnv):
 
     def snapshot(self) -> bytes:
         return b""
+
+
+class RandomRewardEnv(AsyncEchoEnv):
+    """Broken on purpose: rewards ignore the seed, so a replayed episode diverges."""
+
+    async def step(self, action: EchoAction) -> Transition[EchoObservation]:
+        transition = await super().step(action)
+        transition.reward = random.random()
+        return transition
+
+
+class StrictAsyncEchoEnv(AsyncEchoEnv):
+    """The async echo env (same name), refusing the message ``alpha``: a server of it
+    cannot replay an episode another server's env accepted."""
+
+    async def step(self, action: EchoAction) -> Transition[EchoObservation]:
+        if action.message == "alpha":
+            raise InvalidAction("alpha is not allowed here")
+        return await super().step(action)
+
+
+class ForgetfulSnapshotEnv(SnapshotEchoEnv):
+    """Broken on purpose: its snapshot leaves out the random stream, so a restored
+    episode draws other rewards."""
+
+    def snapshot(self) -> bytes:
+        captured = json.loads(super().snapshot())
+        del captured["rng"]
+        return json.dumps(captured).encode()
+
+    def restore(self, snapshot: bytes) -> None:
+        super().restore(json.dumps({**json.loads(snapshot), "rng": 0}).encode())
+
+
+class ProcessLocalSnapshotEnv(SnapshotEchoEnv):
+    """Broken on purpose: its snapshot is a key into this process's memory, so it
+    restores in the server that made it and nowhere else."""
+
+    kept: ClassVar[dict[str, bytes]] = {}
+
+    def snapshot(self) -> bytes:
+        key = uuid.uuid4().hex
+        ProcessLocalSnapshotEnv.kept[key] = super().snapshot()
+        return key.encode()
+
+    def restore(self, snapshot: bytes) -> None:
+        super().restore(ProcessLocalSnapshotEnv.kept[snapshot.decode()])
