@@ -14,6 +14,7 @@ itself) and hands every entry to the sandbox's uid.
 
 from __future__ import annotations
 
+import itertools
 import os
 import posixpath
 import stat
@@ -70,7 +71,12 @@ def capture(root: Path) -> list[dict[str, Any]]:
     while pending:
         folder = pending.pop()
         with os.scandir(root / folder if folder else root) as listing:
-            children = sorted(listing, key=lambda e: e.name)
+            # Read no more names than the cap allows: a folder of a million files is
+            # refused after MAX_ENTRIES of them, not after listing them all.
+            children = list(itertools.islice(listing, MAX_ENTRIES + 1 - len(entries)))
+        if len(entries) + len(children) > MAX_ENTRIES:
+            raise _too_large(f"more than {MAX_ENTRIES} entries")
+        children.sort(key=lambda e: e.name)
         for child in children:
             relative = posixpath.join(folder, child.name) if folder else child.name
             info = child.stat(follow_symlinks=False)
@@ -85,10 +91,7 @@ def capture(root: Path) -> list[dict[str, Any]]:
             elif stat.S_ISLNK(info.st_mode):
                 target = os.readlink(root / relative)
                 entries.append({"path": relative, "kind": "link", "mode": 0, "target": target})
-            else:
-                continue  # a fifo, socket or device: nothing a later step could read back
-            if len(entries) > MAX_ENTRIES:
-                raise _too_large(f"more than {MAX_ENTRIES} entries")
+            # else a fifo, socket or device: left out (it counts against the cap, though)
     entries.sort(key=lambda e: e["path"].split("/"))
     return entries
 
