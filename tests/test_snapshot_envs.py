@@ -1,8 +1,9 @@
 """The catalogue's snapshots over real servers and real gRPC: for echo, wordle, openspiel
 (a random opponent; chance deals), gymnasium (CartPole, slippery FrozenLake, Pong) and
 coding, a snapshot taken on one server continues exactly on a second server process with
-the same key, and forks continue exactly like their parent. The ids and games that cannot
-snapshot answer INVALID_ARGUMENT saying why, and their sessions go on."""
+the same key, and forks continue exactly like their parent; with recovery on, an
+unseeded episode survives its server's SIGKILL on a fallback. The ids and games that
+cannot snapshot answer INVALID_ARGUMENT saying why, and their sessions go on."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 from google.protobuf.message import Message
 
 from openenv_grpc import EnvError, Session
+from openenv_grpc.client import Recovery
 from openenv_grpc.testing import ServerProcess
 from openenv_grpc_envs.coding import CodingAction, CodingEnv, CodingLimits, CodingResetOptions
 from openenv_grpc_envs.echo import EchoAction, EchoEnv, EchoResetOptions
@@ -117,9 +119,9 @@ def play(case: Case, env: Session[Any, Any, Any, Any], observation: Any, first: 
     return trace
 
 
-def prefix(case: Case, env: Session[Any, Any, Any, Any]) -> Any:
-    """Reset with a seed and play the prefix; the last observation."""
-    observation = env.reset(seed=21, options=case.options).observation
+def prefix(case: Case, env: Session[Any, Any, Any, Any], seed: int | None = 21) -> Any:
+    """Reset (with ``seed``) and play the prefix; the last observation."""
+    observation = env.reset(seed=seed, options=case.options).observation
     rng = random.Random(0)
     for i in range(case.prefix):
         observation = env.step(case.act(i, observation, rng)).observation
@@ -190,3 +192,31 @@ def test_what_cannot_snapshot_says_why_and_the_session_goes_on(
         assert message in refused.value.message
         assert env.state() is not None  # the session goes on
         assert env.reset(seed=3, options=options).step_count == 0
+
+
+RECOVERED = [c for c in CASES if c.name in ("tic_tac_toe", "CartPole-v1", "coding")]
+
+
+@pytest.mark.parametrize("case", RECOVERED, ids=lambda c: c.name)
+def test_recovery_finishes_the_episode_on_a_fallback_after_a_sigkill(case: Case) -> None:
+    """An *unseeded* episode (only a snapshot can bring it back) is SIGKILLed mid-way;
+    with recovery on, the session goes on on the fallback server (same key) and plays
+    what a twin restored from the same snapshot plays: the same step counts and rewards
+    (the random opponent's moves included, for tic-tac-toe)."""
+    first = ServerProcess(case.server, [], {"SNAPSHOT_KEYS": KEYS})
+    fallback = ServerProcess(case.server, [], {"SNAPSHOT_KEYS": KEYS})
+    try:
+        recovery = Recovery(every=1, targets=[fallback.target])
+        with case.client(first.target, recovery=recovery) as env:
+            observation = prefix(case, env, seed=None)
+            data = env.snapshot()
+            with case.client(fallback.target) as twin:
+                twin.restore(data)
+                expected = play(case, twin, observation, case.prefix)
+            first.proc.kill()  # SIGKILL: no drain, no goodbye
+            first.proc.wait(10)
+            assert play(case, env, observation, case.prefix) == expected
+            assert env.recoveries == 1
+    finally:
+        first.stop()
+        fallback.stop()
