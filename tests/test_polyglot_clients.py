@@ -4,6 +4,7 @@ full episodes against real servers, and their JSON summaries are checked.
 Each player opens a Session, provokes in-band errors (a step before reset, a step after
 truncation, an illegal OpenSpiel action), plays episodes to their end, reads the state and
 closes; against a full server it retries the refused open after the server's pushback.
+The Node player also snapshots and restores an echo episode (``--snapshot``).
 A missing ``node``, ``go`` or ``clients/node/node_modules`` fails these tests: CI must
 install them (``make clients``)."""
 
@@ -22,7 +23,7 @@ from typing import Any
 import pytest
 
 from openenv_grpc.testing import ServerProcess
-from openenv_grpc_envs.echo import EchoEnv
+from openenv_grpc_envs.echo import EchoAction, EchoEnv
 
 ROOT = Path(__file__).resolve().parent.parent
 NODE_DIR = ROOT / "clients" / "node"
@@ -251,4 +252,105 @@ def test_players_read_past_a_drain_notice(player: list[str]) -> None:
         assert server.proc.wait(15) == 0  # the drain ended with the player's session
     finally:
         proc.kill()
+        server.stop()
+
+
+SNAPSHOT_KEYS = {"SNAPSHOT_KEYS": "polyglot:0123456789abcdef0123456789abcdef"}
+UNIMPLEMENTED = 12
+
+
+def test_node_snapshots_restores_and_is_refused_a_tampered_copy(node_play: list[str]) -> None:
+    """The Node player branches an echo episode: snapshot, restore on the same and on a
+    second session, the same rewards each time; a tampered copy refused in-band. Its
+    snapshot then restores from Python on another server process with the same key."""
+    support = [ROOT / "tests"]
+    servers = [
+        ServerProcess("support.envs:SnapshotEchoEnv", [], SNAPSHOT_KEYS, pythonpath=support)
+        for _ in range(2)
+    ]
+    try:
+        code, summary, stderr = _play(node_play, servers[0].target, "--env", "echo",
+                                      "--snapshot", "--seed", "5")  # fmt: skip
+        assert code == 0, stderr
+        snap = summary["snapshot"]
+        assert snap["original"] == snap["again"] == snap["there"] and len(snap["original"]) == 3
+        assert snap["restored"]["step_count"] == snap["elsewhere"]["step_count"] == 2
+        assert snap["restored"]["episode_id"] == snap["elsewhere"]["episode_id"]
+        assert snap["tampered_code"] == INVALID_ARGUMENT
+        assert snap["step_after_refusal"] == 2 + 3 + 1  # the refusal changed nothing
+        assert summary["episodes_finished"] == 2 and summary["closed"] is True
+        with EchoEnv(servers[1].target) as env:  # Node's bytes, another process, Python
+            assert env.restore(bytes.fromhex(snap["hex"])).step_count == 2
+            rewards = [env.step(EchoAction(message=m)).reward for m in ("one", "two", "three")]
+        assert rewards == snap["original"]
+        servers[0].wait_until(lambda: servers[0].active() == 0)
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def test_node_sees_unimplemented_from_an_env_without_snapshots(node_play: list[str]) -> None:
+    server = ServerProcess("support.envs:DeterministicEchoEnv", [], pythonpath=[ROOT / "tests"])
+    try:
+        code, summary, stderr = _play(node_play, server.target, "--env", "echo", "--snapshot")
+        assert code == 0, stderr
+        assert summary["snapshot"]["code"] == UNIMPLEMENTED
+        assert "does not support snapshots" in summary["snapshot"]["message"]
+        assert summary["episodes_finished"] == 2 and summary["closed"] is True
+    finally:
+        server.stop()
+
+
+def test_node_plays_a_bridged_openenv_env_from_info_descriptors(node_play: list[str]) -> None:
+    """An OpenEnv env served with --openenv has no .proto files anywhere: the Node client
+    builds its types from the Info RPC's FileDescriptorSet and plays it, and sees what
+    the Python client sees for the same actions."""
+    from openenv_grpc.integrations.openenv import described_session
+
+    tests = Path(__file__).resolve().parent
+    server = ServerProcess(
+        "--openenv=support.openenv_envs.warehouse:WarehouseEnvironment", pythonpath=[tests]
+    )
+    try:
+        pick = {"lines": [{"item": {"sku": "bolt", "size": 2, "tags": ["m4"]}, "quantity": 2}],
+                "note": "fragile", "hints": [{"key": "speed", "value": 1.5}]}  # fmt: skip
+        finish = {"lines": [{"item": {"sku": "apple"}, "quantity": 2},
+                            {"item": {"sku": "cable"}, "quantity": 3}]}  # fmt: skip
+        actions = [pick, {"mode": "steal"}, finish]
+        done = subprocess.run(
+            [node_play[0], str(NODE_DIR / "play_described.js"), "--target", server.target,
+             "--reset", json.dumps({"seed": 3, "options": {"difficulty": 2}}),
+             "--actions", json.dumps(actions)],
+            capture_output=True, text=True, timeout=RUN_TIMEOUT,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        summary = _summary(done.stdout)
+        assert summary["env_name"] == "WarehouseEnvironment" and summary["closed"]
+        first, picked, finished = summary["results"]
+        assert first["observation"]["missing"] == ["apple", "bolt", "cable"]
+        assert picked["observation"]["basket"] == [
+            {"item": {"sku": "bolt", "size": "SIZE_LARGE", "tags": ["m4"]}, "quantity": 2}
+        ]
+        assert picked["observation"]["last_note"] == "fragile"
+        assert picked["reward"] == pytest.approx(-0.1)
+        assert finished["terminated"] and finished["reward"] == 1.0
+        # The refused action: in-band INVALID_ARGUMENT with pydantic's words.
+        [error] = summary["errors"]
+        assert (error["index"], error["code"]) == (1, INVALID_ARGUMENT)
+        assert error["message"] == "invalid PickAction: mode: Input should be 'add' or 'remove'"
+        assert summary["state"]["difficulty"] == 2
+        # The Python client, typed from the same Info, sees the same episode.
+        Warehouse = described_session(server.target)
+        with Warehouse(server.target) as env:
+            env.reset(seed=3, options=Warehouse.ResetOptions(difficulty=2))
+            action = Warehouse.Action(note="fragile")
+            action.hints["speed"] = 1.5
+            line = action.lines.add(quantity=2)
+            line.item.sku, line.item.size = "bolt", 2
+            line.item.tags.append("m4")
+            result = env.step(action)
+            assert list(result.observation.missing) == picked["observation"]["missing"]
+            assert result.reward == pytest.approx(picked["reward"])
+            assert result.observation.weights == picked["observation"]["weights"]
+    finally:
         server.stop()

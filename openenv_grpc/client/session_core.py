@@ -19,6 +19,7 @@ lives here once:
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -161,8 +162,8 @@ class SessionCore:
     """The state of one session, whichever shell moves its bytes."""
 
     __slots__ = (
-        "call", "lost", "metadata", "protocol", "provider", "reconnect", "recovering", "retry",
-        "session_id", "share", "stub",
+        "call", "dial", "lost", "metadata", "protocol", "provider", "reconnect", "recovering",
+        "retry", "session_id", "share", "stub",
     )  # fmt: skip
 
     def __init__(
@@ -173,6 +174,7 @@ class SessionCore:
         metadata: Metadata,
         retry: OpenRetry | None,
         reconnect: bool,
+        dial: Callable[[], Any] | None = None,
         recovering: bool = False,
     ) -> None:
         self.protocol = SessionProtocol(types)
@@ -181,6 +183,9 @@ class SessionCore:
         #: The channel this session made (None when the caller gave one), shared with its
         #: forks: the last of them to end closes it.
         self.share = ChannelShare(channel) if channel is not None else None
+        #: Makes the owned channel anew for an open after the last one was let go (None
+        #: when the caller gave the channel).
+        self.dial = dial
         #: A provider this session launched and stops when it ends.
         self.provider: SessionSource | None = None
         self.metadata = tuple(metadata)
@@ -205,6 +210,11 @@ class SessionCore:
         """
         if self.call is not None:
             raise SessionStateError("session is already open")
+        if self.share is None and self.dial is not None:
+            # Closed or lost before: a session that owns its channel makes a new one.
+            channel = self.dial()
+            self.share = ChannelShare(channel)
+            self.stub = pb_grpc.EnvServiceStub(channel)
         return OpenSchedule(self.retry)
 
     def admit(self, call: Any, initial_metadata: Metadata | None) -> bool:
@@ -305,11 +315,12 @@ class SessionBase:
             raise TypeError(f"unknown session option(s): {', '.join(sorted(unknown))}")
         #: What the session was made with: its forks are made the same way.
         self._options: SessionOptions = options
-        channel = None
+        channel = dial = None
         #: The target string this session makes its channels from (None: given one).
         self._home: str | None = target if isinstance(target, str) else None
         if isinstance(target, str):
-            channel = target = self._new_channel(target)
+            dial = functools.partial(self._new_channel, target)
+            channel = target = dial()
         if isinstance(target, self._channel_class):
             target = pb_grpc.EnvServiceStub(target)
         #: The stub it was given or made first: where recovery goes back to.
@@ -323,6 +334,7 @@ class SessionBase:
             metadata,
             options.get("retry"),
             options.get("reconnect", False),
+            dial,
             recovering=recovery is not None,
         )
         #: The calls with recovery on (None: off, the shells' direct paths).
@@ -393,6 +405,7 @@ class SessionBase:
         children = [type(self)(core.stub, **self._options) for _ in range(count)]
         for child in children:
             child._home = self._home  # recovery makes fresh channels to the same target
+            child._core.dial = core.dial  # so does an open after close
             if core.share is not None:
                 child._core.share = core.share.join()
         return children

@@ -110,9 +110,11 @@ class EnvServer:
 
         Raises:
             RuntimeError: the address could not be bound.
-            ValueError, OSError: the TLS settings are incomplete or a file is unreadable.
+            ValueError, OSError: the TLS settings are incomplete or a file is unreadable, or
+                the env's ``check_settings`` refused its settings.
         """
         credentials = server_credentials(self.config)  # before binding: bad files fail early
+        self.spec.env_class.check_settings()  # the env's own settings, before any session
         # Leftovers of a previous run go before any new instance competes for them.
         await asyncio.to_thread(reclaim_orphans_quietly, self.spec.env_class)
         interceptors = (

@@ -335,16 +335,33 @@ class EnvProcessPool:
         """Create an env on the least-loaded live worker (with ``prefer_ready``, one that
         is up already, if any); returns the worker and the env's id.
 
+        A worker that dies before it answered (e.g. killed a moment before the front
+        noticed) costs nothing but time: the env is made on another one, each worker
+        tried at most once.
+
         Raises:
             EnvFactoryError: the env factory raised in the worker.
-            SessionLostError: no worker is running, or it died meanwhile.
+            SessionLostError: no worker is running, or every one died meanwhile.
         """
-        live = [worker for worker in self._workers if worker.alive]
-        if prefer_ready:
-            live = [worker for worker in live if worker.ready] or live
-        if not live:
-            raise SessionLostError("no environment worker process is running")
-        worker = min(live, key=lambda w: len(w.envs))
+        tried: set[int] = set()
+        while True:
+            live = [w for w in self._workers if w.alive and id(w) not in tried]
+            if prefer_ready:
+                live = [worker for worker in live if worker.ready] or live
+            if not live:
+                raise SessionLostError("no environment worker process is running")
+            worker = min(live, key=lambda w: len(w.envs))
+            tried.add(id(worker))
+            try:
+                return worker, await self._create_on(worker)
+            except SessionLostError:
+                if len(tried) >= 2 * self._size:
+                    raise
+                log.info(
+                    "env worker pid %s died during a create: trying another", worker.process.pid
+                )
+
+    async def _create_on(self, worker: _Worker) -> int:
         env_id = self._next_env
         self._next_env += 1
         worker.envs.add(env_id)  # counted at once, so opens at the same time spread out
@@ -360,7 +377,7 @@ class EnvProcessPool:
         if status == Status.FAILED:
             worker.envs.discard(env_id)
             raise EnvFactoryError(payload.decode(errors="replace"))
-        return worker, env_id
+        return env_id
 
     def close_env(self, worker: _Worker, env_id: int) -> asyncio.Task[None]:
         """Close an env in its worker, in a task of its own (a cancelled session must not

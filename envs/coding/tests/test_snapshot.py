@@ -158,5 +158,13 @@ def test_limits_over_their_caps_are_refused(env: CodingEnvironment) -> None:
     started(env)
     body = json.loads(env.snapshot())
     body["limits"]["wallMs"] = 120_001
-    with pytest.raises(InvalidAction, match=r"limits\.wall_ms is 120001; the cap is 120000"):
+    with pytest.raises(InvalidAction, match=r"limits\.wall_ms is 120001; the server.s maximum"):
+        env.restore(json.dumps(body).encode())
+
+
+def test_the_network_is_refused_where_the_server_forbids_it(env: CodingEnvironment) -> None:
+    started(env)
+    body = json.loads(env.snapshot())
+    body["allow_network"] = True  # taken on a server that allows it, say
+    with pytest.raises(InvalidAction, match="this server does not allow the sandbox network"):
         env.restore(json.dumps(body).encode())
