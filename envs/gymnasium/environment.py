@@ -17,14 +17,19 @@ import gymnasium
 from google.protobuf import json_format
 
 from openenv_grpc import Environment, InvalidAction, Transition
-from openenv_grpc_envs import snapshot_body
-from openenv_grpc_envs.gymnasium import snapshots
 from openenv_grpc_envs.gymnasium.convert import (
     ConversionError,
     decode,
     describe_space,
     fill_value,
     nbytes,
+)
+from openenv_grpc_envs.gymnasium.snapshots import (
+    Episode,
+    NotSnapshotable,
+    dump_episode,
+    load_episode,
+    restorer,
 )
 from openenv_grpc_envs.gymnasium.v1.gymnasium_pb2 import (
     EnvDescription,
@@ -40,8 +45,6 @@ __all__ = ["ENV_ID_VARIABLE", "GymnasiumEnvironment"]
 ENV_ID_VARIABLE = "GYM_ENV_ID"
 #: The state carries the last observation only when it is at most this many bytes.
 STATE_OBSERVATION_BYTES = 4096
-#: The layout of this env's snapshots (see :meth:`GymnasiumEnvironment.snapshot`).
-SNAPSHOT_LAYOUT = "gymnasium/1"
 #: make() arguments a client may not set: the server never renders, the max_episode_steps
 #: field has its own place, and the others change the step semantics under the session.
 RESERVED_KWARGS = frozenset(
@@ -167,15 +170,10 @@ class GymnasiumEnvironment(
             fill_value(state.last_observation, last, env.observation_space)
         return state
 
-    def close(self) -> None:
-        env, self._env = self._env, None
-        if env is not None:
-            env.close()
-
     def snapshot(self) -> bytes:
-        """The episode as JSON: the configuration (env id, step limit, kwargs), the
-        session's counters, the last observation when :meth:`state` shows it, and the
-        gymnasium env's own state (see :mod:`.snapshots`: classic control and toy text
+        """The episode as JSON (see :mod:`.snapshots`): the configuration (env id, step
+        limit, kwargs), the session's counters, the last observation when :meth:`state`
+        shows it, and the gymnasium env's own state (classic control and toy text
         attributes, or ALE's emulator state with its generator, plus ``np_random`` and
         the wrappers' counters).
 
@@ -186,53 +184,33 @@ class GymnasiumEnvironment(
         env, config = self._env, self._config
         if env is None or config is None:  # the server never asks before a reset
             raise InvalidAction("no episode to snapshot: call reset first")
-        try:
-            state = snapshots.capture(env)
-            last = self._last_observation
-            small = last is not None and nbytes(last) <= STATE_OBSERVATION_BYTES
-            observation = snapshots.encode_value(last) if small else None
-        except snapshots.NotSnapshotable as exc:
-            raise InvalidAction(f"{config.env_id} cannot snapshot: {exc}") from None
         options = GymnasiumResetOptions(env_id=config.env_id)
         if config.max_episode_steps is not None:
             options.max_episode_steps = config.max_episode_steps
         if config.kwargs:
             options.kwargs.update(config.kwargs)
-        return snapshot_body.dump(
-            SNAPSHOT_LAYOUT,
-            {
-                "options": json_format.MessageToDict(options),
-                "seed": self._seed,
-                "steps": self._steps,
-                "return": self._return,
-                "terminated": self._terminated,
-                "truncated": self._truncated,
-                "last_observation": observation,
-                "env": state,
-            },
+        last = self._last_observation
+        shown = last if last is not None and nbytes(last) <= STATE_OBSERVATION_BYTES else None
+        episode = Episode(
+            options, self._seed, self._steps, self._return, self._terminated, self._truncated
         )
+        try:
+            return dump_episode(episode, shown, env)
+        except NotSnapshotable as exc:
+            raise InvalidAction(f"{config.env_id} cannot snapshot: {exc}") from None
 
     def restore(self, snapshot: bytes) -> None:
         """Continue from :meth:`snapshot`'s bytes. The env is made from the recorded
-        configuration through the same checks as a reset (or the running one is reused
-        when the configuration is the same), then its state is put back.
+        configuration through the same checks as a reset (a running env of the same
+        configuration is reused), then its state is put back.
 
         Raises:
             InvalidAction: a field is malformed, or the configuration is refused or makes
                 another env (the episode is unchanged).
         """
-        body = snapshot_body.load(SNAPSHOT_LAYOUT, snapshot)
-        try:
-            options = json_format.ParseDict(body.mapping("options"), GymnasiumResetOptions())
-        except json_format.ParseError as exc:
-            raise body.invalid("options", f"is not a GymnasiumResetOptions: {exc}") from None
-        config = self._config_for(options)
-        seed = None
-        if body.has("seed"):
-            seed = body.integer("seed", low=0, high=snapshot_body.MAX_SEED)
-        steps = body.integer("steps", low=0)
-        episode_return = body.number("return")
-        terminated, truncated = body.boolean("terminated"), body.boolean("truncated")
+        recorded = load_episode(snapshot)
+        episode = recorded.episode
+        config = self._config_for(episode.options)
         reuse = self._env is not None and config == self._config
         if reuse:
             env, description = self._env, self._description
@@ -240,12 +218,7 @@ class GymnasiumEnvironment(
             env, description = self._make(config)  # raises before anything changes
         assert env is not None and description is not None
         try:
-            put_back = snapshots.restorer(env, body.child("env"))
-            last = (
-                snapshots.decode_value(body, "last_observation")
-                if body.has("last_observation")
-                else None
-            )
+            put_back = restorer(env, recorded.env)
         except BaseException:
             if not reuse:
                 env.close()
@@ -256,9 +229,14 @@ class GymnasiumEnvironment(
             self._config, self._description = config, description
             if old is not None:
                 old.close()
-        self._seed, self._steps, self._return = seed, steps, episode_return
-        self._terminated, self._truncated = terminated, truncated
-        self._last_observation = last
+        self._seed, self._steps, self._return = episode.seed, episode.steps, episode.episode_return
+        self._terminated, self._truncated = episode.terminated, episode.truncated
+        self._last_observation = recorded.last_observation
+
+    def close(self) -> None:
+        env, self._env = self._env, None
+        if env is not None:
+            env.close()
 
     # -- helpers ------------------------------------------------------------------------
 

@@ -24,23 +24,35 @@ scalars (dtype, shape and raw bytes; only boolean, numeric and unicode dtypes).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import gymnasium
 import numpy as np
+from google.protobuf import json_format
 from gymnasium.wrappers import OrderEnforcing, PassiveEnvChecker, TimeLimit
 
 from openenv_grpc import InvalidAction
+from openenv_grpc_envs import snapshot_body
+from openenv_grpc_envs.gymnasium.v1.gymnasium_pb2 import GymnasiumResetOptions
 from openenv_grpc_envs.snapshot_body import Body, b64
 
 __all__ = [
+    "SNAPSHOT_LAYOUT",
     "STATE_ATTRIBUTES",
+    "Episode",
     "NotSnapshotable",
+    "Recorded",
     "capture",
     "decode_value",
+    "dump_episode",
     "encode_value",
+    "load_episode",
     "restorer",
 ]
+
+#: The layout of the gymnasium env's snapshots.
+SNAPSHOT_LAYOUT = "gymnasium/1"
 
 #: Per env class (``module:qualname`` of the unwrapped env), the attributes its episode is
 #: made of. Constructor settings are not listed: the snapshot remakes the env from the
@@ -78,6 +90,78 @@ _DTYPE_KINDS = frozenset("biufcU")
 
 class NotSnapshotable(Exception):
     """This env (or a wrapper around it) cannot be snapshot; the message says why."""
+
+
+@dataclass(frozen=True)
+class Episode:
+    """The session's part of a snapshot: the configuration and the counters."""
+
+    #: The configuration as reset options (env id, step limit, kwargs).
+    options: GymnasiumResetOptions
+    seed: int | None
+    steps: int
+    episode_return: float
+    terminated: bool
+    truncated: bool
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """A snapshot read back: the session's part, the env's part (checked against an env
+    by :func:`restorer`) and the last observation :meth:`state` shows (or None)."""
+
+    episode: Episode
+    env: Body
+    last_observation: Any
+
+
+def dump_episode(episode: Episode, last_observation: Any, env: gymnasium.Env[Any, Any]) -> bytes:
+    """The snapshot of ``episode`` running in ``env``.
+
+    Raises:
+        NotSnapshotable: the env or a wrapper around it is not supported.
+    """
+    return snapshot_body.dump(
+        SNAPSHOT_LAYOUT,
+        {
+            "options": json_format.MessageToDict(episode.options),
+            "seed": episode.seed,
+            "steps": episode.steps,
+            "return": episode.episode_return,
+            "terminated": episode.terminated,
+            "truncated": episode.truncated,
+            "last_observation": (
+                None if last_observation is None else encode_value(last_observation)
+            ),
+            "env": capture(env),
+        },
+    )
+
+
+def load_episode(data: bytes) -> Recorded:
+    """What :func:`dump_episode` wrote, checked but for the env's part.
+
+    Raises:
+        InvalidAction: a field is malformed.
+    """
+    body = snapshot_body.load(SNAPSHOT_LAYOUT, data)
+    try:
+        options = json_format.ParseDict(body.mapping("options"), GymnasiumResetOptions())
+    except json_format.ParseError as exc:
+        raise body.invalid("options", f"is not a GymnasiumResetOptions: {exc}") from None
+    seed = None
+    if body.has("seed"):
+        seed = body.integer("seed", low=0, high=snapshot_body.MAX_SEED)
+    episode = Episode(
+        options,
+        seed,
+        body.integer("steps", low=0),
+        body.number("return"),
+        body.boolean("terminated"),
+        body.boolean("truncated"),
+    )
+    last = decode_value(body, "last_observation") if body.has("last_observation") else None
+    return Recorded(episode, body.child("env"), last)
 
 
 def _class_path(obj: object) -> str:
