@@ -231,7 +231,9 @@ class Environment(_EnvironmentBase[ActionT, ObservationT, StateT, ResetOptionsT]
 
         Raises:
             NotImplementedError: the default: this env cannot snapshot (the client gets
-                UNIMPLEMENTED in-band and the session goes on).
+                UNIMPLEMENTED in-band and the session goes on). An env that can snapshot
+                some configurations only raises it for the others, with the reason as its
+                message (UNIMPLEMENTED, saying why).
             InvalidAction: a snapshot cannot be taken now (say why; INVALID_ARGUMENT).
         """
         raise NotImplementedError

@@ -367,6 +367,8 @@ def test_what_the_env_does_wrong_is_in_band_and_the_session_goes_on(
         for command, code, words in [
             ("snapshot:raise", INTERNAL, "snapshot failed: RuntimeError"),
             ("snapshot:invalid", INVALID_ARGUMENT, "cannot snapshot now"),
+            # NotImplementedError with a reason: this configuration cannot snapshot.
+            ("snapshot:unsupported", UNIMPLEMENTED, "not in this configuration, on purpose"),
             ("snapshot:not-bytes", INTERNAL, "returned a str from snapshot(), not bytes"),
         ]:
             env.step(EchoAction(message=command))

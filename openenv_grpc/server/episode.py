@@ -349,13 +349,24 @@ class EpisodeDriver:
             raise _RequestError(_RESOURCE_EXHAUSTED, str(exc), saturated=True) from None
         except InvalidAction as exc:
             raise _RequestError(_INVALID_ARGUMENT, str(exc), _qualname(exc)) from None
+        except NotImplementedError as exc:
+            if what in ("snapshot", "restore"):
+                # An env that snapshots some configurations only says which it cannot do.
+                why = str(exc) or "this environment cannot do it now"
+                raise _RequestError(
+                    _UNIMPLEMENTED, f"{what} is not supported: {why}; the episode goes on"
+                ) from None
+            raise self._failed(what, exc, keep_phase) from None
         except Exception as exc:
-            log.exception("environment %s() raised", what)
-            if not keep_phase:
-                self._phase = _Phase.BROKEN
-            raise _RequestError(
-                _INTERNAL, f"{what} failed: {_describe(exc)}", _qualname(exc)
-            ) from None
+            raise self._failed(what, exc, keep_phase) from None
+
+    def _failed(self, what: str, exc: Exception, keep_phase: bool) -> _RequestError:
+        """The INTERNAL error for an exception the env raised (logged); unless
+        ``keep_phase``, the episode is broken (only a reset may follow)."""
+        log.exception("environment %s() raised", what, exc_info=exc)
+        if not keep_phase:
+            self._phase = _Phase.BROKEN
+        return _RequestError(_INTERNAL, f"{what} failed: {_describe(exc)}", _qualname(exc))
 
     async def _replace_env(self, what: str) -> None:
         self.runner.abandon()

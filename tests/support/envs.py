@@ -387,7 +387,7 @@ class SnapshotEchoEnv(DeterministicEchoEnv):
     restored episode repeats only if the snapshot carried the random stream.
 
     Misbehaves on command: a step message ``snapshot:raise``, ``snapshot:invalid``,
-    ``snapshot:not-bytes`` or ``snapshot:big:N`` (N bytes of padding) makes the next
+    ``snapshot:unsupported``, ``snapshot:not-bytes`` or ``snapshot:big:N`` (N bytes of padding) makes the next
     snapshots fail that way; ``restore:raise`` or ``restore:invalid`` is written into the
     snapshots taken after it, whose restore then fails that way.
     """
@@ -402,6 +402,8 @@ class SnapshotEchoEnv(DeterministicEchoEnv):
             raise InvalidAction("cannot snapshot now, on purpose")
         if mode == "not-bytes":
             return "a str, not bytes"  # type: ignore[return-value]
+        if mode == "unsupported":
+            raise NotImplementedError("not in this configuration, on purpose")
         captured = {
             "rng": self._rng, "seed": self._seed, "steps": self._steps, "total": self._total,
             "history": self._history, "max_steps": self._max_steps,
