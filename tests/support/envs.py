@@ -387,9 +387,10 @@ class SnapshotEchoEnv(DeterministicEchoEnv):
     restored episode repeats only if the snapshot carried the random stream.
 
     Misbehaves on command: a step message ``snapshot:raise``, ``snapshot:invalid``,
-    ``snapshot:unsupported``, ``snapshot:not-bytes`` or ``snapshot:big:N`` (N bytes of padding) makes the next
-    snapshots fail that way; ``restore:raise`` or ``restore:invalid`` is written into the
-    snapshots taken after it, whose restore then fails that way.
+    ``snapshot:unsupported``, ``snapshot:not-bytes`` or ``snapshot:big:N`` (N bytes of
+    padding) makes the next snapshots fail that way; ``restore:raise`` or
+    ``restore:invalid`` is written into the snapshots taken after it, whose restore then
+    fails that way.
     """
 
     name = "snapshot-echo"
