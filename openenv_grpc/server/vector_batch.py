@@ -223,12 +223,19 @@ class _Instances(VectorBatch):
             out.final_infos[index] = ended.info
         out.new_episode_ids[index] = episode_id
 
-    def _state_row(self, out: BatchStates, index: int, state: Any) -> None:
-        if not isinstance(state, self._state):
-            out.errors[index] = RowError(_INTERNAL, _wrong_type("state", state, self._state))
+    def _reset_row(
+        self, out: BatchOutcome, index: int, option: Message | None, answer: Any
+    ) -> None:
+        """One env's part of a reset: its row, or its error (``answer`` is what its reset
+        returned or raised)."""
+        try:
+            first = self._checked(_result(answer))
+        except Exception as exc:
+            out.errors[index] = row_error(exc, "reset")
             return
-        out.rows.append(index)
-        out.states.append(state.SerializeToString())
+        self._pending[index] = False
+        self._options[index] = option
+        self._add(out, index, first)
 
 
 class LoopBatch(_Instances):
@@ -248,15 +255,10 @@ class LoopBatch(_Instances):
             indices, seeds, episode_ids, options, strict=True
         ):
             try:
-                first = self._checked(
-                    envs[index].reset(seed=seed, episode_id=episode_id, options=option)
-                )
+                first: Any = envs[index].reset(seed=seed, episode_id=episode_id, options=option)
             except Exception as exc:
-                out.errors[index] = row_error(exc, "reset")
-                continue
-            self._pending[index] = False
-            self._options[index] = option
-            self._add(out, index, first)
+                first = exc
+            self._reset_row(out, index, option, first)
         return out
 
     def step(
@@ -296,11 +298,10 @@ class LoopBatch(_Instances):
         envs = self._envs
         for index in indices:
             try:
-                state = envs[index].state()
+                state: Any = envs[index].state()
             except Exception as exc:
-                out.errors[index] = row_error(exc, "state")
-                continue
-            self._state_row(out, index, state)
+                state = exc
+            _state_row(out, index, state, self._state)
         return out
 
     def close(self) -> None:
@@ -333,14 +334,7 @@ class AsyncLoopBatch(_Instances):
         answers = await asyncio.gather(*calls, return_exceptions=True)
         out = BatchOutcome()
         for index, option, answer in zip(indices, options, answers, strict=True):
-            try:
-                first = self._checked(_result(answer))
-            except Exception as exc:
-                out.errors[index] = row_error(exc, "reset")
-                continue
-            self._pending[index] = False
-            self._options[index] = option
-            self._add(out, index, first)
+            self._reset_row(out, index, option, answer)
         return out
 
     async def step(
@@ -393,12 +387,7 @@ class AsyncLoopBatch(_Instances):
         )
         out = BatchStates()
         for index, answer in zip(indices, answers, strict=True):
-            try:
-                state = _result(answer)
-            except Exception as exc:
-                out.errors[index] = row_error(exc, "state")
-                continue
-            self._state_row(out, index, state)
+            _state_row(out, index, answer, self._state)
         return out
 
     async def close(self) -> None:
@@ -449,15 +438,10 @@ class NativeBatch(VectorBatch):
         out = BatchStates()
         for index in indices:
             try:
-                state = self._batch.state(index)
+                state: Any = self._batch.state(index)
             except Exception as exc:
-                out.errors[index] = row_error(exc, "state")
-                continue
-            if not isinstance(state, self._state):
-                out.errors[index] = RowError(_INTERNAL, _wrong_type("state", state, self._state))
-                continue
-            out.rows.append(index)
-            out.states.append(state.SerializeToString())
+                state = exc
+            _state_row(out, index, state, self._state)
         return out
 
     def close(self) -> None:
@@ -566,6 +550,20 @@ def batch_spec(spec: EnvSpec, size: int, autoreset: AutoresetMode) -> EnvSpec:
     batch_class: Any = VectorBatch
     factory: Any = functools.partial(build_batch, spec, size, autoreset)
     return dataclasses.replace(spec, factory=factory, env_class=batch_class)
+
+
+def _state_row(out: BatchStates, index: int, answer: Any, expected: type[Message]) -> None:
+    """One env's state, or its error (``answer`` is what its state() returned or raised)."""
+    try:
+        state = _result(answer)
+    except Exception as exc:
+        out.errors[index] = row_error(exc, "state")
+        return
+    if not isinstance(state, expected):
+        out.errors[index] = RowError(_INTERNAL, _wrong_type("state", state, expected))
+        return
+    out.rows.append(index)
+    out.states.append(state.SerializeToString())
 
 
 def _result(answer: Any) -> Any:

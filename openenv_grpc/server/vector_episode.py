@@ -27,13 +27,14 @@ import grpc
 from google.protobuf import any_pb2
 from google.protobuf.message import DecodeError, Message
 
-from openenv_grpc.codec import PayloadError, info_to_struct, unpack
+from openenv_grpc.codec import info_to_struct
 from openenv_grpc.environment import AutoresetMode, InvalidAction
 from openenv_grpc.server.backend import Answer, Outcome, UndecodableRequest
 from openenv_grpc.server.episode import (
     MAX_EPISODE_ID_BYTES,
     MAX_RESET_OPTIONS_BYTES,
-    MAX_TYPE_URL_BYTES,
+    PayloadRefused,
+    decode_payload,
 )
 from openenv_grpc.server.limiter import NoSlot
 from openenv_grpc.server.runner import EnvRunner, PoolSaturated
@@ -568,13 +569,10 @@ class VectorDriver:
         rows = outcome.rows
         result.indices.extend(rows)
         url = self._obs_url
-        if outcome.batch_observation is not None:
-            result.batch_observation.type_url = url
-            result.batch_observation.value = outcome.batch_observation
-        else:
-            add = result.observations.add
-            for value in outcome.observations:
-                add(type_url=url, value=value)
+        _put_observations(
+            result.batch_observation, result.observations, outcome.batch_observation,
+            outcome.observations, url,
+        )  # fmt: skip
         result.rewards.extend(outcome.rewards)
         result.terminated.extend(outcome.terminated)
         result.truncated.extend(outcome.truncated)
@@ -585,13 +583,10 @@ class VectorDriver:
             _fill_infos(result.infos, outcome.infos)
         if outcome.autoreset is not None:
             result.autoreset.extend(outcome.autoreset)
-            if outcome.batch_final_observation is not None:
-                result.batch_final_observation.type_url = url
-                result.batch_final_observation.value = outcome.batch_final_observation
-            else:
-                add = result.final_observations.add
-                for value in outcome.final_observations:
-                    add(type_url=url, value=value)
+            _put_observations(
+                result.batch_final_observation, result.final_observations,
+                outcome.batch_final_observation, outcome.final_observations, url,
+            )  # fmt: skip
             if outcome.final_infos:
                 _fill_infos(result.final_infos, outcome.final_infos)
         if outcome.errors:
@@ -689,6 +684,19 @@ def _ended_phase(terminated: bool, truncated: bool) -> _Phase:
     return _Phase.RUNNING
 
 
+def _put_observations(
+    batch: any_pb2.Any, each: Any, batch_value: bytes | None, values: list[bytes], url: str
+) -> None:
+    """Serialized observations into the wire: one batch-form Any, or one Any per row."""
+    if batch_value is not None:
+        batch.type_url = url
+        batch.value = batch_value
+        return
+    add = each.add
+    for value in values:
+        add(type_url=url, value=value)
+
+
 def _fill_infos(target: Any, infos: dict[int, Any]) -> None:
     for index, info in infos.items():
         if isinstance(info, Message):
@@ -707,14 +715,8 @@ def _fill_errors(target: Any, errors: dict[int, RowError]) -> None:
 
 def _decode(payload: any_pb2.Any, message_class: type[Message], what: str) -> Message:
     try:
-        return unpack(payload, message_class, what)
-    except PayloadError as exc:
-        size = len(payload.type_url.encode())
-        if size > MAX_TYPE_URL_BYTES:
-            raise _Refused(
-                _INVALID_ARGUMENT,
-                f"{what} type_url is {size} bytes; at most {MAX_TYPE_URL_BYTES} are allowed",
-            ) from None
+        return decode_payload(payload, message_class, what)
+    except PayloadRefused as exc:
         raise _Refused(_INVALID_ARGUMENT, f"{exc}; nothing was done") from None
 
 

@@ -13,9 +13,7 @@ class SpreadBatchCalls:
     """The envs of one vector stream in env processes."""
 
     @classmethod
-    async def open(
-        cls, pool: Any, size: int, autoreset: AutoresetMode, native: bool
-    ) -> Any:
+    async def open(cls, pool: Any, size: int, autoreset: AutoresetMode, native: bool) -> Any:
         """Raises:
         EnvFactoryError: always, for now.
         """
