@@ -297,8 +297,8 @@ class VectorDriver:
     """The request handler of one vector stream of ``size`` envs (``backend.SessionBackend``)."""
 
     __slots__ = (
-        "_all", "_calling", "_calls", "_ends", "_mode", "_obs_url", "_size", "_spec",
-        "_state_url", "_steppable", "episode_ids", "phases", "step_counts",
+        "_action_url", "_all", "_calling", "_calls", "_ends", "_mode", "_obs_url", "_size",
+        "_spec", "_state_url", "_steppable", "episode_ids", "phases", "step_counts",
     )  # fmt: skip
 
     def __init__(
@@ -310,6 +310,7 @@ class VectorDriver:
         self._calls = calls
         self._obs_url = spec.observation_url
         self._state_url = spec.state_url
+        self._action_url = spec.action_url
         #: Every index, in order: what an empty index list means (never mutated).
         self._all: Sequence[int] = range(size)
         #: The phases in which an env may be stepped: under NEXT_STEP an ended episode
@@ -404,10 +405,16 @@ class VectorDriver:
                     f"{len(actions)} actions for {len(indices)} envs: give one action per "
                     "env named (all envs when indices is empty), or batch_action",
                 )
-            decoded = [
-                _decode(action, action_class, f"action {k} (env {index})")
-                for k, (index, action) in enumerate(zip(indices, actions, strict=True))
-            ]
+            url, parse = self._action_url, action_class.FromString
+            try:  # the common case: every url is the one we send, every payload parses
+                decoded = [parse(a.value) if a.type_url == url else None for a in actions]
+            except DecodeError:
+                decoded = [None] * len(actions)
+            if None in decoded:  # find the culprit, and say what is wrong with it
+                decoded = [
+                    _decode(action, action_class, f"action {k} (env {index})")
+                    for k, (index, action) in enumerate(zip(indices, actions, strict=True))
+                ]
             wire: Any = actions
             for index in indices:
                 if phases[index] not in steppable:
