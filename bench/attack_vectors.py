@@ -120,7 +120,9 @@ def kill(tmp: Path) -> dict[str, Any]:
     ledger.mkdir()
     server = _server("CountingEchoEnv", ledger=ledger)
     client = subprocess.Popen(
-        [sys.executable, "-c", _CLIENT, server.target, str(TESTS)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", _CLIENT, server.target, str(TESTS)],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert client.stdout is not None and client.stdout.readline().strip() == "ready"
@@ -234,7 +236,13 @@ def drain(tmp: Path) -> dict[str, Any]:
         server.stop()
 
 
-ATTACKS = {"admission": admission, "kill": kill, "oversize": oversize, "crash": crash, "drain": drain}
+ATTACKS = {
+    "admission": admission,
+    "kill": kill,
+    "oversize": oversize,
+    "crash": crash,
+    "drain": drain,
+}
 
 
 def main() -> None:
