@@ -185,6 +185,10 @@ def _median(rows: list[dict[str, Any]]) -> dict[str, Any]:
     row = dict(ranked[(len(ranked) - 1) // 2])
     if len(rows) > 1:
         row["repetitions"] = [round(r["steps_per_s"]) for r in rows]
+    cpu = [r["server_cpu_us_per_step"] for r in rows if r.get("server_cpu_us_per_step")]
+    # Other work on the machine inflates CPU per step too, never deflates it: the least of
+    # the repetitions is the best estimate of the server's own cost.
+    row["server_cpu_us_per_step_min"] = min(cpu) if cpu else None
     return row
 
 
@@ -370,7 +374,7 @@ def summarize(results: dict[str, Any]) -> list[dict[str, Any]]:
     vec = _at(echo.get("vector", []), 64)
     tuned = _at(echo.get("openenv-0.10-tuned", []), 64)
     if vec:
-        cpu = vec["server_cpu_us_per_step"]
+        cpu = vec["server_cpu_us_per_step_min"]
         targets.append(
             {
                 "target": "echo vector N=64: server CPU per env-step",
@@ -404,13 +408,14 @@ def summarize(results: dict[str, Any]) -> list[dict[str, Any]]:
     for n in (1, 64):
         before, after = _at(sessions.get("before", []), n), _at(sessions.get("after", []), n)
         if before and after:
-            ratio = after["steps_per_s"] / before["steps_per_s"]
+            cost = after["server_cpu_us_per_step_min"] / before["server_cpu_us_per_step_min"]
             targets.append(
                 {
-                    "target": f"Session path, {n} session(s): steps/s after / before",
-                    "measured": ratio,
-                    "goal": ">= 1x (no slower; noise ~10%)",
-                    "holds": ratio >= 0.9,
+                    "target": f"Session path, {n} session(s): server CPU per step, after / "
+                    "before (least of the repetitions)",
+                    "measured": cost,
+                    "goal": "<= 1x (no slower; noise ~10%)",
+                    "holds": cost <= 1.1,
                 }
             )
     return targets
@@ -435,7 +440,11 @@ def markdown(results: dict[str, Any], path: Path) -> str:
         rule = "|---|" + "---:|" * len(sizes)
         for title, key, digits in (
             ("env-steps/s (closed loop, one request in flight per stream)", "steps_per_s", 0),
-            ("server CPU µs per env-step", "server_cpu_us_per_step", 1),
+            (
+                "server CPU µs per env-step (least of the repetitions)",
+                "server_cpu_us_per_step_min",
+                1,
+            ),
             ("client CPU µs per env-step", "client_cpu_us_per_step", 1),
         ):
             lines += [f"**{title}**", "", head, rule]
@@ -470,7 +479,8 @@ def markdown(results: dict[str, Any], path: Path) -> str:
     sessions = results["scenarios"].get("sessions", {})
     if sessions:
         lines += [
-            f"**The Session path before ({sessions['baseline']}) and after**", "",
+            f"**The Session path before ({sessions['baseline']}) and after** (median "
+            "steps/s; server CPU per step: the least of the repetitions)", "",
             "| | steps/s @1 | server µs/step @1 | steps/s @64 | server µs/step @64 |",
             "|---|---:|---:|---:|---:|",
         ]  # fmt: skip
@@ -478,9 +488,9 @@ def markdown(results: dict[str, Any], path: Path) -> str:
             one, many = _at(sessions[name], 1), _at(sessions[name], 64)
             lines.append(
                 f"| {name} | {_fmt(one and one['steps_per_s'])} | "
-                f"{_fmt(one and one['server_cpu_us_per_step'], 1)} | "
+                f"{_fmt(one and one['server_cpu_us_per_step_min'], 1)} | "
                 f"{_fmt(many and many['steps_per_s'])} | "
-                f"{_fmt(many and many['server_cpu_us_per_step'], 1)} |"
+                f"{_fmt(many and many['server_cpu_us_per_step_min'], 1)} |"
             )
         lines.append("")
     targets = results.get("targets", [])
