@@ -17,11 +17,16 @@ GOPATH_DIR := build/gopath
 # `local` = the registry-free debootstrap base; python:3.11-slim where a registry is reachable
 BASE_IMAGE ?= local
 
+# torch for the trl extra, installed first and pinned: pip takes this CPU build from the
+# machine's disk; left to resolve it through trl, pip downloads a CUDA build of several GB.
+TORCH_VERSION ?= 2.13.0
+
 # The virtualenv is rebuilt when the project's dependencies change.
 # Development (tests, lint, codegen): the package with every extra and tool.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==$(TORCH_VERSION)
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $@
 

@@ -106,8 +106,7 @@ class GrpcDriver:
             await channel.close()
 
     def alive(self, env: Any) -> bool:
-        call = env._call
-        return call is not None and not call.done()
+        return bool(env.is_open)
 
     async def shutdown(self) -> None:
         for channel in self._channels:

@@ -7,7 +7,8 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import grpc
 from google.protobuf import json_format
@@ -21,6 +22,7 @@ from openenv_grpc.scaffold import add_init_command, run_init
 from openenv_grpc.server.app import serve
 from openenv_grpc.server.config import ENV_VARS, ServerConfig, settings
 from openenv_grpc.server.logs import configure_logging
+from openenv_grpc.server.spec import EnvSpec
 
 __all__ = ["main"]
 
@@ -36,10 +38,18 @@ def _parser() -> argparse.ArgumentParser:
         "serve",
         help="serve an environment until SIGTERM/SIGINT",
         description="Serve ENV. Each option falls back to its environment variable, then "
-        "to its default. Token auth: set AUTH_TOKEN in the environment (never on the "
-        "command line, where other users can read it).",
+        "to its default. Token auth: set AUTH_TOKEN (and METRICS_TOKEN for /metrics) in "
+        "the environment (never on the command line, where other users can read it).",
     )
-    run.add_argument("env", metavar="ENV", help="a packaged env (see `list`) or module:factory")
+    run.add_argument(
+        "env", metavar="ENV", nargs="?", help="a packaged env (see `list`) or module:factory"
+    )
+    run.add_argument(
+        "--openenv",
+        metavar="MODULE:CLASS",
+        help="serve this OpenEnv Environment subclass unchanged instead of ENV "
+        "(needs the openenv extra)",
+    )
     for name, kind, meta, default in settings():
         if meta.flag is None:
             continue  # secrets stay off the command line
@@ -113,11 +123,29 @@ def _client_security(args: argparse.Namespace) -> tuple[grpc.ChannelCredentials 
 
 def _serve(args: argparse.Namespace) -> int:
     fields = (name for name in ENV_VARS if hasattr(args, name))
+    if (args.env is None) == (args.openenv is None):
+        print(
+            "openenv-grpc: serve takes ENV or --openenv MODULE:CLASS (one of them)", file=sys.stderr
+        )
+        return 2
     try:
         config = ServerConfig.from_env(**{name: getattr(args, name) for name in fields})
         configure_logging(config.log_level, config.log_format)
-        factory = load_factory(args.env)
-    except (ValueError, LookupError) as exc:
+        if args.openenv is not None:
+            factory, config = _openenv_factory(args.openenv, config)
+        else:
+            factory = load_factory(args.env)
+    except (ValueError, LookupError, TypeError, ImportError) as exc:
+        print(f"openenv-grpc: {exc}", file=sys.stderr)
+        return 2
+    try:
+        env_class = EnvSpec.from_factory(factory).env_class
+    except TypeError as exc:
+        print(f"openenv-grpc: {exc}", file=sys.stderr)
+        return 1
+    try:
+        env_class.check_settings()  # a bad env setting is a usage error, like a bad flag
+    except ValueError as exc:
         print(f"openenv-grpc: {exc}", file=sys.stderr)
         return 2
     try:
@@ -125,6 +153,28 @@ def _serve(args: argparse.Namespace) -> int:
     except (TypeError, RuntimeError, ValueError, OSError) as exc:
         print(f"openenv-grpc: {exc}", file=sys.stderr)
         return 1
+
+
+def _openenv_factory(ref: str, config: ServerConfig) -> tuple[Callable[[], Any], ServerConfig]:
+    """The adapter class serving the OpenEnv env ``ref``, and ``config`` sized for it.
+
+    Raises:
+        ImportError: the openenv extra is not installed.
+        LookupError: ``ref`` does not resolve. TypeError: it is no OpenEnv env.
+        ValueError: a non-concurrent env with several workers.
+    """
+    try:
+        from openenv_grpc.integrations.openenv import (
+            load_openenv_class,
+            openenv_environment,
+            serve_config,
+        )
+    except ImportError as exc:
+        raise ImportError(
+            f"--openenv needs its extra: pip install 'openenv-grpc[openenv]' ({exc})"
+        ) from exc
+    adapter = openenv_environment(load_openenv_class(ref))
+    return adapter, serve_config(adapter, config)
 
 
 def _info(args: argparse.Namespace) -> int:

@@ -92,6 +92,17 @@ class _EnvironmentBase(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
     step_timeout: ClassVar[float | None] = None
 
     @classmethod
+    def check_settings(cls) -> None:
+        """Fail fast on a server this env cannot run in: called when the server starts,
+        before it listens (and before any instance is made). An env configured
+        from environment variables parses them here, so a bad value stops the server with
+        its message instead of failing every session. Does nothing by default.
+
+        Raises:
+            ValueError: a setting is invalid (the server exits with its message, code 2).
+        """
+
+    @classmethod
     def reclaim_orphans(cls) -> None:
         """Release what instances of this class left behind in processes that died without
         closing them: called by the server once at start (leftovers of a previous run) and

@@ -62,6 +62,10 @@ def test_from_env_parses_every_variable() -> None:
         "TLS_KEY": "/certs/server.key",
         "TLS_CLIENT_CA": "/certs/ca.pem",
         "METRICS_PORT": "9100",
+        "METRICS_HOST": "0.0.0.0",
+        "METRICS_TOKEN": "scrape",
+        "MAX_STREAMS_PER_CONNECTION": "64",
+        "MAX_PENDING_CALLS": "5000",
         "WORKERS": "3",
         "ISOLATED": "2",
         "REUSE_PORT": "1",
@@ -88,6 +92,10 @@ def test_from_env_parses_every_variable() -> None:
         tls_key="/certs/server.key",
         tls_client_ca="/certs/ca.pem",
         metrics_port=9100,
+        metrics_host="0.0.0.0",
+        metrics_token="scrape",
+        max_streams_per_connection=64,
+        max_pending_calls=5000,
         workers=3,
         isolated=2,
         reuse_port=1,
@@ -158,6 +166,10 @@ def test_from_env_bad_value_raises_value_error_naming_the_variable(var: str, raw
         ("KEEPALIVE_TIME", "0", "keepalive_time"),
         ("KEEPALIVE_TIMEOUT", "-2", "keepalive_timeout"),
         ("REUSE_PORT", "2", "reuse_port"),
+        ("MAX_STREAMS_PER_CONNECTION", "-1", "max_streams_per_connection"),
+        ("MAX_STREAMS_PER_CONNECTION", "2147483648", "max_streams_per_connection"),
+        ("MAX_PENDING_CALLS", "0", "max_pending_calls"),
+        ("MAX_PENDING_CALLS", "-5", "max_pending_calls"),
     ],
 )
 def test_from_env_out_of_range_is_rejected(var: str, raw: str, field: str) -> None:
@@ -168,6 +180,22 @@ def test_from_env_out_of_range_is_rejected(var: str, raw: str, field: str) -> No
 def test_out_of_range_override_is_rejected() -> None:
     with pytest.raises(ValueError, match="idle_timeout"):
         ServerConfig.from_env({}, idle_timeout=-3.0)
+
+
+@pytest.mark.parametrize(
+    ("environ", "streams"),
+    [
+        ({}, 1024 + 32),
+        ({"MAX_CONCURRENT_ENVS": "10"}, 42),
+        ({"MAX_CONCURRENT_ENVS": "0"}, 0),
+        ({"MAX_CONCURRENT_ENVS": "10", "MAX_STREAMS_PER_CONNECTION": "5"}, 5),
+        ({"MAX_CONCURRENT_ENVS": "0", "MAX_STREAMS_PER_CONNECTION": "100"}, 100),
+    ],
+)
+def test_streams_per_connection_default_to_the_capacity_plus_headroom(
+    environ: dict[str, str], streams: int
+) -> None:
+    assert ServerConfig.from_env(environ).streams_per_connection == streams
 
 
 @pytest.mark.parametrize(("raw", "capacity"), [("0", 0), ("-1", 0), ("-50", 0), ("5", 5)])

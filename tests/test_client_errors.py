@@ -81,3 +81,26 @@ def test_a_timed_out_call_raises_session_timeout_which_is_a_timeout_error(start_
             env.step(EchoAction(message="sleep:2"), timeout=0.2)
         assert isinstance(timed_out.value, TimeoutError)
         assert timed_out.value.timeout == 0.2
+
+
+def test_a_session_that_owns_its_channel_can_be_opened_again(server) -> None:
+    """After close (or a lost stream) the owned channel is gone; open() makes a new one
+    instead of failing with gRPC's raw "Channel closed"."""
+    import asyncio
+
+    from openenv_grpc_envs.echo import AsyncEchoEnv
+
+    env = EchoEnv(server.target)
+    for _ in range(2):
+        with env:
+            env.reset()
+            assert env.step(EchoAction(message="again")).step_count == 1
+
+    async def main() -> None:
+        aenv = AsyncEchoEnv(server.target)
+        for _ in range(2):
+            async with aenv:
+                await aenv.reset()
+                assert (await aenv.step(EchoAction(message="again"))).step_count == 1
+
+    asyncio.run(main())

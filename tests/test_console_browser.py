@@ -305,3 +305,43 @@ def test_a_continuous_action_is_typed_as_numbers(console_tab: Any) -> None:
     expect(entry.locator(".tensor").first).to_contain_text("3 float32")  # cos, sin, speed
     tab.screenshot("pendulum.png")
     tab.close()
+
+
+def test_a_bridged_openenv_env_is_played_from_its_built_types(console_tab: Any) -> None:
+    """An OpenEnv env served with --openenv: the forms come from the types the server
+    built from its pydantic models, like any env's."""
+    _, tab = console_tab("--openenv=support.openenv_envs.echo:EchoEnvironment")
+    expect(tab.page.locator("#env-name")).to_have_text("EchoEnvironment")
+    tab.open_session()
+    tab.reset(seed=1)
+    expect(tab.page.locator(".entry[data-op=reset] .observation").last).to_contain_text(
+        "Echo environment ready!"
+    )
+    tab.action_field("message").fill("hello")
+    entry = tab.step()
+    expect(entry.locator(".observation")).to_contain_text("hello")
+    expect(entry.locator(".entry-title")).to_contain_text("reward 0.5")
+    expect(entry).to_contain_text("original_message")  # the observation's metadata: info
+    tab.screenshot("openenv-echo.png")
+    assert tab.errors == []
+    tab.close()
+
+
+def test_a_bridged_env_takes_typed_reset_options_and_shows_pydantic_refusals(
+    console_tab: Any,
+) -> None:
+    _, tab = console_tab("--openenv=support.openenv_envs.warehouse:WarehouseEnvironment")
+    tab.open_session()
+    tab.reset_option("difficulty", "3")
+    tab.reset(seed=3)
+    expect(tab.page.locator(".entry[data-op=reset]").last).to_contain_text("drill")
+    tab.action_field("mode").fill("steal")
+    entry = tab.step()
+    expect(entry).to_have_attribute("data-code", "INVALID_ARGUMENT")
+    expect(tab.banner()).to_contain_text("mode: Input should be 'add' or 'remove'")
+    expect(tab.banner()).to_contain_text("the session is still open")
+    tab.action_field("mode").fill("add")
+    entry = tab.step()
+    expect(entry.locator(".entry-title")).to_contain_text("reward -0.1")
+    tab.screenshot("openenv-warehouse.png")
+    tab.close()

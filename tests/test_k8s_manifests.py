@@ -77,6 +77,7 @@ def test_probes_service_and_selectors_fit_together() -> None:
     assert int(pod["spec"]["terminationGracePeriodSeconds"]) > int(env["GRACE_PERIOD"])
     ports = {port["name"]: port["containerPort"] for port in container["ports"]}
     assert ports == {"grpc": 50051, "metrics": int(env["METRICS_PORT"])}
+    assert env["METRICS_HOST"] == "0.0.0.0"  # Prometheus reaches the pod, not loopback
     assert container["resources"]["requests"] and container["resources"]["limits"]
     selector = deployment["spec"]["selector"]["matchLabels"]
     assert selector.items() <= pod["metadata"]["labels"].items()

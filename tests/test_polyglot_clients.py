@@ -280,3 +280,58 @@ def test_players_read_past_a_drain_notice(player: list[str]) -> None:
     finally:
         proc.kill()
         server.stop()
+
+
+def test_node_plays_a_bridged_openenv_env_from_info_descriptors(node_play: list[str]) -> None:
+    """An OpenEnv env served with --openenv has no .proto files anywhere: the Node client
+    builds its types from the Info RPC's FileDescriptorSet and plays it, and sees what
+    the Python client sees for the same actions."""
+    from openenv_grpc.integrations.openenv import described_session
+
+    tests = Path(__file__).resolve().parent
+    server = ServerProcess(
+        "--openenv=support.openenv_envs.warehouse:WarehouseEnvironment", pythonpath=[tests]
+    )
+    try:
+        pick = {"lines": [{"item": {"sku": "bolt", "size": 2, "tags": ["m4"]}, "quantity": 2}],
+                "note": "fragile", "hints": [{"key": "speed", "value": 1.5}]}  # fmt: skip
+        finish = {"lines": [{"item": {"sku": "apple"}, "quantity": 2},
+                            {"item": {"sku": "cable"}, "quantity": 3}]}  # fmt: skip
+        actions = [pick, {"mode": "steal"}, finish]
+        done = subprocess.run(
+            [node_play[0], str(NODE_DIR / "play_described.js"), "--target", server.target,
+             "--reset", json.dumps({"seed": 3, "options": {"difficulty": 2}}),
+             "--actions", json.dumps(actions)],
+            capture_output=True, text=True, timeout=RUN_TIMEOUT,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        summary = _summary(done.stdout)
+        assert summary["env_name"] == "WarehouseEnvironment" and summary["closed"]
+        first, picked, finished = summary["results"]
+        assert first["observation"]["missing"] == ["apple", "bolt", "cable"]
+        assert picked["observation"]["basket"] == [
+            {"item": {"sku": "bolt", "size": "SIZE_LARGE", "tags": ["m4"]}, "quantity": 2}
+        ]
+        assert picked["observation"]["last_note"] == "fragile"
+        assert picked["reward"] == pytest.approx(-0.1)
+        assert finished["terminated"] and finished["reward"] == 1.0
+        # The refused action: in-band INVALID_ARGUMENT with pydantic's words.
+        [error] = summary["errors"]
+        assert (error["index"], error["code"]) == (1, INVALID_ARGUMENT)
+        assert error["message"] == "invalid PickAction: mode: Input should be 'add' or 'remove'"
+        assert summary["state"]["difficulty"] == 2
+        # The Python client, typed from the same Info, sees the same episode.
+        Warehouse = described_session(server.target)
+        with Warehouse(server.target) as env:
+            env.reset(seed=3, options=Warehouse.ResetOptions(difficulty=2))
+            action = Warehouse.Action(note="fragile")
+            action.hints["speed"] = 1.5
+            line = action.lines.add(quantity=2)
+            line.item.sku, line.item.size = "bolt", 2
+            line.item.tags.append("m4")
+            result = env.step(action)
+            assert list(result.observation.missing) == picked["observation"]["missing"]
+            assert result.reward == pytest.approx(picked["reward"])
+            assert result.observation.weights == picked["observation"]["weights"]
+    finally:
+        server.stop()

@@ -169,6 +169,7 @@ def test_rendered_deployment_probes_ports_resources_env() -> None:
         "MAX_CONCURRENT_ENVS": "256",
         "GRACE_PERIOD": "60",
         "METRICS_PORT": "7001",
+        "METRICS_HOST": "0.0.0.0",
         "IDLE_TIMEOUT": "120",
     }
     assert pod["spec"]["terminationGracePeriodSeconds"] > 60

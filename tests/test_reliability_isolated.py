@@ -368,3 +368,29 @@ def test_reclaim_orphans_runs_at_start_and_after_a_worker_is_killed(start_server
         assert previous.open_envs() == 1
         assert survivor.step(EchoAction(message="alive")).observation.echoed_message == "alive"
     server.wait_until(lambda: server.active() == 0, what="slots released")
+
+
+def test_opens_right_after_a_worker_is_killed_land_on_a_live_worker(start_server) -> None:
+    """A worker killed a moment before the front notices: opens that picked it are made on
+    another worker instead of failing with INTERNAL "could not create the environment"."""
+    server = start_server("support.envs:FaultyEnv", "--isolated", "2")
+    with Session(server.target) as probe:
+        probe.reset()
+        for _ in range(5):
+            victim = pid_of(probe)
+            os.kill(victim, signal.SIGKILL)
+
+            async def open_many() -> list[str]:
+                async def one() -> str:
+                    async with AsyncSession(server.target) as env:
+                        await env.reset()
+                        return (await env.step(EchoAction(message="ok"))).observation.echoed_message  # type: ignore[attr-defined,no-any-return]
+
+                return await asyncio.gather(*(one() for _ in range(4)))
+
+            assert asyncio.run(open_many()) == ["ok"] * 4
+            with pytest.raises(SessionLost):  # the probe's env died with its worker
+                probe.step(EchoAction(message="x"))
+            probe.close()
+            probe.open()
+            probe.reset()

@@ -2,6 +2,7 @@
 
 from openenv_grpc_envs.coding.client import AsyncCodingEnv, CodingEnv
 from openenv_grpc_envs.coding.environment import CodingEnvironment
+from openenv_grpc_envs.coding.limits import CodingSettings
 from openenv_grpc_envs.coding.v1.coding_pb2 import (
     CodingAction,
     CodingIoCase,
@@ -23,6 +24,7 @@ __all__ = [
     "CodingLimits",
     "CodingObservation",
     "CodingResetOptions",
+    "CodingSettings",
     "CodingState",
     "CodingTestCase",
     "CodingTestResult",

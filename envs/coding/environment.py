@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import posixpath
 from collections.abc import Sequence
+from dataclasses import fields
 
 from openenv_grpc import Environment, InvalidAction, Transition
-from openenv_grpc_envs.coding.sandbox import Limits, RunResult, Sandbox, host_support
+from openenv_grpc_envs.coding.limits import ENV_VARS, CodingSettings, Limits, resolve_limits
+from openenv_grpc_envs.coding.reclaim import reclaim_orphans
+from openenv_grpc_envs.coding.sandbox import RunResult, Sandbox, host_support
+from openenv_grpc_envs.coding.uids import default_killer
 from openenv_grpc_envs.coding.v1.coding_pb2 import (
     CodingAction,
     CodingIoCase,
@@ -26,30 +30,7 @@ from openenv_grpc_envs.coding.v1.coding_pb2 import (
     Limit,
 )
 
-__all__ = ["CAPS", "DEFAULTS", "CodingEnvironment", "resolve_limits"]
-
-#: Limits used for every field a client leaves at 0.
-DEFAULTS = Limits(
-    cpu_seconds=5,
-    wall_ms=10_000,
-    memory_mb=512,
-    output_bytes=64 * 1024,
-    processes=32,
-    file_size_mb=16,
-)
-#: Hard caps: a client asking for more gets INVALID_ARGUMENT.
-CAPS = Limits(
-    cpu_seconds=60,
-    wall_ms=120_000,
-    memory_mb=4096,
-    output_bytes=4 * 1024 * 1024,
-    processes=256,
-    file_size_mb=1024,
-)
-#: Smallest memory limit: the interpreter alone needs a few tens of MiB.
-MIN_MEMORY_MB = 64
-#: Smallest process cap: the interpreter itself is one task.
-MIN_PROCESSES = 2
+__all__ = ["CodingEnvironment", "NetworkUnavailable"]
 
 #: Size caps of an action, checked before anything runs.
 MAX_CODE_BYTES = 1024 * 1024
@@ -71,28 +52,12 @@ LIMIT_WORDS = {
 EXCERPT_CHARS = 80
 
 
-def resolve_limits(requested: CodingLimits | None) -> Limits:
-    """Fill in the defaults and enforce the caps.
+class NetworkUnavailable(RuntimeError):
+    """The host cannot cut the sandbox's network, and the server does not allow it."""
 
-    Raises:
-        InvalidAction: a field exceeds its cap or is below its floor.
-    """
-    values = {}
-    for name in Limits.__slots__:
-        asked = getattr(requested, name) if requested is not None else 0
-        cap = getattr(CAPS, name)
-        if asked > cap:
-            raise InvalidAction(f"limits.{name} is {asked}; the cap is {cap}")
-        values[name] = asked or getattr(DEFAULTS, name)
-    if values["memory_mb"] < MIN_MEMORY_MB:
-        raise InvalidAction(
-            f"limits.memory_mb is {values['memory_mb']}; the minimum is {MIN_MEMORY_MB}"
-        )
-    if values["processes"] < MIN_PROCESSES:
-        raise InvalidAction(
-            f"limits.processes is {values['processes']}; the minimum is {MIN_PROCESSES}"
-        )
-    return Limits(**values)
+
+def _proto_limits(limits: Limits) -> CodingLimits:
+    return CodingLimits(**{f.name: getattr(limits, f.name) for f in fields(Limits)})
 
 
 def _check_action(action: CodingAction) -> None:
@@ -154,10 +119,32 @@ class CodingEnvironment(
     )
     runs_inline = False  # a step blocks for as long as the code runs
 
-    def __init__(self) -> None:
+    @classmethod
+    def check_settings(cls) -> None:
+        """Parse the ``CODING_*`` variables at server start: a bad value stops the server
+        with its message instead of failing every session."""
+        CodingSettings.from_env()
+
+    def __init__(self, settings: CodingSettings | None = None) -> None:
+        """Args:
+            settings: The server's maxima; None reads them from the ``CODING_*``
+                environment variables (see the README).
+
+        Raises:
+            ValueError: a ``CODING_*`` variable does not parse or is out of range.
+            NetworkUnavailable: this host cannot give runs an empty network namespace and
+                the server does not allow the network (``CODING_ALLOW_NETWORK=1``).
+        """
+        self._settings = settings if settings is not None else CodingSettings.from_env()
         self._support = host_support()
+        if not self._support.network_namespace and not self._settings.allow_network:
+            raise NetworkUnavailable(
+                "this host cannot cut the sandbox's network (the server needs root and "
+                "CAP_SYS_ADMIN for a network namespace); set "
+                f"{ENV_VARS['allow_network']}=1 to let code use the server's network"
+            )
         self._sandbox: Sandbox | None = None
-        self._limits = DEFAULTS
+        self._limits = self._resolve(None)
         self._max_steps = 0
         self._terminate_on_pass = True
         self._allow_network = False
@@ -171,9 +158,14 @@ class CodingEnvironment(
         self, *, seed: int | None, episode_id: str, options: CodingResetOptions | None
     ) -> Transition[CodingObservation]:
         options = options if options is not None else CodingResetOptions()
-        limits = resolve_limits(options.limits if options.HasField("limits") else None)
+        limits = self._resolve(options.limits if options.HasField("limits") else None)
+        if options.allow_network and not self._settings.allow_network:
+            raise InvalidAction(
+                "allow_network is true, but this server does not allow the sandbox network "
+                f"({ENV_VARS['allow_network']}=0)"
+            )
         # A fresh sandbox per episode: new directory, new uid, nothing left of the last.
-        sandbox = Sandbox(limits, allow_network=options.allow_network)
+        sandbox = Sandbox(limits, allow_network=options.allow_network, support=self._support)
         self._close_sandbox()
         self._sandbox = sandbox
         self._limits = limits
@@ -211,31 +203,54 @@ class CodingEnvironment(
 
     def state(self) -> CodingState:
         sandbox = self._sandbox
+        support = self._support
         files, count = sandbox.listing() if sandbox is not None else ([], 0)
-        limits = self._limits
         return CodingState(
             step_count=self._steps,
             last_exit_code=self._last_exit_code,
             last_limit=self._last_limit,
             files=files,
             file_count=count,
-            limits=CodingLimits(**{name: getattr(limits, name) for name in Limits.__slots__}),
+            limits=_proto_limits(self._limits),
             workdir=str(sandbox.workdir) if sandbox is not None else "",
-            sandbox_uid=sandbox.uid if sandbox is not None and self._support.own_uid else 0,
+            sandbox_uid=sandbox.uid if sandbox is not None and support.own_uid else 0,
             network_isolated=(
                 sandbox.network_isolated
                 if sandbox is not None
-                else self._support.unshare is not None and not self._allow_network
+                else support.network_namespace and not self._allow_network
             ),
-            python_version=self._support.python_version,
+            python_version=support.python_version,
             terminate_on_pass=self._terminate_on_pass,
             max_steps=self._max_steps,
+            ipc_isolated=support.ipc_namespace,
+            private_tmpfs=support.mount_namespace,
+            syscall_filter=support.seccomp,
+            memory_cgroup=support.cgroup is not None,
+            maximums=_proto_limits(self._settings.maxima),
+            max_sandbox_memory_mb=self._settings.max_sandbox_memory_mb,
+            network_allowed=self._settings.allow_network,
         )
 
     def close(self) -> None:
         self._close_sandbox()
 
+    @classmethod
+    def reclaim_orphans(cls) -> None:
+        """Release what sandboxes of processes that died without closing them left behind
+        (their processes, directories, cgroups, IPC objects and temp files).
+
+        Safe at any time from any process: live sandboxes, this process's included, are
+        never touched. The server calls it at start and after an isolated worker dies;
+        the first sandbox of each process also runs it.
+        """
+        reclaim_orphans(default_killer())
+
     # -- helpers ----------------------------------------------------------------------
+
+    def _resolve(self, requested: CodingLimits | None) -> Limits:
+        return resolve_limits(
+            requested, self._settings, memory_cgroup=self._support.cgroup is not None
+        )
 
     def _close_sandbox(self) -> None:
         if self._sandbox is not None:

@@ -1,32 +1,87 @@
-"""The sandbox side of a run: sets the limits, then runs the submitted code and its tests.
+"""The sandbox side of a run: builds the sandbox, then runs the submitted code and its tests.
 
-The server never imports this module: it passes its source to ``python -I -S -u -c``
-inside the sandbox, already under the sandbox's user id. So it may use only the standard
-library, imports as little as it can (every import is start-up time of every run), and
-trusts nothing that runs after it hands control to the submitted code.
+The server never imports this module to run code: it passes its source to ``python -I -S
+-u -B -c`` as the run's only program. So it may use only the standard library, imports
+as little as it can (every import is start-up time of every run), and trusts nothing
+that runs after it hands control to the submitted code.
 
-Arguments (all strings, in order): the uid to drop to first (``0``: none; the server
-uses it when it has no setpriv to do that), the verdict pipe's fd, CPU seconds, address-space
-bytes, process cap, file-size bytes, process-cap mode (``own`` when the sandbox has a user
-id of its own, ``shared`` when it runs under the server's), the path of ``main.py``, the
-working directory, the staging directory of the action's files (``""`` for none), then
-one path per assertion test.
+When the server is root, the harness starts as root and builds the sandbox itself, in
+this order, before any submitted byte is read: it moves itself into the sandbox's
+cgroups (one memory and process budget for everything the run starts), unshares its IPC,
+mount and network namespaces (SysV limits sized to the memory budget in the IPC one),
+makes every mount private and puts a private tmpfs of the memory budget's size on
+``/dev/shm`` and ``/run/lock``, drops to the sandbox uid (no groups), sets
+``no_new_privs`` and the parent-death signal, and loads a seccomp filter that refuses
+new namespaces and mounts. Each step is asked for by the server (which probed what the
+host allows); a step that was asked for and fails ends the run before the code starts
+(exit 125, ``setup failed STEP: why`` on the verdict pipe). The server spawns this
+process with plain ``Popen`` arguments, so it can vfork (see ``sandbox.py``).
 
-It writes one line per event to the verdict pipe: ``limit memory`` / ``limit file_size``
-(the code died of that), ``code ok`` (the code finished; the tests start), ``pass I`` and
-``fail I MESSAGE`` (test I). The submitted code can write to that pipe too, so assertion
-verdicts are not proof against code written to forge them; stdin/stdout tests, which the
-server judges itself, are.
+Arguments (all strings, in order): the uid to drop to (``0``: stay), the verdict pipe's
+fd, CPU seconds, address-space bytes, process cap, file-size bytes, process-cap mode
+(``own`` when the sandbox has a user id of its own, ``shared`` when it runs under the
+server's), namespaces to unshare (comma-separated ``ipc``, ``mnt``, ``net``; ``""`` for
+none), the size in bytes of the private tmpfs mounts (``0``: none), ``1`` to load the
+seccomp filter, the ``cgroup.procs`` files to join (newline-separated; ``""`` for none),
+the path of ``main.py``, the working directory, the staging directory of the action's
+files (``""`` for none), then one path per assertion test.
+
+It writes one line per event to the verdict pipe: first ``setup ok`` (or ``setup failed
+...``), which the code cannot forge because it has not started yet; then ``limit
+memory`` / ``limit file_size`` (the code died of that), ``code ok`` (the code finished;
+the tests start), ``pass I`` and ``fail I MESSAGE`` (test I). The submitted code can
+write to that pipe too, so assertion verdicts are not proof against code written to
+forge them; stdin/stdout tests, which the server judges itself, are.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import resource
 import sys
 
 #: Longest failure message sent back for one test.
 MESSAGE_CHARS = 500
+#: Exit code of a run whose sandbox could not be built.
+SETUP_FAILED = 125
+
+# Linux constants (include/uapi/linux/sched.h, mount.h, prctl.h, seccomp.h).
+CLONE_NEWNS = 0x00020000
+CLONE_NEWCGROUP = 0x02000000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+CLONE_NEWTIME = 0x00000080
+NAMESPACE_FLAGS = {"ipc": CLONE_NEWIPC, "mnt": CLONE_NEWNS, "net": CLONE_NEWNET}
+MS_NOSUID = 0x2
+MS_NODEV = 0x4
+MS_REC = 0x4000
+MS_PRIVATE = 0x40000
+PR_SET_PDEATHSIG = 1
+PR_SET_NO_NEW_PRIVS = 38
+#: Where the private tmpfs mounts go (when the directory exists).
+PRIVATE_TMPFS = ("/dev/shm", "/run/lock")
+#: Syscalls refused to the code (EPERM): no new namespaces, no mounts, no chroot.
+BLOCKED_SYSCALLS = (
+    "unshare", "setns", "mount", "umount", "umount2", "pivot_root", "chroot",
+    "fsopen", "fsconfig", "fsmount", "fspick", "move_mount", "open_tree", "mount_setattr",
+)  # fmt: skip
+#: clone(2) flags that make a namespace; clone with any of them is refused (EPERM).
+CLONE_NAMESPACE_FLAGS = (
+    CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID,
+    CLONE_NEWNET, CLONE_NEWTIME,
+)  # fmt: skip
+SCMP_ACT_ALLOW = 0x7FFF0000
+SCMP_CMP_MASKED_EQ = 7
+EPERM = 1
+ENOSYS = 38
+
+
+class SetupError(Exception):
+    """A sandbox step the server asked for failed; the code must not run."""
 
 
 def _limit(which: int, soft: int, hard: int | None = None) -> None:
@@ -87,23 +142,165 @@ def _stage(source: str, target: str) -> None:
                 dst.write(src.read())
 
 
+# -- building the sandbox (as root, before the code) -----------------------------------
+
+
+def _check(result: int, what: str) -> None:
+    """Raise SetupError naming ``what`` when a libc call returned -1."""
+    if result != 0:
+        raise SetupError(f"{what}: {os.strerror(ctypes.get_errno())}")
+
+
+def _join_cgroups(procs_files: list[str]) -> None:
+    """Move this process into each cgroup; its children are born there."""
+    pid = str(os.getpid())
+    for path in procs_files:
+        try:
+            with open(path, "w") as procs:
+                procs.write(pid)
+        except OSError as exc:
+            raise SetupError(f"{path}: {exc.strerror}") from None
+
+
+def _unshare(libc: ctypes.CDLL, names: list[str], tmpfs_bytes: int, ipc_bytes: int) -> None:
+    """New IPC/mount/network namespaces; SysV limits in the IPC one (its own sysctls),
+    private mounts and tmpfs in the mount one."""
+    flags = 0
+    for name in names:
+        flags |= NAMESPACE_FLAGS[name]
+    _check(libc.unshare(flags), "unshare " + ",".join(names))
+    if "ipc" in names:
+        for sysctl, value in (
+            ("shmmax", ipc_bytes), ("shmall", ipc_bytes // 4096), ("shmmni", 64), ("msgmni", 16),
+        ):  # fmt: skip
+            with open(f"/proc/sys/kernel/{sysctl}", "w") as knob:
+                knob.write(str(value))
+    if "mnt" not in names:
+        return
+    # Nothing mounted from here on propagates back to the host, and nothing comes in.
+    _check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "make / private")
+    if not tmpfs_bytes:
+        return
+    options = f"size={tmpfs_bytes},nr_inodes=4096,mode=1777".encode()
+    for path in PRIVATE_TMPFS:
+        real = os.path.realpath(path)
+        if os.path.isdir(real):
+            done = libc.mount(b"tmpfs", real.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options)
+            _check(done, f"tmpfs on {real}")
+
+
 def _drop(uid: int) -> None:
-    """Become ``uid`` for good (only when the server had no setpriv to do it)."""
+    """Become ``uid`` for good: real, effective and saved ids, no supplementary groups."""
     os.setgroups([])
     os.setresgid(uid, uid, uid)
     os.setresuid(uid, uid, uid)
     if os.getresuid() != (uid, uid, uid) or os.getresgid() != (uid, uid, uid):
-        raise SystemExit(125)
+        raise SetupError(f"setresuid {uid}: the ids did not change")
+
+
+def _no_privileges(libc: ctypes.CDLL, parent: int) -> None:
+    """no_new_privs (setuid files grant nothing) and death with the server."""
+    _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl no_new_privs")
+    # Set after the uid change, which clears it; the parent may have died meanwhile.
+    _check(libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0), "prctl pdeathsig")
+    if os.getppid() != parent:
+        raise SetupError("the server died")
+
+
+def load_seccomp(libc: ctypes.CDLL) -> None:
+    """Load a filter (built by libseccomp) that refuses namespaces and mounts.
+
+    ``clone3`` answers ENOSYS: its flags are out of a filter's reach, and glibc falls back
+    to ``clone``, whose flags the filter does check.
+    """
+
+    class Cmp(ctypes.Structure):  # struct scmp_arg_cmp
+        _fields_ = (
+            ("arg", ctypes.c_uint),
+            ("op", ctypes.c_int),
+            ("datum_a", ctypes.c_uint64),
+            ("datum_b", ctypes.c_uint64),
+        )
+
+    try:
+        lib = ctypes.CDLL("libseccomp.so.2")
+    except OSError as exc:
+        raise SetupError(f"libseccomp: {exc}") from None
+    lib.seccomp_init.restype = ctypes.c_void_p
+    lib.seccomp_init.argtypes = (ctypes.c_uint32,)
+    lib.seccomp_syscall_resolve_name.argtypes = (ctypes.c_char_p,)
+    lib.seccomp_rule_add_array.argtypes = (
+        ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint, ctypes.POINTER(Cmp),
+    )  # fmt: skip
+    lib.seccomp_load.argtypes = (ctypes.c_void_p,)
+    ctx = lib.seccomp_init(SCMP_ACT_ALLOW)
+    if not ctx:
+        raise SetupError("seccomp_init failed")
+
+    def rule(name: str, errno: int, *cmp: Cmp) -> None:
+        number = lib.seccomp_syscall_resolve_name(name.encode())
+        if number < 0:
+            return  # not a syscall on this architecture
+        args = (Cmp * len(cmp))(*cmp) if cmp else None
+        if lib.seccomp_rule_add_array(ctx, 0x00050000 | errno, number, len(cmp), args) < 0:
+            raise SetupError(f"seccomp rule for {name}")
+
+    for name in BLOCKED_SYSCALLS:
+        rule(name, EPERM)
+    rule("clone3", ENOSYS)
+    for flag in CLONE_NAMESPACE_FLAGS:  # x86-64 and arm64 both pass clone's flags first
+        rule("clone", EPERM, Cmp(0, SCMP_CMP_MASKED_EQ, flag, flag))
+    if lib.seccomp_load(ctx) < 0:
+        raise SetupError("seccomp_load failed")
+    # unshare(0) does nothing, unless refused: proof that the filter is in force.
+    if libc.unshare(0) == 0:
+        raise SetupError("the seccomp filter is not in force")
+
+
+def _build(
+    drop: int,
+    namespaces: list[str],
+    tmpfs_bytes: int,
+    memory: int,
+    seccomp: bool,
+    cgroups: list[str],
+) -> None:
+    """Every step the server asked for, in order. Raises SetupError (or OSError)."""
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if cgroups:
+        _join_cgroups(cgroups)
+    if namespaces:
+        _unshare(libc, namespaces, tmpfs_bytes, memory)
+    if drop:
+        _drop(drop)
+    _no_privileges(libc, parent)
+    if seccomp:
+        load_seccomp(libc)
 
 
 def main() -> None:
     drop = int(sys.argv[1])
-    if drop:
-        _drop(drop)
     fd = int(sys.argv[2])
     cpu, memory, processes, file_size = (int(a) for a in sys.argv[3:7])
-    mode, main_path, workdir, staging = sys.argv[7:11]
-    tests = sys.argv[11:]
+    mode, namespaces, tmpfs_bytes, seccomp, cgroups = sys.argv[7:12]
+    main_path, workdir, staging = sys.argv[12:15]
+    tests = sys.argv[15:]
+
+    try:
+        _build(
+            drop,
+            [n for n in namespaces.split(",") if n],
+            int(tmpfs_bytes),
+            memory,
+            seccomp == "1",
+            [p for p in cgroups.split("\n") if p],
+        )
+    except (SetupError, OSError) as exc:
+        step = exc if isinstance(exc, SetupError) else f"{type(exc).__name__}: {exc}"
+        _write(fd, f"setup failed {step}")
+        os._exit(SETUP_FAILED)
+    _write(fd, "setup ok")
 
     # Soft CPU limit sends SIGXCPU; the hard one, a second later, SIGKILL.
     _limit(resource.RLIMIT_CPU, cpu, cpu + 1)

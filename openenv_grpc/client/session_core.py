@@ -18,6 +18,7 @@ shells (``VectorSession``, ``AsyncVectorSession``) move their bytes the same way
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypedDict, TypeVar
@@ -135,8 +136,8 @@ class SessionCore(Generic[ProtocolT]):
     kind of stream's protocol (one env's, or a vector's)."""
 
     __slots__ = (
-        "call", "channel", "headers", "lost", "metadata", "protocol", "provider", "reconnect",
-        "retry", "rpc", "session_id", "stub",
+        "call", "channel", "dial", "headers", "lost", "metadata", "protocol", "provider",
+        "reconnect", "retry", "rpc", "session_id", "stub",
     )  # fmt: skip
 
     def __init__(
@@ -147,6 +148,7 @@ class SessionCore(Generic[ProtocolT]):
         metadata: Metadata,
         retry: OpenRetry | None,
         reconnect: bool,
+        dial: Callable[[], Any] | None = None,
         *,
         rpc: str = "Session",
         protocol: ProtocolT | None = None,
@@ -162,6 +164,9 @@ class SessionCore(Generic[ProtocolT]):
         self.stub = stub
         #: The channel this session made and closes (None when the caller gave one).
         self.channel = channel
+        #: Makes the owned channel anew for an open after the last one was let go (None
+        #: when the caller gave the channel).
+        self.dial = dial
         #: A provider this session launched and stops when it ends.
         self.provider: SessionSource | None = None
         self.metadata = tuple(metadata)
@@ -184,6 +189,10 @@ class SessionCore(Generic[ProtocolT]):
         """
         if self.call is not None:
             raise SessionStateError("session is already open")
+        if self.channel is None and self.dial is not None:
+            # Closed or lost before: a session that owns its channel makes a new one.
+            self.channel = self.dial()
+            self.stub = pb_grpc.EnvServiceStub(self.channel)
         return OpenSchedule(self.retry)
 
     def open_stream(self, *requests: Any) -> Any:
@@ -286,11 +295,11 @@ class StreamBase:
         unknown = set(options) - set(SessionOptions.__annotations__)
         if unknown:
             raise TypeError(f"unknown session option(s): {', '.join(sorted(unknown))}")
-        channel = None
+        channel = dial = None
         if isinstance(target, str):
             # Looked up on the class: a plain function kept as a class attribute.
-            make_channel = type(self)._make_channel
-            channel = target = make_channel(target, options.get("credentials"))
+            dial = functools.partial(type(self)._make_channel, target, options.get("credentials"))
+            channel = target = dial()
         if isinstance(target, self._channel_class):
             target = pb_grpc.EnvServiceStub(target)
         metadata = (
@@ -305,6 +314,7 @@ class StreamBase:
             metadata,
             options.get("retry"),
             options.get("reconnect", False),
+            dial,
             rpc=self._rpc,
             protocol=self._new_protocol(),
         )
@@ -322,6 +332,14 @@ class StreamBase:
         """The server's id for this session (it tags the server's log lines); "" before
         the session is open."""
         return self._core.session_id
+
+    @property
+    def is_open(self) -> bool:
+        """True while the stream is open: False before :meth:`open`, after ``close`` or
+        ``abort``, and once the stream has ended (a lost stream may show here before the
+        next call raises ``SessionLost``)."""
+        call = self._core.call
+        return call is not None and not call.done()
 
     @property
     def draining(self) -> Draining | None:

@@ -126,6 +126,7 @@ class KubernetesProvider(Provider):
             "MAX_CONCURRENT_ENVS": str(self.max_concurrent_envs),
             "GRACE_PERIOD": str(self.grace_period),
             "METRICS_PORT": str(self.metrics_port),
+            "METRICS_HOST": "0.0.0.0",  # the endpoint is loopback-only by default
             **self.extra_env,
         }
         container = {

@@ -26,7 +26,8 @@ from openenv_grpc.server.config import ServerConfig
 from openenv_grpc.server.env_process_pool import EnvProcessPool
 from openenv_grpc.server.env_threads import EnvThreadPool
 from openenv_grpc.server.limiter import SessionLimiter
-from openenv_grpc.server.metrics import PrometheusMetrics, start_metrics_server
+from openenv_grpc.server.metrics import PrometheusMetrics
+from openenv_grpc.server.metrics_endpoint import MetricsEndpoint
 from openenv_grpc.server.orphans import reclaim_orphans_quietly
 from openenv_grpc.server.service import EnvServicer, add_env_service
 from openenv_grpc.server.session import SessionManager
@@ -39,14 +40,24 @@ __all__ = ["EnvServer", "serve"]
 
 log = logging.getLogger(__name__)
 
+#: The HTTP/2 flow-control window of each stream the server receives on (see grpc_options).
+STREAM_WINDOW_BYTES = 64 * 1024
+
 
 def grpc_options(config: ServerConfig) -> list[tuple[str, Any]]:
-    """Channel arguments: message limits and keepalive that detects dead peers."""
-    return [
+    """Channel arguments: message limits, keepalive that detects dead peers, and the
+    bounds on what a hostile HTTP/2 peer can make the server hold (docs/reliability.md,
+    "Hostile HTTP/2", has the measurements behind each number)."""
+    keepalive_timeout_ms = int(config.keepalive_timeout * 1000)
+    options: list[tuple[str, Any]] = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.keepalive_time_ms", int(config.keepalive_time * 1000)),
-        ("grpc.keepalive_timeout_ms", int(config.keepalive_timeout * 1000)),
+        ("grpc.keepalive_timeout_ms", keepalive_timeout_ms),
+        # grpc-core closes a connection whose ping goes unanswered after the *ping*
+        # timeout (60 s by default), not the keepalive timeout: a stopped client would
+        # keep its sessions 60 s, whatever KEEPALIVE_TIMEOUT says.
+        ("grpc.http2.ping_timeout_ms", keepalive_timeout_ms),
         ("grpc.keepalive_permit_without_calls", 1),
         # Let clients ping as often as every 10 s without being told to go away.
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
@@ -55,12 +66,25 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, Any]]:
         # the port. Off, so binding a taken port fails loudly -- unless workers (or, with
         # REUSE_PORT=1, other servers such as swarm replicas) share it on purpose.
         ("grpc.so_reuseport", 1 if config.workers > 1 or config.reuse_port else 0),
-        # gRPC cancels new calls at random beyond 1,000 waiting for the application (all
-        # beyond 3,000): a burst of session opens would see CANCELLED instead of either a
-        # session or our RESOURCE_EXHAUSTED. The limiter is the admission control.
-        ("grpc.server.max_pending_requests", 1_000_000),
-        ("grpc.server.max_pending_requests_hard_limit", 1_000_000),
+        # gRPC cancels calls at random once more than its default 1,000 wait for the
+        # application: a burst of session opens would see CANCELLED instead of either a
+        # session or our RESOURCE_EXHAUSTED. Soft = hard: no random early drop below it.
+        ("grpc.server.max_pending_requests", config.max_pending_calls),
+        ("grpc.server.max_pending_requests_hard_limit", config.max_pending_calls),
+        # What a stream may send before the server reads it: 64 KiB (HTTP/2's own
+        # default). A message being read gets the window it needs anyway; what this bounds
+        # is what a client that never reads its answers can park on each stream. BDP
+        # probing would grow the window to 32 MiB per stream, so it is off.
+        ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
+        ("grpc.http2.bdp_probe", 0),
     ]
+    streams = config.streams_per_connection
+    if streams:
+        # A stream reset by the client still counts against this until the server has
+        # let it go (grpc's overload protection, on by default): one connection can make
+        # the server hold at most this many calls, however fast it resets them.
+        options.append(("grpc.max_concurrent_streams", streams))
+    return options
 
 
 class EnvServer:
@@ -81,6 +105,7 @@ class EnvServer:
         self.port = 0
         #: Port of the Prometheus endpoint, once started (None: metrics off).
         self.metrics_port: int | None = None
+        self._metrics_endpoint: MetricsEndpoint | None = None
 
     @property
     def sessions(self) -> SessionManager:
@@ -93,9 +118,11 @@ class EnvServer:
 
         Raises:
             RuntimeError: the address could not be bound.
-            ValueError, OSError: the TLS settings are incomplete or a file is unreadable.
+            ValueError, OSError: the TLS settings are incomplete or a file is unreadable, or
+                the env's ``check_settings`` refused its settings.
         """
         credentials = server_credentials(self.config)  # before binding: bad files fail early
+        self.spec.env_class.check_settings()  # the env's own settings, before any session
         # Leftovers of a previous run go before any new instance competes for them.
         await asyncio.to_thread(reclaim_orphans_quietly, self.spec.env_class)
         interceptors = (
@@ -105,8 +132,10 @@ class EnvServer:
         prometheus: PrometheusMetrics | None = None
         if self.config.metrics_port >= 0:
             prometheus = PrometheusMetrics(limiter, self.spec.name)
-            host = self.config.host.strip("[]")
-            self.metrics_port = start_metrics_server(prometheus, host, self.config.metrics_port)
+            token = self.config.metrics_token or self.config.auth_token
+            self._metrics_endpoint = MetricsEndpoint(prometheus.registry, token)
+            host = self.config.metrics_host.strip("[]")
+            self.metrics_port = await self._metrics_endpoint.start(host, self.config.metrics_port)
         if self.config.isolated:
             call_timeout = self.config.call_timeout(self.spec.env_class.step_timeout)
             self._processes = EnvProcessPool(self.spec.factory, self.config.isolated, call_timeout)
@@ -163,6 +192,8 @@ class EnvServer:
         self._server = None
         if self._processes is not None:
             self._processes.stop()
+        if self._metrics_endpoint is not None:
+            await self._metrics_endpoint.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._lifecycle.shutdown(wait=False, cancel_futures=True)
         return stuck
@@ -199,7 +230,10 @@ async def _serve(
     port = await server.start()
     host = config.address.rpartition(":")[0]
     if server.metrics_port is not None:
-        say(f"openenv-grpc: metrics on http://{host}:{server.metrics_port}/metrics")
+        metrics_host = config.metrics_host
+        if ":" in metrics_host and not metrics_host.startswith("["):
+            metrics_host = f"[{metrics_host}]"
+        say(f"openenv-grpc: metrics on http://{metrics_host}:{server.metrics_port}/metrics")
     on_ready(server.spec.name, host, port)
     await stop.wait()
     log.info("signal received: draining (grace %.1fs)", config.grace_period)

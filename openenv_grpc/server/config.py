@@ -17,9 +17,15 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any, TypeVar, cast
 
-__all__ = ["ENV_VARS", "ServerConfig", "Setting", "settings", "settings_table"]
+__all__ = ["ENV_VARS", "STREAM_HEADROOM", "ServerConfig", "Setting", "settings", "settings_table"]
 
 T = TypeVar("T")
+
+_INT32_MAX = 2**31 - 1
+#: Streams a connection gets beyond the session capacity by default: room for Info,
+#: health and reflection calls, and for refused opens on their way out, while one
+#: client's connection holds every session.
+STREAM_HEADROOM = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,8 +226,38 @@ class ServerConfig:
     )  # fmt: skip
     metrics_port: int = setting(
         -1, variable="METRICS_PORT", flag="--metrics-port", minimum=-1, maximum=65535,
-        help="Prometheus `/metrics` port on the listen host; `-1` off, `0` a free port",
+        help="Prometheus `/metrics` port (on `METRICS_HOST`); `-1` off, `0` a free port",
         details="with workers, worker i serves on `metrics_port + i`",
+    )  # fmt: skip
+    metrics_host: str = setting(
+        "127.0.0.1", variable="METRICS_HOST", flag="--metrics-host",
+        help="address of the metrics endpoint: loopback unless told otherwise (`0.0.0.0` "
+        "for a Prometheus outside the pod), whatever `HOST` is",
+        details="the endpoint runs on the server's event loop: at most 16 connections, 5 s "
+        "to send a request head and 5 s to take the answer, `GET /metrics` only",
+    )  # fmt: skip
+    metrics_token: str = setting(
+        "", variable="METRICS_TOKEN", flag=None, secret=True,
+        help="when set, a scrape needs `authorization: Bearer <token>`; when unset, "
+        "`AUTH_TOKEN` (if set) guards the endpoint",
+    )  # fmt: skip
+    max_streams_per_connection: int = setting(
+        0, variable="MAX_STREAMS_PER_CONNECTION", flag="--max-streams-per-connection",
+        minimum=0, maximum=_INT32_MAX,
+        shown_default="`0` (capacity + 32, or no limit when capacity is unlimited)",
+        help="HTTP/2 streams (sessions and other calls) one client connection may have open",
+        details="it bounds what one connection's reset streams cost (rapid reset: grpc "
+        "counts a reset stream against it until the call is released). gRPC clients queue "
+        "calls beyond it, and every channel of a process to one target shares a "
+        "connection, so it must not be below the capacity",
+    )  # fmt: skip
+    max_pending_calls: int = setting(
+        32768, variable="MAX_PENDING_CALLS", flag="--max-pending-calls",
+        minimum=1, maximum=_INT32_MAX,
+        help="calls gRPC holds for the server before its handlers pick them up",
+        details="beyond it gRPC itself refuses calls (not the limiter); it must cover the "
+        "largest burst of session opens expected at once (16,384 is tested) and bounds "
+        "what a rapid-reset flood over many connections costs (~17 KiB a held call)",
     )  # fmt: skip
 
     def __post_init__(self) -> None:
@@ -233,6 +269,13 @@ class ServerConfig:
     def capacity(self) -> int:
         """The session cap, with 0 meaning unlimited."""
         return max(self.max_concurrent_envs, 0)
+
+    @property
+    def streams_per_connection(self) -> int:
+        """The HTTP/2 stream limit per connection (0: none)."""
+        if self.max_streams_per_connection:
+            return self.max_streams_per_connection
+        return self.capacity + STREAM_HEADROOM if self.capacity else 0
 
     @property
     def address(self) -> str:

@@ -345,13 +345,31 @@ class EnvProcessPool:
         """Create an env on the least-loaded live worker (with ``prefer_ready``, one that
         is up already, if any); returns the worker and the env's id.
 
+        A worker that dies before it answered (e.g. killed a moment before the front
+        noticed) costs nothing but time: the env is made on another one, each worker
+        tried at most once.
+
         Raises:
             EnvFactoryError: the env factory raised in the worker.
-            SessionLostError: no worker is running, or it died meanwhile.
+            SessionLostError: no worker is running, or every one died meanwhile.
         """
-        worker = self.least_loaded(prefer_ready=prefer_ready)[0]
-        env_id, _ = await self._create(worker, Op.CREATE, b"", 1)
-        return worker, env_id
+        tried: set[int] = set()
+        while True:
+            live = [w for w in self.least_loaded(prefer_ready=prefer_ready) if id(w) not in tried]
+            if not live:
+                raise SessionLostError("no environment worker process is running")
+            worker = live[0]
+            tried.add(id(worker))
+            try:
+                env_id, _ = await self._create(worker, Op.CREATE, b"", 1)
+            except SessionLostError:
+                if len(tried) >= 2 * self._size:
+                    raise
+                log.info(
+                    "env worker pid %s died during a create: trying another", worker.process.pid
+                )
+                continue
+            return worker, env_id
 
     def least_loaded(self, *, prefer_ready: bool = False) -> list[_Worker]:
         """The live workers, least loaded (fewest env instances) first (with

@@ -1,4 +1,4 @@
-"""Prometheus metrics of one server process, served over HTTP on a side port.
+"""Prometheus metrics of one server process (served by :mod:`.metrics_endpoint`).
 
 The session lifecycle and the request handler report through one :class:`Metrics`
 object (a vector stream of N envs counts as N sessions, and its steps one per env); with
@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from openenv_grpc.server.limiter import SessionLimiter
 
-__all__ = ["NO_METRICS", "Metrics", "MetricsTee", "PrometheusMetrics", "start_metrics_server"]
+__all__ = ["NO_METRICS", "Metrics", "MetricsTee", "PrometheusMetrics"]
 
 _STEP_BUCKETS = (
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
@@ -156,9 +156,3 @@ class PrometheusMetrics:
 
     def pool_saturated(self) -> None:
         self._saturated.inc()
-
-
-def start_metrics_server(metrics: PrometheusMetrics, host: str, port: int) -> int:
-    """Serve ``/metrics`` on ``host:port`` (0 picks a free port); returns the port."""
-    server, _thread = start_http_server(port, addr=host, registry=metrics.registry)
-    return int(server.server_port)

@@ -322,7 +322,7 @@ def test_private_files_and_the_server_are_out_of_reach(server: ServerProcess) ->
         folder.rmdir()
 
 
-def test_network_is_cut_unless_allowed(server: ServerProcess) -> None:
+def test_network_is_cut(server: ServerProcess) -> None:
     host, port = server.target.split(":")
     code = (
         "import socket\n"
@@ -334,11 +334,9 @@ def test_network_is_cut_unless_allowed(server: ServerProcess) -> None:
     )
     with CodingEnv(server.target) as env:
         env.reset(options=CodingResetOptions(limits=FAST))
-        isolated = env.state().network_isolated
-        assert run(env, code)[0].stdout == ("101\n" if isolated else "connected\n")  # ENETUNREACH
-        env.reset(options=CodingResetOptions(limits=FAST, allow_network=True))
-        assert not env.state().network_isolated
-        assert run(env, code)[0].stdout == "connected\n"
+        assert env.state().network_isolated
+        assert run(env, code)[0].stdout == "101\n"  # ENETUNREACH: not even loopback
+    # Allowing it is the server's call: see test_reliability_sandbox.py.
 
 
 # -- tests and rewards ----------------------------------------------------------------
@@ -474,17 +472,33 @@ def _refused(call: object, message: str) -> None:
 @pytest.mark.parametrize(
     ("limits", "message"),
     [
-        (CodingLimits(wall_ms=120_001), "limits.wall_ms is 120001; the cap is 120000"),
-        (CodingLimits(cpu_seconds=61), "limits.cpu_seconds is 61; the cap is 60"),
-        (CodingLimits(memory_mb=5000), "limits.memory_mb is 5000; the cap is 4096"),
+        (
+            CodingLimits(wall_ms=120_001),
+            "limits.wall_ms is 120001; the server's maximum is 120000 (CODING_MAX_WALL_MS)",
+        ),
+        (
+            CodingLimits(cpu_seconds=61),
+            "limits.cpu_seconds is 61; the server's maximum is 60 (CODING_MAX_CPU_SECONDS)",
+        ),
+        (
+            CodingLimits(memory_mb=5000),
+            "limits.memory_mb is 5000; the server's maximum is 4096 (CODING_MAX_MEMORY_MB)",
+        ),
         (CodingLimits(memory_mb=10), "limits.memory_mb is 10; the minimum is 64"),
         (CodingLimits(processes=1), "limits.processes is 1; the minimum is 2"),
-        (CodingLimits(processes=257), "limits.processes is 257; the cap is 256"),
+        (
+            CodingLimits(processes=257),
+            "limits.processes is 257; the server's maximum is 256 (CODING_MAX_PROCESSES)",
+        ),
         (
             CodingLimits(output_bytes=5 << 20),
-            "limits.output_bytes is 5242880; the cap is 4194304",
+            "limits.output_bytes is 5242880; the server's maximum is 4194304 "
+            "(CODING_MAX_OUTPUT_BYTES)",
         ),
-        (CodingLimits(file_size_mb=2000), "limits.file_size_mb is 2000; the cap is 1024"),
+        (
+            CodingLimits(file_size_mb=2000),
+            "limits.file_size_mb is 2000; the server's maximum is 1024 (CODING_MAX_FILE_SIZE_MB)",
+        ),
     ],
 )
 def test_bad_limits_are_invalid_argument_and_the_episode_stands(
@@ -619,3 +633,20 @@ def test_a_server_step_timeout_still_cleans_up(start_server: Any) -> None:
             lambda: not Path(state.workdir).parent.exists(), timeout=5, what="cut sandbox removed"
         )
         assert_no_strays(state)
+
+
+def test_a_bad_coding_setting_stops_the_server_at_start() -> None:
+    """check_settings(): the server refuses to start (exit 2, the variable named) instead
+    of failing every session."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "openenv_grpc", "serve", "coding", "--port", "0"],
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, "CODING_MAX_MEMORY_MB": "lots"},
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "CODING_MAX_MEMORY_MB" in done.stderr
+    assert "openenv-grpc: serving" not in done.stdout

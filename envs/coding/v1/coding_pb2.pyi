@@ -3,7 +3,8 @@
 isort:skip_file
 The coding environment: each step runs a Python program in a sandboxed child process
 (CPU, memory, process, file-size, output and wall-clock limits; a scrubbed environment;
-a private working directory) and optionally scores it against test cases.
+a private working directory; on a root server also a uid, a cgroup and namespaces of
+its own) and optionally scores it against test cases.
 """
 
 from collections import abc as _abc
@@ -37,7 +38,9 @@ class _LimitEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Limit.ValueType
     LIMIT_WALL_TIME: _Limit.ValueType  # 3
     """The run outlived its wall-clock budget; every process of the sandbox was killed."""
     LIMIT_MEMORY: _Limit.ValueType  # 4
-    """An allocation failed under the address-space limit (an uncaught MemoryError)."""
+    """An allocation failed under the address-space limit (an uncaught MemoryError), or the
+    kernel killed a process of the sandbox for going over its memory budget (cgroup).
+    """
     LIMIT_OUTPUT: _Limit.ValueType  # 5
     """stdout or stderr grew past the output cap; the run was killed and the text truncated."""
     LIMIT_PROCESSES: _Limit.ValueType  # 6
@@ -57,7 +60,9 @@ LIMIT_CPU_TIME: Limit.ValueType  # 2
 LIMIT_WALL_TIME: Limit.ValueType  # 3
 """The run outlived its wall-clock budget; every process of the sandbox was killed."""
 LIMIT_MEMORY: Limit.ValueType  # 4
-"""An allocation failed under the address-space limit (an uncaught MemoryError)."""
+"""An allocation failed under the address-space limit (an uncaught MemoryError), or the
+kernel killed a process of the sandbox for going over its memory budget (cgroup).
+"""
 LIMIT_OUTPUT: Limit.ValueType  # 5
 """stdout or stderr grew past the output cap; the run was killed and the text truncated."""
 LIMIT_PROCESSES: Limit.ValueType  # 6
@@ -282,7 +287,9 @@ Global___CodingObservation: _TypeAlias = CodingObservation  # noqa: Y015
 
 @_typing.final
 class CodingLimits(_message.Message):
-    """CodingLimits are the sandbox's resource limits; 0 in a field means its default."""
+    """CodingLimits are the sandbox's resource limits; 0 in a field means its default. The
+    server sets a maximum for each (CodingState.maximums; more is INVALID_ARGUMENT).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -293,17 +300,20 @@ class CodingLimits(_message.Message):
     PROCESSES_FIELD_NUMBER: _builtins.int
     FILE_SIZE_MB_FIELD_NUMBER: _builtins.int
     cpu_seconds: _builtins.int
-    """CPU seconds per process (RLIMIT_CPU). Default 5, cap 60."""
+    """CPU seconds per process (RLIMIT_CPU). Default 5."""
     wall_ms: _builtins.int
-    """Wall-clock milliseconds per run. Default 10000, cap 120000."""
+    """Wall-clock milliseconds per run. Default 10000."""
     memory_mb: _builtins.int
-    """Address space per process in MiB (RLIMIT_AS). Default 512, cap 4096, floor 64."""
+    """Memory in MiB: the whole sandbox's budget where it has a cgroup
+    (CodingState.memory_cgroup), and each process's address space (RLIMIT_AS). Default
+    512, floor 64.
+    """
     output_bytes: _builtins.int
-    """Bytes kept of stdout and of stderr each; more kills the run. Default 65536, cap 4 MiB."""
+    """Bytes kept of stdout and of stderr each; more kills the run. Default 65536."""
     processes: _builtins.int
-    """Processes plus threads of the sandbox at once (RLIMIT_NPROC). Default 32, cap 256."""
+    """Processes plus threads of the sandbox at once (RLIMIT_NPROC). Default 32, floor 2."""
     file_size_mb: _builtins.int
-    """Largest file a process may write, in MiB (RLIMIT_FSIZE). Default 16, cap 1024."""
+    """Largest file a process may write, in MiB (RLIMIT_FSIZE). Default 16."""
     def __init__(
         self,
         *,
@@ -337,8 +347,9 @@ class CodingResetOptions(_message.Message):
     continue_on_pass: _builtins.bool
     """Keep the episode going after a step whose tests all passed (by default it terminates)."""
     allow_network: _builtins.bool
-    """Let the code use the network. By default each run gets an empty network namespace
-    when the server can make one (see CodingState.network_isolated).
+    """Let the code use the server's network (loopback and the server's own port included).
+    Only where the server allows it (CodingState.network_allowed); else INVALID_ARGUMENT.
+    By default each run gets an empty network namespace.
     """
     @_builtins.property
     def limits(self) -> Global___CodingLimits:
@@ -378,6 +389,13 @@ class CodingState(_message.Message):
     PYTHON_VERSION_FIELD_NUMBER: _builtins.int
     TERMINATE_ON_PASS_FIELD_NUMBER: _builtins.int
     MAX_STEPS_FIELD_NUMBER: _builtins.int
+    IPC_ISOLATED_FIELD_NUMBER: _builtins.int
+    PRIVATE_TMPFS_FIELD_NUMBER: _builtins.int
+    SYSCALL_FILTER_FIELD_NUMBER: _builtins.int
+    MEMORY_CGROUP_FIELD_NUMBER: _builtins.int
+    MAXIMUMS_FIELD_NUMBER: _builtins.int
+    MAX_SANDBOX_MEMORY_MB_FIELD_NUMBER: _builtins.int
+    NETWORK_ALLOWED_FIELD_NUMBER: _builtins.int
     step_count: _builtins.int
     """Steps taken in this episode."""
     last_exit_code: _builtins.int
@@ -404,6 +422,28 @@ class CodingState(_message.Message):
     """Whether the episode is configured to stop when a step passes all its tests."""
     max_steps: _builtins.int
     """Steps after which the episode is truncated; 0 means no limit."""
+    ipc_isolated: _builtins.bool
+    """Each run gets an IPC namespace of its own: SysV IPC objects and POSIX message queues
+    die with the run (else the sandbox uid's objects are removed after each run).
+    """
+    private_tmpfs: _builtins.bool
+    """Each run gets a mount namespace with its own tmpfs on /dev/shm and /run/lock, of
+    memory_mb each (else the host's, swept of the sandbox uid's files after each run).
+    """
+    syscall_filter: _builtins.bool
+    """The code runs under a seccomp filter: no new namespaces (user namespaces included),
+    no mounts, no chroot.
+    """
+    memory_cgroup: _builtins.bool
+    """The sandbox has a cgroup of its own: memory_mb bounds all its processes together
+    (else each process alone, and memory_mb x processes is what it may hold).
+    """
+    max_sandbox_memory_mb: _builtins.int
+    """The server's maximum for the memory one sandbox may hold, in MiB (memory_mb with a
+    memory cgroup, memory_mb x processes without).
+    """
+    network_allowed: _builtins.bool
+    """The server lets a client set allow_network."""
     @_builtins.property
     def files(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Top-level entries of the working directory, sorted, directories with a trailing "/"
@@ -413,6 +453,10 @@ class CodingState(_message.Message):
     @_builtins.property
     def limits(self) -> Global___CodingLimits:
         """The limits in force, defaults filled in."""
+
+    @_builtins.property
+    def maximums(self) -> Global___CodingLimits:
+        """The server's maximum for each limit."""
 
     def __init__(
         self,
@@ -429,10 +473,17 @@ class CodingState(_message.Message):
         python_version: _builtins.str = ...,
         terminate_on_pass: _builtins.bool = ...,
         max_steps: _builtins.int = ...,
+        ipc_isolated: _builtins.bool = ...,
+        private_tmpfs: _builtins.bool = ...,
+        syscall_filter: _builtins.bool = ...,
+        memory_cgroup: _builtins.bool = ...,
+        maximums: Global___CodingLimits | None = ...,
+        max_sandbox_memory_mb: _builtins.int = ...,
+        network_allowed: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits", "maximums", b"maximums"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["file_count", b"file_count", "files", b"files", "last_exit_code", b"last_exit_code", "last_limit", b"last_limit", "limits", b"limits", "max_steps", b"max_steps", "network_isolated", b"network_isolated", "python_version", b"python_version", "sandbox_uid", b"sandbox_uid", "step_count", b"step_count", "terminate_on_pass", b"terminate_on_pass", "workdir", b"workdir"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["file_count", b"file_count", "files", b"files", "ipc_isolated", b"ipc_isolated", "last_exit_code", b"last_exit_code", "last_limit", b"last_limit", "limits", b"limits", "max_sandbox_memory_mb", b"max_sandbox_memory_mb", "max_steps", b"max_steps", "maximums", b"maximums", "memory_cgroup", b"memory_cgroup", "network_allowed", b"network_allowed", "network_isolated", b"network_isolated", "private_tmpfs", b"private_tmpfs", "python_version", b"python_version", "sandbox_uid", b"sandbox_uid", "step_count", b"step_count", "syscall_filter", b"syscall_filter", "terminate_on_pass", b"terminate_on_pass", "workdir", b"workdir"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -3,7 +3,8 @@
 isort:skip_file
 The coding environment: each step runs a Python program in a sandboxed child process
 (CPU, memory, process, file-size, output and wall-clock limits; a scrubbed environment;
-a private working directory) and optionally scores it against test cases.
+a private working directory; on a root server also a uid, a cgroup and namespaces of
+its own) and optionally scores it against test cases.
 """
 
 from collections import abc as _abc

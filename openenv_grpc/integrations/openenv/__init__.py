@@ -1,0 +1,29 @@
+"""OpenEnv environments served unchanged (``pip install 'openenv-grpc[openenv]'``).
+
+::
+
+    openenv-grpc serve --openenv my_env.server.my_environment:MyEnvironment
+
+or from Python::
+
+    from openenv_grpc import serve
+    from openenv_grpc.integrations.openenv import openenv_environment, serve_config
+
+    env = openenv_environment(MyEnvironment)       # an openenv-grpc Environment class
+    serve(env, serve_config(env))                   # capacity 1 unless concurrency-safe
+
+See :mod:`openenv_grpc.integrations.openenv.environment` for how the contract maps and
+:mod:`openenv_grpc.integrations.openenv.schema` for how pydantic types become protobuf.
+"""
+
+from openenv_grpc.integrations.openenv.client import described_session
+from openenv_grpc.integrations.openenv.environment import OpenEnvTypes, openenv_environment
+from openenv_grpc.integrations.openenv.serving import load_openenv_class, serve_config
+
+__all__ = [
+    "OpenEnvTypes",
+    "described_session",
+    "load_openenv_class",
+    "openenv_environment",
+    "serve_config",
+]

@@ -1,0 +1,104 @@
+"""Conversions between one OpenEnv env's calls and openenv-grpc's messages (reset
+keyword arguments, actions, observations as transitions, state)."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from google.protobuf.message import Message
+from pydantic import BaseModel, ValidationError
+
+from openenv_grpc.environment import InvalidAction, Transition
+from openenv_grpc.integrations.openenv.convert import jsonable, to_message, to_python
+from openenv_grpc.integrations.openenv.schema import ModelPlan, UnionPlan
+from openenv_grpc.integrations.openenv.signatures import reset_method
+
+__all__ = ["Bridge"]
+
+
+class Bridge:
+    """Conversions for one env class, shared by its sync and async adapters."""
+
+    def __init__(
+        self,
+        env_class: type[Any],
+        found: Any,
+        action: ModelPlan | UnionPlan,
+        observation: ModelPlan | UnionPlan,
+        state: ModelPlan,
+        options: ModelPlan,
+    ) -> None:
+        self.env_class = env_class
+        self.found = found
+        self.action = action
+        self.observation = observation
+        self.state = state
+        self.options = options
+        parameters = inspect.signature(reset_method(env_class)[0]).parameters
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+        self.takes_seed = takes_any or "seed" in parameters
+        self.takes_episode_id = takes_any or "episode_id" in parameters
+        self.kwargs_field = next(
+            (
+                f.name
+                for f in options.fields
+                if f.name in ("kwargs", "extra_kwargs") and f.kind == "Struct"
+            ),
+            None,
+        )
+
+    def reset_kwargs(
+        self, seed: int | None, episode_id: str, options: Message | None
+    ) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {}
+        if options is not None:
+            _, kwargs = to_python(self.options, options)
+            if self.kwargs_field is not None:  # **kwargs: its Struct's keys, as they are
+                kwargs.update(kwargs.pop(self.kwargs_field, None) or {})
+        if seed is not None and self.takes_seed:
+            kwargs["seed"] = seed
+        if self.takes_episode_id:
+            kwargs["episode_id"] = episode_id
+        return kwargs
+
+    def action_in(self, message: Message) -> BaseModel:
+        """Raises InvalidAction: the env's model refuses the action."""
+        try:
+            model, data = to_python(self.action, message)
+            return model.model_validate(data)
+        except (ValidationError, ValueError) as exc:
+            raise InvalidAction(_validation_message(exc)) from None
+
+    def transition(self, observation: Any) -> Transition[Message]:
+        if not isinstance(observation, BaseModel):
+            raise TypeError(
+                f"{self.env_class.__qualname__} returned {type(observation).__name__}, "
+                "not an Observation"
+            )
+        reward = getattr(observation, "reward", None)
+        metadata = getattr(observation, "metadata", None)
+        return Transition(
+            to_message(self.observation, observation),
+            reward=0.0 if reward is None else float(reward),
+            terminated=bool(getattr(observation, "done", False)),
+            info=jsonable(metadata) if metadata else None,
+        )
+
+    def state_out(self, env: Any) -> Message:
+        state = env.state
+        if callable(state):  # an env that made state a method instead of a property
+            state = state()
+        if isinstance(state, BaseModel) and not isinstance(state, self.state.python):
+            state = self.state.python.model_validate(state.model_dump())
+        return to_message(self.state, state)
+
+
+def _validation_message(exc: Exception) -> str:
+    if isinstance(exc, ValidationError):
+        parts = [
+            f"{'.'.join(str(p) for p in error['loc']) or 'action'}: {error['msg']}"
+            for error in exc.errors()
+        ]
+        return f"invalid {exc.title}: " + "; ".join(parts)
+    return str(exc)

@@ -1,0 +1,166 @@
+"""Values between pydantic models and the messages :mod:`.schema` made for them.
+
+``to_message`` reads the model's attributes (so enums, nested models and bytes keep
+their types); ``to_python`` returns plain data for ``Model.model_validate``, leaving out
+what the client did not set so that pydantic's defaults and required checks apply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import pydantic_core
+from google.protobuf import struct_pb2
+from google.protobuf.message import Message
+from pydantic import BaseModel
+
+from openenv_grpc.codec import info_from_struct, info_to_struct, value_to_python
+from openenv_grpc.integrations.openenv.schema import STRUCT, VALUE, FieldPlan, ModelPlan, UnionPlan
+
+__all__ = ["jsonable", "to_message", "to_python"]
+
+
+def to_message(plan: ModelPlan | UnionPlan, value: BaseModel) -> Message:
+    """A new message of ``plan``'s class holding ``value``.
+
+    Raises:
+        TypeError: ``value`` is none of the models ``plan`` holds.
+    """
+    assert plan.message_class is not None
+    message = plan.message_class()
+    if isinstance(plan, UnionPlan):
+        name, member = _member_for(plan, value)
+        _fill(getattr(message, name), member, value)
+        getattr(message, name).SetInParent()
+    else:
+        if not isinstance(value, plan.python):
+            raise TypeError(f"expected a {plan.python.__name__}, got {type(value).__name__}")
+        _fill(message, plan, value)
+    return message
+
+
+def to_python(
+    plan: ModelPlan | UnionPlan, message: Message
+) -> tuple[type[BaseModel], dict[str, Any]]:
+    """The model class to validate with and the data of ``message``.
+
+    Raises:
+        ValueError: a union message holds none of its members.
+    """
+    if isinstance(plan, UnionPlan):
+        chosen = message.WhichOneof("kind")
+        for name, member in plan.members:
+            if name == chosen:
+                return member.python, _read(getattr(message, name), member)
+        names = ", ".join(name for name, _ in plan.members)
+        raise ValueError(f"{plan.name} must set one of: {names}")
+    return plan.python, _read(message, plan)
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` as JSON data, as pydantic serializes it (models, dataclasses, enums,
+    datetimes...); what pydantic cannot serialize becomes its ``tolist()`` or ``repr``."""
+    return pydantic_core.to_jsonable_python(value, fallback=_fallback)
+
+
+def _fallback(value: Any) -> Any:
+    tolist = getattr(value, "tolist", None)  # numpy arrays, torch tensors
+    return tolist() if callable(tolist) else repr(value)
+
+
+def _member_for(plan: UnionPlan, value: BaseModel) -> tuple[str, ModelPlan]:
+    """The union member for ``value``: its own class, else its nearest base."""
+    for klass in type(value).__mro__:
+        for name, member in plan.members:
+            if member.python is klass:
+                return name, member
+    names = ", ".join(member.python.__name__ for _, member in plan.members)
+    raise TypeError(f"{type(value).__name__} is none of {names}")
+
+
+# -- python -> message -------------------------------------------------------------------
+
+
+def _fill(message: Message, plan: ModelPlan, value: Any) -> None:
+    for field in plan.fields:
+        item = value.get(field.name) if isinstance(value, Mapping) else getattr(value, field.name)
+        if item is not None:
+            _set(message, field, item)
+
+
+def _set(message: Message, field: FieldPlan, value: Any) -> None:
+    target = getattr(message, field.name)
+    if field.kind == STRUCT:
+        info_to_struct({str(k): v for k, v in jsonable(value).items()}, target)
+    elif field.kind == VALUE:
+        target.CopyFrom(_value(jsonable(value)))
+    elif field.map:
+        for key, item in value.items():
+            if field.kind == "message":
+                assert field.model is not None
+                _fill(target[key], field.model, item)
+                target[key].SetInParent()
+            else:
+                target[key] = _scalar_out(field, item)
+    elif field.repeated:
+        for item in value:
+            if field.kind == "message":
+                assert field.model is not None
+                _fill(target.add(), field.model, item)
+            else:
+                target.append(_scalar_out(field, item))
+    elif field.kind == "message":
+        assert field.model is not None
+        target.SetInParent()
+        _fill(target, field.model, value)
+    else:
+        setattr(message, field.name, _scalar_out(field, value))
+
+
+def _scalar_out(field: FieldPlan, value: Any) -> Any:
+    if field.enum is not None:
+        return field.enum.number(value)
+    return value
+
+
+def _value(data: Any) -> struct_pb2.Value:
+    holder = struct_pb2.Struct()
+    info_to_struct({"v": data}, holder)  # the codec's conversion: nothing dropped
+    return holder.fields["v"]
+
+
+# -- message -> python -------------------------------------------------------------------
+
+
+def _read(message: Message, plan: ModelPlan) -> dict[str, Any]:
+    data: dict[str, Any] = {}
+    for field in plan.fields:
+        target = getattr(message, field.name)
+        if field.map:
+            mapping = {key: _item_in(field, item) for key, item in target.items()}
+            if mapping or field.required:
+                data[field.name] = mapping
+        elif field.repeated:
+            items = [_item_in(field, item) for item in target]
+            if items or field.required:
+                data[field.name] = items
+        elif message.HasField(field.name):
+            item = _item_in(field, target)
+            if item is not None:  # enum 0 ("unspecified"): as if unset
+                data[field.name] = item
+    return data
+
+
+def _item_in(field: FieldPlan, item: Any) -> Any:
+    if field.kind == STRUCT:
+        return info_from_struct(item)
+    if field.kind == VALUE:
+        return value_to_python(item)
+    if field.kind == "message":
+        assert field.model is not None
+        return _read(item, field.model)
+    if field.enum is not None:
+        member = field.enum.member(item)
+        return None if member is None else member.value
+    return item

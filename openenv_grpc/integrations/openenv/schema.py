@@ -1,0 +1,354 @@
+"""Protobuf message types made at start-up from an OpenEnv env's pydantic models.
+
+One ``.proto`` file per served env is built as a ``FileDescriptorProto`` (no ``.proto``
+text, no protoc), added to the default descriptor pool (so server reflection finds it)
+and turned into message classes. The env's Info then carries it like any other env's
+file, and clients in any language decode it from there.
+
+How a pydantic field's type becomes a protobuf field:
+
+============================================  =========================================
+pydantic                                      protobuf
+============================================  =========================================
+``str``, ``bool``, ``int``, ``float``,        ``string``, ``bool``, ``int64``, ``double``,
+``bytes``; ``int | float``                    ``bytes``; ``double``
+``Literal["a", "b"]`` (``Literal[1, 2]``)     ``string`` (``int64``)
+an ``Enum`` subclass                          an enum (``<ENUM>_UNSPECIFIED = 0``, then
+                                              the members in order)
+a ``BaseModel`` subclass                      a message of its own, in the same file
+``list[X]``, ``tuple[X, ...]``, ``set[X]``    ``repeated X`` (X one of the above)
+``dict[str, X]``                              ``map<string, X>`` (X one of the above)
+``dict[str, Any]`` and other ``dict[str, _]``  ``google.protobuf.Struct``
+``Optional[X]`` (``X | None``)                X with presence (``optional``)
+anything else: ``Any``, other unions,          ``google.protobuf.Value``: the value as
+nested containers (``list[list[int]]``),      JSON (``pydantic_core.to_jsonable_python``)
+``datetime``, arrays, arbitrary types
+============================================  =========================================
+
+Every singular scalar and enum field is ``optional`` (has presence), so a field the
+client leaves unset reaches pydantic as *absent*: its default applies, or a required
+field is reported missing, exactly as OpenEnv's JSON would. JSON is the fallback where
+protobuf has no faithful type: a union's members cannot be told apart on the wire
+without a tag pydantic does not declare, and repeated/map fields cannot nest.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import enum
+import inspect
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, struct_pb2
+from google.protobuf.message import Message
+from pydantic import BaseModel
+
+__all__ = ["EnumPlan", "FieldPlan", "ModelPlan", "SchemaBuilder", "UnionPlan"]
+
+F = descriptor_pb2.FieldDescriptorProto
+_SCALARS: dict[Any, int] = {
+    str: F.TYPE_STRING,
+    bool: F.TYPE_BOOL,
+    int: F.TYPE_INT64,
+    float: F.TYPE_DOUBLE,
+    bytes: F.TYPE_BYTES,
+}
+_SEQUENCES = (list, tuple, set, frozenset, collections.abc.Sequence, collections.abc.Set)
+_MAPPINGS = (dict, collections.abc.Mapping, collections.abc.MutableMapping)
+STRUCT = "Struct"  # kind of a dict[str, Any] field
+VALUE = "Value"  # kind of a JSON-fallback field
+
+
+@dataclass(eq=False)
+class EnumPlan:
+    """A Python enum as a protobuf enum: member i is number i + 1 (0 is "unspecified")."""
+
+    python: type[enum.Enum]
+    name: str
+    members: list[enum.Enum]
+
+    def number(self, value: Any) -> int:
+        member = value if isinstance(value, self.python) else self.python(value)
+        return self.members.index(member) + 1
+
+    def member(self, number: int) -> enum.Enum | None:
+        return self.members[number - 1] if 0 < number <= len(self.members) else None
+
+
+@dataclass(eq=False)
+class FieldPlan:
+    """One field: its protobuf shape and what to convert its values with."""
+
+    name: str
+    number: int
+    kind: str  # "scalar", "enum", "message", STRUCT or VALUE
+    scalar: int = 0  # FieldDescriptorProto.TYPE_* of a scalar
+    enum: EnumPlan | None = None
+    model: ModelPlan | None = None
+    repeated: bool = False
+    map: bool = False  # map<string, X>: X is scalar, enum or message
+    required: bool = False  # pydantic requires it (no default)
+
+
+@dataclass(eq=False)
+class ModelPlan:
+    """A pydantic model as one message; ``exclude`` names fields that live elsewhere
+    (an observation's reward, done and metadata go in the result's own fields)."""
+
+    python: type[BaseModel]
+    name: str
+    fields: list[FieldPlan] = field(default_factory=list)
+    message_class: type[Message] | None = None
+
+
+@dataclass(eq=False)
+class UnionPlan:
+    """Several models as one message with a ``oneof kind`` of one field per model (the
+    tools surface of an MCP env: list_tools or call_tool)."""
+
+    name: str
+    members: list[tuple[str, ModelPlan]]
+    message_class: type[Message] | None = None
+
+
+Plan = ModelPlan | UnionPlan
+
+
+class SchemaBuilder:
+    """Builds one file of messages; :meth:`build` adds it to the pool and fills in the
+    plans' message classes."""
+
+    def __init__(self, file_name: str, package: str) -> None:
+        self.file = descriptor_pb2.FileDescriptorProto(
+            name=file_name, package=package, syntax="proto3"
+        )
+        self.file.dependency.append(struct_pb2.DESCRIPTOR.name)
+        self._names: set[str] = set()
+        self._models: dict[tuple[type[BaseModel], frozenset[str]], ModelPlan] = {}
+        self._enums: dict[type[enum.Enum], EnumPlan] = {}
+        self._plans: list[Plan] = []
+
+    # -- what an env needs ----------------------------------------------------------
+
+    def model(self, python: type[BaseModel], exclude: frozenset[str] = frozenset()) -> ModelPlan:
+        """The message of ``python`` (made once per model and exclusion set)."""
+        key = (python, exclude)
+        known = self._models.get(key)
+        if known is not None:
+            return known
+        plan = ModelPlan(python, self._unique(python.__name__))
+        self._models[key] = plan  # before the fields: a model may refer to itself
+        self._plans.append(plan)
+        message = self.file.message_type.add(name=plan.name)
+        number = 0
+        for name, info in python.model_fields.items():
+            if name in exclude:
+                continue
+            number += 1
+            plan.fields.append(
+                self._field(message, name, number, info.annotation, info.is_required())
+            )
+        return plan
+
+    def union(
+        self, name: str, members: list[type[BaseModel]], exclude: frozenset[str]
+    ) -> UnionPlan:
+        """One message holding any of ``members`` (a ``oneof kind``)."""
+        plans = [self.model(member, exclude) for member in members]
+        plan = UnionPlan(self._unique(name), [(_snake(p.name), p) for p in plans])
+        self._plans.append(plan)
+        message = self.file.message_type.add(name=plan.name)
+        message.oneof_decl.add(name="kind")
+        for number, (field_name, member) in enumerate(plan.members, start=1):
+            message.field.add(
+                name=field_name, number=number, label=F.LABEL_OPTIONAL, type=F.TYPE_MESSAGE,
+                type_name=self._type_name(member.name), oneof_index=0,
+            )  # fmt: skip
+        return plan
+
+    def parameters(
+        self,
+        name: str,
+        parameters: list[inspect.Parameter],
+        hints: dict[str, Any],
+        var_keyword: bool,
+    ) -> ModelPlan:
+        """A message of keyword arguments (reset options); ``var_keyword`` adds a Struct
+        field ``kwargs`` for a ``**kwargs`` parameter."""
+        plan = ModelPlan(BaseModel, self._unique(name))
+        self._plans.append(plan)
+        message = self.file.message_type.add(name=plan.name)
+        number = 0
+        for parameter in parameters:
+            number += 1
+            annotation = hints.get(parameter.name, Any)
+            required = parameter.default is inspect.Parameter.empty
+            plan.fields.append(self._field(message, parameter.name, number, annotation, required))
+        if var_keyword:
+            kwargs = "kwargs" if all(p.name != "kwargs" for p in parameters) else "extra_kwargs"
+            plan.fields.append(self._field(message, kwargs, number + 1, dict[str, Any], False))
+        return plan
+
+    def build(self) -> descriptor_pb2.FileDescriptorProto:
+        """Add the file to the default pool (reflection serves it from there) and make the
+        message classes.
+
+        Raises:
+            TypeError: the pool refused the file (a name clash with another file).
+        """
+        pool = descriptor_pool.Default()
+        try:
+            pool.Add(self.file)
+        except TypeError as exc:
+            raise TypeError(f"cannot add {self.file.name} to the descriptor pool: {exc}") from exc
+        for plan in self._plans:
+            full_name = f"{self.file.package}.{plan.name}"
+            plan.message_class = message_factory.GetMessageClass(
+                pool.FindMessageTypeByName(full_name)
+            )
+        return self.file
+
+    # -- fields -----------------------------------------------------------------------
+
+    def _field(
+        self,
+        message: descriptor_pb2.DescriptorProto,
+        name: str,
+        number: int,
+        annotation: Any,
+        required: bool,
+    ) -> FieldPlan:
+        annotation, optional = _strip_optional(annotation)
+        plan = self._shape(name, number, annotation)
+        plan.required = required and not optional
+        proto = message.field.add(name=name, number=number, label=F.LABEL_OPTIONAL)
+        if plan.map:
+            entry = message.nested_type.add(name=f"{_camel(name)}Entry")
+            entry.options.map_entry = True
+            entry.field.add(name="key", number=1, label=F.LABEL_OPTIONAL, type=F.TYPE_STRING)
+            value = entry.field.add(name="value", number=2, label=F.LABEL_OPTIONAL)
+            self._set_type(value, plan)
+            proto.label = F.LABEL_REPEATED
+            proto.type = F.TYPE_MESSAGE
+            proto.type_name = f"{self._type_name(message.name)}.{entry.name}"
+            return plan
+        self._set_type(proto, plan)
+        if plan.repeated:
+            proto.label = F.LABEL_REPEATED
+        elif plan.kind in ("scalar", "enum"):
+            # proto3 `optional`: presence, in a synthetic oneof of its own.
+            proto.proto3_optional = True
+            proto.oneof_index = len(message.oneof_decl)
+            message.oneof_decl.add(name=f"_{name}")
+        return plan
+
+    def _shape(self, name: str, number: int, annotation: Any) -> FieldPlan:
+        """What ``annotation`` (no longer Optional) becomes; JSON where nothing fits."""
+        single = self._single(name, number, annotation)
+        if single is not None:
+            return single
+        origin = typing.get_origin(annotation) or annotation
+        args = typing.get_args(annotation)
+        if origin in _SEQUENCES:
+            if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
+                args = ()  # a fixed-length tuple has no repeated form
+            item = self._single(name, number, args[0]) if len(args) in (1, 2) else None
+            if item is not None:
+                item.repeated = True
+                return item
+        elif origin in _MAPPINGS and (not args or args[0] is str):
+            value = self._single(name, number, args[1]) if args else None
+            if value is not None:
+                value.map = True
+                return value
+            return FieldPlan(name, number, STRUCT)
+        return FieldPlan(name, number, VALUE)
+
+    def _single(self, name: str, number: int, annotation: Any) -> FieldPlan | None:
+        """A scalar, enum or model type as a singular field; None for anything else."""
+        if annotation in _SCALARS:
+            return FieldPlan(name, number, "scalar", scalar=_SCALARS[annotation])
+        if _is_number_union(annotation):
+            return FieldPlan(name, number, "scalar", scalar=F.TYPE_DOUBLE)
+        if typing.get_origin(annotation) is Literal:
+            values = typing.get_args(annotation)
+            kinds = {type(v) for v in values}
+            if len(kinds) == 1 and kinds.pop() in (str, int, bool):
+                return FieldPlan(name, number, "scalar", scalar=_SCALARS[type(values[0])])
+            return None
+        if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+            return FieldPlan(name, number, "enum", enum=self._enum(annotation))
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            return FieldPlan(name, number, "message", model=self.model(annotation))
+        return None
+
+    def _set_type(self, proto: descriptor_pb2.FieldDescriptorProto, plan: FieldPlan) -> None:
+        if plan.kind == "scalar":
+            proto.type = plan.scalar  # type: ignore[assignment]
+        elif plan.kind == "enum":
+            assert plan.enum is not None
+            proto.type = F.TYPE_ENUM
+            proto.type_name = self._type_name(plan.enum.name)
+        elif plan.kind == "message":
+            assert plan.model is not None
+            proto.type = F.TYPE_MESSAGE
+            proto.type_name = self._type_name(plan.model.name)
+        else:
+            proto.type = F.TYPE_MESSAGE
+            proto.type_name = f".google.protobuf.{plan.kind}"
+
+    def _enum(self, python: type[enum.Enum]) -> EnumPlan:
+        known = self._enums.get(python)
+        if known is not None:
+            return known
+        plan = EnumPlan(python, self._unique(python.__name__), list(python))
+        self._enums[python] = plan
+        proto = self.file.enum_type.add(name=plan.name)
+        # Enum values are scoped like siblings of the enum: prefix them, as buf asks.
+        prefix = _snake(plan.name).upper()
+        proto.value.add(name=f"{prefix}_UNSPECIFIED", number=0)
+        for number, member in enumerate(plan.members, start=1):
+            proto.value.add(name=f"{prefix}_{_snake(member.name).upper()}", number=number)
+        return plan
+
+    def _unique(self, name: str) -> str:
+        candidate, n = name, 1
+        while candidate in self._names:
+            n += 1
+            candidate = f"{name}{n}"
+        self._names.add(candidate)
+        return candidate
+
+    def _type_name(self, name: str) -> str:
+        return f".{self.file.package}.{name}"
+
+
+def _strip_optional(annotation: Any) -> tuple[Any, bool]:
+    """``X | None`` -> (X, True); ``Annotated[X, ...]`` -> X."""
+    while typing.get_origin(annotation) is typing.Annotated:
+        annotation = typing.get_args(annotation)[0]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        optional = len(args) < len(typing.get_args(annotation))
+        if len(args) == 1:
+            return _strip_optional(args[0])[0], optional
+        return typing.Union[tuple(args)], optional  # noqa: UP007 -- rebuilt from a tuple
+    return annotation, False
+
+
+def _is_number_union(annotation: Any) -> bool:
+    if typing.get_origin(annotation) not in (typing.Union, types.UnionType):
+        return False
+    return set(typing.get_args(annotation)) <= {int, float}
+
+
+def _snake(name: str) -> str:
+    return re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", name).lower()
+
+
+def _camel(name: str) -> str:
+    return "".join(part[:1].upper() + part[1:] for part in name.split("_"))

@@ -1,0 +1,322 @@
+"""OpenEnv environments served unchanged: ``openenv-grpc serve --openenv MODULE:CLASS``.
+
+The envs (tests/support/openenv_envs/) are written as OpenEnv 0.10 teaches and import
+nothing of openenv-grpc. Each is served by a real ``openenv-grpc serve`` process and
+driven by our Python client, typed from the server's Info alone; the same env served by
+OpenEnv's own ``create_app`` (uvicorn) answers the same actions with the same
+observations."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from google.protobuf import descriptor_pool, json_format, message_factory
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
+from openenv.core.generic_client import GenericEnvClient
+
+from openenv_grpc import CapacityError, EnvError
+from openenv_grpc.cli import main
+from openenv_grpc.client.info import message_classes
+from openenv_grpc.integrations.openenv import (
+    described_session,
+    load_openenv_class,
+    openenv_environment,
+)
+from openenv_grpc.integrations.openenv.convert import to_python
+from openenv_grpc.testing import ServerProcess
+
+TESTS = Path(__file__).resolve().parent
+ECHO = "support.openenv_envs.echo:EchoEnvironment"
+WAREHOUSE = "support.openenv_envs.warehouse:WarehouseEnvironment"
+MCP_ECHO = "support.openenv_envs.mcp_echo:EchoMCPEnvironment"
+
+
+def bridged(ref: str, *args: str) -> ServerProcess:
+    return ServerProcess(f"--openenv={ref}", list(args), pythonpath=[TESTS])
+
+
+@contextlib.contextmanager
+def serving(ref: str, *args: str) -> Iterator[ServerProcess]:
+    server = bridged(ref, *args)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@contextlib.contextmanager
+def openenv_server(app: str) -> Iterator[str]:
+    """OpenEnv's own server (create_app under uvicorn) on a free loopback port."""
+    environ = {**os.environ, "PYTHONPATH": str(TESTS)}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", f"support.openenv_envs.apps:{app}",
+         "--host", "127.0.0.1", "--port", "0", "--log-level", "info"],
+        stderr=subprocess.PIPE, text=True, env=environ,
+    )  # fmt: skip
+    try:
+        assert process.stderr is not None
+        for line in process.stderr:
+            match = re.search(r"running on http://127\.0\.0\.1:(\d+)", line)
+            if match:
+                yield f"http://127.0.0.1:{match.group(1)}"
+                break
+        else:
+            pytest.fail("uvicorn did not start")
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def message_fields(message: Any) -> Any:
+    """Every set field of ``message`` as plain data (enums by name, nested as dicts)."""
+    return json_format.MessageToDict(message, preserving_proto_field_name=True)
+
+
+def test_template_env_through_info_alone() -> None:
+    with serving(ECHO) as server:
+        info = server.info()
+        assert info.env_name == "EchoEnvironment"
+        assert info.action_type.endswith(".EchoAction")
+        assert info.observation_type.endswith(".EchoObservation")
+        assert info.state_type.endswith(".State")
+        assert info.capacity.max_sessions == 1024  # SUPPORTS_CONCURRENT_SESSIONS = True
+        # The observation message holds the env's fields; reward, done and metadata go
+        # in the result's own fields.
+        observation = message_classes(info)["observation"].DESCRIPTOR
+        assert [f.name for f in observation.fields] == ["echoed_message", "message_length"]
+        EchoEnv = described_session(info)
+        with EchoEnv(server.target) as env:
+            first = env.reset(seed=5, episode_id="ep-1")
+            assert first.observation.echoed_message == "Echo environment ready!"
+            assert (first.reward, first.terminated, first.truncated) == (0.0, False, False)
+            result = env.step(EchoEnv.Action(message="hello"))
+            assert result.observation.echoed_message == "hello"
+            assert result.observation.message_length == 5
+            assert result.reward == pytest.approx(0.5)
+            assert result.info == {"original_message": "hello", "step": 1.0}
+            state = env.state()
+            assert (state.episode_id, state.step_count) == ("ep-1", 1)  # our episode id
+            # A required field left unset is pydantic's "Field required", in-band.
+            with pytest.raises(EnvError) as refused:
+                env.step(EchoEnv.Action())
+            assert refused.value.code is grpc.StatusCode.INVALID_ARGUMENT
+            assert refused.value.message == "invalid EchoAction: message: Field required"
+            assert env.step(EchoEnv.Action(message="on")).observation.message_length == 2
+        server.wait_until(lambda: server.active() == 0, what="the session to close")
+
+
+def test_nested_list_enum_fields_and_typed_reset_options() -> None:
+    with serving(WAREHOUSE) as server:
+        assert server.info().capacity.max_sessions == 1  # not concurrency-safe: capacity 1
+        assert "does not declare SUPPORTS_CONCURRENT_SESSIONS = True: capacity 1" in (
+            server.stderr()
+        )
+        Warehouse = described_session(server.target)
+        options = Warehouse.ResetOptions.DESCRIPTOR
+        assert [f.name for f in options.fields] == ["difficulty", "skus"]  # reset's own
+        with Warehouse(server.target) as env:
+            first = env.reset(seed=3, options=Warehouse.ResetOptions(difficulty=2))
+            assert list(first.observation.missing) == ["apple", "bolt", "cable"]
+            assert first.info == {"step": 0.0, "difficulty": 2.0}
+            action = Warehouse.Action(note="fragile", mode="add")
+            action.hints["speed"] = 0.5
+            line = action.lines.add(quantity=2)
+            line.item.sku = "bolt"
+            line.item.size = (
+                Warehouse.Action.DESCRIPTOR.file.enum_types_by_name["Size"]
+                .values_by_name["SIZE_LARGE"]
+                .number
+            )
+            line.item.tags.extend(["steel", "m4"])
+            result = env.step(action)
+            observation = message_fields(result.observation)
+            assert observation["basket"] == [
+                {"item": {"sku": "bolt", "size": "SIZE_LARGE", "tags": ["steel", "m4"]},
+                 "quantity": "2"}
+            ]  # fmt: skip
+            assert observation["counts"] == {"bolt": "2"}
+            assert observation["last_note"] == "fragile" and observation["weights"] == [1.0]
+            assert observation["extra"] == {"order_size": 7.0, "skus": ["apple", "bolt", "cable"]}
+            assert result.reward == pytest.approx(-0.1) and not result.terminated
+            state = env.state()
+            assert dict(state.order) == {"apple": 2, "bolt": 2, "cable": 3}
+            assert state.difficulty == 2
+            with pytest.raises(EnvError, match="mode: Input should be 'add' or 'remove'"):
+                env.step(Warehouse.Action(mode="steal"))
+            # Finish the order: done -> terminated, then a reset on the same session.
+            finish = Warehouse.Action()
+            for sku, quantity in (("apple", 2), ("cable", 3)):
+                finish.lines.add(quantity=quantity).item.sku = sku
+            done = env.step(finish)
+            assert done.terminated and done.reward == 1.0
+            with pytest.raises(EnvError) as after:
+                env.step(finish)
+            assert after.value.code is grpc.StatusCode.FAILED_PRECONDITION
+            assert env.reset(seed=3).observation.missing == ["bolt", "cable"]
+            # Capacity 1: a second session is refused before any env exists.
+            with pytest.raises(CapacityError):
+                Warehouse(server.target).open()
+
+
+def test_mcp_env_tools_through_the_bridge() -> None:
+    with serving(MCP_ECHO) as server:
+        Mcp = described_session(server.target)
+        kinds = [f.name for f in Mcp.Action.DESCRIPTOR.oneofs_by_name["kind"].fields]
+        assert kinds == ["list_tools_action", "call_tool_action"]
+        with Mcp(server.target) as env:
+            ready = env.reset()
+            assert ready.info == {"status": "ready", "message": "Echo environment ready!"}
+            listing = Mcp.Action()
+            listing.list_tools_action.SetInParent()
+            tools = env.step(listing).observation.list_tools_observation.tools
+            assert sorted(tool.name for tool in tools) == ["echo_message", "echo_with_length"]
+            call = Mcp.Action()
+            call.call_tool_action.tool_name = "echo_with_length"
+            call.call_tool_action.arguments.update({"message": "hi"})
+            answer = env.step(call).observation.call_tool_observation
+            assert answer.tool_name == "echo_with_length"
+            result = message_fields(answer)["result"]
+            assert result["data"] == {"message": "hi", "length": 2.0}
+            assert not result["is_error"]
+            assert env.state().step_count == 2
+
+
+def _openenv_steps(
+    base_url: str, reset: dict[str, Any], actions: list[dict[str, Any]]
+) -> list[Any]:
+    with GenericEnvClient(base_url=base_url).sync() as client:
+        results = [client.reset(**reset)]
+        results += [client.step(action) for action in actions]
+        return [(r.observation, r.reward, r.done) for r in results]
+
+
+def _our_steps(
+    ref: str, server: ServerProcess, reset: dict[str, Any], actions: list[dict[str, Any]]
+) -> list[Any]:
+    """The same episode through the bridge, read back into the env's own Observation
+    model and dumped as OpenEnv's server dumps it."""
+    sys.path.insert(0, str(TESTS))
+    try:
+        plan = openenv_environment(load_openenv_class(ref))._bridge.observation
+    finally:
+        sys.path.remove(str(TESTS))
+    Env = described_session(server.target)
+    out = []
+    with Env(server.target) as env:
+        extra = {k: v for k, v in reset.items() if k != "seed"}
+        options = Env.ResetOptions(**extra) if extra else None
+        results = [env.reset(seed=reset.get("seed"), options=options)]
+        for action in actions:
+            results.append(env.step(json_format.ParseDict(_proto_json(action), Env.Action())))
+        for result in results:
+            model, data = to_python(plan, result.observation)
+            shown = model.model_validate(data).model_dump(exclude={"reward", "done"})
+            shown["metadata"] = _ints(result.info)
+            out.append((shown, result.reward, result.terminated))
+    return out
+
+
+def _ints(value: Any) -> Any:
+    """JSON numbers arrive as doubles (Struct); OpenEnv's JSON keeps 1 as 1."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _ints(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_ints(v) for v in value]
+    return value
+
+
+def _proto_json(action: dict[str, Any]) -> dict[str, Any]:
+    """OpenEnv's action JSON in protobuf JSON: enum values by their protobuf names."""
+    data = dict(action)
+    for line in data.get("lines", []):
+        if "size" in line.get("item", {}):
+            line["item"] = {**line["item"], "size": f"SIZE_{line['item']['size'].upper()}"}
+    return data
+
+
+@pytest.mark.parametrize(
+    ("ref", "app", "reset", "actions"),
+    [
+        (ECHO, "echo_app", {}, [{"message": "hello"}, {"message": "a longer message"}]),
+        (
+            WAREHOUSE,
+            "warehouse_app",
+            {"seed": 3, "difficulty": 2},
+            [
+                {"lines": [{"item": {"sku": "bolt", "size": "large", "tags": ["x"]},
+                            "quantity": 2}],
+                 "note": "hi", "hints": {"a": 1.5}},
+                {"lines": [{"item": {"sku": "bolt"}, "quantity": 1}], "mode": "remove"},
+                {"lines": [{"item": {"sku": "apple"}, "quantity": 2},
+                           {"item": {"sku": "bolt"}, "quantity": 1},
+                           {"item": {"sku": "cable"}, "quantity": 3}]},
+            ],
+        ),
+    ],
+)  # fmt: skip
+def test_same_observations_as_openenvs_own_server(
+    ref: str, app: str, reset: dict[str, Any], actions: list[dict[str, Any]]
+) -> None:
+    with openenv_server(app) as base_url:
+        theirs = _openenv_steps(base_url, reset, actions)
+    with serving(ref) as server:
+        ours = _our_steps(ref, server, reset, actions)
+    assert len(ours) == len(theirs) == len(actions) + 1
+    for (our_obs, our_reward, our_done), (their_obs, their_reward, their_done) in zip(
+        ours, theirs, strict=True
+    ):
+        assert our_obs == their_obs
+        assert our_reward == pytest.approx(their_reward or 0.0)
+        assert our_done == their_done
+    assert theirs[-1][2] is (ref == WAREHOUSE)  # the warehouse order was completed
+
+
+def test_isolated_workers_rebuild_the_types() -> None:
+    with serving(ECHO, "--isolated", "1") as server:
+        EchoEnv = described_session(server.target)
+        with EchoEnv(server.target) as env:
+            env.reset()
+            assert env.step(EchoEnv.Action(message="abc")).observation.message_length == 3
+
+
+def test_reflection_serves_the_built_types() -> None:
+    with serving(WAREHOUSE) as server, grpc.insecure_channel(server.target) as channel:
+        info = server.info()
+        pool = descriptor_pool.DescriptorPool(ProtoReflectionDescriptorDatabase(channel))
+        action = message_factory.GetMessageClass(pool.FindMessageTypeByName(info.action_type))
+        assert "lines" in action.DESCRIPTOR.fields_by_name
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--openenv=support.openenv_envs.echo"], "takes package.module:EnvClass"),
+        (["--openenv=support.openenv_envs.echo:Nope"], "has no attribute 'Nope'"),
+        (["--openenv=no_such_module:Env"], "cannot import 'no_such_module'"),
+        (["--openenv=support.openenv_envs.echo:EchoAction"], "is not a subclass of openenv"),
+        (["echo", f"--openenv={ECHO}"], "serve takes ENV or --openenv"),
+        ([f"--openenv={WAREHOUSE}", "--workers", "2"], "serve it with one worker"),
+    ],
+)
+def test_bad_openenv_references_exit_2(
+    args: list[str],
+    message: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.syspath_prepend(str(TESTS))
+    assert main(["serve", *args, "--port", "0"]) == 2
+    assert message in capsys.readouterr().err

@@ -1,0 +1,240 @@
+"""Hostile HTTP/2 against real servers: each attack replayed, its bound checked.
+
+The attackers speak raw HTTP/2 through the ``h2`` package (``bench/h2_attacks.py``), the
+flood from a child process; the server is a real ``openenv-grpc serve`` on loopback with
+its default limits, and its memory is ``VmRSS`` from ``/proc``. ``python -m
+bench.hostile`` runs the same measurements for longer (the 30 s numbers in
+docs/reliability.md, "Hostile HTTP/2").
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from bench.h2_attacks import grpc_headers
+from bench.hostile import admission_burst_run, rapid_reset_run, stalled_readers_run
+from openenv_grpc.client.info import fetch_info
+
+#: The promise: a flood from one client (4 connections) grows the server by at most this.
+RAPID_RESET_BOUND_MIB = 150
+FLOOD_SECONDS = 12
+#: What a stream whose answers are never taken may cost the server: its 64 KiB window,
+#: the answer waiting on it and the bookkeeping, with room to spare.
+STALLED_STREAM_BOUND_KIB = 512
+ENHANCE_YOUR_CALM = 0xB
+
+
+def _print(result: dict[str, object]) -> None:
+    print(f"\nHTTP2 {result}")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("auth", "attacker_has_token"),
+    [(False, False), (True, False), (True, True)],
+    ids=["no-auth", "auth-outsider", "auth-insider"],
+)
+def test_rapid_reset_flood_stays_within_its_memory_bound(
+    start_server, auth: bool, attacker_has_token: bool
+) -> None:
+    token = "flood-token" if auth else None
+    server = start_server(
+        "support.envs:CountingEchoEnv", extra_env={"AUTH_TOKEN": token} if token else {}
+    )
+    result = rapid_reset_run(
+        server, FLOOD_SECONDS, connections=4, token=token, settle=2.0,
+        attacker_token=token if attacker_has_token else None,
+    )  # fmt: skip
+    _print(result)
+    assert result["streams_sent"] >= 20_000, "the flood did not get going"
+    assert result["rss_growth_mib"] <= RAPID_RESET_BOUND_MIB
+    assert result["server_alive"]
+    honest = result["honest"]
+    # Admitted sessions keep stepping during the attack (no speed is promised).
+    assert honest["steps_min"] >= 10
+    assert honest["slowest_step_s"] < 10
+    active = lambda: fetch_info(server.target, token=token).capacity.active_sessions  # noqa: E731
+    # Streams of the flood still queued in grpc may be admitted after a first 0: wait for
+    # quiet, then every env ever made must be closed (one listing, not two racing ones).
+    server.wait_until(
+        lambda: active() == 0 and every_env_closed(server), 30, "every session released"
+    )
+
+
+def every_env_closed(server) -> bool:  # type: ignore[no-untyped-def]
+    """Every env the ledger saw made is closed (read from one directory listing)."""
+    return all(entry.name.endswith(".closed") for entry in server.ledger.iterdir())
+
+
+@pytest.mark.timeout(120)
+def test_clients_that_never_take_their_answers_park_at_most_a_window_per_stream(
+    start_server,
+) -> None:
+    server = start_server("support.envs:CountingEchoEnv")
+    result = stalled_readers_run(server, streams=64, seconds=6.0)
+    _print(result)
+    assert result["server_alive"]
+    # Each stream got through its 64 KiB window and a few requests, no more (it was
+    # 4 MiB, and BDP probing grew it to 32 MiB).
+    assert result["sent_per_stream_kib"] <= 1024
+    assert result["growth_per_stream_kib"] <= STALLED_STREAM_BOUND_KIB
+    assert result["honest"]["steps_min"] >= 1
+    server.wait_until(
+        lambda: server.active() == 0 and every_env_closed(server), 30, "the stalled released"
+    )
+
+
+Frames = tuple[dict[int, int], set[int], set[int], dict[int, int]]
+
+
+def _read_frames(sock: socket.socket, seconds: float) -> Frames:
+    """Read the server's frames for ``seconds``, acknowledging SETTINGS and PINGs.
+
+    Returns:
+        The server's SETTINGS; the streams it answered with HEADERS (an admitted
+        session); those it answered with HEADERS that end the stream (a trailers-only
+        status: refused by the limiter); and those it reset, with their error codes.
+    """
+    settings: dict[int, int] = {}
+    answered: set[int] = set()
+    ended: set[int] = set()
+    reset: dict[int, int] = {}
+    buffer = bytearray()
+    sock.settimeout(0.2)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            chunk = sock.recv(65536)
+        except TimeoutError:
+            continue
+        if not chunk:
+            break
+        buffer += chunk
+        while len(buffer) >= 9 and len(buffer) >= 9 + int.from_bytes(buffer[:3], "big"):
+            length = int.from_bytes(buffer[:3], "big")
+            kind, flags = buffer[3], buffer[4]
+            stream = int.from_bytes(buffer[5:9], "big") & 0x7FFFFFFF
+            payload = bytes(buffer[9 : 9 + length])
+            del buffer[: 9 + length]
+            if kind == 0x4 and not flags & 0x1:  # SETTINGS: note and acknowledge
+                for i in range(0, len(payload), 6):
+                    settings[int.from_bytes(payload[i : i + 2], "big")] = int.from_bytes(
+                        payload[i + 2 : i + 6], "big"
+                    )
+                sock.sendall(b"\x00\x00\x00\x04\x01\x00\x00\x00\x00")
+            elif kind == 0x6 and not flags & 0x1:  # PING: answer it
+                ack = len(payload).to_bytes(3, "big") + b"\x06\x01\x00\x00\x00\x00"
+                sock.sendall(ack + payload)
+            elif kind == 0x1:
+                (ended if flags & 0x1 else answered).add(stream)
+            elif kind == 0x3:
+                reset[stream] = int.from_bytes(payload, "big")
+    return settings, answered, ended, reset
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("flags", "limit", "sessions"),
+    [
+        # The default: the capacity plus 32 (Info, health, refusals on their way out).
+        (("--max-concurrent-envs", "200"), 232, 200),
+        (("--max-streams-per-connection", "256"), 256, 256),
+    ],
+    ids=["capacity-plus-headroom", "explicit"],
+)
+def test_a_connection_gets_at_most_its_streams_even_if_it_ignores_the_setting(
+    start_server, flags: tuple[str, ...], limit: int, sessions: int
+) -> None:
+    """A peer that ignores SETTINGS_MAX_CONCURRENT_STREAMS opens 300 Session streams on
+    one connection: up to the limit the server takes them (as sessions, or refused by
+    the limiter), the rest are reset, and the server lives on."""
+    import h2.config
+    import h2.connection
+
+    server = start_server("support.envs:CountingEchoEnv", *flags)
+    # h2 builds the frames; it never hears the server, so it does not enforce the limit.
+    encoder = h2.connection.H2Connection(
+        h2.config.H2Configuration(client_side=True, header_encoding=None)
+    )
+    encoder.initiate_connection()
+    for _ in range(300):
+        encoder.send_headers(encoder.get_next_available_stream_id(), grpc_headers(server.target))
+    host, port = server.target.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(encoder.data_to_send())
+        settings, admitted, refused, reset = _read_frames(sock, 4.0)
+        assert settings.get(0x3) == limit  # SETTINGS_MAX_CONCURRENT_STREAMS
+        assert len(admitted) == sessions == server.active()
+        assert len(refused) == limit - sessions
+        # Beyond the limit: reset with ENHANCE_YOUR_CALM. (A refused stream's status is
+        # followed by RST_STREAM NO_ERROR, as gRPC ends a stream the client still sends on.)
+        calm = {stream for stream, code in reset.items() if code == ENHANCE_YOUR_CALM}
+        assert len(calm) == 300 - limit
+        assert {stream for stream, code in reset.items() if code != ENHANCE_YOUR_CALM} == refused
+        assert calm.isdisjoint(admitted | refused)
+    server.wait_until(lambda: server.active() == 0, what="the sessions of the closed socket")
+    assert server.created() == server.closed_envs() == sessions
+
+
+@pytest.mark.timeout(180)
+def test_a_burst_of_16384_opens_is_admitted_or_refused_by_the_limiter(start_server) -> None:
+    """16,384 opens at once over 64 connections: gRPC's own pending-call limit must not
+    cancel any of them (at gRPC's defaults it cancels about half)."""
+    server = start_server("support.envs:CountingEchoEnv", "--max-concurrent-envs", "4096")
+    result = admission_burst_run(server, sessions=16_384, channels=64)
+    _print(result)
+    assert result["outcomes"] == {"admitted": 4096, "refused RESOURCE_EXHAUSTED: ours": 12_288}
+    server.wait_until(lambda: server.active() == 0, timeout=60, what="the burst's sessions closed")
+    assert server.created() == server.closed_envs() == 4096
+
+
+_STOPPED_CLIENT = textwrap.dedent(
+    """
+    import sys, time
+    from openenv_grpc_envs.echo import EchoAction, EchoEnv
+    envs = [EchoEnv(sys.argv[1]) for _ in range(3)]
+    for env in envs:
+        env.open()
+        env.reset()
+        env.step(EchoAction(message="then silence"))
+    print("ready", flush=True)
+    time.sleep(3600)
+    """
+)
+
+
+@pytest.mark.timeout(90)
+def test_a_stopped_client_loses_its_sessions_within_keepalive_time_plus_timeout(
+    start_server,
+) -> None:
+    keepalive_time, keepalive_timeout = 2.0, 1.0
+    server = start_server(
+        "support.envs:CountingEchoEnv",
+        "--keepalive-time", str(keepalive_time),
+        "--keepalive-timeout", str(keepalive_timeout),
+    )  # fmt: skip
+    client = subprocess.Popen(
+        [sys.executable, "-c", _STOPPED_CLIENT, server.target], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert client.stdout is not None and client.stdout.readline().strip() == "ready"
+        assert server.active() == 3
+        client.send_signal(signal.SIGSTOP)  # its kernel still ACKs; its gRPC answers nothing
+        stopped = time.monotonic()
+        # grpc-core closed such a connection after its 60 s ping timeout, whatever the
+        # keepalive settings said (the server now sets the ping timeout to match).
+        server.wait_until(lambda: server.active() == 0, timeout=30, what="sessions reclaimed")
+        reclaimed_after = time.monotonic() - stopped
+        print(f"\nHTTP2 stopped client reclaimed after {reclaimed_after:.1f}s")
+        assert reclaimed_after <= keepalive_time + keepalive_timeout + 3
+        assert server.closed_envs() == 3
+    finally:
+        client.kill()
+        client.wait()
