@@ -294,8 +294,10 @@ def scenario_cpu(plan: Plan, cpu_loops: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for label, args in (("one process", []), ("--isolated 2", ["--isolated", "2"])):
         server = _GrpcServer("bench.envs:CpuEnvironment", args, environ)
+        # A vector step of 64 ~1 ms envs takes tens of ms: measure long enough for dozens.
+        seconds = max(plan.seconds, 4.0) if plan.mode != "smoke" else plan.seconds
         try:
-            rows = [vector_steady(server, 64, plan.warmup, plan.seconds) for _ in range(plan.reps)]
+            rows = [vector_steady(server, 64, plan.warmup, seconds) for _ in range(plan.reps)]
         finally:
             server.stop()
         out[label] = row = _median(rows)
