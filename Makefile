@@ -11,8 +11,8 @@ NODE_CLIENT := clients/node/node_modules/.installed
 GOPATH_DIR := build/gopath
 
 .PHONY: install serve test pytest lint proto proto-check clean bench-echo clients go-play \
-	buf-breaking system-deps image dockerd bench bench-vector console console-screenshot \
-	settings-table
+	buf-breaking system-deps image dockerd bench bench-vector bench-snapshots console \
+	console-screenshot settings-table
 
 # `local` = the registry-free debootstrap base; python:3.11-slim where a registry is reachable
 BASE_IMAGE ?= local
@@ -121,6 +121,10 @@ bench-echo: $(VENV)/.installed
 	$(PY) -m bench.echo_load --sessions 1 64 --seconds 5
 
 BENCH ?= --quick
+## bench-snapshots: snapshot size, snapshot + restore round trip, fork of 16, per catalogue env
+bench-snapshots: $(VENV)/.installed
+	$(PY) -m bench.snapshots --markdown
+
 ## bench: openenv-grpc vs OpenEnv side by side (BENCH=--full for the big run)
 bench: $(VENV)/.installed
 	$(PY) -m bench.run $(BENCH)

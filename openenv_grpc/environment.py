@@ -4,7 +4,7 @@ An environment is generic over four protobuf message types, declared once in its
 class::
 
     class EchoEnvironment(Environment[EchoAction, EchoObservation, EchoState, EchoResetOptions]):
-        runs_inline = True  # every method returns in microseconds
+        runs_inline = True  # every method returns in microseconds: always on the loop
 
         def reset(self, *, seed, episode_id, options): ...
         def step(self, action): ...
@@ -119,14 +119,60 @@ class Environment(_EnvironmentBase[ActionT, ObservationT, StateT, ResetOptionsT]
 
     The server creates an instance when a session opens (by calling the factory with no
     arguments) and calls :meth:`close` exactly once when the session ends. Calls on one
-    instance never overlap. By default they run on a shared thread pool, so a slow
-    ``step`` does not stall other sessions; set :attr:`runs_inline` to skip that hop.
+    instance never overlap. Where they run is :attr:`runs_inline`'s business: by default
+    the server measures them, and runs them on its event loop while they are cheap and
+    on a shared thread pool when they are not.
     """
 
-    #: True when every method returns in microseconds and never blocks: calls then run
-    #: directly on the server's event loop, which is the fastest path but stalls every
-    #: other session for as long as a call takes.
-    runs_inline: ClassVar[bool] = False
+    #: Where the server runs ``reset``, ``step``, ``state`` (and the other instance methods
+    #: it calls during a session):
+    #:
+    #: - ``None`` (the default): **measured**. The server times the calls, grouped by
+    #:   method and by :meth:`cost_class`, across all sessions. A group starts on the
+    #:   thread pool; after 32 calls in a row that each took under half the server's
+    #:   ``--inline-threshold-ms`` (1 ms by default) it runs on the event loop, which
+    #:   saves a thread hop per call (for a microsecond step, most of the server's CPU
+    #:   per step). A call on the loop cannot be interrupted, only timed once it returns:
+    #:   a second call over the threshold within 64 calls, or one over 50 times it, sends
+    #:   the group back to the pool (only the call's own time counts: it computed or
+    #:   blocked; time the OS gave other processes does not), and each move back doubles
+    #:   the run of cheap calls the next move needs, so an env near the threshold settles
+    #:   on the pool. Every move is logged (INFO to the loop; WARNING back, with how long
+    #:   the loop was blocked).
+    #:   When a step timeout applies (the server's ``--step-timeout`` or
+    #:   :attr:`step_timeout`), measured calls always run on the pool, where a call past
+    #:   it can be given up on. The factory and :meth:`close` always run on the pool.
+    #: - ``True``: always on the event loop, factory and ``close`` included. Fastest; for
+    #:   envs whose every call returns in microseconds and never blocks. A slow or hung
+    #:   call stalls every session (and health checks) for as long as it takes, and no
+    #:   step timeout can interrupt it (``--isolated`` can: it kills the env's process).
+    #: - ``False``: always on the thread pool. For envs whose calls block (I/O, a
+    #:   subprocess, a sleep), may hang, or run native code that releases the GIL (the
+    #:   pool then runs it beside the loop); the price is a thread hop per call.
+    #:
+    #: Override it when the measurement would be wrong or too late: ``False`` when even
+    #: one blocking call on the loop is unacceptable (the first one is what moves a
+    #: measured group back), ``True`` when every call is known to be cheap.
+    runs_inline: ClassVar[bool | None] = None
+
+    def cost_class(self) -> str:
+        """Optional, for a measured env (``runs_inline = None``) whose cost depends on what
+        an instance is configured to run: a short name for the current configuration's
+        cost, e.g. the gymnasium env's env id (``"CartPole-v1"`` steps take a few
+        microseconds, ``"ALE/Pong-v5"`` steps a few hundred). The server places and
+        measures the calls of each (method, cost class) apart, so one slow class never
+        moves the others off the event loop, and a new class starts on the pool.
+
+        Called on the event loop before each ``reset``, ``step`` and ``state``; it must
+        return at once (read an attribute) and should name few classes (the server
+        measures up to 1024 groups; calls of groups beyond stay on the pool). The class
+        is read before the call: a ``reset`` that switches configuration is measured in
+        the old one's group. What it raises fails that call like an exception in it.
+
+        Returns:
+            The cost class; ``""`` (the default) puts every instance in one class.
+        """
+        return ""
 
     def reset(
         self, *, seed: int | None, episode_id: str, options: ResetOptionsT | None
@@ -185,7 +231,9 @@ class Environment(_EnvironmentBase[ActionT, ObservationT, StateT, ResetOptionsT]
 
         Raises:
             NotImplementedError: the default: this env cannot snapshot (the client gets
-                UNIMPLEMENTED in-band and the session goes on).
+                UNIMPLEMENTED in-band and the session goes on). An env that can snapshot
+                some configurations only raises it for the others, with the reason as its
+                message (UNIMPLEMENTED, saying why).
             InvalidAction: a snapshot cannot be taken now (say why; INVALID_ARGUMENT).
         """
         raise NotImplementedError

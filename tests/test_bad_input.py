@@ -165,7 +165,10 @@ def test_empty_envelope_is_invalid_argument_with_request_id(server, channel) -> 
     for request_id in (0, 7, 2**64 - 1):
         error = session.error(pb.SessionRequest(request_id=request_id))
         assert error.code == INVALID_ARGUMENT
-        assert error.message == "empty request: set one of reset, step, state, close"
+        assert (
+            error.message
+            == "empty request: set one of reset, step, state, snapshot, restore, close"
+        )
         assert error.exception_type == ""
         neighbour.check()
     assert session.result(reset(8)).step_count == 0

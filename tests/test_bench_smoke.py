@@ -91,3 +91,20 @@ def test_bench_smoke_run(tmp_path: Path) -> None:
     for name in ("steps_per_s.png", "p99_latency.png", "memory.png", "admission.png"):
         png = plots / name
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+
+
+def test_gym_session_bench_smoke() -> None:
+    """``python -m bench.gym_session`` end to end, one short round per server."""
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.gym_session", "--seconds", "0.5", "--warmup", "0.3",
+         "--rounds", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=110,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    summary = lines[-1]
+    servers = {"echo", "gym", "gym-pool", "gym-inline"}
+    assert {row["server"] for row in lines[:-1]} == servers
+    assert set(summary["median_cpu_us_per_step"]) == servers
+    assert all(_positive(v) for v in summary["median_cpu_us_per_step"].values())
+    assert summary["cpu_vs_echo"]["echo"] == 1.0

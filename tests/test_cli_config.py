@@ -53,6 +53,7 @@ def test_from_env_parses_every_variable() -> None:
         "GRACE_PERIOD": "3",
         "MAX_MESSAGE_BYTES": "1024",
         "ENV_THREADS": "2",
+        "INLINE_THRESHOLD_MS": "0.25",
         "RETRY_PUSHBACK_MS": "250",
         "KEEPALIVE_TIME": "4.5",
         "KEEPALIVE_TIMEOUT": "0.5",
@@ -71,6 +72,9 @@ def test_from_env_parses_every_variable() -> None:
         "REUSE_PORT": "1",
         "LOG_LEVEL": "debug",
         "LOG_FORMAT": "json",
+        "MAX_SNAPSHOT_BYTES": "4096",
+        "SNAPSHOT_KEYS": "k1:0123456789abcdef",
+        "SNAPSHOT_KEYS_FILE": "/keys/snapshots",
     }
     assert set(environ) == set(ENV_VARS.values())
     config = ServerConfig.from_env(environ)
@@ -83,6 +87,7 @@ def test_from_env_parses_every_variable() -> None:
         grace_period=3.0,
         max_message_bytes=1024,
         env_threads=2,
+        inline_threshold_ms=0.25,
         retry_pushback_ms=250,
         keepalive_time=4.5,
         keepalive_timeout=0.5,
@@ -101,6 +106,9 @@ def test_from_env_parses_every_variable() -> None:
         reuse_port=1,
         log_level="debug",
         log_format="json",
+        max_snapshot_bytes=4096,
+        snapshot_keys="k1:0123456789abcdef",
+        snapshot_keys_file="/keys/snapshots",
     )
     assert isinstance(config.port, int) and isinstance(config.grace_period, float)
 

@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from openenv_grpc.server.spec import EnvSpec
+from support import envs
+
 TESTS = Path(__file__).resolve().parent
 
 SUITE = textwrap.dedent(
@@ -37,6 +40,30 @@ NOT_DETERMINISTIC = (
 )
 
 
+#: The checks that replay an episode from a snapshot.
+SNAPSHOT_REPLAYS = {
+    "test_restore_then_the_same_actions_repeat_the_trajectory",
+    "test_forks_repeat_the_trajectory",
+    "test_a_snapshot_restores_on_a_fresh_server_process",
+    "test_a_tampered_snapshot_is_refused_and_the_episode_goes_on",
+}
+
+
+def run_suite(tmp_path: Path, env: str, extra: str = "") -> set[str]:
+    """Run the suite on ``support.envs:<env>``; the names of the checks that failed."""
+    suite = SUITE.format(tests=str(TESTS), env=env, extra=extra)
+    (tmp_path / "test_suite.py").write_text(suite)
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
+         str(tmp_path / "test_suite.py")],
+        capture_output=True, text=True, timeout=180, cwd=tmp_path,
+    )  # fmt: skip
+    failed = {line.split("::")[-1].split(" ")[0] for line in run.stdout.splitlines()
+              if line.startswith("FAILED")}  # fmt: skip
+    assert run.returncode == (1 if failed else 0), run.stdout + run.stderr
+    return failed
+
+
 @pytest.mark.parametrize(
     ("env", "caught_by"),
     [
@@ -56,14 +83,31 @@ def test_a_broken_env_fails_the_suite(
     """Also with ``deterministic = False``: the checks then compare what ``comparable``
     keeps, so a leak or an ignored seed is still caught (no check shrinks to one that
     cannot fail)."""
-    suite = SUITE.format(tests=str(TESTS), env=env, extra=extra)
-    (tmp_path / "test_leaky.py").write_text(suite)
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
-         str(tmp_path / "test_leaky.py")],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path,
-    )  # fmt: skip
-    failed = {line.split("::")[-1].split(" ")[0] for line in run.stdout.splitlines()
-              if line.startswith("FAILED")}  # fmt: skip
-    assert run.returncode == 1, run.stdout + run.stderr
-    assert failed == caught_by, run.stdout
+    failed = run_suite(tmp_path, env, extra)
+    if EnvSpec.from_factory(getattr(envs, env)).snapshots:
+        # An echo env with snapshots: its broken state may show in the replays too.
+        assert caught_by <= failed <= caught_by | SNAPSHOT_REPLAYS
+    else:
+        assert failed == caught_by
+
+
+def test_an_env_with_snapshots_passes_the_whole_suite(tmp_path: Path) -> None:
+    assert run_suite(tmp_path, "SnapshotEchoEnv", "snapshots = True") == set()
+
+
+@pytest.mark.parametrize(
+    ("env", "caught_by"),
+    [
+        # A snapshot without the random stream: every replay draws other rewards.
+        ("ForgetfulSnapshotEnv", SNAPSHOT_REPLAYS),
+        # A snapshot kept in server memory: only a fresh server process shows it.
+        ("ProcessLocalSnapshotEnv", {"test_a_snapshot_restores_on_a_fresh_server_process"}),
+        # Claims snapshots it does not have: every snapshot check says so.
+        ("DeterministicEchoEnv",
+         {*SNAPSHOT_REPLAYS, "test_snapshots_are_supported_or_unimplemented"}),
+    ],
+)  # fmt: skip
+def test_a_broken_snapshot_fails_the_checks_that_replay_it(
+    tmp_path: Path, env: str, caught_by: set[str]
+) -> None:
+    assert run_suite(tmp_path, env, "snapshots = True") == caught_by

@@ -61,6 +61,12 @@ def test_non_environment_is_refused() -> None:
 class _Slow(Environment[EchoAction, EchoObservation, EchoState, Empty]):
     """A blocking env."""
 
+    runs_inline = False
+
+
+class _Undeclared(Environment[EchoAction, EchoObservation, EchoState, Empty]):
+    pass
+
 
 class _Async(AsyncEnvironment[EchoAction, EchoObservation, EchoState, Empty]):
     pass
@@ -70,6 +76,12 @@ def test_execution_mode_follows_the_declaration() -> None:
     assert EnvSpec.from_factory(EchoEnvironment).mode is ExecutionMode.INLINE
     assert EnvSpec.from_factory(_Slow).mode is ExecutionMode.POOL
     assert EnvSpec.from_factory(_Async).mode is ExecutionMode.ASYNC
+    measured = EnvSpec.from_factory(_Undeclared, inline_threshold=0.002)
+    assert measured.mode is ExecutionMode.MEASURED
+    assert measured.placement is not None and measured.placement.threshold == 0.002
+    # Threshold 0: what leaves runs_inline unset runs on the pool.
+    assert EnvSpec.from_factory(_Undeclared, inline_threshold=0).mode is ExecutionMode.POOL
+    assert EnvSpec.from_factory(EchoEnvironment).placement is None
 
 
 def test_factories_are_resolved_to_their_class() -> None:

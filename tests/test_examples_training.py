@@ -6,15 +6,12 @@ a run's numbers repeat; the bars below sit far under what seed 0 reaches."""
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -22,19 +19,9 @@ import pytest
 
 from openenv_grpc.testing import ServerProcess
 from openenv_grpc_envs.wordle import WordleEnv
+from support.examples import EXAMPLES, load_example
 
 StartServer = Callable[..., ServerProcess]  # the start_server fixture of conftest.py
-
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-
-
-def load_example(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.timeout(240)

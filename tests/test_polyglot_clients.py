@@ -5,6 +5,7 @@ player steps N envs over one VectorSession stream.
 Each player opens a Session, provokes in-band errors (a step before reset, a step after
 truncation, an illegal OpenSpiel action), plays episodes to their end, reads the state and
 closes; against a full server it retries the refused open after the server's pushback.
+The Node player also snapshots and restores an echo episode (``--snapshot``).
 A missing ``node``, ``go`` or ``clients/node/node_modules`` fails these tests: CI must
 install them (``make clients``)."""
 
@@ -23,7 +24,7 @@ from typing import Any
 import pytest
 
 from openenv_grpc.testing import ServerProcess
-from openenv_grpc_envs.echo import EchoEnv
+from openenv_grpc_envs.echo import EchoAction, EchoEnv
 
 ROOT = Path(__file__).resolve().parent.parent
 NODE_DIR = ROOT / "clients" / "node"
@@ -279,6 +280,52 @@ def test_players_read_past_a_drain_notice(player: list[str]) -> None:
         assert server.proc.wait(15) == 0  # the drain ended with the player's session
     finally:
         proc.kill()
+        server.stop()
+
+
+SNAPSHOT_KEYS = {"SNAPSHOT_KEYS": "polyglot:0123456789abcdef0123456789abcdef"}
+UNIMPLEMENTED = 12
+
+
+def test_node_snapshots_restores_and_is_refused_a_tampered_copy(node_play: list[str]) -> None:
+    """The Node player branches an echo episode: snapshot, restore on the same and on a
+    second session, the same rewards each time; a tampered copy refused in-band. Its
+    snapshot then restores from Python on another server process with the same key."""
+    support = [ROOT / "tests"]
+    servers = [
+        ServerProcess("support.envs:SnapshotEchoEnv", [], SNAPSHOT_KEYS, pythonpath=support)
+        for _ in range(2)
+    ]
+    try:
+        code, summary, stderr = _play(node_play, servers[0].target, "--env", "echo",
+                                      "--snapshot", "--seed", "5")  # fmt: skip
+        assert code == 0, stderr
+        snap = summary["snapshot"]
+        assert snap["original"] == snap["again"] == snap["there"] and len(snap["original"]) == 3
+        assert snap["restored"]["step_count"] == snap["elsewhere"]["step_count"] == 2
+        assert snap["restored"]["episode_id"] == snap["elsewhere"]["episode_id"]
+        assert snap["tampered_code"] == INVALID_ARGUMENT
+        assert snap["step_after_refusal"] == 2 + 3 + 1  # the refusal changed nothing
+        assert summary["episodes_finished"] == 2 and summary["closed"] is True
+        with EchoEnv(servers[1].target) as env:  # Node's bytes, another process, Python
+            assert env.restore(bytes.fromhex(snap["hex"])).step_count == 2
+            rewards = [env.step(EchoAction(message=m)).reward for m in ("one", "two", "three")]
+        assert rewards == snap["original"]
+        servers[0].wait_until(lambda: servers[0].active() == 0)
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def test_node_sees_unimplemented_from_an_env_without_snapshots(node_play: list[str]) -> None:
+    server = ServerProcess("support.envs:DeterministicEchoEnv", [], pythonpath=[ROOT / "tests"])
+    try:
+        code, summary, stderr = _play(node_play, server.target, "--env", "echo", "--snapshot")
+        assert code == 0, stderr
+        assert summary["snapshot"]["code"] == UNIMPLEMENTED
+        assert "does not support snapshots" in summary["snapshot"]["message"]
+        assert summary["episodes_finished"] == 2 and summary["closed"] is True
+    finally:
         server.stop()
 
 

@@ -14,10 +14,14 @@ const USAGE = `usage: node play.js --target HOST:PORT --env echo|openspiel [opti
   --max-steps N      echo: EchoResetOptions.max_steps, the episode is truncated after it (default 3)
   --game NAME        openspiel: the game (default tic_tac_toe)
   --seed N           first episode's seed; episode i uses seed+i (default 1)
-  --open-retries N   retries of a refused open while the server is full (default 20)`;
+  --open-retries N   retries of a refused open while the server is full (default 20)
+  --snapshot         echo: first branch an episode: snapshot it, play on, restore it on
+                     the same and on a second session, replay, and send a tampered copy`;
 
 function parseArgs(argv) {
-  const args = { target: '', env: '', episodes: 2, maxSteps: 3, game: 'tic_tac_toe', seed: 1, openRetries: 20 };
+  const args = {
+    target: '', env: '', episodes: 2, maxSteps: 3, game: 'tic_tac_toe', seed: 1, openRetries: 20, snapshot: false,
+  };
   const numeric = { '--episodes': 'episodes', '--max-steps': 'maxSteps', '--seed': 'seed', '--open-retries': 'openRetries' };
   for (let i = 0; i < argv.length; i++) {
     const flag = argv[i];
@@ -25,6 +29,9 @@ function parseArgs(argv) {
     if (flag === '-h' || flag === '--help') {
       console.log(USAGE);
       process.exit(0);
+    } else if (flag === '--snapshot') {
+      args.snapshot = true;
+      continue;
     } else if (value === undefined) {
       throw new Error(`${flag} needs a value`);
     } else if (flag === '--target') args.target = value;
@@ -88,6 +95,66 @@ async function playEcho(session, args, summary) {
       summary.errors.push(await expectError('step after truncation', session.step({ message: 'late' })));
     }
   }
+}
+
+/** Steps each message; returns the rewards. */
+async function rewardsOf(session, messages) {
+  const rewards = [];
+  for (const message of messages) rewards.push((await session.step({ message })).reward);
+  return rewards;
+}
+
+/**
+ * Echo with --snapshot: a seeded episode branched after two steps. The snapshot is restored
+ * on the same session and on a second one, and the same messages must give the same
+ * rewards; a tampered copy must be refused in-band with the session going on. An env
+ * without snapshots answers UNIMPLEMENTED: recorded, and the run goes on. `open` opens a
+ * session on the server.
+ */
+async function playSnapshots(open, args, summary) {
+  const session = await open(); // sessions of their own: the main one plays on afterwards
+  try {
+    await branchEpisode(session, open, args, summary);
+  } finally {
+    await session.close();
+  }
+}
+
+async function branchEpisode(session, open, args, summary) {
+  await session.reset({ seed: args.seed, options: { max_steps: 100 } });
+  await rewardsOf(session, ['prefix 1', 'prefix 2']);
+  let snapshot;
+  try {
+    snapshot = await session.snapshot();
+  } catch (err) {
+    if (!(err instanceof EnvError)) throw err;
+    log(`snapshot: in-band error ${err.codeName} (${err.code}): ${err.detail}`);
+    summary.snapshot = { code: err.code, code_name: err.codeName, message: err.detail };
+    return;
+  }
+  const messages = ['one', 'two', 'three'];
+  const original = await rewardsOf(session, messages);
+  const restored = await session.restore(snapshot);
+  const again = await rewardsOf(session, messages);
+  const other = await open();
+  const elsewhere = await other.restore(snapshot);
+  const there = await rewardsOf(other, messages);
+  const tampered = Buffer.from(snapshot);
+  tampered[tampered.length - 1] ^= 1;
+  const refused = await expectError('tampered snapshot', other.restore(tampered));
+  const after = await other.step({ message: 'after the refusal' });
+  await other.close();
+  summary.snapshot = {
+    bytes: snapshot.length,
+    hex: snapshot.toString('hex'),
+    restored: { episode_id: restored.episode_id, step_count: restored.step_count },
+    elsewhere: { episode_id: elsewhere.episode_id, step_count: elsewhere.step_count },
+    original,
+    again,
+    there,
+    tampered_code: refused.code,
+    step_after_refusal: after.step_count,
+  };
 }
 
 /** A small seeded generator so that a run is repeatable (xorshift32). */
@@ -178,6 +245,7 @@ async function main() {
     summary.capacity.admitted = true;
     summary.session_id = session.sessionId;
     log(`session ${session.sessionId} open on ${described.env_name}`);
+    if (args.snapshot) await playSnapshots(() => Session.open(client, root, described), args, summary);
     await (args.env === 'echo' ? playEcho : playOpenSpiel)(session, args, summary);
     await session.close();
     summary.closed = true;

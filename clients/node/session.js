@@ -242,6 +242,28 @@ class Session extends Stream {
     return { ...state, state: this.unpack(state.state) };
   }
 
+  /**
+   * Captures the current episode; returns the snapshot as a Buffer (signed by the server,
+   * opaque here): restore() it on this session, another one, or any server of the same env
+   * and version that holds the key. Rejects with an EnvError: UNIMPLEMENTED (the env has no
+   * snapshots), FAILED_PRECONDITION (no episode yet), RESOURCE_EXHAUSTED (over the limit).
+   */
+  async snapshot() {
+    const { snapshot } = await this._request('snapshot', {});
+    return snapshot.snapshot;
+  }
+
+  /**
+   * Continues from a snapshot (a Buffer from snapshot()); returns
+   * {episode_id, step_count, terminated, truncated}: where the session now is. Rejects with
+   * an EnvError, the episode unchanged: INVALID_ARGUMENT (altered, truncated, over the
+   * limit), FAILED_PRECONDITION (another key, env or env version), UNIMPLEMENTED.
+   */
+  async restore(snapshot) {
+    const { restored } = await this._request('restore', { snapshot });
+    return restored;
+  }
+
   _result({ result }) {
     return { ...result, observation: this.unpack(result.observation) };
   }

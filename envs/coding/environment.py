@@ -10,11 +10,14 @@ unless the reset options say to go on.
 
 from __future__ import annotations
 
-import posixpath
 from collections.abc import Sequence
 from dataclasses import fields
 
+from google.protobuf import json_format
+
 from openenv_grpc import Environment, InvalidAction, Transition
+from openenv_grpc_envs import snapshot_body
+from openenv_grpc_envs.coding import workspace
 from openenv_grpc_envs.coding.limits import ENV_VARS, CodingSettings, Limits, resolve_limits
 from openenv_grpc_envs.coding.reclaim import reclaim_orphans
 from openenv_grpc_envs.coding.sandbox import RunResult, Sandbox, host_support
@@ -50,6 +53,8 @@ LIMIT_WORDS = {
 }
 #: Longest excerpt of an output quoted in a failed test's message.
 EXCERPT_CHARS = 80
+#: The layout of this env's snapshots (see :meth:`CodingEnvironment.snapshot`).
+SNAPSHOT_LAYOUT = "coding/1"
 
 
 class NetworkUnavailable(RuntimeError):
@@ -93,14 +98,7 @@ def _check_action(action: CodingAction) -> None:
 
 def _check_path(path: str) -> None:
     """A file path must stay inside the working directory."""
-    parts = path.split("/")
-    if (
-        not path
-        or path.startswith("/")
-        or "\0" in path
-        or posixpath.normpath(path) != path
-        or any(part in ("", ".", "..") or len(part.encode()) > 255 for part in parts)
-    ):
+    if not workspace.plain_path(path):
         raise InvalidAction(
             f"file path {path!r} is not a plain relative path (no '..', '.', '//' or leading '/')"
         )
@@ -159,22 +157,16 @@ class CodingEnvironment(
     ) -> Transition[CodingObservation]:
         options = options if options is not None else CodingResetOptions()
         limits = self._resolve(options.limits if options.HasField("limits") else None)
-        if options.allow_network and not self._settings.allow_network:
-            raise InvalidAction(
-                "allow_network is true, but this server does not allow the sandbox network "
-                f"({ENV_VARS['allow_network']}=0)"
-            )
+        self._check_network(options.allow_network)
         # A fresh sandbox per episode: new directory, new uid, nothing left of the last.
         sandbox = Sandbox(limits, allow_network=options.allow_network, support=self._support)
-        self._close_sandbox()
-        self._sandbox = sandbox
-        self._limits = limits
-        self._max_steps = options.max_steps
-        self._terminate_on_pass = not options.continue_on_pass
-        self._allow_network = options.allow_network
-        self._steps = 0
-        self._last_exit_code = 0
-        self._last_limit = Limit.LIMIT_UNSPECIFIED
+        self._begin(
+            sandbox,
+            limits,
+            max_steps=options.max_steps,
+            terminate_on_pass=not options.continue_on_pass,
+            allow_network=options.allow_network,
+        )
         return Transition(CodingObservation())
 
     def step(self, action: CodingAction) -> Transition[CodingObservation]:
@@ -234,6 +226,77 @@ class CodingEnvironment(
     def close(self) -> None:
         self._close_sandbox()
 
+    def snapshot(self) -> bytes:
+        """The episode as JSON: its settings (limits, max_steps, continue_on_pass,
+        allow_network), its counters (step count, last exit code and limit; the env keeps
+        no transcript of earlier steps) and the working directory's files, directories and
+        links (see :mod:`.workspace`; at most 1000 entries and 4 MiB of file bytes).
+
+        Running processes are not captured: none is left between steps (every process
+        of the sandbox is killed when its run ends), and none is started by a restore.
+
+        Raises:
+            InvalidAction: no episode yet, or the working directory is over the caps.
+        """
+        sandbox = self._sandbox
+        if sandbox is None:  # the server never asks before a reset; be explicit anyway
+            raise InvalidAction("no episode to snapshot: call reset first")
+        limits = _proto_limits(self._limits)
+        return snapshot_body.dump(
+            SNAPSHOT_LAYOUT,
+            {
+                "limits": json_format.MessageToDict(limits),
+                "max_steps": self._max_steps,
+                "terminate_on_pass": self._terminate_on_pass,
+                "allow_network": self._allow_network,
+                "steps": self._steps,
+                "last_exit_code": self._last_exit_code,
+                "last_limit": int(self._last_limit),
+                "files": workspace.capture(sandbox.workdir),
+            },
+        )
+
+    def restore(self, snapshot: bytes) -> None:
+        """Continue from :meth:`snapshot`'s bytes in a fresh sandbox (a new directory and
+        uid) holding the recorded files; the limits pass the same checks as a reset's.
+
+        Raises:
+            InvalidAction: a field is malformed or over a cap (the episode is unchanged).
+        """
+        body = snapshot_body.load(SNAPSHOT_LAYOUT, snapshot)
+        try:
+            requested = json_format.ParseDict(body.mapping("limits"), CodingLimits())
+        except json_format.ParseError as exc:
+            raise body.invalid("limits", f"is not a CodingLimits: {exc}") from None
+        limits = self._resolve(requested)
+        max_steps = body.integer("max_steps", low=0, high=(1 << 32) - 1)
+        terminate_on_pass = body.boolean("terminate_on_pass")
+        allow_network = body.boolean("allow_network")
+        self._check_network(allow_network)
+        steps = body.integer("steps", low=0)
+        last_exit_code = body.integer("last_exit_code", low=-(1 << 31), high=(1 << 31) - 1)
+        last_limit = body.integer("last_limit")
+        if last_limit not in Limit.values():
+            raise body.invalid("last_limit", f"is {last_limit}, not a Limit")
+        listing = workspace.check(body.children("files", max_items=workspace.MAX_ENTRIES))
+        sandbox = Sandbox(limits, allow_network=allow_network, support=self._support)
+        try:
+            own = sandbox.uid if self._support.own_uid else None
+            workspace.rebuild(sandbox.workdir, listing, own)
+        except BaseException:
+            sandbox.close()
+            raise
+        self._begin(
+            sandbox,
+            limits,
+            max_steps=max_steps,
+            terminate_on_pass=terminate_on_pass,
+            allow_network=allow_network,
+            steps=steps,
+            last_exit_code=last_exit_code,
+            last_limit=Limit.ValueType(last_limit),
+        )
+
     @classmethod
     def reclaim_orphans(cls) -> None:
         """Release what sandboxes of processes that died without closing them left behind
@@ -247,10 +310,42 @@ class CodingEnvironment(
 
     # -- helpers ----------------------------------------------------------------------
 
+    def _check_network(self, allow_network: bool) -> None:
+        """Refuse an episode that asks for the network on a server that forbids it."""
+        if allow_network and not self._settings.allow_network:
+            raise InvalidAction(
+                "allow_network is true, but this server does not allow the sandbox network "
+                f"({ENV_VARS['allow_network']}=0)"
+            )
+
     def _resolve(self, requested: CodingLimits | None) -> Limits:
         return resolve_limits(
             requested, self._settings, memory_cgroup=self._support.cgroup is not None
         )
+
+    def _begin(
+        self,
+        sandbox: Sandbox,
+        limits: Limits,
+        *,
+        max_steps: int,
+        terminate_on_pass: bool,
+        allow_network: bool,
+        steps: int = 0,
+        last_exit_code: int = 0,
+        last_limit: Limit.ValueType = Limit.LIMIT_UNSPECIFIED,
+    ) -> None:
+        """Make ``sandbox`` the episode's (closing the previous one) with these settings
+        and counters."""
+        self._close_sandbox()
+        self._sandbox = sandbox
+        self._limits = limits
+        self._max_steps = max_steps
+        self._terminate_on_pass = terminate_on_pass
+        self._allow_network = allow_network
+        self._steps = steps
+        self._last_exit_code = last_exit_code
+        self._last_limit = last_limit
 
     def _close_sandbox(self) -> None:
         if self._sandbox is not None:

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 from collections import deque
 
+from google.protobuf import json_format
+
 from openenv_grpc import Environment, InvalidAction, Transition
 from openenv_grpc.tools import Toolbox, tool
+from openenv_grpc_envs import snapshot_body
 from openenv_grpc_envs.echo.v1.echo_pb2 import (
     EchoAction,
     EchoObservation,
@@ -23,6 +26,8 @@ __all__ = ["EchoEnvironment"]
 HISTORY = 100
 #: Longest message accepted; keeps a hostile client from growing the history unbounded.
 MAX_MESSAGE_CHARS = 64 * 1024
+#: The layout of this env's snapshots (see :meth:`EchoEnvironment.snapshot`).
+SNAPSHOT_LAYOUT = "echo/1"
 
 
 class EchoEnvironment(Environment[EchoAction, EchoObservation, EchoState, EchoResetOptions]):
@@ -90,6 +95,43 @@ class EchoEnvironment(Environment[EchoAction, EchoObservation, EchoState, EchoRe
         return EchoState(
             total_length=self._total_length, seed=self._seed, history=list(self._history)
         )
+
+    def snapshot(self) -> bytes:
+        """The episode as JSON: reset options, seed, step count, total length and history
+        (at most 100 messages of at most 64 Ki characters each)."""
+        return snapshot_body.dump(
+            SNAPSHOT_LAYOUT,
+            {
+                "options": json_format.MessageToDict(self._options),
+                "seed": self._seed,
+                "steps": self._steps,
+                "total_length": self._total_length,
+                "history": list(self._history),
+            },
+        )
+
+    def restore(self, snapshot: bytes) -> None:
+        """Continue from :meth:`snapshot`'s bytes.
+
+        Raises:
+            InvalidAction: a field is missing, of the wrong type or out of bounds (the
+                episode is unchanged).
+        """
+        body = snapshot_body.load(SNAPSHOT_LAYOUT, snapshot)
+        try:
+            options = json_format.ParseDict(body.mapping("options"), EchoResetOptions())
+        except json_format.ParseError as exc:
+            raise body.invalid("options", f"is not an EchoResetOptions: {exc}") from None
+        seed = body.integer("seed", low=0, high=snapshot_body.MAX_SEED)
+        steps = body.integer("steps", low=0)
+        total_length = body.integer("total_length", low=0)
+        history = body.strings("history", max_items=HISTORY)
+        for message in history:
+            _check_length(message)
+        # Everything checked: commit.
+        self._options, self._seed, self._steps = options, seed, steps
+        self._total_length = total_length
+        self._history = deque(history, maxlen=HISTORY)
 
     # -- tools: the same abilities, called the way an LLM agent calls functions -----------
 

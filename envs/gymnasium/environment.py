@@ -24,6 +24,13 @@ from openenv_grpc_envs.gymnasium.convert import (
     fill_value,
     nbytes,
 )
+from openenv_grpc_envs.gymnasium.snapshots import (
+    Episode,
+    NotSnapshotable,
+    dump_episode,
+    load_episode,
+    restorer,
+)
 from openenv_grpc_envs.gymnasium.v1.gymnasium_pb2 import (
     EnvDescription,
     GymnasiumAction,
@@ -82,8 +89,10 @@ class GymnasiumEnvironment(
         "Any registered Gymnasium environment (classic control, toy text, Box2D, "
         "Atari via ale-py), chosen by env_id at reset."
     )
-    # Atari steps take 0.1-1 ms and making an env takes tens of ms: keep them off the loop.
-    runs_inline = False
+    # Execution hint: measured by the server per env id (see cost_class). Classic control
+    # steps take microseconds and run on the event loop; what measures slow (a first
+    # reset that makes the env, a heavy id) stays on the thread pool.
+    runs_inline = None
 
     def __init__(self) -> None:
         # Read here, not at import, so each server process (and test) sets its own.
@@ -163,10 +172,79 @@ class GymnasiumEnvironment(
             fill_value(state.last_observation, last, env.observation_space)
         return state
 
+    def snapshot(self) -> bytes:
+        """The episode as JSON (see :mod:`.snapshots`): the configuration (env id, step
+        limit, kwargs), the session's counters, the last observation when :meth:`state`
+        shows it, and the gymnasium env's own state (classic control and toy text
+        attributes, or ALE's emulator state with its generator, plus ``np_random`` and
+        the wrappers' counters).
+
+        Raises:
+            InvalidAction: no episode yet, or the env id cannot snapshot (Box2D, MuJoCo,
+                JAX-based and unlisted envs; the message says why).
+        """
+        env, config = self._env, self._config
+        if env is None or config is None:  # the server never asks before a reset
+            raise InvalidAction("no episode to snapshot: call reset first")
+        options = GymnasiumResetOptions(env_id=config.env_id)
+        if config.max_episode_steps is not None:
+            options.max_episode_steps = config.max_episode_steps
+        if config.kwargs:
+            options.kwargs.update(config.kwargs)
+        last = self._last_observation
+        shown = last if last is not None and nbytes(last) <= STATE_OBSERVATION_BYTES else None
+        episode = Episode(
+            options, self._seed, self._steps, self._return, self._terminated, self._truncated
+        )
+        try:
+            return dump_episode(episode, shown, env)
+        except NotSnapshotable as exc:
+            raise InvalidAction(f"{config.env_id} cannot snapshot: {exc}") from None
+
+    def restore(self, snapshot: bytes) -> None:
+        """Continue from :meth:`snapshot`'s bytes. The env is made from the recorded
+        configuration through the same checks as a reset (a running env of the same
+        configuration is reused), then its state is put back.
+
+        Raises:
+            InvalidAction: a field is malformed, or the configuration is refused or makes
+                another env (the episode is unchanged).
+        """
+        recorded = load_episode(snapshot)
+        episode = recorded.episode
+        config = self._config_for(episode.options)
+        reuse = self._env is not None and config == self._config
+        if reuse:
+            env, description = self._env, self._description
+        else:
+            env, description = self._make(config)  # raises before anything changes
+        assert env is not None and description is not None
+        try:
+            put_back = restorer(env, recorded.env)
+        except BaseException:
+            if not reuse:
+                env.close()
+            raise
+        put_back()
+        if not reuse:
+            old, self._env = self._env, env
+            self._config, self._description = config, description
+            if old is not None:
+                old.close()
+        self._seed, self._steps, self._return = episode.seed, episode.steps, episode.episode_return
+        self._terminated, self._truncated = episode.terminated, episode.truncated
+        self._last_observation = recorded.last_observation
+
     def close(self) -> None:
         env, self._env = self._env, None
         if env is not None:
             env.close()
+
+    def cost_class(self) -> str:
+        """The running env id: the server measures each id's calls apart ("" before the
+        first reset)."""
+        config = self._config
+        return config.env_id if config is not None else ""
 
     # -- helpers ------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ import numpy as np
 import pyspiel  # type: ignore[import-not-found]  # ships no type stubs
 
 from openenv_grpc import Environment, InvalidAction, Transition
+from openenv_grpc_envs import snapshot_body
 from openenv_grpc_envs.openspiel.v1.openspiel_pb2 import (
     CONTROL_MODE_AGENT_VS_RANDOM,
     CONTROL_MODE_ALL_PLAYERS,
@@ -57,11 +58,16 @@ GAME_CACHE_SIZE = 256
 QUOTED_ACTIONS = 12
 #: Longest OpenSpiel error text passed on to the client.
 MAX_ERROR_CHARS = 300
+#: The layout of this env's snapshots (see :meth:`OpenSpielEnvironment.snapshot`).
+SNAPSHOT_LAYOUT = "openspiel/1"
+#: Longest game name or description a snapshot may hold.
+MAX_GAME_CHARS = 4096
 
 _TERMINAL = int(pyspiel.PlayerId.TERMINAL)
 _CHANCE = int(pyspiel.PlayerId.CHANCE)
 _SIMULTANEOUS = pyspiel.GameType.Dynamics.SIMULTANEOUS
 _MEAN_FIELD = pyspiel.GameType.Dynamics.MEAN_FIELD
+_EXPLICIT_CHANCE = pyspiel.GameType.ChanceMode.EXPLICIT_STOCHASTIC
 #: Every registered game's type, by short name: its parameters and their defaults.
 _GAME_TYPES: dict[str, Any] = {t.short_name: t for t in pyspiel.registered_games()}
 #: Environment variable naming the only games this server plays (comma-separated);
@@ -290,6 +296,7 @@ class _Episode:
         "max_steps",
         "observer",
         "opponent_rng",
+        "request",
         "seed",
         "state",
         "steps",
@@ -297,12 +304,15 @@ class _Episode:
 
     def __init__(
         self,
+        request: tuple[str, dict[str, Any]],
         loaded: LoadedGame,
         agent: int,
         control: ControlMode.ValueType,
         max_steps: int,
         seed: int,
     ) -> None:
+        #: The game's name and parameters as the reset asked for them.
+        self.request = request
         self.loaded = loaded
         self.agent = agent
         self.control = control
@@ -337,15 +347,22 @@ class _Episode:
     def returns(self) -> list[float]:
         return [float(r) for r in self.state.returns()]
 
-    def observe(self, rewards: list[float]) -> OpenSpielObservation:
-        """The observation for the observer, and the legal actions it may take now."""
-        state, loaded = self.state, self.loaded
+    def note_turn(self) -> tuple[bool, int]:
+        """Note who observes now and the legal actions it may take (``observer``,
+        ``legal``, ``legal_names``); returns whether the game is over and who moves."""
+        state = self.state
         terminal = bool(state.is_terminal())
         current = _TERMINAL if terminal else int(state.current_player())
         observer = self.agent if terminal or self.control != CONTROL_MODE_ALL_PLAYERS else current
         self.observer = observer
         self.legal = [] if terminal else list(state.legal_actions())
         self.legal_names = [state.action_to_string(observer, a) for a in self.legal]
+        return terminal, current
+
+    def observe(self, rewards: list[float]) -> OpenSpielObservation:
+        """The observation for the observer, and the legal actions it may take now."""
+        terminal, current = self.note_turn()
+        state, loaded, observer = self.state, self.loaded, self.observer
         observation = OpenSpielObservation(
             current_player=current,
             observer=observer,
@@ -441,7 +458,8 @@ class OpenSpielEnvironment(
         self, *, seed: int | None, episode_id: str, options: OpenSpielResetOptions | None
     ) -> Transition[OpenSpielObservation]:
         options = options if options is not None else OpenSpielResetOptions()
-        loaded = load(*game_request(options))
+        request = game_request(options)
+        loaded = load(*request)
         agent = options.agent_player
         if not 0 <= agent < loaded.num_players:
             raise InvalidAction(
@@ -455,7 +473,7 @@ class OpenSpielEnvironment(
             seed = random.SystemRandom().getrandbits(64)
         # Built aside and committed last: an invalid reset leaves the previous episode.
         try:
-            episode = _Episode(loaded, agent, control, options.max_steps, seed)
+            episode = _Episode(request, loaded, agent, control, options.max_steps, seed)
             episode.advance()  # opponents and chance may move before the agent's first turn
             returns = episode.returns()
             observation = episode.observe(returns)
@@ -507,5 +525,117 @@ class OpenSpielEnvironment(
             terminal=terminal,
         )
 
+    def snapshot(self) -> bytes:
+        """The episode as JSON: the game's name and parameters, who plays which seat, the
+        seed and step count, the generators' states (chance, for games with explicit
+        chance nodes; opponents, against random players) and the game state in
+        OpenSpiel's own serialization (``State.serialize()``: for most games the action
+        history, chance outcomes included).
+
+        Raises:
+            InvalidAction: no episode yet, or this game's state does not round-trip
+                through OpenSpiel's serialization (checked on every snapshot, so that
+                every snapshot handed out restores).
+        """
+        episode = self._episode
+        if episode is None:  # the server never asks before a reset; be explicit anyway
+            raise InvalidAction("no episode to snapshot: call reset first")
+        state, loaded = episode.state, episode.loaded
+        text = state.serialize()
+        try:
+            same = str(loaded.game.deserialize_state(text)) == str(state)
+        except Exception as exc:  # SpielError from a game's own deserializer
+            raise InvalidAction(
+                f"{loaded.description} cannot snapshot: its state does not deserialize in "
+                f"OpenSpiel: {_short(exc)}"
+            ) from None
+        if not same:
+            raise InvalidAction(
+                f"{loaded.description} cannot snapshot: its state does not round-trip "
+                "through OpenSpiel's serialization"
+            )
+        name, params = episode.request
+        return snapshot_body.dump(
+            SNAPSHOT_LAYOUT,
+            {
+                "game": name,
+                "params": params,
+                "description": loaded.description,
+                "agent": episode.agent,
+                "control": int(episode.control),
+                "max_steps": episode.max_steps,
+                "seed": episode.seed,
+                "steps": episode.steps,
+                # Each generator only where it draws (2.5 KB of state each).
+                "chance_rng": (
+                    snapshot_body.random_state(episode.chance_rng)
+                    if loaded.game.get_type().chance_mode == _EXPLICIT_CHANCE
+                    else None
+                ),
+                "opponent_rng": (
+                    snapshot_body.random_state(episode.opponent_rng)
+                    if episode.control == CONTROL_MODE_AGENT_VS_RANDOM
+                    else None
+                ),
+                "state": text,
+            },
+        )
+
+    def restore(self, snapshot: bytes) -> None:
+        """Continue from :meth:`snapshot`'s bytes: the game is loaded through the same
+        checks as a reset (this server's ``OPENSPIEL_GAMES`` allowlist included) and the
+        state deserialized by OpenSpiel.
+
+        Raises:
+            InvalidAction: a field is malformed, the game is not played here or loads
+                differently, or the state is not one where the client moves (the episode
+                is unchanged).
+        """
+        self._episode = _restored(snapshot_body.load(SNAPSHOT_LAYOUT, snapshot))
+
     def close(self) -> None:
         self._episode = None
+
+
+def _restored(body: snapshot_body.Body) -> _Episode:
+    """The episode a snapshot describes.
+
+    Raises:
+        InvalidAction: see :meth:`OpenSpielEnvironment.restore`.
+    """
+    name = body.string("game", max_chars=MAX_GAME_CHARS)
+    params = body.mapping("params")
+    if name not in _GAME_TYPES:
+        raise InvalidAction(_unknown_game(name))
+    if ALLOWED_GAMES is not None:
+        _check_allowed(name, params)
+    loaded = load(name, params)
+    description = body.string("description", max_chars=MAX_GAME_CHARS)
+    if loaded.description != description:
+        raise body.invalid("description", f"{description!r} differs from {loaded.description} here")
+    agent = body.integer("agent", low=0, high=loaded.num_players - 1)
+    control = body.integer("control")
+    if control not in (CONTROL_MODE_AGENT_VS_RANDOM, CONTROL_MODE_ALL_PLAYERS):
+        raise body.invalid("control", f"is {control}, not a control mode")
+    episode = _Episode(
+        (name, params),
+        loaded,
+        agent,
+        ControlMode.ValueType(control),
+        body.integer("max_steps", low=0, high=(1 << 32) - 1),
+        body.integer("seed", low=0, high=snapshot_body.MAX_SEED),
+    )
+    episode.steps = body.integer("steps", low=0)
+    # A generator left out never draws in this episode: the seeded one stands in.
+    if body.has("chance_rng"):
+        episode.chance_rng = snapshot_body.random_from(body.child("chance_rng"))
+    if body.has("opponent_rng"):
+        episode.opponent_rng = snapshot_body.random_from(body.child("opponent_rng"))
+    try:
+        episode.state = loaded.game.deserialize_state(body.string("state"))
+    except Exception as exc:  # SpielError: the text is not a state of this game
+        raise body.invalid("state", f"is not a state of {description}: {_short(exc)}") from None
+    terminal, current = episode.note_turn()
+    if not terminal and (current < 0 or (current != agent and control != CONTROL_MODE_ALL_PLAYERS)):
+        raise body.invalid("state", f"waits for player {current}, not the client")
+    return episode

@@ -13,7 +13,10 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from importlib import resources
 
+from google.protobuf import json_format
+
 from openenv_grpc import Environment, InvalidAction, Transition
+from openenv_grpc_envs import snapshot_body
 from openenv_grpc_envs.wordle.v1.wordle_pb2 import (
     GuessResult,
     LetterScore,
@@ -48,6 +51,8 @@ DEFAULT_MAX_TURNS = 6
 MAX_TURNS_LIMIT = 100
 #: Longest action text accepted; an LLM's whole reply fits, a hostile client's blob does not.
 MAX_GUESS_CHARS = 64 * 1024
+#: The layout of this env's snapshots (see :meth:`WordleEnvironment.snapshot`).
+SNAPSHOT_LAYOUT = "wordle/1"
 
 # Rewards are counted in integer units of 1/20 and divided once, so that sums are exact.
 _UNITS_PER_REWARD = 20
@@ -155,6 +160,25 @@ def render_board(results: Sequence[GuessResult]) -> str:
     return "\n".join(_row(r) for r in results)
 
 
+def _checked_options(options: WordleResetOptions) -> str:
+    """The options' fixed target (lowercase; "" for none).
+
+    Raises:
+        InvalidAction: the target is not five letters or max_turns is over the limit.
+    """
+    fixed = options.target.lower()
+    if options.target and not (len(fixed) == WORD_LENGTH and fixed.isascii() and fixed.isalpha()):
+        raise InvalidAction(
+            f"reset option target {_quote(options.target)} must be {WORD_LENGTH} letters a-z"
+        )
+    if options.max_turns > MAX_TURNS_LIMIT:
+        raise InvalidAction(
+            f"reset option max_turns is {options.max_turns}; it must be 1 to "
+            f"{MAX_TURNS_LIMIT} (0 means {DEFAULT_MAX_TURNS})"
+        )
+    return fixed
+
+
 def _plural(count: int, noun: str) -> str:
     return f"{count} {noun}" if count == 1 else f"{count} {noun}es"
 
@@ -221,18 +245,7 @@ class WordleEnvironment(
     ) -> Transition[WordleObservation]:
         options = options if options is not None else WordleResetOptions()
         # Validate everything before touching state: a refused reset leaves the episode.
-        fixed = options.target.lower()
-        if options.target and not (
-            len(fixed) == WORD_LENGTH and fixed.isascii() and fixed.isalpha()
-        ):
-            raise InvalidAction(
-                f"reset option target {_quote(options.target)} must be {WORD_LENGTH} letters a-z"
-            )
-        if options.max_turns > MAX_TURNS_LIMIT:
-            raise InvalidAction(
-                f"reset option max_turns is {options.max_turns}; it must be 1 to "
-                f"{MAX_TURNS_LIMIT} (0 means {DEFAULT_MAX_TURNS})"
-            )
+        fixed = _checked_options(options)
         if seed is not None:
             # A seed restarts the generator; unseeded resets continue its sequence.
             self._rng = random.Random(seed)
@@ -255,7 +268,10 @@ class WordleEnvironment(
     def step(self, action: WordleAction) -> Transition[WordleObservation]:
         word = extract_guess(action.guess)
         self._check_allowed(word)
-        # Accepted: from here on the guess uses a turn.
+        return self._play(word)
+
+    def _play(self, word: str) -> Transition[WordleObservation]:
+        """Play an accepted guess: it uses a turn."""
         scores = score_guess(word, self._target)
         result = GuessResult(word=word, scores=scores, squares=squares(scores))
         self._results.append(result)
@@ -296,6 +312,58 @@ class WordleEnvironment(
             allow_any_word=options.allow_any_word,
             episode_reward=self._reward_units / _UNITS_PER_REWARD,
         )
+
+    def snapshot(self) -> bytes:
+        """The game as JSON: the generator's state (so later unseeded resets draw the same
+        targets), the reset options and seed, the target and the words guessed so far."""
+        return snapshot_body.dump(
+            SNAPSHOT_LAYOUT,
+            {
+                "rng": snapshot_body.random_state(self._rng),
+                "options": json_format.MessageToDict(self._options),
+                "seed": self._seed,
+                "target": self._target,
+                "guesses": [result.word for result in self._results],
+            },
+        )
+
+    def restore(self, snapshot: bytes) -> None:
+        """Continue from :meth:`snapshot`'s bytes: the guesses are replayed under the
+        game's rules, so the board, the revealed letters and the reward so far are
+        recomputed, never trusted.
+
+        Raises:
+            InvalidAction: a field is malformed, or a guess would not be accepted now (the
+                episode is unchanged).
+        """
+        body = snapshot_body.load(SNAPSHOT_LAYOUT, snapshot)
+        game = WordleEnvironment()  # built aside and adopted last: a refusal changes nothing
+        game._rng = snapshot_body.random_from(body.child("rng"))
+        try:
+            options = json_format.ParseDict(body.mapping("options"), WordleResetOptions())
+        except json_format.ParseError as exc:
+            raise body.invalid("options", f"is not a WordleResetOptions: {exc}") from None
+        fixed = _checked_options(options)
+        target = body.string("target", max_chars=WORD_LENGTH)
+        if target and not (len(target) == WORD_LENGTH and target.isascii() and target.islower()):
+            raise body.invalid("target", f"{_quote(target)} is not 5 letters a-z")
+        if fixed and target != fixed:
+            raise body.invalid("target", f"{_quote(target)} is not the options' {_quote(fixed)}")
+        game._options = options
+        game._seed = body.integer("seed", low=0, high=snapshot_body.MAX_SEED)
+        game._target = target
+        game._max_turns = options.max_turns or DEFAULT_MAX_TURNS
+        guesses = body.strings("guesses", max_items=game._max_turns if target else 0)
+        for turn, word in enumerate(guesses, start=1):
+            if game._won:
+                raise body.invalid("guesses", f"go on after the game was won on turn {turn - 1}")
+            try:
+                guess = extract_guess(word)
+                game._check_allowed(guess)
+            except InvalidAction as exc:
+                raise body.invalid("guesses", f"hold turn {turn}'s refused guess: {exc}") from None
+            game._play(guess)
+        vars(self).update(vars(game))
 
     # -- rules ------------------------------------------------------------------------
 

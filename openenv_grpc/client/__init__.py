@@ -20,7 +20,8 @@ from openenv_grpc.client.errors import (
 )
 from openenv_grpc.client.info import fetch_info
 from openenv_grpc.client.notices import Draining
-from openenv_grpc.client.outcome import StepOutcome
+from openenv_grpc.client.outcome import Restored, StepOutcome
+from openenv_grpc.client.recovery import Recovery
 from openenv_grpc.client.retry import OpenRetry
 from openenv_grpc.client.session_core import SessionOptions, SessionSource
 from openenv_grpc.client.sync_session import Session
@@ -39,6 +40,8 @@ __all__ = [
     "OpenRetry",
     "PayloadTypeError",
     "ProtocolError",
+    "Recovery",
+    "Restored",
     "Session",
     "SessionLost",
     "SessionOptions",

@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import asyncio
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Generic
+from typing import TYPE_CHECKING, Any, Generic, overload
 
 import grpc
 
 from openenv_grpc.client import session_core
 from openenv_grpc.client.channel import aio_channel
 from openenv_grpc.client.errors import CapacityError, SessionLost, SessionTimeout
-from openenv_grpc.client.outcome import StepOutcome
+from openenv_grpc.client.outcome import Restored, StepOutcome
 from openenv_grpc.client.protocol import lost
 from openenv_grpc.client.session_core import ActionT, ObservationT, ResetOptionsT, StateT
+from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:  # only the type checker needs these
@@ -60,7 +61,8 @@ class AsyncStream(session_core.StreamBase):
         return session_core.launched(cls, provider, kwargs)
 
     async def __aenter__(self) -> Self:
-        await self.open()
+        if self._core.call is None:  # a fork arrives open
+            await self.open()
         return self
 
     async def __aexit__(
@@ -194,6 +196,8 @@ class AsyncSession(
         options: ResetOptionsT | None = None, timeout: float | None = None,
     ) -> StepOutcome[ObservationT]:  # fmt: skip
         """Start a new episode; see :meth:`Session.reset`."""
+        if self._recovering is not None:
+            return await self._recovering.reset(seed, episode_id, options, timeout)
         protocol = self._core.protocol
         response = await self._roundtrip(protocol.reset_request(seed, episode_id, options), timeout)
         return protocol.step_result(response)
@@ -202,14 +206,78 @@ class AsyncSession(
         self, action: ActionT, *, timeout: float | None = None
     ) -> StepOutcome[ObservationT]:
         """Apply ``action``; see :meth:`Session.step`."""
+        if self._recovering is not None:
+            return await self._recovering.step(action, timeout)
         protocol = self._core.protocol
         return protocol.step_result(await self._roundtrip(protocol.step_request(action), timeout))
 
     async def state(self, *, timeout: float | None = None) -> StateT:
         """The environment's current state; see :meth:`Session.state`."""
+        if self._recovering is not None:
+            return await self._recovering.state(timeout)  # type: ignore[no-any-return]
         protocol = self._core.protocol
         response = await self._roundtrip(protocol.state_request(), timeout)
         return protocol.state_result(response)  # type: ignore[no-any-return]
+
+    async def snapshot(self, *, timeout: float | None = None) -> bytes:
+        """The current episode as bytes; see :meth:`Session.snapshot`."""
+        if self._recovering is not None:
+            return await self._recovering.snapshot(timeout)
+        protocol = self._core.protocol
+        response = await self._roundtrip(protocol.snapshot_request(), timeout)
+        return protocol.snapshot_result(response)
+
+    async def restore(self, data: bytes, *, timeout: float | None = None) -> Restored:
+        """Continue from a snapshot; see :meth:`Session.restore`."""
+        if self._recovering is not None:
+            return await self._recovering.restore(data, timeout)
+        protocol = self._core.protocol
+        response = await self._roundtrip(protocol.restore_request(data), timeout)
+        return protocol.restore_result(response)
+
+    @overload
+    async def fork(self, n: None = None, *, timeout: float | None = None) -> Self: ...
+    @overload
+    async def fork(self, n: int, *, timeout: float | None = None) -> list[Self]: ...
+    async def fork(
+        self, n: int | None = None, *, timeout: float | None = None
+    ) -> Self | list[Self]:
+        """Branch the episode into one open session (``n``: a list of ``n``, opened and
+        restored concurrently); see :meth:`Session.fork`. ``async with await
+        env.fork() as branch:``."""
+        children = self._forks(n)
+        try:
+            data = await self.snapshot(timeout=timeout)
+            done = await asyncio.gather(
+                *(child._open_from(data, timeout) for child in children), return_exceptions=True
+            )
+            failure = next((d for d in done if isinstance(d, BaseException)), None)
+            if failure is not None:
+                raise failure
+        except BaseException:
+            await asyncio.gather(*(child.abort() for child in children))
+            raise
+        return children if n is not None else children[0]
+
+    async def _open_from(self, data: bytes, timeout: float | None) -> None:
+        await self.open()
+        await self.restore(data, timeout=timeout)
+
+    # -- recovery's I/O (see recovery.RecoveryIO) ------------------------------------
+
+    async def _io_roundtrip(self, request: pb.SessionRequest, timeout: float | None) -> Any:
+        return await self._roundtrip(request, timeout)
+
+    async def _io_reopen(self, target: str | None) -> None:
+        call = self._core.drop_call()  # one a timed-out replay left open
+        if call is not None:
+            call.cancel()
+        self._pending = None
+        await self._let_go(self._retarget(target))
+        await self.open()
+
+    async def _io_pause(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
 
 
 AsyncSession._generic_origin = AsyncSession

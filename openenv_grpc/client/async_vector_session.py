@@ -43,7 +43,7 @@ class AsyncVectorSession(
         autoreset: str | AutoresetMode = "next_step",
         **options: Unpack[SessionOptions],
     ) -> None:
-        self._configure(num_envs, autoreset)
+        self._configure(num_envs, autoreset, options)
         super().__init__(target, **options)
 
     # -- commands: see VectorSession for what each returns and raises ----------------

@@ -1,4 +1,5 @@
-"""What the client hands back for a reset or a step: :class:`StepOutcome`.
+"""What the client hands back for a reset or a step (:class:`StepOutcome`) and for a
+restore (:class:`Restored`).
 
 (The wire message it is decoded from is ``openenv_grpc.v1.StepResult``; the client's
 type has a name of its own so the two are never confused.)
@@ -11,7 +12,7 @@ from typing import Any, Generic, TypeVar
 
 from google.protobuf.message import Message
 
-__all__ = ["StepOutcome"]
+__all__ = ["Restored", "StepOutcome"]
 
 ObservationT = TypeVar("ObservationT", bound=Message)
 
@@ -42,4 +43,26 @@ class StepOutcome(Generic[ObservationT]):
     @property
     def done(self) -> bool:
         """The episode is over (terminated or truncated): reset before stepping again."""
+        return self.terminated or self.truncated
+
+
+@dataclass(frozen=True, slots=True)
+class Restored:
+    """Where a session is after a restore: exactly where the snapshot was taken.
+
+    Attributes:
+        episode_id: The restored episode's id (the captured one's).
+        step_count: Steps taken in it so far.
+        terminated: The captured episode had terminated.
+        truncated: The captured episode had been truncated.
+    """
+
+    episode_id: str
+    step_count: int
+    terminated: bool
+    truncated: bool
+
+    @property
+    def done(self) -> bool:
+        """The restored episode is over: reset before stepping."""
         return self.terminated or self.truncated

@@ -28,7 +28,7 @@ from openenv_grpc.client.errors import (
     SessionRefused,
 )
 from openenv_grpc.client.notices import Draining, read_notice
-from openenv_grpc.client.outcome import StepOutcome
+from openenv_grpc.client.outcome import Restored, StepOutcome
 from openenv_grpc.codec import PayloadError, info_from_struct, pack, type_name, unpack
 from openenv_grpc.metadata import ADMITTED_KEY, RETRY_PUSHBACK_KEY, SESSION_ID_KEY
 from openenv_grpc.v1 import session_pb2 as pb
@@ -175,6 +175,31 @@ class SessionProtocol(StreamProtocol):
         request.state.SetInParent()
         return request
 
+    def replayed_reset(self, command: pb.ResetCommand) -> pb.SessionRequest:
+        """A reset exactly as an earlier one was sent (recovery replays it)."""
+        request: pb.SessionRequest = self._envelope()
+        request.reset.CopyFrom(command)
+        return request
+
+    def replayed_step(self, action: any_pb2.Any) -> pb.SessionRequest:
+        """A step with an action exactly as it was packed before (recovery replays it)."""
+        request: pb.SessionRequest = self._envelope()
+        request.step.action.CopyFrom(action)
+        return request
+
+    def snapshot_request(self) -> pb.SessionRequest:
+        request: pb.SessionRequest = self._envelope()
+        request.snapshot.SetInParent()
+        return request
+
+    def restore_request(self, data: bytes) -> pb.SessionRequest:
+        """Raises TypeError: ``data`` is not bytes (nothing is sent)."""
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise TypeError(f"a snapshot is bytes, got {type(data).__qualname__}")
+        request: pb.SessionRequest = self._envelope()
+        request.restore.snapshot = bytes(data)
+        return request
+
     # -- responses --------------------------------------------------------------------
 
     def step_result(self, response: pb.SessionResponse) -> StepOutcome[Any]:
@@ -194,6 +219,16 @@ class SessionProtocol(StreamProtocol):
     def state_result(self, response: pb.SessionResponse) -> Any:
         result = self._outcome(response, "state")
         return self._decode(result.state, "state")
+
+    def snapshot_result(self, response: pb.SessionResponse) -> bytes:
+        result = self._outcome(response, "snapshot")
+        return bytes(result.snapshot)
+
+    def restore_result(self, response: pb.SessionResponse) -> Restored:
+        result = self._outcome(response, "restored")
+        self.episode_id = result.episode_id
+        self.step_count = result.step_count
+        return Restored(result.episode_id, result.step_count, result.terminated, result.truncated)
 
 
 def pack_typed(

@@ -12,13 +12,16 @@ shells (``VectorSession``, ``AsyncVectorSession``) move their bytes the same way
   stub;
 - request ids, envelopes and decoding (:class:`~openenv_grpc.client.protocol.SessionProtocol`);
 - the open schedule (:class:`OpenSchedule`: retries while the server is full);
-- what the session owns (a channel it made, a provider it launched) and when each goes;
-- the reconnect state (a lost stream, and whether the next call opens a fresh one).
+- what the session owns (a channel it made, shared with its forks; a provider it
+  launched) and when each goes;
+- the reconnect state (a lost stream, and whether the next call opens a fresh one);
+- forks: unopened sessions of the same class on the same server and channel.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypedDict, TypeVar
@@ -27,7 +30,12 @@ import grpc
 from google.protobuf.message import Message
 
 from openenv_grpc.client.channel import auth_metadata
-from openenv_grpc.client.errors import CapacityError, SessionRefused, SessionStateError
+from openenv_grpc.client.errors import (
+    CapacityError,
+    SessionLost,
+    SessionRefused,
+    SessionStateError,
+)
 from openenv_grpc.client.notices import Draining
 from openenv_grpc.client.protocol import (
     Metadata,
@@ -37,6 +45,7 @@ from openenv_grpc.client.protocol import (
     admitted_session_id,
     refusal,
 )
+from openenv_grpc.client.recovery import RecoveringCalls, Recovery
 from openenv_grpc.client.retry import OpenRetry
 from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
 
@@ -44,6 +53,7 @@ if TYPE_CHECKING:  # typing.Self is 3.11+; only the type checker needs these
     from typing_extensions import Self, Unpack
 
 __all__ = [
+    "ChannelShare",
     "OpenSchedule",
     "Owned",
     "SessionBase",
@@ -75,6 +85,8 @@ class SessionOptions(TypedDict, total=False):
     token: str | None
     #: After the stream was lost, the next call opens a fresh session (reset to go on).
     reconnect: bool
+    #: Survive a lost stream: reopen (here or on another target), restore, replay, go on.
+    recovery: Recovery | None
 
 
 class SessionSource(Protocol):
@@ -104,6 +116,32 @@ class Owned:
 
 #: Nothing to let go of.
 NOTHING = Owned()
+
+
+class ChannelShare:
+    """A channel a session made from a target string, shared with the sessions forked
+    from it: the last of them to let go closes it (so a parent closed before its forks
+    leaves them working)."""
+
+    __slots__ = ("_lock", "_users", "channel")
+
+    def __init__(self, channel: Any) -> None:
+        self.channel = channel
+        self._users = 1
+        self._lock = threading.Lock()  # sync forks may live in other threads
+
+    def join(self) -> ChannelShare:
+        """One more session uses the channel; returns this share."""
+        with self._lock:
+            self._users += 1
+        return self
+
+    def leave(self) -> Any:
+        """One session is done with the channel: returns it to close when that session
+        was the last user, else None."""
+        with self._lock:
+            self._users -= 1
+            return self.channel if self._users == 0 else None
 
 
 class OpenSchedule:
@@ -136,8 +174,8 @@ class SessionCore(Generic[ProtocolT]):
     kind of stream's protocol (one env's, or a vector's)."""
 
     __slots__ = (
-        "call", "channel", "dial", "headers", "lost", "metadata", "protocol", "provider",
-        "reconnect", "retry", "rpc", "session_id", "stub",
+        "call", "dial", "headers", "lost", "metadata", "protocol", "provider", "reconnect",
+        "recovering", "retry", "rpc", "session_id", "share", "stub",
     )  # fmt: skip
 
     def __init__(
@@ -149,6 +187,7 @@ class SessionCore(Generic[ProtocolT]):
         retry: OpenRetry | None,
         reconnect: bool,
         dial: Callable[[], Any] | None = None,
+        recovering: bool = False,
         *,
         rpc: str = "Session",
         protocol: ProtocolT | None = None,
@@ -162,8 +201,9 @@ class SessionCore(Generic[ProtocolT]):
         self.headers: dict[str, str] = {}
         #: The EnvService stub the stream is opened on.
         self.stub = stub
-        #: The channel this session made and closes (None when the caller gave one).
-        self.channel = channel
+        #: The channel this session made (None when the caller gave one), shared with its
+        #: forks: the last of them to end closes it.
+        self.share = ChannelShare(channel) if channel is not None else None
         #: Makes the owned channel anew for an open after the last one was let go (None
         #: when the caller gave the channel).
         self.dial = dial
@@ -172,6 +212,8 @@ class SessionCore(Generic[ProtocolT]):
         self.metadata = tuple(metadata)
         self.retry = retry
         self.reconnect = reconnect
+        #: Recovery is on: a lost stream keeps the channel and the provider for reopening.
+        self.recovering = recovering
         #: The open stream (the shell's call object), None while closed.
         self.call: Any = None
         #: The stream was lost (not closed by us): with ``reconnect``, the next call reopens.
@@ -189,10 +231,11 @@ class SessionCore(Generic[ProtocolT]):
         """
         if self.call is not None:
             raise SessionStateError("session is already open")
-        if self.channel is None and self.dial is not None:
+        if self.share is None and self.dial is not None:
             # Closed or lost before: a session that owns its channel makes a new one.
-            self.channel = self.dial()
-            self.stub = pb_grpc.EnvServiceStub(self.channel)
+            channel = self.dial()
+            self.share = ChannelShare(channel)
+            self.stub = pb_grpc.EnvServiceStub(channel)
         return OpenSchedule(self.retry)
 
     def open_stream(self, *requests: Any) -> Any:
@@ -220,7 +263,7 @@ class SessionCore(Generic[ProtocolT]):
     def failed_open(self) -> Owned:
         """After an open that gave up: what to let go of (nothing when a later call will
         reconnect, which needs the channel and the provider)."""
-        return NOTHING if self.reconnect else self._take()
+        return NOTHING if self.reconnect or self.recovering else self._take()
 
     # -- calls ------------------------------------------------------------------------
 
@@ -233,9 +276,12 @@ class SessionCore(Generic[ProtocolT]):
         """The open stream.
 
         Raises:
+            SessionLost: the stream was lost and recovery is on: it will try again.
             SessionStateError: the session is not open.
         """
         if self.call is None:
+            if self.lost and self.recovering:  # a recovery gave up before: try once more
+                raise SessionLost(grpc.StatusCode.UNAVAILABLE, "the session was lost earlier")
             raise SessionStateError(
                 "session is not open: use it in a `with` / `async with` block or open() it"
             )
@@ -246,16 +292,21 @@ class SessionCore(Generic[ProtocolT]):
         unless the next call will reconnect)."""
         self.call = None
         self.lost = True
-        if self.reconnect:
+        if self.reconnect or self.recovering:
             return NOTHING
-        channel, self.channel = self.channel, None
-        return Owned(channel=channel)
+        share, self.share = self.share, None
+        return Owned(channel=share.leave() if share is not None else None)
+
+    def drop_call(self) -> Any:
+        """Forget the stream (recovery moves on from it): returns it to cancel, or None."""
+        call, self.call = self.call, None
+        return call
 
     # -- ending -----------------------------------------------------------------------
 
     def ending(self) -> None:
         """``close`` or ``abort`` started: closed means closed, never reopen."""
-        self.reconnect = self.lost = False
+        self.reconnect = self.lost = self.recovering = False
 
     def ended(self) -> Owned:
         """``close`` or ``abort`` is done with the stream: what to let go of (all)."""
@@ -263,8 +314,9 @@ class SessionCore(Generic[ProtocolT]):
         return self._take()
 
     def _take(self) -> Owned:
-        owned = Owned(self.channel, self.provider)
-        self.channel = self.provider = None
+        share, self.share = self.share, None
+        owned = Owned(share.leave() if share is not None else None, self.provider)
+        self.provider = None
         return owned
 
 
@@ -295,18 +347,24 @@ class StreamBase:
         unknown = set(options) - set(SessionOptions.__annotations__)
         if unknown:
             raise TypeError(f"unknown session option(s): {', '.join(sorted(unknown))}")
+        #: What the session was made with: its forks are made the same way.
+        self._options: SessionOptions = options
         channel = dial = None
+        #: The target string this session makes its channels from (None: given one).
+        self._home: str | None = target if isinstance(target, str) else None
         if isinstance(target, str):
-            # Looked up on the class: a plain function kept as a class attribute.
-            dial = functools.partial(type(self)._make_channel, target, options.get("credentials"))
+            dial = functools.partial(self._new_channel, target)
             channel = target = dial()
         if isinstance(target, self._channel_class):
             target = pb_grpc.EnvServiceStub(target)
+        #: The stub it was given or made first: where recovery goes back to.
+        self._home_stub = target
         metadata = (
             *auth_metadata(options.get("token")),
             *options.get("metadata", ()),
             *self._open_metadata(),
         )
+        recovery = options.get("recovery")
         self._core = SessionCore(
             self._types,
             target,
@@ -315,8 +373,15 @@ class StreamBase:
             options.get("retry"),
             options.get("reconnect", False),
             dial,
+            recovering=recovery is not None,
             rpc=self._rpc,
             protocol=self._new_protocol(),
+        )
+        #: The calls with recovery on (None: off, the shells' direct paths).
+        self._recovering = (
+            RecoveringCalls(recovery, self._core.protocol, self)  # type: ignore[arg-type]
+            if recovery is not None
+            else None
         )
 
     def _new_protocol(self) -> StreamProtocol | None:
@@ -326,6 +391,29 @@ class StreamBase:
     def _open_metadata(self) -> tuple[tuple[str, str], ...]:
         """Call metadata the kind of stream sends when it opens."""
         return ()
+
+    def _new_channel(self, target: str) -> Any:
+        """A channel to ``target`` made the way this session makes its own."""
+        # Looked up on the class: a plain function kept as a class attribute.
+        return type(self)._make_channel(target, self._options.get("credentials"))
+
+    @property
+    def recoveries(self) -> int:
+        """Lost streams this session recovered from (0 without ``recovery``)."""
+        return self._recovering.recoveries if self._recovering is not None else 0
+
+    def _retarget(self, target: str | None) -> Owned:
+        """Point the session, for its next open, at ``target`` (None: its own) on a fresh
+        channel -- or back at the channel it was given; returns what to let go of."""
+        core = self._core
+        old = core.share
+        home = self._home
+        if target is None and home is None:
+            core.stub, core.share = self._home_stub, None
+        else:
+            channel = self._new_channel(target or home)  # type: ignore[arg-type]
+            core.stub, core.share = pb_grpc.EnvServiceStub(channel), ChannelShare(channel)
+        return Owned(channel=old.leave() if old is not None else None)
 
     @property
     def session_id(self) -> str:
@@ -348,6 +436,26 @@ class StreamBase:
         so this turns on at the first call after the server began to drain."""
         draining: Draining | None = self._core.protocol.draining
         return draining
+
+    def _forks(self, n: int | None) -> list[Self]:
+        """``n`` (None: one) unopened sessions of this class on this session's server,
+        channel and options, for a fork; each must be opened, or aborted to let go of
+        the shared channel. The provider stays with this session.
+
+        Raises:
+            ValueError: ``n`` is below 1.
+        """
+        count = 1 if n is None else n
+        if count < 1:
+            raise ValueError(f"fork needs n >= 1, got {n}")
+        core = self._core
+        children = [type(self)(core.stub, **self._options) for _ in range(count)]
+        for child in children:
+            child._home = self._home  # recovery makes fresh channels to the same target
+            child._core.dial = core.dial  # so does an open after close
+            if core.share is not None:
+                child._core.share = core.share.join()
+        return children
 
     def _adopt(self, provider: SessionSource) -> Self:
         """Own ``provider``: the session stops it when it ends or fails to open."""

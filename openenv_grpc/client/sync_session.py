@@ -14,16 +14,18 @@ import queue
 import time
 from collections.abc import Iterator
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Generic
+from typing import TYPE_CHECKING, Any, Generic, overload
 
 import grpc
 
 from openenv_grpc.client import session_core
 from openenv_grpc.client.channel import sync_channel
 from openenv_grpc.client.errors import CapacityError, SessionLost, SessionTimeout
-from openenv_grpc.client.outcome import StepOutcome
+from openenv_grpc.client.outcome import Restored, StepOutcome
 from openenv_grpc.client.protocol import lost
+from openenv_grpc.client.recovery import run_blocking
 from openenv_grpc.client.session_core import ActionT, ObservationT, ResetOptionsT, StateT
+from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:  # only the type checker needs these
@@ -91,7 +93,8 @@ class SyncStream(session_core.StreamBase):
         return session_core.launched(cls, provider, kwargs)
 
     def __enter__(self) -> Self:
-        self.open()
+        if self._core.call is None:  # a fork arrives open
+            self.open()
         return self
 
     def __exit__(
@@ -246,7 +249,10 @@ class Session(
     call; ``retry`` (an :class:`~openenv_grpc.client.retry.OpenRetry`) retries the open
     while the server is full; with ``reconnect``, a call made after the stream was lost
     (:class:`SessionLost`) first opens a fresh session; the call that saw the loss still
-    raises, because its episode is gone: reset to go on.
+    raises, because its episode is gone: reset to go on. With ``recovery`` (a
+    :class:`~openenv_grpc.client.recovery.Recovery`), no call raises for a lost stream
+    the session can come back from: it reopens, restores its last snapshot, replays the
+    actions since and goes on with the same episode (``recoveries`` counts it).
 
     Each call takes a ``timeout``: :class:`SessionTimeout` leaves the session open and the
     late answer is dropped when it comes. Calls without a timeout read in the caller's
@@ -271,6 +277,8 @@ class Session(
             EnvError: the options were refused or the environment raised.
             SessionLost: the stream ended. SessionTimeout: no answer within ``timeout``.
         """
+        if self._recovering is not None:
+            return run_blocking(self._recovering.reset(seed, episode_id, options, timeout))
         request = self._core.protocol.reset_request(seed, episode_id, options)
         return self._core.protocol.step_result(self._roundtrip(request, timeout))
 
@@ -284,6 +292,8 @@ class Session(
             PayloadTypeError: a typed client got an action of another type (not sent).
             SessionLost: the stream ended. SessionTimeout: no answer within ``timeout``.
         """
+        if self._recovering is not None:
+            return run_blocking(self._recovering.step(action, timeout))
         request = self._core.protocol.step_request(action)
         return self._core.protocol.step_result(self._roundtrip(request, timeout))
 
@@ -294,8 +304,91 @@ class Session(
             EnvError: the environment raised (the episode goes on).
             SessionLost: the stream ended. SessionTimeout: no answer within ``timeout``.
         """
+        if self._recovering is not None:
+            return run_blocking(self._recovering.state(timeout))  # type: ignore[no-any-return]
         request = self._core.protocol.state_request()
         return self._core.protocol.state_result(self._roundtrip(request, timeout))  # type: ignore[no-any-return]
+
+    def snapshot(self, *, timeout: float | None = None) -> bytes:
+        """The current episode as bytes this client keeps (the env's own bytes plus the
+        episode id, step count and phase, signed by the server): :meth:`restore` them on
+        this session, a fork, or any server of the same env and version holding the key.
+        Signed, not encrypted: whoever holds them can read them.
+
+        Raises:
+            EnvError: UNIMPLEMENTED (the env has no snapshots), FAILED_PRECONDITION (no
+                episode yet), RESOURCE_EXHAUSTED (over the server's snapshot limit),
+                INVALID_ARGUMENT or INTERNAL (the env refused or raised); the episode goes
+                on in every case.
+            SessionLost: the stream ended. SessionTimeout: no answer within ``timeout``.
+        """
+        if self._recovering is not None:
+            return run_blocking(self._recovering.snapshot(timeout))
+        request = self._core.protocol.snapshot_request()
+        return self._core.protocol.snapshot_result(self._roundtrip(request, timeout))
+
+    def restore(self, data: bytes, *, timeout: float | None = None) -> Restored:
+        """Continue from a snapshot: this session's episode becomes the captured one,
+        with its episode id and step count; returns where it now is.
+
+        Raises:
+            EnvError: INVALID_ARGUMENT (not one intact snapshot: altered, truncated, over
+                the server's limit; or the env refused it), FAILED_PRECONDITION (signed by
+                a key this server does not hold, of another env or env version),
+                UNIMPLEMENTED (the env has no snapshots): the episode is unchanged.
+                INTERNAL: the env's restore raised (reset to go on).
+            TypeError: ``data`` is not bytes (nothing sent).
+            SessionLost: the stream ended. SessionTimeout: no answer within ``timeout``.
+        """
+        if self._recovering is not None:
+            return run_blocking(self._recovering.restore(data, timeout))
+        request = self._core.protocol.restore_request(data)
+        return self._core.protocol.restore_result(self._roundtrip(request, timeout))
+
+    @overload
+    def fork(self, n: None = None, *, timeout: float | None = None) -> Self: ...
+    @overload
+    def fork(self, n: int, *, timeout: float | None = None) -> list[Self]: ...
+    def fork(self, n: int | None = None, *, timeout: float | None = None) -> Self | list[Self]:
+        """Branch the episode: a snapshot of this session restored in a new open session
+        of the same class (``n``: a list of ``n`` of them), on the same server and
+        channel, admitted like any open (``retry`` applies). Each is a context manager
+        (``with env.fork() as branch:``) and goes on independently of this one; closing
+        this session leaves them open.
+
+        Raises:
+            ValueError: ``n`` is below 1.
+            EnvError, SessionLost, SessionTimeout: as :meth:`snapshot` and
+                :meth:`restore`; CapacityError, SessionRefused: as :meth:`open`. No fork
+                stays open when one fails.
+        """
+        children = self._forks(n)
+        try:
+            data = self.snapshot(timeout=timeout)
+            for child in children:
+                child.open()
+                child.restore(data, timeout=timeout)
+        except BaseException:
+            for child in children:
+                child.abort()
+            raise
+        return children if n is not None else children[0]
+
+    # -- recovery's I/O (see recovery.RecoveryIO): blocking, so each await ends at once --
+
+    async def _io_roundtrip(self, request: pb.SessionRequest, timeout: float | None) -> Any:
+        return self._roundtrip(request, timeout)
+
+    async def _io_reopen(self, target: str | None) -> None:
+        call = self._core.drop_call()  # one a timed-out replay left open
+        if call is not None:
+            call.cancel()
+        self._end_stream()
+        self._let_go(self._retarget(target))
+        self.open()
+
+    async def _io_pause(self, seconds: float) -> None:
+        time.sleep(seconds)  # noqa: ASYNC251 -- run by run_blocking, never on a loop
 
 
 Session._generic_origin = Session

@@ -54,7 +54,7 @@ class VectorSession(SyncStream, VectorBase, Generic[ActionT, ObservationT, State
         autoreset: str | AutoresetMode = "next_step",
         **options: Unpack[SessionOptions],
     ) -> None:
-        self._configure(num_envs, autoreset)
+        self._configure(num_envs, autoreset, options)
         super().__init__(target, **options)
 
     def reset(

@@ -8,6 +8,7 @@ one-env session (the transport shells ``SyncStream`` and ``AsyncStream``, over
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from openenv_grpc.client.session_core import SessionCore, StreamBase
@@ -26,12 +27,17 @@ class VectorBase(StreamBase):
     _num_envs: int
     _autoreset: str
 
-    def _configure(self, num_envs: int, autoreset: str | AutoresetMode) -> None:
+    def _configure(
+        self, num_envs: int, autoreset: str | AutoresetMode, options: Mapping[str, Any]
+    ) -> None:
         """Check and keep N and the mode (before the base constructor reads them).
 
         Raises:
             ValueError: N is not a positive int, or the mode is not one of Gymnasium's.
+            TypeError: ``recovery`` was given (vector streams have no snapshots).
         """
+        if options.get("recovery") is not None:
+            raise TypeError("recovery is for one-env sessions: a vector stream cannot restore")
         if isinstance(num_envs, bool) or not isinstance(num_envs, int) or num_envs < 1:
             raise ValueError(f"num_envs must be a positive int, got {num_envs!r}")
         mode = autoreset.value if isinstance(autoreset, AutoresetMode) else str(autoreset)

@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from openenv_grpc.metadata import SERVICE_NAME, serving_line
 from openenv_grpc.server.activity import Activity
 from openenv_grpc.server.auth import TokenAuthInterceptor
-from openenv_grpc.server.config import ServerConfig
+from openenv_grpc.server.config import ENV_VARS, ServerConfig
 from openenv_grpc.server.env_process_pool import EnvProcessPool
 from openenv_grpc.server.env_threads import EnvThreadPool
 from openenv_grpc.server.limiter import SessionLimiter
@@ -31,6 +31,7 @@ from openenv_grpc.server.metrics_endpoint import MetricsEndpoint
 from openenv_grpc.server.orphans import reclaim_orphans_quietly
 from openenv_grpc.server.service import EnvServicer, add_env_service
 from openenv_grpc.server.session import SessionManager
+from openenv_grpc.server.snapshots import KeyRing, SnapshotSeal
 from openenv_grpc.server.spec import EnvSpec
 from openenv_grpc.server.tls import server_credentials
 from openenv_grpc.server.vector_session import VectorSessions
@@ -88,11 +89,30 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, Any]]:
 
 
 class EnvServer:
-    """One gRPC server hosting one environment; start it, then drain or stop it."""
+    """One gRPC server hosting one environment; start it, then drain or stop it.
 
-    def __init__(self, factory: Callable[[], Any], config: ServerConfig | None = None) -> None:
+    ``keys`` sign and verify snapshots (default: the ring the config names, see
+    :meth:`~openenv_grpc.server.snapshots.KeyRing.from_config`).
+
+    Raises:
+        TypeError: the env class is unusable. ValueError, OSError: bad snapshot keys.
+    """
+
+    def __init__(
+        self,
+        factory: Callable[[], Any],
+        config: ServerConfig | None = None,
+        keys: KeyRing | None = None,
+    ) -> None:
         self.config = config or ServerConfig.from_env()
-        self.spec = EnvSpec.from_factory(factory)
+        self.spec = EnvSpec.from_factory(
+            factory, inline_threshold=self.config.inline_threshold_ms / 1000
+        )
+        keys = keys if keys is not None else KeyRing.from_config(self.config)
+        #: Seals and opens this server's snapshots.
+        self.snapshots = SnapshotSeal(
+            self.spec.name, self.spec.version, keys, self.config.snapshot_limit
+        )
         # Daemon threads (see env_threads.py): a hung env call cannot hold up the exit.
         self._pool = EnvThreadPool(self.config.env_threads, "openenv-env")
         # Factories and closes of pooled envs: a replacement env or a close never waits
@@ -138,12 +158,14 @@ class EnvServer:
             self.metrics_port = await self._metrics_endpoint.start(host, self.config.metrics_port)
         if self.config.isolated:
             call_timeout = self.config.call_timeout(self.spec.env_class.step_timeout)
-            self._processes = EnvProcessPool(self.spec.factory, self.config.isolated, call_timeout)
+            self._processes = EnvProcessPool(
+                self.spec.factory, self.config.isolated, call_timeout, self.snapshots
+            )
             self._processes.start()
         self._sessions = SessionManager(
             self.spec, self.config, self._pool, limiter,
             activity=Activity(), prometheus=prometheus, processes=self._processes,
-            lifecycle=self._lifecycle,
+            lifecycle=self._lifecycle, snapshots=self.snapshots,
         )  # fmt: skip
         server = grpc.aio.server(options=grpc_options(self.config), interceptors=interceptors)
         vectors = VectorSessions(self._sessions, self._processes)
@@ -218,10 +240,11 @@ def _announce(name: str, host: str, port: int) -> None:
 async def _serve(
     factory: Callable[[], Any],
     config: ServerConfig,
+    keys: KeyRing,
     on_ready: Callable[[str, str, int], None] = _announce,
 ) -> int:
     """Serve until SIGTERM/SIGINT, then drain; returns the number of envs left unclosed."""
-    server = EnvServer(factory, config)
+    server = EnvServer(factory, config, keys)
     # Handlers first: a SIGTERM that arrives as soon as the server is up must drain it.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -247,22 +270,30 @@ async def _serve(
 
 def serve(factory: Callable[[], Any], config: ServerConfig | None = None) -> int:
     """Serve ``factory``'s environment until SIGTERM or SIGINT, then drain; returns the
-    exit code (0: every environment closed). With ``workers > 1``, forks the workers."""
+    exit code (0: every environment closed). With ``workers > 1``, forks the workers.
+
+    Raises:
+        TypeError: the env class is unusable. ValueError, OSError: bad snapshot keys.
+    """
     config = config or ServerConfig.from_env()
     spec = EnvSpec.from_factory(factory)  # fail before forking: bad types stop it at once
+    # Once, before any fork: workers share the ring (a random one too), and env code never
+    # inherits the secrets through the environment (env processes get them as arguments).
+    keys = KeyRing.from_config(config)
+    os.environ.pop(ENV_VARS["snapshot_keys"], None)
     if config.workers > 1:
 
         def run_worker(worker: ServerConfig, on_ready: Callable[[], None]) -> None:
             # Workers announce themselves to the parent, which announces the server; they
             # end with os._exit, so stuck env threads cannot hold them either.
-            asyncio.run(_serve(factory, worker, lambda *_: on_ready()))
+            asyncio.run(_serve(factory, worker, keys, lambda *_: on_ready()))
 
         def announce(port: int) -> None:
             host = config.address.rpartition(":")[0]
             say(serving_line(spec.name, host, port, f" with {config.workers} workers"))
 
         return serve_workers(run_worker, config, announce)
-    if asyncio.run(_serve(factory, config)):
+    if asyncio.run(_serve(factory, config, keys)):
         # Every env that could be closed is closed. The rest are stuck in env code on
         # threads nothing can stop; a normal exit would wait for any non-daemon thread
         # among them (concurrent.futures joins its workers at exit, and an env may use

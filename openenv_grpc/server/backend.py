@@ -40,7 +40,8 @@ class SessionLostError(Exception):
 
 
 class Outcome(enum.IntEnum):
-    """What a request was answered with (small ints: env processes send them as is)."""
+    """What a request was answered with (small ints: env processes send them as is, below
+    the end-of-stream bit 8 of their status byte)."""
 
     RESET = 0  # a reset's first observation
     STEPPED = 1  # a completed step (counted in Info's activity and Prometheus)
@@ -48,6 +49,8 @@ class Outcome(enum.IntEnum):
     CLOSED = 3  # the env is closed: the stream ends after this answer
     FAILED = 4  # an in-band error; Answer.error names its code
     SATURATED = 5  # RESOURCE_EXHAUSTED: the call never got an env thread in time
+    SNAPSHOT = 6  # a snapshot of the episode
+    RESTORED = 7  # the session continues from a snapshot
 
 
 class Answer(NamedTuple):

@@ -26,6 +26,9 @@ _INT32_MAX = 2**31 - 1
 #: health and reflection calls, and for refused opens on their way out, while one
 #: client's connection holds every session.
 STREAM_HEADROOM = 32
+#: Bytes of a message's room a snapshot leaves for the envelope around it (request id,
+#: episode id, field tags).
+SNAPSHOT_MARGIN = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,12 +135,34 @@ class ServerConfig:
         "(a huge observation, info or state) is replaced by an in-band `RESOURCE_EXHAUSTED` "
         "error naming the limit and the session goes on",
     )  # fmt: skip
+    max_snapshot_bytes: int = setting(
+        8 * 1024 * 1024, variable="MAX_SNAPSHOT_BYTES", flag="--max-snapshot-bytes",
+        minimum=1024, shown_default="`8388608` (8 MiB)",
+        help="largest snapshot the server makes or restores",
+        details="envelope and signature included; a bigger one is refused in-band, the "
+        "limit in the message (`RESOURCE_EXHAUSTED` for an env's snapshot, "
+        "`INVALID_ARGUMENT` for a restore), and the session goes on. Kept 1 KiB below "
+        "`--max-message-bytes` whatever is set, so a snapshot always fits a message; Info "
+        "reports the limit in force",
+    )  # fmt: skip
     env_threads: int = setting(
         factory=_default_threads, variable="ENV_THREADS", flag="--env-threads", minimum=1,
         shown_default="cores + 4 (≤ 32)",
         help="shared pool for blocking sync envs' reset/step/state",
         details="as many threads again build and close those envs, so a fresh env never "
         "waits behind blocked calls (daemon threads, started on demand)",
+    )  # fmt: skip
+    inline_threshold_ms: float = setting(
+        1.0, variable="INLINE_THRESHOLD_MS", flag="--inline-threshold-ms", minimum=0,
+        help="milliseconds: a sync env that leaves `runs_inline` unset has its calls run on "
+        "the event loop while they take less than this, on the thread pool otherwise; `0` = "
+        "always the pool",
+        details="measured per method and per `cost_class()` (the gymnasium env's env id): "
+        "32 calls in a row under half of it move a group to the loop, a second call over it "
+        "within 64 (or one over 50 times it) moves it back, logged as a WARNING with how long the "
+        "loop was blocked; each move back doubles the next probation. With a step timeout "
+        "such calls stay on the pool. Envs with `runs_inline = True`/`False` are not "
+        "measured",
     )  # fmt: skip
     retry_pushback_ms: int = setting(
         500, variable="RETRY_PUSHBACK_MS", flag="--retry-pushback-ms", minimum=0,
@@ -213,6 +238,26 @@ class ServerConfig:
         details="compared in constant time; no option on purpose: a command line is "
         "visible to other users",
     )  # fmt: skip
+    snapshot_keys: str = setting(
+        "", variable="SNAPSHOT_KEYS", flag=None, secret=True,
+        shown_default="unset (a random key per server)",
+        help="keys that sign and verify snapshots: comma-separated `id:secret` pairs; the "
+        "first signs, all verify (rotate by putting the new key first)",
+        details="HMAC-SHA256, compared in constant time; ids are 1-64 of `A-Z a-z 0-9 . _ "
+        "-`, secrets at least 16 bytes (e.g. `openssl rand -hex 32`). Servers sharing a "
+        "key restore each other's snapshots (of the same env name and version). Unset "
+        "(and no file): a random key made at start, shared by the server's `--workers` "
+        "and `--isolated` processes, so its snapshots restore on this server only, until "
+        "it exits. Read once at start and removed from the environment env code inherits; "
+        "no option on purpose: a command line is visible to other users",
+    )  # fmt: skip
+    snapshot_keys_file: str = setting(
+        "", variable="SNAPSHOT_KEYS_FILE", flag="--snapshot-keys-file",
+        help="file holding the snapshot keys instead (same `id:secret` pairs, separated by "
+        "commas or newlines; `#` starts a comment line)",
+        details="read once at start; a file others may read is logged as a warning; set "
+        "this or `SNAPSHOT_KEYS`, not both",
+    )  # fmt: skip
     log_level: str = setting(
         "INFO", variable="LOG_LEVEL", flag="--log-level",
         choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
@@ -284,6 +329,12 @@ class ServerConfig:
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"
         return f"{host}:{self.port}"
+
+    @property
+    def snapshot_limit(self) -> int:
+        """The largest snapshot in force: ``max_snapshot_bytes``, kept 1 KiB below the
+        message limit so a snapshot always fits a request or a response."""
+        return max(1, min(self.max_snapshot_bytes, self.max_message_bytes - SNAPSHOT_MARGIN))
 
     def call_timeout(self, env_default: float | None) -> float | None:
         """Longest an env call may take: this server's ``step_timeout`` if set, else the

@@ -39,6 +39,7 @@ from openenv_grpc.environment import AutoresetMode, InvalidAction
 from openenv_grpc.server.backend import Answer, Outcome, UndecodableRequest
 from openenv_grpc.server.episode import EpisodeDriver
 from openenv_grpc.server.runner import EnvRunner
+from openenv_grpc.server.snapshots import SnapshotSeal
 from openenv_grpc.server.spec import EnvSpec, ExecutionMode
 from openenv_grpc.server.vector_batch import batch_spec
 from openenv_grpc.server.vector_episode import BatchRefused, LocalBatchCalls, ResetArgs, StepArgs
@@ -108,20 +109,31 @@ def answered(status: int) -> tuple[Outcome, bool]:
 
 
 def worker_main(
-    sock: socket.socket, factory: Callable[[], Any], call_timeout: float | None
+    sock: socket.socket,
+    factory: Callable[[], Any],
+    call_timeout: float | None,
+    snapshots: SnapshotSeal | None = None,
 ) -> None:
-    """Entry point of a worker process: serve frames until the front goes away."""
+    """Entry point of a worker process: serve frames until the front goes away.
+
+    ``snapshots`` is the front's seal, key ring included: it arrives through the spawn's
+    private pipe (never the environment or a command line), so every env process signs
+    and verifies exactly as the front's server would.
+    """
     # Ctrl-C reaches the whole process group: the front drains and then ends its workers,
     # so a worker must not die first and take its envs with it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    asyncio.run(_serve(sock, factory, call_timeout))
+    asyncio.run(_serve(sock, factory, call_timeout, snapshots))
 
 
 async def _serve(
-    sock: socket.socket, factory: Callable[[], Any], call_timeout: float | None
+    sock: socket.socket,
+    factory: Callable[[], Any],
+    call_timeout: float | None,
+    snapshots: SnapshotSeal | None,
 ) -> None:
     spec = EnvSpec.from_factory(factory)
-    if spec.mode is ExecutionMode.POOL:
+    if spec.mode in (ExecutionMode.POOL, ExecutionMode.MEASURED):
         # The worker is the env's own process: blocking calls run inline, one at a time.
         spec = dataclasses.replace(spec, mode=ExecutionMode.INLINE)
     reader, writer = await asyncio.open_unix_connection(sock=sock, limit=READ_LIMIT)
@@ -152,7 +164,9 @@ async def _serve(
             elif op == Op.CREATE:
                 try:
                     runner = await new_runner()
-                    drivers[env_id] = EpisodeDriver(spec, runner, new_runner, call_timeout)
+                    drivers[env_id] = EpisodeDriver(
+                        spec, runner, new_runner, call_timeout, snapshots
+                    )
                 except Exception as exc:
                     log.exception("environment factory raised")
                     message = f"{type(exc).__name__}: {exc}".encode()

@@ -56,6 +56,7 @@ from openenv_grpc.server.env_process import (
     worker_main,
 )
 from openenv_grpc.server.orphans import OrphanReaper
+from openenv_grpc.server.snapshots import SnapshotSeal
 from openenv_grpc.server.spec import EnvSpec, ExecutionMode
 from openenv_grpc.v1 import session_pb2 as pb
 
@@ -127,6 +128,7 @@ class EnvProcessPool:
         factory: Callable[[], Any],
         size: int,
         call_timeout: float | None,
+        snapshots: SnapshotSeal | None = None,
     ) -> None:
         if size < 1:
             raise ValueError(f"env process pool size must be >= 1, got {size}")
@@ -136,6 +138,8 @@ class EnvProcessPool:
         margin = _ASYNC_MARGIN if spec.mode is ExecutionMode.ASYNC else 0.0
         self._worker_limit = None if call_timeout is None else call_timeout + margin
         self._factory = factory
+        #: Handed to every env process at its start: they sign and verify as one server.
+        self._snapshots = snapshots
         self._size = size
         # spawn: the front already runs gRPC, which must never be forked.
         self._context = multiprocessing.get_context("spawn")
@@ -159,7 +163,7 @@ class EnvProcessPool:
         front, back = socket.socketpair()
         process = self._context.Process(
             target=worker_main,
-            args=(back, self._factory, self.call_timeout),
+            args=(back, self._factory, self.call_timeout, self._snapshots),
             name="openenv-env-worker",
             daemon=True,
         )

@@ -1,4 +1,4 @@
-"""Answers the requests of one session: reset, step, state, close.
+"""Answers the requests of one session: reset, step, state, snapshot, restore, close.
 
 This is the per-request half of a session (the stream's lifecycle is in ``session.py``).
 It owns the episode bookkeeping the environment should not have to: the episode id, the
@@ -7,10 +7,15 @@ step count, and whether a step is allowed now. Every failure here becomes an in-
 
 Sizes a client chooses and the server would store or echo are capped here (the limits
 below); the rest of a request is bounded by ``--max-message-bytes`` alone.
+
+Snapshots carry this bookkeeping along with the env's own bytes, sealed and checked by
+``snapshots.py``: a restored session is exactly where the captured one was, and no byte
+of a refused snapshot ever reaches the env.
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
 import time
@@ -26,8 +31,10 @@ from openenv_grpc.environment import InvalidAction, Transition
 from openenv_grpc.server.backend import Answer, Outcome, UndecodableRequest
 from openenv_grpc.server.limiter import NoSlot
 from openenv_grpc.server.runner import EnvRunner, PoolSaturated
+from openenv_grpc.server.snapshots import Captured, SnapshotRefused, SnapshotSeal, ephemeral_ring
 from openenv_grpc.server.spec import EnvSpec
 from openenv_grpc.v1 import session_pb2 as pb
+from openenv_grpc.v1 import snapshot_pb2
 
 __all__ = [
     "MAX_EPISODE_ID_BYTES",
@@ -46,6 +53,7 @@ _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 _FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION.value[0]
 _INTERNAL = grpc.StatusCode.INTERNAL.value[0]
 _RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+_UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED.value[0]
 
 #: A client-chosen episode id is echoed in every result of its episode: at most this many
 #: UTF-8 bytes (a UUID is 36; 8 MB ids once cost 8 MB per step and per session).
@@ -56,6 +64,11 @@ MAX_RESET_OPTIONS_BYTES = 64 * 1024
 #: A payload's type url names a message type; longer ones are refused before they are
 #: compared (and echoed in the error).
 MAX_TYPE_URL_BYTES = 256
+#: Snapshots larger than this are signed and checked on a thread: hashing megabytes would
+#: stall every session on the event loop for milliseconds.
+_OFF_LOOP_BYTES = 1 << 20
+#: The snapshot limit of a driver made without a seal (tests): the setting's default.
+_DEFAULT_SNAPSHOT_LIMIT = 8 * 1024 * 1024
 
 
 class _Phase(enum.Enum):
@@ -71,6 +84,18 @@ _NEEDS_RESET = {
     _Phase.TERMINATED: "the episode has terminated: call reset to start a new one",
     _Phase.TRUNCATED: "the episode was truncated: call reset to start a new one",
     _Phase.BROKEN: "the environment failed during this episode: call reset",
+}
+
+_CAPTURED_PHASE = {
+    _Phase.RUNNING: snapshot_pb2.SNAPSHOT_PHASE_RUNNING,
+    _Phase.TERMINATED: snapshot_pb2.SNAPSHOT_PHASE_TERMINATED,
+    _Phase.TRUNCATED: snapshot_pb2.SNAPSHOT_PHASE_TRUNCATED,
+}
+_RESTORED_PHASE: dict[int, _Phase] = {value: phase for phase, value in _CAPTURED_PHASE.items()}
+_NOTHING_TO_CAPTURE = {
+    _Phase.NO_EPISODE: "snapshot before reset: there is no episode to capture; call reset",
+    _Phase.BROKEN: "the environment failed during this episode: there is nothing "
+    "consistent to capture; call reset",
 }
 
 
@@ -89,7 +114,13 @@ class _RequestError(Exception):
 
 
 _REQUEST_NAME = pb.SessionRequest.DESCRIPTOR.full_name
-_OUTCOMES = {"reset": Outcome.RESET, "step": Outcome.STEPPED, "state": Outcome.STATE}
+_OUTCOMES = {
+    "reset": Outcome.RESET,
+    "step": Outcome.STEPPED,
+    "state": Outcome.STATE,
+    "snapshot": Outcome.SNAPSHOT,
+    "restore": Outcome.RESTORED,
+}
 
 
 class EpisodeDriver:
@@ -104,11 +135,14 @@ class EpisodeDriver:
     instance, so the session lives on and the client must reset. A pooled call still
     waiting for a free thread when ``call_timeout`` passes never runs: RESOURCE_EXHAUSTED,
     and the env and the episode are unchanged.
+
+    ``snapshots`` seals and opens this env's snapshots (the server's key ring and size
+    limit); without it, this process's random key and the default limit.
     """
 
     __slots__ = (
-        "_ends", "_make_runner", "_phase", "_spec", "_timeout", "episode_id", "runner",
-        "step_count",
+        "_ends", "_make_runner", "_phase", "_seal", "_spec", "_timeout", "episode_id",
+        "runner", "step_count",
     )  # fmt: skip
 
     def __init__(
@@ -117,8 +151,14 @@ class EpisodeDriver:
         runner: EnvRunner,
         make_runner: Callable[[], Awaitable[EnvRunner]],
         call_timeout: float | None,
+        snapshots: SnapshotSeal | None = None,
     ) -> None:
         self._spec = spec
+        self._seal = (
+            snapshots
+            if snapshots is not None
+            else SnapshotSeal(spec.name, spec.version, ephemeral_ring(), _DEFAULT_SNAPSHOT_LIMIT)
+        )
         #: The env instance in use now; the session closes this one when it ends.
         self.runner = runner
         self._make_runner = make_runner
@@ -149,13 +189,18 @@ class EpisodeDriver:
                 await self._reset(request.reset, response.result)
             elif command == "state":
                 await self._state(response.state)
+            elif command == "snapshot":
+                await self._snapshot(response.snapshot)
+            elif command == "restore":
+                await self._restore(request.restore, response.restored)
             elif command == "close":
                 await self._close()
                 response.closed.SetInParent()
                 return Answer(response.SerializeToString(), Outcome.CLOSED, ends=True)
             else:
                 raise _RequestError(
-                    _INVALID_ARGUMENT, "empty request: set one of reset, step, state, close"
+                    _INVALID_ARGUMENT,
+                    "empty request: set one of reset, step, state, snapshot, restore, close",
                 )
         except _RequestError as err:
             response.ClearField("outcome")
@@ -223,6 +268,61 @@ class EpisodeDriver:
         result.episode_id = self.episode_id
         result.step_count = self.step_count
 
+    async def _snapshot(self, result: pb.SnapshotResult) -> None:
+        """Capture the episode into ``result``; the episode is never changed."""
+        self._require_snapshots()
+        phase = _CAPTURED_PHASE.get(self._phase)
+        if phase is None:
+            raise _RequestError(_FAILED_PRECONDITION, _NOTHING_TO_CAPTURE[self._phase])
+        state = await self._call_env("snapshot", self.runner.env.snapshot, keep_phase=True)
+        if not isinstance(state, bytes | bytearray):
+            raise _RequestError(
+                _INTERNAL,
+                f"environment returned a {type(state).__qualname__} from snapshot(), not "
+                "bytes; the episode goes on",
+            )
+        captured = Captured(self.episode_id, self.step_count, phase, bytes(state))
+        result.snapshot = await self._sealed(self._seal.seal, captured, len(state))
+        result.episode_id = self.episode_id
+        result.step_count = self.step_count
+
+    async def _restore(self, command: pb.RestoreCommand, result: pb.RestoreResult) -> None:
+        """Check the snapshot completely, then hand the env its bytes and take over the
+        captured bookkeeping. A refused snapshot leaves the episode as it was."""
+        self._require_snapshots()
+        data = command.snapshot
+        captured: Captured = await self._sealed(self._seal.open, data, len(data))
+        await self._call_env("restore", self.runner.env.restore, captured.env_state)
+        self.episode_id = captured.episode_id
+        self.step_count = captured.step_count
+        self._phase = _RESTORED_PHASE[captured.phase]
+        result.episode_id = self.episode_id
+        result.step_count = self.step_count
+        result.terminated = self._phase is _Phase.TERMINATED
+        result.truncated = self._phase is _Phase.TRUNCATED
+
+    def _require_snapshots(self) -> None:
+        if not self._spec.snapshots:
+            raise _RequestError(
+                _UNIMPLEMENTED,
+                f"environment {self._spec.name!r} does not support snapshots (it does not "
+                "implement snapshot() and restore()); the session goes on",
+            )
+
+    @staticmethod
+    async def _sealed(work: Callable[[Any], Any], argument: Any, size: int) -> Any:
+        """``work(argument)``: a seal or an open, on a thread when it hashes megabytes.
+
+        Raises:
+            _RequestError: the snapshot was refused (its code and message).
+        """
+        try:
+            if size > _OFF_LOOP_BYTES:
+                return await asyncio.to_thread(work, argument)
+            return work(argument)
+        except SnapshotRefused as refused:
+            raise _RequestError(refused.code, refused.message) from None
+
     async def _close(self) -> None:
         self._ends = True
         try:
@@ -251,13 +351,24 @@ class EpisodeDriver:
             raise _RequestError(_RESOURCE_EXHAUSTED, str(exc), saturated=True) from None
         except InvalidAction as exc:
             raise _RequestError(_INVALID_ARGUMENT, str(exc), _qualname(exc)) from None
+        except NotImplementedError as exc:
+            if what in ("snapshot", "restore"):
+                # An env that snapshots some configurations only says which it cannot do.
+                why = str(exc) or "this environment cannot do it now"
+                raise _RequestError(
+                    _UNIMPLEMENTED, f"{what} is not supported: {why}; the episode goes on"
+                ) from None
+            raise self._failed(what, exc, keep_phase) from None
         except Exception as exc:
-            log.exception("environment %s() raised", what)
-            if not keep_phase:
-                self._phase = _Phase.BROKEN
-            raise _RequestError(
-                _INTERNAL, f"{what} failed: {_describe(exc)}", _qualname(exc)
-            ) from None
+            raise self._failed(what, exc, keep_phase) from None
+
+    def _failed(self, what: str, exc: Exception, keep_phase: bool) -> _RequestError:
+        """The INTERNAL error for an exception the env raised (logged); unless
+        ``keep_phase``, the episode is broken (only a reset may follow)."""
+        log.exception("environment %s() raised", what, exc_info=exc)
+        if not keep_phase:
+            self._phase = _Phase.BROKEN
+        return _RequestError(_INTERNAL, f"{what} failed: {_describe(exc)}", _qualname(exc))
 
     async def _replace_env(self, what: str) -> None:
         self.runner.abandon()

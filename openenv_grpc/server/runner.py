@@ -1,8 +1,10 @@
 """Runs one environment instance's methods where its execution mode says they belong.
 
 No thread per session: inline and async envs run on the event loop, blocking sync envs
-share one bounded thread pool. Calls on one instance never overlap because a session
-awaits each call before reading its next request.
+share one bounded thread pool, and a measured env's calls go to whichever of the two its
+:class:`~openenv_grpc.server.placement.CostGroup` says now (timed either way; a call that
+must be given up on at a timeout always goes to the pool). Calls on one instance never
+overlap because a session awaits each call before reading its next request.
 
 Each instance holds one slot of the session limiter from before its factory runs until
 it is closed, wherever that happens: the runner gives the slot back (its ``release``
@@ -24,8 +26,9 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from typing import Any
 
-from openenv_grpc.environment import AnyEnvironment
+from openenv_grpc.environment import AnyEnvironment, Environment
 from openenv_grpc.server.env_threads import EnvThreadPool
+from openenv_grpc.server.placement import CallPlacement, CostGroup
 from openenv_grpc.server.spec import EnvSpec, ExecutionMode
 
 __all__ = ["EnvRunner", "PoolSaturated", "RunnerFactory"]
@@ -45,7 +48,8 @@ def _nothing() -> None:
 class EnvRunner:
     """One live environment instance and the way to call it."""
 
-    __slots__ = ("_closed", "_inflight", "_lifecycle", "_loop", "_mode", "_pool", "_release", "env")
+    __slots__ = ("_closed", "_cost_class", "_inflight", "_lifecycle", "_loop", "_mode",
+                 "_placement", "_pool", "_release", "env")  # fmt: skip
 
     def __init__(
         self,
@@ -55,9 +59,18 @@ class EnvRunner:
         *,
         lifecycle: Executor | None = None,
         release: Callable[[], None] = _nothing,
+        placement: CallPlacement | None = None,
     ) -> None:
         self.env = env
+        if mode is ExecutionMode.MEASURED and placement is None:
+            mode = ExecutionMode.POOL  # nothing to measure against: the safe side
         self._mode = mode
+        self._placement = placement
+        #: The env's own cost_class(), if it has one (else every call is in class "").
+        self._cost_class: Callable[[], str] | None = None
+        if mode is ExecutionMode.MEASURED and isinstance(env, Environment):
+            own = type(env).cost_class is not Environment.cost_class
+            self._cost_class = env.cost_class if own else None
         self._pool = pool
         self._lifecycle = lifecycle if lifecycle is not None else pool
         self._release = release
@@ -76,9 +89,9 @@ class EnvRunner:
         release: Callable[[], None] = _nothing,
     ) -> EnvRunner:
         """Make a fresh instance with the spec's factory (on ``lifecycle``, default
-        ``pool``, for pooled envs). From here on the runner owns ``release``: it is called
-        once, on the event loop, when the instance is closed or could not be made -- also
-        when this call is cancelled (then once the factory's env is closed).
+        ``pool``, for pooled and measured envs). From here on the runner owns ``release``:
+        it is called once, on the event loop, when the instance is closed or could not be
+        made -- also when this call is cancelled (then once the factory's env is closed).
 
         Raises:
             Exception: whatever the factory raised.
@@ -87,7 +100,7 @@ class EnvRunner:
         loop = asyncio.get_running_loop()
         lifecycle = lifecycle if lifecycle is not None else pool
         try:
-            if spec.mode is ExecutionMode.POOL:
+            if spec.mode in _OFF_LOOP:
                 future = lifecycle.submit(spec.factory)
                 try:
                     env = await asyncio.wrap_future(future)
@@ -108,16 +121,42 @@ class EnvRunner:
             raise TypeError(
                 f"factory returned {type(env).__qualname__}, not {spec.env_class.__qualname__}"
             )
-        return cls(env, spec.mode, pool, lifecycle=lifecycle, release=release)
+        return cls(
+            env, spec.mode, pool, lifecycle=lifecycle, release=release, placement=spec.placement
+        )
 
     async def call(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Call one of the env's methods and return its result (awaited if async)."""
-        if self._mode is ExecutionMode.INLINE:
+        """Call one of the env's methods and return its result (awaited if async).
+
+        Raises:
+            Exception: whatever the method (or a measured env's ``cost_class()``) raised.
+        """
+        mode = self._mode
+        if mode is ExecutionMode.INLINE:
             return method(*args, **kwargs)
-        if self._mode is ExecutionMode.ASYNC:
+        if mode is ExecutionMode.MEASURED:
+            group = self._group(method)
+            if group.inline:
+                return group.call_inline(method, *args, **kwargs)
+            timed = group.pooled(method)
+            self._inflight = future = self._pool.submit(timed.run, *args, **kwargs)
+            try:
+                return await asyncio.wrap_future(future)
+            finally:
+                # A call that raised counts too; one the session stopped waiting for, not.
+                if future.done() and not future.cancelled():
+                    timed.record()
+        if mode is ExecutionMode.ASYNC:
             return await method(*args, **kwargs)
         self._inflight = future = self._pool.submit(method, *args, **kwargs)
         return await asyncio.wrap_future(future)
+
+    def _group(self, method: Callable[..., Any]) -> CostGroup:
+        """The cost group ``method``'s call belongs to now."""
+        assert self._placement is not None  # MEASURED implies a placement (see __init__)
+        cost_class = self._cost_class() if self._cost_class is not None else ""
+        name = getattr(method, "__name__", "call")
+        return self._placement.group(cost_class, name)
 
     async def call_within(
         self, timeout: float | None, method: Callable[..., Any], *args: Any, **kwargs: Any
@@ -126,8 +165,10 @@ class EnvRunner:
         for ever).
 
         Inline envs run on the event loop and cannot be interrupted: no timeout applies.
-        A pooled call that waits ``timeout`` seconds for a free thread is cancelled
-        before it ever runs. After a timeout the instance is unusable; see :meth:`abandon`.
+        A measured env's calls run on the pool whenever a timeout applies (never moved to
+        the loop: there they could not be given up on). A pooled call that waits
+        ``timeout`` seconds for a free thread is cancelled before it ever runs. After a
+        timeout the instance is unusable; see :meth:`abandon`.
 
         Raises:
             TimeoutError: the call ran longer than ``timeout`` (it may still be running).
@@ -182,7 +223,7 @@ class EnvRunner:
         """Close the env (and free its slot) in the background, never overlapping a
         call still running on the pool."""
         inflight = self._inflight
-        if self._mode is ExecutionMode.POOL and inflight is not None and not inflight.done():
+        if self._mode in _OFF_LOOP and inflight is not None and not inflight.done():
             # Runs when the hung call returns, on its thread (on this one if it just did).
             inflight.add_done_callback(lambda _: self._submit_close())
             return
@@ -201,7 +242,7 @@ class EnvRunner:
             log.warning("environment not closed: the server is stopping")
 
     def _close_here(self) -> None:
-        """Close a pooled or inline env on this (pool) thread, then free its slot."""
+        """Close a sync env on this (pool) thread, then free its slot."""
         _close_quietly(self.env)
         _release_from_thread(self._loop, self._release)
 
@@ -230,7 +271,7 @@ class EnvRunner:
             self._close_later()
             return
         try:
-            if self._mode is ExecutionMode.POOL:
+            if self._mode in _OFF_LOOP:
                 await asyncio.wrap_future(self._lifecycle.submit(self.env.close))
             else:
                 await self.call(self.env.close)
@@ -250,6 +291,10 @@ class EnvRunner:
 
 #: Makes a fresh env instance wrapped in a runner (the session's factory).
 RunnerFactory = Callable[[], Awaitable[EnvRunner]]
+
+#: Modes whose factory and close run on a lifecycle thread, never on the event loop
+#: (a measured env's cheap steps say nothing about what making or closing it costs).
+_OFF_LOOP = frozenset({ExecutionMode.POOL, ExecutionMode.MEASURED})
 
 
 #: Closes of abandoned async envs, referenced until done so they are not collected.

@@ -46,6 +46,13 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
                 autoreset_modes=AUTORESET_MODES,
             ),
         )
+        snapshots = self._info.snapshots
+        snapshots.supported = spec.snapshots
+        seal = sessions.snapshots
+        if seal is not None:
+            snapshots.max_bytes = seal.limit
+            snapshots.signing_key_id = seal.keys.signing.id
+            snapshots.ephemeral_key = seal.keys.ephemeral
         self._workers = sessions.config.workers
 
     async def Session(  # type: ignore[override]

@@ -45,6 +45,7 @@ from openenv_grpc.server.limiter import Admission, SessionLimiter
 from openenv_grpc.server.logs import SESSION_ID
 from openenv_grpc.server.metrics import Metrics, MetricsTee
 from openenv_grpc.server.runner import EnvRunner
+from openenv_grpc.server.snapshots import SnapshotSeal
 from openenv_grpc.server.spec import EnvSpec
 from openenv_grpc.v1 import session_pb2 as pb
 
@@ -195,8 +196,11 @@ class SessionManager:
         prometheus: Metrics | None = None,
         processes: EnvProcessPool | None = None,
         lifecycle: Executor | None = None,
+        snapshots: SnapshotSeal | None = None,
     ) -> None:
         self._processes = processes
+        #: Seals and opens this server's snapshots (None: the driver's default).
+        self.snapshots = snapshots
         self.spec = spec
         self.config = config
         self.limiter = limiter
@@ -261,7 +265,9 @@ class SessionManager:
         runner = await EnvRunner.create(
             self.spec, self._pool, lifecycle=self._lifecycle, release=self.limiter.release
         )
-        return EpisodeDriver(self.spec, runner, self._new_runner, self._call_timeout)
+        return EpisodeDriver(
+            self.spec, runner, self._new_runner, self._call_timeout, self.snapshots
+        )
 
     async def serve(self, context: _Context) -> None:
         """Run one Session stream, given its RPC context, to its end."""

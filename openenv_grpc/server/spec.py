@@ -4,6 +4,10 @@ A factory is anything called with no arguments that returns a fresh environment:
 environment class itself, a ``functools.partial`` of it, or a function annotated with
 the environment class it returns (``def make() -> MyEnv``). The class gives the message
 types, so they are checked before the first session, not on the first step.
+
+The class's ``runs_inline`` also says where its calls run (:class:`ExecutionMode`); for a
+sync env that leaves it None, the spec carries the :class:`CallPlacement` that measures
+them.
 """
 
 from __future__ import annotations
@@ -25,18 +29,26 @@ from openenv_grpc.environment import (
     EnvironmentTypes,
     message_types,
 )
+from openenv_grpc.server.placement import CallPlacement
 
-__all__ = ["EnvSpec", "ExecutionMode"]
+__all__ = ["DEFAULT_INLINE_THRESHOLD", "EnvSpec", "ExecutionMode"]
 
 EnvFactory = Callable[[], AnyEnvironment]
+
+#: Seconds: a measured env's calls run on the event loop while they take less than this
+#: (the server's ``--inline-threshold-ms`` setting; the default when it is not given).
+DEFAULT_INLINE_THRESHOLD = 0.001
 
 
 class ExecutionMode(enum.Enum):
     """Where an environment's methods run."""
 
     INLINE = "inline"  # sync env declared cheap: called on the event loop
-    POOL = "pool"  # sync env: called on the shared bounded thread pool
+    POOL = "pool"  # sync env declared blocking: called on the shared bounded thread pool
     ASYNC = "async"  # async env: awaited on the event loop
+    #: sync env that declared neither: each group of calls runs on the loop while it
+    #: measures cheap, on the pool otherwise (``placement.py``)
+    MEASURED = "measured"
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,19 +67,35 @@ class EnvSpec:
     state_url: str
     reset_options_url: str
     descriptors: descriptor_pb2.FileDescriptorSet
+    #: Where a MEASURED env's calls run now, learnt from their timings (None otherwise).
+    placement: CallPlacement | None = None
+
+    #: The env overrides ``snapshot()`` and ``restore()``: the snapshot commands work.
+    snapshots: bool = False
 
     @classmethod
-    def from_factory(cls, factory: Callable[[], Any]) -> EnvSpec:
-        """Inspect ``factory`` and the environment class it produces.
+    def from_factory(
+        cls, factory: Callable[[], Any], *, inline_threshold: float = DEFAULT_INLINE_THRESHOLD
+    ) -> EnvSpec:
+        """Inspect ``factory`` and the environment class it produces. A sync env with
+        ``runs_inline = None`` is MEASURED against ``inline_threshold`` seconds (``0``:
+        such envs run on the pool, as if they had said False).
 
         Raises:
-            TypeError: the environment class cannot be found or declares bad types.
+            TypeError: the environment class cannot be found, declares bad types, or
+                overrides only one of ``snapshot()`` and ``restore()``.
         """
         env_class = _env_class_of(factory)
         types = message_types(env_class)
+        name = env_class.name or env_class.__name__
+        placement: CallPlacement | None = None
+        hint = env_class.runs_inline if issubclass(env_class, Environment) else False
         if issubclass(env_class, AsyncEnvironment):
             mode = ExecutionMode.ASYNC
-        elif issubclass(env_class, Environment) and env_class.runs_inline:
+        elif hint is None and inline_threshold > 0:
+            mode = ExecutionMode.MEASURED
+            placement = CallPlacement(inline_threshold, name)
+        elif hint:
             mode = ExecutionMode.INLINE
         else:
             mode = ExecutionMode.POOL
@@ -76,7 +104,7 @@ class EnvSpec:
             env_class=env_class,
             types=types,
             mode=mode,
-            name=env_class.name or env_class.__name__,
+            name=name,
             version=env_class.version,
             description=env_class.description or (env_class.__doc__ or "").strip().split("\n")[0],
             action_url=type_url(types.action),
@@ -86,7 +114,30 @@ class EnvSpec:
             descriptors=file_descriptor_set(
                 types.action, types.observation, types.state, types.reset_options
             ),
+            placement=placement,
+            snapshots=_supports_snapshots(env_class),
         )
+
+
+def _supports_snapshots(env_class: type[AnyEnvironment]) -> bool:
+    """True when ``env_class`` overrides both ``snapshot`` and ``restore``.
+
+    Raises:
+        TypeError: it overrides one of them only (half a feature is a bug: say so at start).
+    """
+    base = AsyncEnvironment if issubclass(env_class, AsyncEnvironment) else Environment
+    overridden = {
+        name
+        for name in ("snapshot", "restore")
+        if getattr(env_class, name) is not getattr(base, name)
+    }
+    if len(overridden) == 1:
+        (done,) = overridden
+        missing = ({"snapshot", "restore"} - overridden).pop()
+        raise TypeError(
+            f"{env_class.__qualname__} overrides {done}() but not {missing}(): snapshots need both"
+        )
+    return bool(overridden)
 
 
 def _env_class_of(factory: Callable[[], Any]) -> type[AnyEnvironment]:

@@ -42,6 +42,7 @@ from openenv_grpc.environment import (
     InvalidAction,
     Transition,
 )
+from openenv_grpc.server.placement import CallPlacement
 from openenv_grpc.server.spec import EnvSpec
 
 __all__ = [
@@ -561,15 +562,21 @@ def build_batch(spec: EnvSpec, size: int, autoreset: AutoresetMode) -> VectorBat
     return AsyncLoopBatch(spec, size, autoreset)
 
 
-def batch_spec(spec: EnvSpec, size: int, autoreset: AutoresetMode) -> EnvSpec:
+def batch_spec(
+    spec: EnvSpec,
+    size: int,
+    autoreset: AutoresetMode,
+    placement: CallPlacement | None = None,
+) -> EnvSpec:
     """``spec`` for one vector stream's batch: its factory builds the batch
     (:func:`build_batch`), and its execution mode is the env's, so an
     :class:`~openenv_grpc.server.runner.EnvRunner` runs each batch call as a whole where
-    one env call would run."""
+    one env call would run. A measured env's batch calls are measured by ``placement``
+    (their own: a batch call costs N env calls; None puts them on the pool)."""
     # EnvRunner calls whatever object the factory makes; a batch is one such object.
     batch_class: Any = VectorBatch
     factory: Any = functools.partial(build_batch, spec, size, autoreset)
-    return dataclasses.replace(spec, factory=factory, env_class=batch_class)
+    return dataclasses.replace(spec, factory=factory, env_class=batch_class, placement=placement)
 
 
 def _state_row(out: BatchStates, index: int, answer: Any, expected: type[Message]) -> None:

@@ -21,6 +21,7 @@ from openenv_grpc.environment import AutoresetMode
 from openenv_grpc.metadata import AUTORESET_KEY, AUTORESET_VALUES, BATCH_KEY, NUM_ENVS_KEY
 from openenv_grpc.server.backend import SessionBackend
 from openenv_grpc.server.env_process_pool import EnvProcessPool
+from openenv_grpc.server.placement import CallPlacement
 from openenv_grpc.server.runner import EnvRunner
 from openenv_grpc.server.session import Held, SessionManager
 from openenv_grpc.server.vector_batch import batch_spec, natively_batched
@@ -37,6 +38,9 @@ _MODES = {
     "same_step": AutoresetMode.SAME_STEP,
     "disabled": AutoresetMode.DISABLED,
 }
+
+#: Vector sizes whose batch calls are measured apart (a measured env; more go to the pool).
+_MAX_PLACEMENTS = 64
 
 #: The modes as Info lists them.
 AUTORESET_MODES = (
@@ -86,6 +90,21 @@ class VectorSessions:
         self.max_envs = manager.config.max_vector_envs
         #: The env may answer a stream as one native batch (Info says so).
         self.native = natively_batched(manager.spec.env_class)
+        #: A measured env's batch calls, by N: measured apart from its single calls (a
+        #: batch call costs N of them), shared by the streams of one size.
+        self._placements: dict[int, CallPlacement] = {}
+
+    def _placement(self, size: int) -> CallPlacement | None:
+        """Where a measured env's batch calls of ``size`` envs run (None: the pool, also
+        beyond :data:`_MAX_PLACEMENTS` sizes; not a measured env: unused)."""
+        measured = self._manager.spec.placement
+        if measured is None:
+            return None
+        found = self._placements.get(size)
+        if found is None and len(self._placements) < _MAX_PLACEMENTS:
+            name = f"{self._manager.spec.name} (vector of {size})"
+            found = self._placements[size] = CallPlacement(measured.threshold, name)
+        return found
 
     async def serve(self, context: _Context) -> None:
         """Run one VectorSession stream, given its RPC context, to its end."""
@@ -106,7 +125,7 @@ class VectorSessions:
         if self._processes is not None:
             calls = await SpreadBatchCalls.open(self._processes, size, autoreset, self.native)
         else:
-            spec = batch_spec(manager.spec, size, autoreset)
+            spec = batch_spec(manager.spec, size, autoreset, self._placement(size))
             limiter = manager.limiter
 
             def release() -> None:

@@ -21,6 +21,13 @@ determinism; terminated/truncated, then reset on the same session; step before r
 a wrong-typed action; concurrent sessions that never see each other's state; close
 releases every session (plus :meth:`EnvConformance.check_released` for env resources).
 
+Snapshots: an env whose Info says it supports them (set ``snapshots = True`` to fail when
+it does not) must restore a snapshot so that the same actions give the same trajectory
+-- on the same session, in a fresh session, in forks, and on a fresh server process with
+the same key (the suite gives its servers a random ``SNAPSHOT_KEYS``, so an env that
+keeps snapshot state in server memory fails) -- and refuse a tampered one with the
+episode going on. An env without them must answer ``UNIMPLEMENTED`` and keep working.
+
 Every check also holds for an env whose observations are not fully deterministic (set
 ``deterministic = False``, e.g. observations that carry timings): override
 :meth:`EnvConformance.comparable` to return the part that must repeat, and the seeded and
@@ -34,7 +41,9 @@ from __future__ import annotations
 
 import asyncio
 import random
+import secrets
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import grpc
@@ -55,6 +64,21 @@ __all__ = ["EnvConformance"]
 _Trace = list[tuple[bytes, float, bool, bool]]
 #: What the server's bookkeeping said for each result of an episode.
 _Books = list[tuple[str, int]]
+
+_UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED
+
+
+@dataclass(frozen=True, slots=True)
+class _Branch:
+    """A snapshot taken mid-episode and what the episode did after it."""
+
+    snapshot: bytes
+    #: The episode id and step count at the snapshot.
+    at: tuple[str, int]
+    #: The actions taken after it, and what they gave.
+    actions: list[Message]
+    trace: _Trace
+    books: _Books
 
 
 class EnvConformance:
@@ -78,6 +102,9 @@ class EnvConformance:
     concurrent_sessions: ClassVar[int] = 6
     #: Same seed and same actions give the same observations (set False if not).
     deterministic: ClassVar[bool] = True
+    #: The env supports snapshots: True or False makes the suite fail when Info says
+    #: otherwise; None goes by Info.
+    snapshots: ClassVar[bool | None] = None
 
     # -- what a subclass provides -----------------------------------------------------
 
@@ -112,15 +139,26 @@ class EnvConformance:
 
     @pytest.fixture(scope="class")
     @classmethod
-    def conformance_server(cls) -> Iterator[ServerProcess]:
-        server = ServerProcess(
-            cls.env,
-            ["--max-concurrent-envs", "0", *cls.server_args],
-            cls.server_env,
-            pythonpath=cls.server_pythonpath,
-        )
+    def conformance_environ(cls) -> dict[str, str]:
+        """The servers' environment: ``server_env`` and, unless it names keys, a random
+        snapshot key shared by every server of this class."""
+        return {"SNAPSHOT_KEYS": f"conformance:{secrets.token_hex(16)}", **cls.server_env}
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def conformance_server(cls, conformance_environ: dict[str, str]) -> Iterator[ServerProcess]:
+        server = cls._start_server(conformance_environ)
         yield server
         server.stop()
+
+    @classmethod
+    def _start_server(cls, environ: dict[str, str]) -> ServerProcess:
+        return ServerProcess(
+            cls.env,
+            ["--max-concurrent-envs", "0", *cls.server_args],
+            environ,
+            pythonpath=cls.server_pythonpath,
+        )
 
     # -- helpers ----------------------------------------------------------------------
 
@@ -325,6 +363,141 @@ class EnvConformance:
             lambda: conformance_server.active() == 0, what="every session released"
         )
         self.check_released(conformance_server)
+
+    # -- snapshots --------------------------------------------------------------------
+
+    def _has_snapshots(self, server: ServerProcess) -> bool:
+        """Whether the env supports snapshots (as Info says, and ``snapshots`` if set);
+        without them, checks that a snapshot is UNIMPLEMENTED and the session goes on."""
+        supported = server.info().snapshots.supported
+        if self.snapshots is not None:
+            assert supported == self.snapshots, (
+                f"the suite says snapshots={self.snapshots}, Info says supported={supported}"
+            )
+        if not supported:
+            with _session(server) as env:
+                result = env.reset(seed=self.seed, options=self.reset_options())
+                with pytest.raises(EnvError) as failed:
+                    env.snapshot()
+                assert failed.value.code is _UNIMPLEMENTED
+                env.step(self.make_action(result.observation, 0, random.Random(0)))
+        return supported
+
+    def _branch(self, env: Session[Any, Any, Any, Any]) -> _Branch:
+        """Play a seeded episode to its middle, snapshot it, and play on."""
+        rng = random.Random(self.seed)
+        result = env.reset(
+            seed=self.seed, episode_id="conformance-snapshot", options=self.reset_options()
+        )
+        middle = max(1, self.steps // 2)
+        for step in range(middle):
+            if result.done:
+                break
+            result = env.step(self.make_action(result.observation, step, rng))
+        snapshot = env.snapshot()
+        at = (result.episode_id, result.step_count)
+        actions: list[Message] = []
+        trace: _Trace = []
+        books: _Books = []
+        for step in range(middle, self.steps):
+            if result.done:
+                break
+            action = self.make_action(result.observation, step, rng)
+            result = env.step(action)
+            actions.append(action)
+            trace.append(self._entry(result))
+            books.append(_books(result))
+        return _Branch(snapshot, at, actions, trace, books)
+
+    def _check_replay(self, env: Session[Any, Any, Any, Any], branch: _Branch) -> None:
+        """``env`` holds ``branch``'s snapshot: its actions must give what they gave."""
+        assert (env.episode_id, env.step_count) == branch.at, "restore lost the bookkeeping"
+        trace: _Trace = []
+        books: _Books = []
+        for action in branch.actions:
+            result = env.step(action)
+            trace.append(self._entry(result))
+            books.append(_books(result))
+            if result.done:
+                break
+        if self._compares:
+            assert trace == branch.trace, "the same actions after a restore gave another trajectory"
+        shared = min(len(books), len(branch.books))
+        assert books[:shared] == branch.books[:shared], f"step counts {books} vs {branch.books}"
+
+    def test_snapshots_are_supported_or_unimplemented(
+        self, conformance_server: ServerProcess
+    ) -> None:
+        if not self._has_snapshots(conformance_server):
+            with _session(conformance_server) as env:
+                env.reset(seed=self.seed, options=self.reset_options())
+                with pytest.raises(EnvError) as failed:
+                    env.restore(b"OGSN")
+                assert failed.value.code is _UNIMPLEMENTED
+            return
+        limit = conformance_server.info().snapshots.max_bytes
+        with _session(conformance_server) as env:
+            with pytest.raises(EnvError) as early:
+                env.snapshot()
+            assert early.value.code is grpc.StatusCode.FAILED_PRECONDITION
+            env.reset(seed=self.seed, options=self.reset_options())
+            assert 0 < len(env.snapshot()) <= limit
+
+    def test_restore_then_the_same_actions_repeat_the_trajectory(
+        self, conformance_server: ServerProcess
+    ) -> None:
+        if not self._has_snapshots(conformance_server):
+            return
+        with _session(conformance_server) as env, _session(conformance_server) as fresh:
+            branch = self._branch(env)
+            env.restore(branch.snapshot)  # the same session, after it moved on
+            self._check_replay(env, branch)
+            fresh.restore(branch.snapshot)  # a session that never reset
+            self._check_replay(fresh, branch)
+
+    def test_forks_repeat_the_trajectory(self, conformance_server: ServerProcess) -> None:
+        if not self._has_snapshots(conformance_server):
+            return
+        with _session(conformance_server) as env:
+            branch = self._branch(env)
+            env.restore(branch.snapshot)
+            forks = env.fork(2)
+            try:
+                for fork in forks:
+                    self._check_replay(fork, branch)
+            finally:
+                for fork in forks:
+                    fork.close()
+
+    def test_a_snapshot_restores_on_a_fresh_server_process(
+        self, conformance_server: ServerProcess, conformance_environ: dict[str, str]
+    ) -> None:
+        if not self._has_snapshots(conformance_server):
+            return
+        with _session(conformance_server) as env:
+            branch = self._branch(env)
+        fresh = self._start_server(conformance_environ)  # same key, nothing in memory
+        try:
+            with _session(fresh) as env:
+                env.restore(branch.snapshot)
+                self._check_replay(env, branch)
+        finally:
+            fresh.stop()
+
+    def test_a_tampered_snapshot_is_refused_and_the_episode_goes_on(
+        self, conformance_server: ServerProcess
+    ) -> None:
+        if not self._has_snapshots(conformance_server):
+            return
+        with _session(conformance_server) as env:
+            branch = self._branch(env)
+            env.restore(branch.snapshot)
+            tampered = bytearray(branch.snapshot)
+            tampered[-1] ^= 0x01
+            with pytest.raises(EnvError) as refused:
+                env.restore(bytes(tampered))
+            assert refused.value.code is grpc.StatusCode.INVALID_ARGUMENT
+            self._check_replay(env, branch)  # the refusal left the episode where it was
 
 
 def _session(server: ServerProcess) -> Session[Any, Any, Any, Any]:

@@ -142,6 +142,8 @@ class SessionRequest(_message.Message):
     STEP_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
     CLOSE_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_FIELD_NUMBER: _builtins.int
+    RESTORE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.int
     """Client-chosen id, echoed by the response to this request. Number requests from 1 and
     count up: proto3 leaves 0 off the wire, and 0 is the id of notices
@@ -163,6 +165,16 @@ class SessionRequest(_message.Message):
     def close(self) -> Global___CloseCommand:
         """Close the environment and end the stream."""
 
+    @_builtins.property
+    def snapshot(self) -> Global___SnapshotCommand:
+        """Capture the current episode as bytes the client keeps (answered with a
+        SnapshotResult).
+        """
+
+    @_builtins.property
+    def restore(self) -> Global___RestoreCommand:
+        """Continue from a snapshot (answered with a RestoreResult)."""
+
     def __init__(
         self,
         *,
@@ -171,12 +183,14 @@ class SessionRequest(_message.Message):
         step: Global___StepCommand | None = ...,
         state: Global___StateCommand | None = ...,
         close: Global___CloseCommand | None = ...,
+        snapshot: Global___SnapshotCommand | None = ...,
+        restore: Global___RestoreCommand | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["close", b"close", "command", b"command", "reset", b"reset", "state", b"state", "step", b"step"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["close", b"close", "command", b"command", "reset", b"reset", "restore", b"restore", "snapshot", b"snapshot", "state", b"state", "step", b"step"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["close", b"close", "command", b"command", "request_id", b"request_id", "reset", b"reset", "state", b"state", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["close", b"close", "command", b"command", "request_id", b"request_id", "reset", b"reset", "restore", b"restore", "snapshot", b"snapshot", "state", b"state", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_command: _TypeAlias = _typing.Literal["reset", "step", "state", "close"]  # noqa: Y015
+    _WhichOneofReturnType_command: _TypeAlias = _typing.Literal["reset", "step", "state", "close", "snapshot", "restore"]  # noqa: Y015
     _WhichOneofArgType_command: _TypeAlias = _typing.Literal["command", b"command"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_command) -> _WhichOneofReturnType_command | None: ...
 
@@ -287,6 +301,59 @@ class CloseCommand(_message.Message):
 Global___CloseCommand: _TypeAlias = CloseCommand  # noqa: Y015
 
 @_typing.final
+class SnapshotCommand(_message.Message):
+    """SnapshotCommand asks for the current episode as a snapshot: the env's own bytes plus the
+    episode's bookkeeping (episode id, step count, whether it ended), signed by the server's
+    key (HMAC-SHA256). Valid once an episode exists (FAILED_PRECONDITION before the first
+    reset or after the env failed mid-episode); UNIMPLEMENTED for an env without snapshots
+    (InfoResponse.snapshots says which). A snapshot over the server's size limit is refused
+    with RESOURCE_EXHAUSTED naming the limit. The episode is never changed by a snapshot.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SnapshotCommand: _TypeAlias = SnapshotCommand  # noqa: Y015
+
+@_typing.final
+class RestoreCommand(_message.Message):
+    """RestoreCommand replaces the session's episode with the one a snapshot captured; the
+    session then continues exactly from there (same episode id, step count and phase).
+    Any server of the same env name and version that holds the signing key accepts it.
+    Checked before any env code sees the bytes; refusals are in-band and the session
+    goes on unchanged: INVALID_ARGUMENT for bytes that are not an intact snapshot (not
+    one at all, truncated, altered, over the size limit); FAILED_PRECONDITION for an intact
+    snapshot this server cannot take (signed by a key it does not hold, of another env or
+    env version); UNIMPLEMENTED for an env without snapshots.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SNAPSHOT_FIELD_NUMBER: _builtins.int
+    snapshot: _builtins.bytes
+    """The bytes of a SnapshotResult, as received; at most InfoResponse.snapshots.max_bytes."""
+    def __init__(
+        self,
+        *,
+        snapshot: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["snapshot", b"snapshot"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RestoreCommand: _TypeAlias = RestoreCommand  # noqa: Y015
+
+@_typing.final
 class SessionResponse(_message.Message):
     """SessionResponse answers exactly one SessionRequest, or is a notice (request_id 0).
     A response that would exceed --max-message-bytes (a huge observation, info or state
@@ -302,6 +369,8 @@ class SessionResponse(_message.Message):
     CLOSED_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     NOTICE_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_FIELD_NUMBER: _builtins.int
+    RESTORED_FIELD_NUMBER: _builtins.int
     request_id: _builtins.int
     """The request_id of the request this answers; 0 for a notice. Clients that predate
     notices drop them as the late answer to an earlier request.
@@ -326,6 +395,14 @@ class SessionResponse(_message.Message):
     def notice(self) -> Global___Notice:
         """News from the server that answers no request (request_id 0), e.g. that it drains."""
 
+    @_builtins.property
+    def snapshot(self) -> Global___SnapshotResult:
+        """The answer to a snapshot command."""
+
+    @_builtins.property
+    def restored(self) -> Global___RestoreResult:
+        """The answer to a restore command."""
+
     def __init__(
         self,
         *,
@@ -335,12 +412,14 @@ class SessionResponse(_message.Message):
         closed: Global___CloseResult | None = ...,
         error: Global___Error | None = ...,
         notice: Global___Notice | None = ...,
+        snapshot: Global___SnapshotResult | None = ...,
+        restored: Global___RestoreResult | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["closed", b"closed", "error", b"error", "notice", b"notice", "outcome", b"outcome", "result", b"result", "state", b"state"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["closed", b"closed", "error", b"error", "notice", b"notice", "outcome", b"outcome", "restored", b"restored", "result", b"result", "snapshot", b"snapshot", "state", b"state"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["closed", b"closed", "error", b"error", "notice", b"notice", "outcome", b"outcome", "request_id", b"request_id", "result", b"result", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["closed", b"closed", "error", b"error", "notice", b"notice", "outcome", b"outcome", "request_id", b"request_id", "restored", b"restored", "result", b"result", "snapshot", b"snapshot", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["result", "state", "closed", "error", "notice"]  # noqa: Y015
+    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["result", "state", "closed", "error", "notice", "snapshot", "restored"]  # noqa: Y015
     _WhichOneofArgType_outcome: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_outcome) -> _WhichOneofReturnType_outcome | None: ...
 
@@ -486,6 +565,74 @@ class CloseResult(_message.Message):
 Global___CloseResult: _TypeAlias = CloseResult  # noqa: Y015
 
 @_typing.final
+class SnapshotResult(_message.Message):
+    """SnapshotResult carries a snapshot of the current episode. The bytes are signed, not
+    encrypted: whoever holds them can read them (do not put secrets in an env's snapshot).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SNAPSHOT_FIELD_NUMBER: _builtins.int
+    EPISODE_ID_FIELD_NUMBER: _builtins.int
+    STEP_COUNT_FIELD_NUMBER: _builtins.int
+    snapshot: _builtins.bytes
+    """The snapshot: opaque to the client; hand it to RestoreCommand on any server of the
+    same env and version sharing the key. Readable, not secret.
+    """
+    episode_id: _builtins.str
+    """The id of the episode captured."""
+    step_count: _builtins.int
+    """Steps taken in that episode when it was captured."""
+    def __init__(
+        self,
+        *,
+        snapshot: _builtins.bytes = ...,
+        episode_id: _builtins.str = ...,
+        step_count: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["episode_id", b"episode_id", "snapshot", b"snapshot", "step_count", b"step_count"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SnapshotResult: _TypeAlias = SnapshotResult  # noqa: Y015
+
+@_typing.final
+class RestoreResult(_message.Message):
+    """RestoreResult says where the restored session now is."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EPISODE_ID_FIELD_NUMBER: _builtins.int
+    STEP_COUNT_FIELD_NUMBER: _builtins.int
+    TERMINATED_FIELD_NUMBER: _builtins.int
+    TRUNCATED_FIELD_NUMBER: _builtins.int
+    episode_id: _builtins.str
+    """The id of the restored episode (the one captured)."""
+    step_count: _builtins.int
+    """Steps taken in it so far."""
+    terminated: _builtins.bool
+    """The captured episode had terminated: only a reset may follow."""
+    truncated: _builtins.bool
+    """The captured episode had been truncated: only a reset may follow."""
+    def __init__(
+        self,
+        *,
+        episode_id: _builtins.str = ...,
+        step_count: _builtins.int = ...,
+        terminated: _builtins.bool = ...,
+        truncated: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["episode_id", b"episode_id", "step_count", b"step_count", "terminated", b"terminated", "truncated", b"truncated"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RestoreResult: _TypeAlias = RestoreResult  # noqa: Y015
+
+@_typing.final
 class Error(_message.Message):
     """Error reports a failed request; the stream stays open."""
 
@@ -557,6 +704,7 @@ class InfoResponse(_message.Message):
     PROTOCOL_FIELD_NUMBER: _builtins.int
     SERVER_PID_FIELD_NUMBER: _builtins.int
     ACTIVITY_FIELD_NUMBER: _builtins.int
+    SNAPSHOTS_FIELD_NUMBER: _builtins.int
     VECTOR_FIELD_NUMBER: _builtins.int
     env_name: _builtins.str
     """The environment's name, e.g. "echo"."""
@@ -591,6 +739,10 @@ class InfoResponse(_message.Message):
         """What the answering process has done since it started (for dashboards and consoles)."""
 
     @_builtins.property
+    def snapshots(self) -> Global___Snapshots:
+        """Whether the env supports snapshot and restore, and the server's limits for them."""
+
+    @_builtins.property
     def vector(self) -> Global___VectorSupport:
         """What VectorSession streams offer here. (Numbered apart from the fields before it, so
         other additions to InfoResponse can take the numbers in between.)
@@ -612,15 +764,54 @@ class InfoResponse(_message.Message):
         protocol: _builtins.str = ...,
         server_pid: _builtins.int = ...,
         activity: Global___Activity | None = ...,
+        snapshots: Global___Snapshots | None = ...,
         vector: Global___VectorSupport | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["activity", b"activity", "capacity", b"capacity", "descriptors", b"descriptors", "vector", b"vector"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["activity", b"activity", "capacity", b"capacity", "descriptors", b"descriptors", "snapshots", b"snapshots", "vector", b"vector"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action_type", b"action_type", "activity", b"activity", "capacity", b"capacity", "descriptors", b"descriptors", "env_description", b"env_description", "env_name", b"env_name", "env_version", b"env_version", "observation_type", b"observation_type", "protocol", b"protocol", "reset_options_type", b"reset_options_type", "server_pid", b"server_pid", "server_version", b"server_version", "state_type", b"state_type", "vector", b"vector"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action_type", b"action_type", "activity", b"activity", "capacity", b"capacity", "descriptors", b"descriptors", "env_description", b"env_description", "env_name", b"env_name", "env_version", b"env_version", "observation_type", b"observation_type", "protocol", b"protocol", "reset_options_type", b"reset_options_type", "server_pid", b"server_pid", "server_version", b"server_version", "snapshots", b"snapshots", "state_type", b"state_type", "vector", b"vector"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___InfoResponse: _TypeAlias = InfoResponse  # noqa: Y015
+
+@_typing.final
+class Snapshots(_message.Message):
+    """Snapshots describes the server's snapshot support (SnapshotCommand, RestoreCommand)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SUPPORTED_FIELD_NUMBER: _builtins.int
+    MAX_BYTES_FIELD_NUMBER: _builtins.int
+    SIGNING_KEY_ID_FIELD_NUMBER: _builtins.int
+    EPHEMERAL_KEY_FIELD_NUMBER: _builtins.int
+    supported: _builtins.bool
+    """The env implements snapshot() and restore(); without them both commands answer
+    UNIMPLEMENTED in-band.
+    """
+    max_bytes: _builtins.int
+    """Largest snapshot, in bytes, the server makes or accepts."""
+    signing_key_id: _builtins.str
+    """The id of the key that signs this server's snapshots (never the secret)."""
+    ephemeral_key: _builtins.bool
+    """No key was configured (SNAPSHOT_KEYS): the server signs with a random key made when
+    it started, so its snapshots restore on this server only, and only until it exits.
+    """
+    def __init__(
+        self,
+        *,
+        supported: _builtins.bool = ...,
+        max_bytes: _builtins.int = ...,
+        signing_key_id: _builtins.str = ...,
+        ephemeral_key: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ephemeral_key", b"ephemeral_key", "max_bytes", b"max_bytes", "signing_key_id", b"signing_key_id", "supported", b"supported"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Snapshots: _TypeAlias = Snapshots  # noqa: Y015
 
 @_typing.final
 class Capacity(_message.Message):

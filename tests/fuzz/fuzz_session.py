@@ -18,7 +18,8 @@ The first byte of an input picks a target; the rest is its data:
   ends such a stream before the driver sees it) and handed in turn to one
   ``EpisodeDriver`` over a fresh ``EchoEnvironment``. Property: ``handle`` returns a
   serializable ``SessionResponse`` echoing the request id, a success of the kind asked for
-  or an ``Error`` with code INVALID_ARGUMENT / FAILED_PRECONDITION / INTERNAL; INTERNAL is
+  or an ``Error`` with code INVALID_ARGUMENT / FAILED_PRECONDITION / INTERNAL (or
+  UNIMPLEMENTED for a snapshot or restore, if the env has no snapshots); INTERNAL is
   a failure too here, since the echo env never raises on its own (only client input that
   slips past validation can make it), and nothing follows a close. A step whose tool call
   carries NaN or an infinity in its arguments may never succeed (the toolbox refuses it).
@@ -68,9 +69,14 @@ with atheris.instrument_imports(
         EchoState,
     )
 
-INVALID_ARGUMENT, FAILED_PRECONDITION, INTERNAL = 3, 9, 13
+INVALID_ARGUMENT, FAILED_PRECONDITION, UNIMPLEMENTED, INTERNAL = 3, 9, 12, 13
 ERROR_CODES = {INVALID_ARGUMENT, FAILED_PRECONDITION, INTERNAL}
-SUCCESS = {"reset": "result", "step": "result", "state": "state", "close": "closed"}
+#: Snapshot commands may also meet an env without snapshots.
+SNAPSHOT_ERROR_CODES = {*ERROR_CODES, UNIMPLEMENTED}
+SUCCESS = {
+    "reset": "result", "step": "result", "state": "state", "close": "closed",
+    "snapshot": "snapshot", "restore": "restored",
+}  # fmt: skip
 MAX_FRAMES = 16
 
 logging.disable(logging.CRITICAL)  # the driver logs every env exception it maps
@@ -157,7 +163,8 @@ def check_response(request: pb.SessionRequest, response: Any) -> None:
     outcome = response.WhichOneof("outcome")
     if outcome == "error":
         error = response.error
-        if error.code not in ERROR_CODES:
+        allowed = SNAPSHOT_ERROR_CODES if command in ("snapshot", "restore") else ERROR_CODES
+        if error.code not in allowed:
             raise AssertionError(f"error code {error.code} for {command}: {error.message}")
         if error.code == INTERNAL:
             raise AssertionError(f"the echo env failed on client input: {error.message}")

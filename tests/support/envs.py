@@ -9,6 +9,7 @@ own word.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import threading
@@ -301,6 +302,218 @@ class SlowFactoryEchoEnv(CountingEchoEnv):
     def __init__(self) -> None:
         time.sleep(float(os.environ.get("OPENENV_TEST_FACTORY_SECONDS", "2")))
         super().__init__()
+
+
+class MeasuredEnv(FaultyEnv):
+    """A FaultyEnv the server places by measurement (``runs_inline = None``). Two more
+    commands: ``thread`` echoes the name of the thread the step ran on (``MainThread``:
+    the event loop), ``class:NAME`` puts the instance in cost class NAME."""
+
+    runs_inline = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._cost_class = ""
+
+    def cost_class(self) -> str:
+        return self._cost_class
+
+    def step(self, action: EchoAction) -> Transition[EchoObservation]:
+        command = action.message
+        if command == "thread":
+            return Transition(EchoObservation(echoed_message=threading.current_thread().name))
+        if command.startswith("class:"):
+            self._cost_class = command.split(":", 1)[1]
+        return super().step(action)
+
+
+#: 64-bit LCG (Knuth's MMIX constants): a random stream whose whole state is one integer.
+_LCG_MULTIPLIER = 6364136223846793005
+_LCG_INCREMENT = 1442695040888963407
+_LCG_MASK = (1 << 64) - 1
+
+
+class DeterministicEchoEnv(Environment[EchoAction, EchoObservation, EchoState, EchoResetOptions]):
+    """A deterministic echo env without snapshots. Each step's reward is 0.1 per character
+    plus a draw from a random stream seeded by reset, so a restored episode repeats only
+    if the snapshot carried the stream; episodes end like echo's (``max_steps``,
+    ``stop_word``).
+
+    A step message ``environ:NAME`` echoes the variable NAME of the env's process
+    environment, ``pid`` the process id (neither moves the random stream).
+    """
+
+    name = "deterministic-echo"
+    version = "1.0.0"
+    runs_inline = True
+
+    def __init__(self) -> None:
+        self._ledger = Ledger()
+        self._rng = 0
+        self._seed = 0
+        self._steps = 0
+        self._total = 0
+        self._history: list[str] = []
+        self._max_steps = 0
+        self._stop_word = ""
+        self._snapshot_mode = ""
+        self._restore_mode = ""
+
+    def reset(
+        self, *, seed: int | None, episode_id: str, options: EchoResetOptions | None
+    ) -> Transition[EchoObservation]:
+        options = options or EchoResetOptions()
+        self._seed = seed or 0
+        self._rng = (self._seed * _LCG_MULTIPLIER + _LCG_INCREMENT) & _LCG_MASK
+        self._steps = self._total = 0
+        self._history = []
+        self._max_steps, self._stop_word = options.max_steps, options.stop_word
+        self._snapshot_mode = self._restore_mode = ""
+        return Transition(EchoObservation(echoed_message="ready"))
+
+    def step(self, action: EchoAction) -> Transition[EchoObservation]:
+        message = action.message
+        if message.startswith("environ:"):  # what env code finds in its environment
+            value = os.environ.get(message.removeprefix("environ:"), "<unset>")
+            return Transition(EchoObservation(echoed_message=value))
+        if message == "pid":
+            return Transition(EchoObservation(echoed_message=str(os.getpid())))
+        if message.startswith("snapshot:"):
+            self._snapshot_mode = message.removeprefix("snapshot:")
+        elif message.startswith("restore:"):
+            self._restore_mode = message.removeprefix("restore:")
+        self._rng = (self._rng * _LCG_MULTIPLIER + _LCG_INCREMENT) & _LCG_MASK
+        self._steps += 1
+        self._total += len(message)
+        self._history = [*self._history, message][-20:]
+        return Transition(
+            EchoObservation(echoed_message=message, message_length=len(message)),
+            reward=0.1 * len(message) + (self._rng >> 11) / float(1 << 53),
+            terminated=bool(self._stop_word) and message == self._stop_word,
+            truncated=bool(self._max_steps) and self._steps >= self._max_steps,
+        )
+
+    def state(self) -> EchoState:
+        return EchoState(total_length=self._total, seed=self._seed, history=self._history)
+
+    def close(self) -> None:
+        self._ledger.closed()
+
+
+class SnapshotEchoEnv(DeterministicEchoEnv):
+    """The deterministic echo env with snapshots (JSON: plain data, never pickle), so a
+    restored episode repeats only if the snapshot carried the random stream.
+
+    Misbehaves on command: a step message ``snapshot:raise``, ``snapshot:invalid``,
+    ``snapshot:unsupported``, ``snapshot:not-bytes`` or ``snapshot:big:N`` (N bytes of
+    padding) makes the next snapshots fail that way; ``restore:raise`` or
+    ``restore:invalid`` is written into the snapshots taken after it, whose restore then
+    fails that way.
+    """
+
+    name = "snapshot-echo"
+
+    def snapshot(self) -> bytes:
+        mode = self._snapshot_mode
+        if mode == "raise":
+            raise RuntimeError("snapshot failed on purpose")
+        if mode == "invalid":
+            raise InvalidAction("cannot snapshot now, on purpose")
+        if mode == "not-bytes":
+            return "a str, not bytes"  # type: ignore[return-value]
+        if mode == "unsupported":
+            raise NotImplementedError("not in this configuration, on purpose")
+        captured = {
+            "rng": self._rng, "seed": self._seed, "steps": self._steps, "total": self._total,
+            "history": self._history, "max_steps": self._max_steps,
+            "stop_word": self._stop_word, "restore_mode": self._restore_mode,
+            "padding": "x" * int(mode.removeprefix("big:")) if mode.startswith("big:") else "",
+        }  # fmt: skip
+        return json.dumps(captured).encode()
+
+    def restore(self, snapshot: bytes) -> None:
+        captured = json.loads(snapshot)
+        if captured["restore_mode"] == "raise":
+            raise RuntimeError("restore failed on purpose")
+        if captured["restore_mode"] == "invalid":
+            raise InvalidAction("this snapshot is refused, on purpose")
+        self._rng, self._seed = captured["rng"], captured["seed"]
+        self._steps, self._total = captured["steps"], captured["total"]
+        self._history = captured["history"]
+        self._max_steps, self._stop_word = captured["max_steps"], captured["stop_word"]
+        self._snapshot_mode, self._restore_mode = "", captured["restore_mode"]
+
+
+class PooledSnapshotEchoEnv(SnapshotEchoEnv):
+    """The snapshot echo env on the shared thread pool."""
+
+    runs_inline = False
+
+
+class SnapshotEchoEnvV2(SnapshotEchoEnv):
+    """The same env at another version: its snapshots are not the first one's."""
+
+    version = "2.0.0"
+
+
+class OtherSnapshotEnv(SnapshotEchoEnv):
+    """Another env (by name) with the same types and snapshot format."""
+
+    name = "other-snapshot-echo"
+
+
+class HalfSnapshotEnv(FaultyEnv):
+    """Broken on purpose: overrides snapshot() but not restore()."""
+
+    def snapshot(self) -> bytes:
+        return b""
+
+
+class RandomRewardEnv(AsyncEchoEnv):
+    """Broken on purpose: rewards ignore the seed, so a replayed episode diverges."""
+
+    async def step(self, action: EchoAction) -> Transition[EchoObservation]:
+        transition = await super().step(action)
+        transition.reward = random.random()
+        return transition
+
+
+class StrictAsyncEchoEnv(AsyncEchoEnv):
+    """The async echo env (same name), refusing the message ``alpha``: a server of it
+    cannot replay an episode another server's env accepted."""
+
+    async def step(self, action: EchoAction) -> Transition[EchoObservation]:
+        if action.message == "alpha":
+            raise InvalidAction("alpha is not allowed here")
+        return await super().step(action)
+
+
+class ForgetfulSnapshotEnv(SnapshotEchoEnv):
+    """Broken on purpose: its snapshot leaves out the random stream, so a restored
+    episode draws other rewards."""
+
+    def snapshot(self) -> bytes:
+        captured = json.loads(super().snapshot())
+        del captured["rng"]
+        return json.dumps(captured).encode()
+
+    def restore(self, snapshot: bytes) -> None:
+        super().restore(json.dumps({**json.loads(snapshot), "rng": 0}).encode())
+
+
+class ProcessLocalSnapshotEnv(SnapshotEchoEnv):
+    """Broken on purpose: its snapshot is a key into this process's memory, so it
+    restores in the server that made it and nowhere else."""
+
+    kept: ClassVar[dict[str, bytes]] = {}
+
+    def snapshot(self) -> bytes:
+        key = uuid.uuid4().hex
+        ProcessLocalSnapshotEnv.kept[key] = super().snapshot()
+        return key.encode()
+
+    def restore(self, snapshot: bytes) -> None:
+        super().restore(ProcessLocalSnapshotEnv.kept[snapshot.decode()])
 
 
 class BatchingEchoEnv(CountingEchoEnv):

@@ -17,6 +17,7 @@ from openenv_grpc_envs.coding import (
 
 class TestCodingConformance(EnvConformance):
     env = "coding"
+    snapshots = True  # the suite fails if Info ever stops claiming them
     # Observations carry wall and CPU seconds, which differ run to run: the seeded and
     # isolation checks compare the rest (see comparable).
     deterministic = False

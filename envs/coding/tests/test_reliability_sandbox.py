@@ -492,12 +492,20 @@ def test_bad_settings_are_refused_naming_the_variable(
     assert str(refused.value) == message
 
 
-def test_a_server_with_a_bad_setting_says_which(start_server: Any) -> None:
-    server = start_server("coding", extra_env={"CODING_MAX_WALL_MS": "10s"})
-    with pytest.raises(SessionRefused) as refused, CodingEnv(server.target):
-        pass
-    assert refused.value.code is grpc.StatusCode.INTERNAL
-    assert "CODING_MAX_WALL_MS='10s' is not a whole number" in refused.value.message
+def test_a_server_with_a_bad_setting_says_which() -> None:
+    """A bad CODING_* value stops the server at start (the env's check_settings), exit 2,
+    naming the variable -- instead of failing every session."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "openenv_grpc", "serve", "coding", "--port", "0"],
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, "CODING_MAX_WALL_MS": "10s"},
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "CODING_MAX_WALL_MS='10s' is not a whole number" in done.stderr
+    assert "openenv-grpc: serving" not in done.stdout
 
 
 # -- 5. user namespaces and mounts ----------------------------------------------------

@@ -10,6 +10,7 @@ from openenv_grpc_envs.echo import EchoAction, EchoObservation, EchoResetOptions
 
 class TestEchoConformance(EnvConformance):
     env = "echo"
+    snapshots = True  # the suite fails if Info ever stops claiming them
 
     def make_action(
         self, observation: EchoObservation, step: int, rng: random.Random

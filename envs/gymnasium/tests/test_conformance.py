@@ -18,6 +18,7 @@ class TestCartPoleConformance(EnvConformance):
     """CartPole chosen in the reset options; a step limit ends the ending episode."""
 
     env = "gymnasium"
+    snapshots = True  # the suite fails if Info ever stops claiming them
 
     def make_action(
         self, observation: GymnasiumObservation, step: int, rng: random.Random
@@ -35,6 +36,7 @@ class TestPongConformance(EnvConformance):
     """Atari frames (100,800 bytes each), with the env id from the server's GYM_ENV_ID."""
 
     env = "gymnasium"
+    snapshots = True  # the suite fails if Info ever stops claiming them
     server_env: ClassVar[dict[str, str]] = {"GYM_ENV_ID": "ALE/Pong-v5"}
     steps = 4
     concurrent_sessions = 3

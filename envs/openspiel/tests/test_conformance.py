@@ -14,6 +14,7 @@ from openenv_grpc_envs.openspiel import (
 
 class TestOpenSpielConformance(EnvConformance):
     env = "openspiel"
+    snapshots = True  # the suite fails if Info ever stops claiming them
 
     def make_action(
         self, observation: OpenSpielObservation, step: int, rng: random.Random

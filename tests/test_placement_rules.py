@@ -1,0 +1,176 @@
+"""The rules that move a group of measured calls between the event loop and the pool, and
+the test that tells an env's own time from time the OS gave other processes."""
+
+from __future__ import annotations
+
+import logging
+import time
+from time import thread_time
+
+import pytest
+
+from openenv_grpc.server.placement import (
+    MAX_GROUPS,
+    PROBATION,
+    STALL_FACTOR,
+    STRIKE_WINDOW,
+    CallPlacement,
+    CostGroup,
+    own_cost,
+    switches,
+)
+
+THRESHOLD = 0.001
+CHEAP = THRESHOLD / 4
+SLOW = THRESHOLD * 2
+
+
+def promoted(group: CostGroup) -> CostGroup:
+    for _ in range(group.probation):
+        group.ran_pooled(CHEAP, own=True)
+    assert group.inline
+    return group
+
+
+@pytest.fixture
+def group() -> CostGroup:
+    return CallPlacement(THRESHOLD, "env").group("", "step")
+
+
+def test_a_group_moves_to_the_loop_after_a_run_of_cheap_calls(group, caplog) -> None:
+    caplog.set_level(logging.INFO)
+    for _ in range(PROBATION - 1):
+        group.ran_pooled(CHEAP, own=True)
+    assert not group.inline
+    group.ran_pooled(CHEAP, own=True)
+    assert group.inline
+    assert "env calls env.step now run on the event loop: 32 in a row" in caplog.text
+
+
+def test_only_calls_under_half_the_threshold_count_and_a_slow_one_starts_over(group) -> None:
+    for _ in range(PROBATION - 1):
+        group.ran_pooled(CHEAP, own=True)
+    group.ran_pooled(THRESHOLD * 0.75, own=True)  # under the threshold, not under half
+    for _ in range(PROBATION - 1):
+        group.ran_pooled(CHEAP, own=True)
+    assert not group.inline
+
+
+def test_time_lost_to_other_processes_is_neither_cheap_nor_slow(group) -> None:
+    for _ in range(PROBATION - 1):
+        group.ran_pooled(CHEAP, own=True)
+    group.ran_pooled(SLOW * 10, own=False)  # preempted: the streak goes on
+    group.ran_pooled(CHEAP, own=True)
+    assert group.inline
+    for _ in range(10):
+        group.ran_inline(SLOW * 10, cpu=CHEAP, own=False)  # preempted on the loop: ignored
+    assert group.inline
+
+
+def test_one_slow_call_is_tolerated_a_second_within_the_window_is_not(group, caplog) -> None:
+    promoted(group)
+    group.ran_inline(SLOW, cpu=SLOW, own=True)
+    assert group.inline
+    for _ in range(STRIKE_WINDOW - 2):
+        group.ran_inline(CHEAP, cpu=CHEAP, own=True)
+    group.ran_inline(SLOW, cpu=SLOW, own=True)
+    assert not group.inline
+    assert group.probation == 2 * PROBATION
+    record = next(r for r in caplog.records if "move to the thread pool" in r.message)
+    assert record.levelno == logging.WARNING
+    assert "one took 2.0 ms on the event loop (2.0 ms of it CPU; threshold 1.0 ms)" in (
+        record.message
+    )
+
+
+def test_slow_calls_further_apart_than_the_window_are_tolerated(group) -> None:
+    promoted(group)
+    for _ in range(5):
+        group.ran_inline(SLOW, cpu=SLOW, own=True)
+        for _ in range(STRIKE_WINDOW):
+            group.ran_inline(CHEAP, cpu=CHEAP, own=True)
+    assert group.inline
+
+
+def test_one_stall_moves_the_group_back_at_once(group) -> None:
+    promoted(group)
+    group.ran_inline(THRESHOLD * STALL_FACTOR * 1.01, cpu=0.0, own=True)  # slept, say
+    assert not group.inline
+
+
+def test_every_move_back_doubles_the_next_probation(group) -> None:
+    for moves in range(1, 5):
+        promoted(group)
+        group.ran_inline(THRESHOLD * STALL_FACTOR * 2, cpu=0.0, own=True)
+        assert group.probation == PROBATION << moves
+    for _ in range(group.probation - 1):
+        group.ran_pooled(CHEAP, own=True)
+    assert not group.inline  # a near-threshold env spends ever longer on the pool
+
+
+def test_groups_are_per_method_and_cost_class() -> None:
+    placement = CallPlacement(THRESHOLD, "gym")
+    step = placement.group("CartPole-v1", "step")
+    assert placement.group("CartPole-v1", "step") is step
+    assert placement.group("CartPole-v1", "reset") is not step
+    assert placement.group("ALE/Pong-v5", "step") is not step
+    assert step.name == "gym.step [CartPole-v1]"
+    assert placement.group("", "state").name == "gym.state"
+
+
+def test_calls_of_groups_beyond_the_cap_stay_on_the_pool(caplog) -> None:
+    placement = CallPlacement(THRESHOLD, "env")
+    for i in range(MAX_GROUPS):
+        placement.group(str(i), "step")
+    beyond = placement.group("one more", "step")
+    assert placement.group("and another", "step") is beyond
+    for _ in range(10 * PROBATION):
+        beyond.ran_pooled(CHEAP, own=True)
+    assert not beyond.inline
+    assert caplog.text.count(f"more than {MAX_GROUPS} cost groups") == 1
+
+
+def test_a_threshold_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="must be > 0"):
+        CallPlacement(0.0, "env")
+
+
+def test_sleeping_counts_as_the_calls_own_time() -> None:
+    cpu, switched = thread_time(), switches()
+    time.sleep(0.02)
+    assert own_cost(cpu, switched, THRESHOLD)[1]
+
+
+def test_computing_past_the_limit_counts_as_the_calls_own_time() -> None:
+    cpu, switched = thread_time(), switches()
+    deadline = time.perf_counter() + 0.02
+    while time.perf_counter() < deadline:
+        pass
+    spent, own = own_cost(cpu, switched, THRESHOLD)
+    assert own and spent > THRESHOLD
+
+
+def test_a_short_computation_is_not_the_calls_own_slowness() -> None:
+    """What a preempted cheap call looks like from inside: no block, little CPU."""
+    cpu, switched = thread_time(), switches()
+    sum(range(100))
+    spent, own = own_cost(cpu, switched, 0.5)
+    assert not own and spent < 0.5
+
+
+def test_the_calls_of_a_measured_env_are_counted_where_they_ran(group) -> None:
+    def cheap(x: int) -> int:
+        return x + 1
+
+    for _ in range(PROBATION):
+        call = group.pooled(cheap)
+        assert call.run(1) == 2  # on a pool thread, in the server
+        call.record()  # back on the loop
+    assert group.inline
+    assert group.call_inline(cheap, 2) == 3
+
+    def stall() -> None:
+        time.sleep(THRESHOLD * STALL_FACTOR * 1.2)
+
+    group.call_inline(stall)
+    assert not group.inline
