@@ -23,7 +23,8 @@ def test_vector_bench_smoke_run(tmp_path: Path) -> None:
     docs.write_text("# Benchmarks\n\nHand-written text stays.\n")
     done = subprocess.run(
         [sys.executable, "-m", "bench.vector_load", "--smoke", "--peers", "openenv-grpc",
-         "bare-grpc", "--results-dir", str(tmp_path / "results"), "--docs", str(docs),
+         "bare-grpc", "--baseline", "HEAD", "--results-dir", str(tmp_path / "results"),
+         "--docs", str(docs),
          "--plots-dir", str(tmp_path / "plots")],
         cwd=ROOT, capture_output=True, text=True, timeout=170,
     )  # fmt: skip
