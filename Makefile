@@ -11,8 +11,8 @@ NODE_CLIENT := clients/node/node_modules/.installed
 GOPATH_DIR := build/gopath
 
 .PHONY: install serve test pytest lint proto proto-check clean bench-echo clients go-play \
-	buf-breaking system-deps image dockerd bench bench-snapshots console console-screenshot \
-	settings-table
+	buf-breaking system-deps image dockerd bench bench-vector bench-snapshots console \
+	console-screenshot settings-table
 
 # `local` = the registry-free debootstrap base; python:3.11-slim where a registry is reachable
 BASE_IMAGE ?= local
@@ -128,6 +128,11 @@ bench-snapshots: $(VENV)/.installed
 ## bench: openenv-grpc vs OpenEnv side by side (BENCH=--full for the big run)
 bench: $(VENV)/.installed
 	$(PY) -m bench.run $(BENCH)
+	$(PY) -m bench.vector_load $(BENCH)
+
+## bench-vector: vector streams vs N sessions, bare grpc.aio and OpenEnv 0.10.0 / 0.3.0; CPU-heavy one process vs --isolated 2
+bench-vector: $(VENV)/.installed
+	$(PY) -m bench.vector_load $(BENCH)
 
 ## image: the container image of one environment: make image ENV=echo [BASE_IMAGE=python:3.11-slim]
 image:

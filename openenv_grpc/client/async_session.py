@@ -27,30 +27,22 @@ if TYPE_CHECKING:  # only the type checker needs these
 
     from openenv_grpc.client.session_core import SessionOptions
 
-__all__ = ["AsyncSession"]
+__all__ = ["AsyncSession", "AsyncStream"]
 
 
-_Call = grpc.aio.StreamStreamCall[pb.SessionRequest, pb.SessionResponse]
+_Call = grpc.aio.StreamStreamCall[Any, Any]
 
 
-class AsyncSession(session_core.SessionBase, Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
-    """An asyncio session: ``async with AsyncEchoEnv("127.0.0.1:50051") as env: ...``.
-
-    ``target`` is a ``"host:port"`` string (the session owns a channel to it), a
-    ``grpc.aio.Channel`` or an ``EnvServiceStub`` over one; many sessions may share a
-    channel. The options, typing and ``timeout`` work as in
-    :class:`~openenv_grpc.client.sync_session.Session`. Calls on one session must not
-    overlap: await each before the next.
+class AsyncStream(session_core.StreamBase):
+    """The asyncio transport of a stream (one env's or a vector's): the twin of
+    :class:`~openenv_grpc.client.sync_session.SyncStream`, with grpc.aio. The kind of
+    stream's commands are the subclass's (:class:`AsyncSession`, ``AsyncVectorSession``).
     """
 
     _channel_class = grpc.aio.Channel
     _make_channel = aio_channel
 
-    def __init__(
-        self,
-        target: str | grpc.aio.Channel | pb_grpc.EnvServiceAsyncStub,
-        **options: Unpack[SessionOptions],
-    ) -> None:
+    def __init__(self, target: Any, **options: Unpack[SessionOptions]) -> None:
         super().__init__(target, **options)
         #: A read left running by a timed-out request; its answer is stale when it comes.
         self._pending: asyncio.Future[Any] | None = None
@@ -96,7 +88,7 @@ class AsyncSession(session_core.SessionBase, Generic[ActionT, ObservationT, Stat
 
     async def _open_once(self) -> CapacityError | None:
         core = self._core
-        call: _Call = core.stub.Session(metadata=core.metadata)
+        call: _Call = core.open_stream()
         if core.admit(call, await call.initial_metadata()):
             return None
         refused = core.refused(
@@ -136,6 +128,66 @@ class AsyncSession(session_core.SessionBase, Generic[ActionT, ObservationT, Stat
             await owned.channel.close()
         if owned.provider is not None:
             await asyncio.to_thread(owned.provider.stop)  # stopping blocks (a drain, a container)
+
+    # -- transport --------------------------------------------------------------------
+
+    async def _roundtrip(self, request: Any, timeout: float | None) -> Any:
+        if self._core.must_reopen():
+            await self.open()
+        call: _Call = self._core.open_call()
+        try:
+            await call.write(request)
+        except grpc.aio.AioRpcError as exc:
+            error = _write_failure(exc)
+        except asyncio.InvalidStateError:  # written after the stream finished cleanly
+            error = lost(await call.code(), await call.details())
+        else:
+            try:
+                while (response := await self._read(call, timeout)) is not grpc.aio.EOF:
+                    if not self._core.protocol.is_stale(response, request):
+                        return response
+                error = lost(await call.code(), await call.details())
+            except grpc.aio.AioRpcError as exc:
+                error = lost(exc.code(), exc.details())
+        self._pending = None
+        await self._let_go(self._core.stream_lost())
+        raise error
+
+    async def _read(self, call: _Call, timeout: float | None) -> Any:
+        if timeout is None and self._pending is None:
+            return await call.read()  # the fast path: no extra task
+        if self._pending is None:
+            self._pending = asyncio.ensure_future(call.read())
+        try:
+            response = await asyncio.wait_for(asyncio.shield(self._pending), timeout)
+        except asyncio.TimeoutError:
+            raise SessionTimeout(timeout or 0.0) from None
+        except BaseException:
+            if self._pending.done():
+                self._pending = None
+            raise
+        self._pending = None
+        return response
+
+
+class AsyncSession(
+    AsyncStream, session_core.SessionBase, Generic[ActionT, ObservationT, StateT, ResetOptionsT]
+):
+    """An asyncio session: ``async with AsyncEchoEnv("127.0.0.1:50051") as env: ...``.
+
+    ``target`` is a ``"host:port"`` string (the session owns a channel to it), a
+    ``grpc.aio.Channel`` or an ``EnvServiceStub`` over one; many sessions may share a
+    channel. The options, typing and ``timeout`` work as in
+    :class:`~openenv_grpc.client.sync_session.Session`. Calls on one session must not
+    overlap: await each before the next.
+    """
+
+    def __init__(
+        self,
+        target: str | grpc.aio.Channel | pb_grpc.EnvServiceAsyncStub,
+        **options: Unpack[SessionOptions],
+    ) -> None:
+        super().__init__(target, **options)
 
     # -- commands: see Session for what each returns and raises -----------------------
 
@@ -226,46 +278,6 @@ class AsyncSession(session_core.SessionBase, Generic[ActionT, ObservationT, Stat
 
     async def _io_pause(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
-
-    # -- transport --------------------------------------------------------------------
-
-    async def _roundtrip(self, request: pb.SessionRequest, timeout: float | None) -> Any:
-        if self._core.must_reopen():
-            await self.open()
-        call: _Call = self._core.open_call()
-        try:
-            await call.write(request)
-        except grpc.aio.AioRpcError as exc:
-            error = _write_failure(exc)
-        except asyncio.InvalidStateError:  # written after the stream finished cleanly
-            error = lost(await call.code(), await call.details())
-        else:
-            try:
-                while (response := await self._read(call, timeout)) is not grpc.aio.EOF:
-                    if not self._core.protocol.is_stale(response, request):
-                        return response
-                error = lost(await call.code(), await call.details())
-            except grpc.aio.AioRpcError as exc:
-                error = lost(exc.code(), exc.details())
-        self._pending = None
-        await self._let_go(self._core.stream_lost())
-        raise error
-
-    async def _read(self, call: _Call, timeout: float | None) -> Any:
-        if timeout is None and self._pending is None:
-            return await call.read()  # the fast path: no extra task
-        if self._pending is None:
-            self._pending = asyncio.ensure_future(call.read())
-        try:
-            response = await asyncio.wait_for(asyncio.shield(self._pending), timeout)
-        except asyncio.TimeoutError:
-            raise SessionTimeout(timeout or 0.0) from None
-        except BaseException:
-            if self._pending.done():
-                self._pending = None
-            raise
-        self._pending = None
-        return response
 
 
 AsyncSession._generic_origin = AsyncSession

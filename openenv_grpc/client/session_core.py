@@ -4,8 +4,9 @@ its bytes move.
 :class:`~openenv_grpc.client.sync_session.Session` (blocking) and
 :class:`~openenv_grpc.client.async_session.AsyncSession` (asyncio) are thin shells over
 :class:`SessionBase`: they open the stream, write, read, sleep between open attempts,
-close a channel and stop a provider, with blocking calls or with awaits. Everything else
-lives here once:
+close a channel and stop a provider, with blocking calls or with awaits. The vector
+shells (``VectorSession``, ``AsyncVectorSession``) move their bytes the same way, over
+:class:`StreamBase` too. Everything else lives here once:
 
 - the target: a ``"host:port"`` string (the session then owns a channel), a channel, or a
   stub;
@@ -23,7 +24,7 @@ import functools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypedDict, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypedDict, TypeVar
 
 import grpc
 from google.protobuf.message import Message
@@ -40,6 +41,7 @@ from openenv_grpc.client.protocol import (
     Metadata,
     SessionProtocol,
     SessionTypes,
+    StreamProtocol,
     admitted_session_id,
     refusal,
 )
@@ -58,6 +60,7 @@ __all__ = [
     "SessionCore",
     "SessionOptions",
     "SessionSource",
+    "StreamBase",
     "launched",
 ]
 
@@ -163,12 +166,16 @@ class OpenSchedule:
         return OpenRetry.wait(bound, refused.retry_after)
 
 
-class SessionCore:
-    """The state of one session, whichever shell moves its bytes."""
+ProtocolT = TypeVar("ProtocolT", bound=StreamProtocol)
+
+
+class SessionCore(Generic[ProtocolT]):
+    """The state of one session, whichever shell moves its bytes; ``ProtocolT`` is the
+    kind of stream's protocol (one env's, or a vector's)."""
 
     __slots__ = (
-        "call", "dial", "lost", "metadata", "protocol", "provider", "reconnect", "recovering",
-        "retry", "session_id", "share", "stub",
+        "call", "dial", "headers", "lost", "metadata", "protocol", "provider", "reconnect",
+        "recovering", "retry", "rpc", "session_id", "share", "stub",
     )  # fmt: skip
 
     def __init__(
@@ -181,8 +188,17 @@ class SessionCore:
         reconnect: bool,
         dial: Callable[[], Any] | None = None,
         recovering: bool = False,
+        *,
+        rpc: str = "Session",
+        protocol: ProtocolT | None = None,
     ) -> None:
-        self.protocol = SessionProtocol(types)
+        self.protocol: ProtocolT = (
+            protocol if protocol is not None else SessionProtocol(types)  # type: ignore[assignment]
+        )
+        #: The stub's method that opens the stream ("Session", "VectorSession").
+        self.rpc = rpc
+        #: The headers the server sent when it admitted the stream.
+        self.headers: dict[str, str] = {}
         #: The EnvService stub the stream is opened on.
         self.stub = stub
         #: The channel this session made (None when the caller gave one), shared with its
@@ -222,6 +238,11 @@ class SessionCore:
             self.stub = pb_grpc.EnvServiceStub(channel)
         return OpenSchedule(self.retry)
 
+    def open_stream(self, *requests: Any) -> Any:
+        """Start the stream's call on the stub (the shell passes its request iterator, if
+        its API takes one); returns the call."""
+        return getattr(self.stub, self.rpc)(*requests, metadata=self.metadata)
+
     def admit(self, call: Any, initial_metadata: Metadata | None) -> bool:
         """Take ``call`` as the session's stream if its headers say the server admitted
         it (and made its env); False when they do not (the call then ends refused)."""
@@ -229,6 +250,7 @@ class SessionCore:
         if session_id is None:
             return False
         self.call, self.session_id, self.lost = call, session_id, False
+        self.headers = {key: str(value) for key, value in initial_metadata or ()}
         return True
 
     @staticmethod
@@ -298,15 +320,19 @@ class SessionCore:
         return owned
 
 
-class SessionBase:
-    """What ``Session`` and ``AsyncSession`` share that does no I/O: the constructor, the
-    typed-client machinery and the session's identity.
+class StreamBase:
+    """What every shell shares that does no I/O: the constructor, the typed-client
+    machinery and the stream's identity.
 
     A shell sets :attr:`_channel_class` (channels it accepts as a target) and
-    :attr:`_make_channel` (how it makes one from ``"host:port"``).
+    :attr:`_make_channel` (how it makes one from ``"host:port"``); a kind of stream sets
+    :attr:`_rpc`, and may override :meth:`_new_protocol` and :meth:`_open_metadata`.
     """
 
+    #: The stub's method that opens the stream.
+    _rpc: ClassVar[str] = "Session"
     _types: ClassVar[SessionTypes] = SessionTypes()
+    _core: SessionCore[Any]
     #: The generic class whose type arguments a typed client pins (the shell itself).
     _generic_origin: ClassVar[type[Any] | None] = None
     _channel_class: ClassVar[type[Any]]
@@ -333,7 +359,11 @@ class SessionBase:
             target = pb_grpc.EnvServiceStub(target)
         #: The stub it was given or made first: where recovery goes back to.
         self._home_stub = target
-        metadata = (*auth_metadata(options.get("token")), *options.get("metadata", ()))
+        metadata = (
+            *auth_metadata(options.get("token")),
+            *options.get("metadata", ()),
+            *self._open_metadata(),
+        )
         recovery = options.get("recovery")
         self._core = SessionCore(
             self._types,
@@ -344,6 +374,8 @@ class SessionBase:
             options.get("reconnect", False),
             dial,
             recovering=recovery is not None,
+            rpc=self._rpc,
+            protocol=self._new_protocol(),
         )
         #: The calls with recovery on (None: off, the shells' direct paths).
         self._recovering = (
@@ -351,6 +383,14 @@ class SessionBase:
             if recovery is not None
             else None
         )
+
+    def _new_protocol(self) -> StreamProtocol | None:
+        """The stream's protocol (None: a one-env session's)."""
+        return None
+
+    def _open_metadata(self) -> tuple[tuple[str, str], ...]:
+        """Call metadata the kind of stream sends when it opens."""
+        return ()
 
     def _new_channel(self, target: str) -> Any:
         """A channel to ``target`` made the way this session makes its own."""
@@ -390,21 +430,12 @@ class SessionBase:
         return call is not None and not call.done()
 
     @property
-    def episode_id(self) -> str:
-        """The current episode's id ("" before the first reset)."""
-        return self._core.protocol.episode_id
-
-    @property
     def draining(self) -> Draining | None:
         """The server's DRAINING notice once the session has read one (None before):
         the session ends at its deadline. Notices are read on the way to a call's answer,
         so this turns on at the first call after the server began to drain."""
-        return self._core.protocol.draining
-
-    @property
-    def step_count(self) -> int:
-        """Steps taken in the current episode, as the server last said."""
-        return self._core.protocol.step_count
+        draining: Draining | None = self._core.protocol.draining
+        return draining
 
     def _forks(self, n: int | None) -> list[Self]:
         """``n`` (None: one) unopened sessions of this class on this session's server,
@@ -432,6 +463,22 @@ class SessionBase:
         return self
 
 
+class SessionBase(StreamBase):
+    """What ``Session`` and ``AsyncSession`` add: the one env's episode."""
+
+    _core: SessionCore[SessionProtocol]
+
+    @property
+    def episode_id(self) -> str:
+        """The current episode's id ("" before the first reset)."""
+        return self._core.protocol.episode_id
+
+    @property
+    def step_count(self) -> int:
+        """Steps taken in the current episode, as the server last said."""
+        return self._core.protocol.step_count
+
+
 def launched(cls: type[ClientT], provider: SessionSource, kwargs: dict[str, Any]) -> ClientT:
     """A session of ``cls`` on the started ``provider``, owning it.
 
@@ -445,7 +492,7 @@ def launched(cls: type[ClientT], provider: SessionSource, kwargs: dict[str, Any]
     except BaseException:
         provider.stop()
         raise
-    if not isinstance(session, SessionBase):
+    if not isinstance(session, StreamBase):
         provider.stop()
-        raise TypeError(f"{cls.__qualname__} is not a Session or AsyncSession class")
+        raise TypeError(f"{cls.__qualname__} is not a session class (Session, AsyncSession, ...)")
     return session._adopt(provider)
