@@ -7,18 +7,21 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 from typing import Any
+from unittest import mock
 
 import grpc
 import gymnasium
 import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env
+from gymnasium.utils.passive_env_checker import env_render_passive_checker as passive_render_check
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
 from openenv_grpc import CapacityError, EnvError
 from openenv_grpc.testing import ServerProcess
 from openenv_grpc_envs.gymnasium import GymnasiumEnv, convert
 from openenv_grpc_envs.gymnasium.adapters import RemoteGymnasiumEnv, RemoteGymnasiumVectorEnv
+from openenv_grpc_envs.gymnasium.adapters.registration import remote_id
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +134,58 @@ def test_wraps_an_open_session_and_closes_it(server: ServerProcess) -> None:
     assert obs in env.observation_space
     env.close()
     env.close()  # idempotent
+    wait_idle(server)
+
+
+def test_registered_ids_make_the_adapter_and_the_checker_tests_render_modes(
+    server: ServerProcess,
+) -> None:
+    """``gymnasium.make("openenv-grpc/<id>", target=...)`` builds the adapter with a spec,
+    and check_env makes one env per declared render mode from that spec and checks its
+    frames (rgb_array, rendered by the server)."""
+    rendered: list[Any] = []
+
+    def record(env: gymnasium.Env[Any, Any]) -> None:
+        rendered.append((env.render_mode, env.render()))
+        passive_render_check(env)
+
+    for made in (
+        gymnasium.make("openenv-grpc/CartPole-v1", target=server.target).unwrapped,
+        RemoteGymnasiumEnv(server.target, "CartPole-v1"),  # made directly: the same spec
+    ):
+        assert isinstance(made, RemoteGymnasiumEnv)
+        assert made.spec is not None and made.spec.id == "openenv-grpc/CartPole-v1"
+        assert made.spec.kwargs == {"env_id": "CartPole-v1", "target": server.target}
+        assert made.metadata["render_modes"] == ["rgb_array"]
+        with (
+            warnings.catch_warnings(),
+            mock.patch("gymnasium.utils.env_checker.env_render_passive_checker", record),
+        ):
+            warnings.simplefilter("ignore")  # infinite Box bounds only warn
+            check_env(made)
+        made.close()
+    assert [mode for mode, _ in rendered] == ["rgb_array", "rgb_array"]
+    for _, frame in rendered:
+        assert frame.dtype == np.uint8 and frame.shape == (400, 600, 3)
+    wait_idle(server)
+
+
+def test_the_generic_id_takes_any_server_side_id(server: ServerProcess) -> None:
+    env = gymnasium.make(
+        "openenv-grpc/Remote-v0", target=server.target, env_id="ALE/Pong-v5",
+        render_mode="rgb_array", kwargs={"frameskip": 4},
+    )  # fmt: skip
+    try:
+        obs, _ = env.reset(seed=0)
+        assert obs.shape == (210, 160, 3)
+        assert env.metadata["render_fps"] == 30
+        assert env.render().shape == (210, 160, 3)  # type: ignore[union-attr]
+        assert env.spec is not None and env.spec.id == "openenv-grpc/Remote-v0"
+    finally:
+        env.close()
+    with pytest.raises(ValueError, match="render_mode 'human'"):
+        RemoteGymnasiumEnv(server.target, "CartPole-v1", render_mode="human")
+    assert remote_id("ALE/Pong-v5") == remote_id("NotLocal-v0") == "openenv-grpc/Remote-v0"
     wait_idle(server)
 
 

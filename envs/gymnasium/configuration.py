@@ -164,6 +164,9 @@ def make_env(config: Config) -> tuple[gymnasium.Env[Any, Any], EnvDescription]:
     except InvalidAction:
         env.close()
         raise
+    fps = env.metadata.get("render_fps")
+    if isinstance(fps, (int, float)):
+        description.render_fps = float(fps)
     return env, description
 
 

@@ -505,6 +505,7 @@ class EnvDescription(_message.Message):
     ACTION_SPACE_FIELD_NUMBER: _builtins.int
     BACKEND_FIELD_NUMBER: _builtins.int
     RENDER_MODE_FIELD_NUMBER: _builtins.int
+    RENDER_FPS_FIELD_NUMBER: _builtins.int
     env_id: _builtins.str
     """The registered id, e.g. "CartPole-v1" or "ALE/Pong-v5"."""
     max_episode_steps: _builtins.int
@@ -513,6 +514,8 @@ class EnvDescription(_message.Message):
     """Which simulator answers: Gymnasium itself or one EnvPool pool (vector streams only)."""
     render_mode: _builtins.str
     """"rgb_array" when the env renders (frames come in GymnasiumState.frame); empty: never."""
+    render_fps: _builtins.float
+    """The env's metadata["render_fps"] (frames per second of its renderings); 0 if unset."""
     @_builtins.property
     def kwargs(self) -> _struct_pb2.Struct:
         """The keyword arguments given to gymnasium.make (besides the id)."""
@@ -535,10 +538,11 @@ class EnvDescription(_message.Message):
         action_space: Global___Space | None = ...,
         backend: Global___Backend.ValueType = ...,
         render_mode: _builtins.str = ...,
+        render_fps: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["action_space", b"action_space", "kwargs", b"kwargs", "observation_space", b"observation_space"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action_space", b"action_space", "backend", b"backend", "env_id", b"env_id", "kwargs", b"kwargs", "max_episode_steps", b"max_episode_steps", "observation_space", b"observation_space", "render_mode", b"render_mode"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action_space", b"action_space", "backend", b"backend", "env_id", b"env_id", "kwargs", b"kwargs", "max_episode_steps", b"max_episode_steps", "observation_space", b"observation_space", "render_fps", b"render_fps", "render_mode", b"render_mode"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
