@@ -182,7 +182,7 @@ class RemoteGymnasiumEnv(gymnasium.Env[Any, Any]):
         if description.render_fps:
             self.metadata["render_fps"] = description.render_fps
 
-    def render(self) -> npt.NDArray[np.uint8] | None:  # type: ignore[override]
+    def render(self) -> npt.NDArray[np.uint8] | None:
         """The env's current frame (``render_mode="rgb_array"``: uint8, H x W x 3, asked
         of the server with one ``state`` call), or None without a render mode."""
         if self.render_mode is None:
