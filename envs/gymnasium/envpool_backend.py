@@ -27,6 +27,7 @@ import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import gymnasium
 import numpy as np
 import numpy.typing as npt
 
@@ -99,6 +100,12 @@ class EnvPoolEnvs:
         self._same_step = autoreset is AutoresetMode.SAME_STEP
         self.observation_space = self._pool.observation_space
         self.action_space = self._pool.action_space
+        if not isinstance(self.observation_space, gymnasium.spaces.Box):
+            self._pool.close()
+            raise InvalidAction(
+                f"the EnvPool backend serves Box observations; {config.env_id!r} has "
+                f"{self.observation_space} (use backend gymnasium)"
+            )
         self.description = describe(
             config,
             self.observation_space,
@@ -107,7 +114,10 @@ class EnvPoolEnvs:
             Backend.BACKEND_ENVPOOL,
         )
         self._action_dtype = np.dtype(self.action_space.dtype or np.int64)
-        self._last: list[Any] = [None] * size
+        # Each env's latest observation, one array for the pool (an element per env).
+        self._last = np.zeros((size, *(self.observation_space.shape or ())),
+                              dtype=self.observation_space.dtype)  # fmt: skip
+        self._seen = np.zeros(size, dtype=np.bool_)
         #: Whether a reset has happened since the pool was made (the first may be partial).
         self.fresh = True
 
@@ -181,11 +191,11 @@ class EnvPoolEnvs:
         return observations[order]
 
     def _remember(self, indices: Sequence[int], observations: Any) -> None:
-        for row, i in enumerate(indices):
-            self._last[i] = observations[row]
+        self._last[indices] = observations
+        self._seen[indices] = True
 
     def last_observation(self, index: int) -> Any:
-        return self._last[index]
+        return self._last[index] if self._seen[index] else None
 
     def render(self, index: int) -> Any:
         return None
