@@ -401,3 +401,122 @@ def view_batch(value: Value, space: spaces.Space[Any], rows: int, path: str = "o
             )
         return array
     raise _unsupported(space)
+
+
+# -- client: one copy from the wire ---------------------------------------------------------
+
+
+def view_observation_bytes(data: bytes) -> Array | None:
+    """The array a serialized ``GymnasiumObservation`` holds when its value is one
+    tensor, as a read-only view *into* ``data`` (no copy; parsing the message would copy
+    the tensor's bytes twice more), or None for any other value (parse it instead).
+
+    Reads the protobuf wire format: GymnasiumObservation.value (1) -> Value.tensor (2) ->
+    Tensor.data (1), shape (2, packed or not), dtype (3); other fields are skipped.
+
+    Raises:
+        ConversionError: the bytes are not a well-formed message of that shape.
+    """
+    value = _field(data, 0, len(data), 1)
+    if value is None:
+        return None
+    tensor = _field(data, value[0], value[1], 2)
+    if tensor is None:
+        return None
+    start, end = tensor
+    body: tuple[int, int] | None = None
+    shape: list[int] = []
+    dtype = ""
+    pos = start
+    while pos < end:
+        key, pos = _varint(data, pos, end)
+        number, wire = key >> 3, key & 7
+        if wire == 2:
+            length, pos = _varint(data, pos, end)
+            if pos + length > end:
+                raise ConversionError("observation: truncated tensor")
+            if number == 1:
+                body = (pos, pos + length)
+            elif number == 2:  # packed shape
+                inner = pos
+                while inner < pos + length:
+                    dim, inner = _varint(data, inner, pos + length)
+                    shape.append(dim)
+            elif number == 3:
+                dtype = data[pos : pos + length].decode("ascii", "replace")
+            pos += length
+        elif wire == 0:
+            dim, pos = _varint(data, pos, end)
+            if number == 2:
+                shape.append(dim)
+        else:
+            pos = _skip(data, pos, end, wire)
+    tensor_message = Tensor(dtype=dtype, shape=shape)
+    if body is None:  # an empty data field is left off the wire
+        tensor_message.data = b""
+        return to_numpy(tensor_message, what="observation")
+    if dtype not in _DTYPE_NAMES:
+        return to_numpy(tensor_message, what="observation")  # raises, naming the dtype
+    view = memoryview(data)[body[0] : body[1]]
+    dt = np.dtype(dtype).newbyteorder("<")
+    if len(view) != math.prod(shape) * dt.itemsize:
+        raise ConversionError(
+            f"observation: {len(view)} bytes of data for shape {shape} {dtype} "
+            f"(expected {math.prod(shape) * dt.itemsize})"
+        )
+    return np.frombuffer(view, dtype=dt).reshape(shape)
+
+
+_DTYPE_NAMES = frozenset(
+    {"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+     "float16", "float32", "float64"}
+)  # fmt: skip
+
+
+def _field(data: bytes, start: int, end: int, wanted: int) -> tuple[int, int] | None:
+    """The span of the last length-delimited field ``wanted`` in data[start:end] (the
+    last one wins, as protobuf merges), or None."""
+    found = None
+    pos = start
+    while pos < end:
+        key, pos = _varint(data, pos, end)
+        number, wire = key >> 3, key & 7
+        if wire == 2:
+            length, pos = _varint(data, pos, end)
+            if pos + length > end:
+                raise ConversionError("observation: truncated message")
+            if number == wanted:
+                found = (pos, pos + length)
+            pos += length
+        else:
+            if number == wanted:
+                return None  # another kind of value in the oneof's place
+            pos = _skip(data, pos, end, wire)
+    return found
+
+
+def _varint(data: bytes, pos: int, end: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= end or shift > 63:
+            raise ConversionError("observation: malformed varint")
+        byte = data[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, pos
+        shift += 7
+
+
+def _skip(data: bytes, pos: int, end: int, wire: int) -> int:
+    if wire == 0:
+        return _varint(data, pos, end)[1]
+    if wire == 1:
+        pos += 8
+    elif wire == 5:
+        pos += 4
+    else:
+        raise ConversionError(f"observation: unexpected wire type {wire}")
+    if pos > end:
+        raise ConversionError("observation: truncated message")
+    return pos
