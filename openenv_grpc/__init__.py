@@ -1,7 +1,8 @@
 """openenv-grpc: reinforcement-learning environments served over gRPC.
 
 Environment builders subclass :class:`Environment` (or :class:`AsyncEnvironment`) and
-serve it with :func:`serve`; trainers open a :class:`Session` (or :class:`AsyncSession`).
+serve it with :func:`serve`; trainers open a :class:`Session` (or :class:`AsyncSession`),
+or a :class:`VectorSession` (:class:`AsyncVectorSession`) of N envs on one stream.
 """
 
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 from openenv_grpc._version import __version__
 from openenv_grpc.client import (
     AsyncSession,
+    AsyncVectorSession,
     CapacityError,
     EnvError,
     OpenEnvError,
@@ -21,6 +23,8 @@ from openenv_grpc.client import (
     SessionStateError,
     SessionTimeout,
     StepOutcome,
+    VectorOutcome,
+    VectorSession,
     fetch_info,
 )
 from openenv_grpc.environment import (
@@ -37,6 +41,7 @@ from openenv_grpc.server import EnvServer, ServerConfig, serve
 __all__ = [
     "AsyncEnvironment",
     "AsyncSession",
+    "AsyncVectorSession",
     "AutoresetMode",
     "BatchEnvironment",
     "BatchTransition",
@@ -57,6 +62,8 @@ __all__ = [
     "SessionTimeout",
     "StepOutcome",
     "Transition",
+    "VectorOutcome",
+    "VectorSession",
     "__version__",
     "fetch_info",
     "serve",

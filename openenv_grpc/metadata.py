@@ -11,6 +11,10 @@ from openenv_grpc.v1 import session_pb2 as _pb
 
 __all__ = [
     "ADMITTED_KEY",
+    "AUTORESET_KEY",
+    "AUTORESET_VALUES",
+    "BATCH_KEY",
+    "NUM_ENVS_KEY",
     "PROTOCOL",
     "RETRY_PUSHBACK_KEY",
     "SERVICE_NAME",
@@ -22,6 +26,20 @@ __all__ = [
 #: Initial-metadata key the server sends once a session is admitted and its env exists;
 #: the value is the environment's name.
 ADMITTED_KEY = "openenv-env"
+
+#: Call-metadata key of a VectorSession open: how many envs the stream holds (a decimal).
+NUM_ENVS_KEY = "openenv-num-envs"
+
+#: Call-metadata key of a VectorSession open: the autoreset mode (one of
+#: :data:`AUTORESET_VALUES`; absent means ``next_step``).
+AUTORESET_KEY = "openenv-autoreset"
+
+#: The values :data:`AUTORESET_KEY` takes, as Gymnasium 1.x names its autoreset modes.
+AUTORESET_VALUES = ("next_step", "same_step", "disabled")
+
+#: Initial-metadata key of an admitted VectorSession: ``native`` when the env answers the
+#: stream as one native batch (batch_action / batch_observation work), else ``loop``.
+BATCH_KEY = "openenv-batch"
 
 #: Trailing-metadata key gRPC clients read as "retry after this many milliseconds".
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"

@@ -558,8 +558,9 @@ def test_reflection_describes_env_service(server) -> None:
         pool = protobuf_descriptor_pool.DescriptorPool(database)
         service = pool.FindServiceByName("openenv_grpc.v1.EnvService")
         methods = {method.name: method for method in service.methods}
-    assert set(methods) == {"Session", "Info"}
-    assert methods["Session"].client_streaming and methods["Session"].server_streaming
+    assert set(methods) == {"Session", "VectorSession", "Info"}
+    for stream in ("Session", "VectorSession"):
+        assert methods[stream].client_streaming and methods[stream].server_streaming
     assert methods["Info"].output_type.full_name == "openenv_grpc.v1.InfoResponse"
 
 

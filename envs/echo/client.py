@@ -1,6 +1,6 @@
 """Typed clients for the echo environment: ``step`` takes an EchoAction, and so on."""
 
-from openenv_grpc import AsyncSession, Session
+from openenv_grpc import AsyncSession, AsyncVectorSession, Session, VectorSession
 from openenv_grpc.providers.launch import AsyncFromDockerImage, FromDockerImage
 from openenv_grpc_envs.echo.v1.echo_pb2 import (
     EchoAction,
@@ -9,7 +9,7 @@ from openenv_grpc_envs.echo.v1.echo_pb2 import (
     EchoState,
 )
 
-__all__ = ["AsyncEchoEnv", "EchoEnv"]
+__all__ = ["AsyncEchoEnv", "AsyncEchoVectorEnv", "EchoEnv", "EchoVectorEnv"]
 
 
 class EchoEnv(FromDockerImage, Session[EchoAction, EchoObservation, EchoState, EchoResetOptions]):
@@ -20,3 +20,13 @@ class AsyncEchoEnv(
     AsyncFromDockerImage, AsyncSession[EchoAction, EchoObservation, EchoState, EchoResetOptions]
 ):
     """An asyncio echo session: ``async with AsyncEchoEnv("localhost:50051") as env: ...``."""
+
+
+class EchoVectorEnv(VectorSession[EchoAction, EchoObservation, EchoState, EchoResetOptions]):
+    """N echo envs on one stream: ``with EchoVectorEnv("localhost:50051", 64) as envs: ...``."""
+
+
+class AsyncEchoVectorEnv(
+    AsyncVectorSession[EchoAction, EchoObservation, EchoState, EchoResetOptions]
+):
+    """N echo envs on one stream, for asyncio: ``async with AsyncEchoVectorEnv(target, 64)``."""

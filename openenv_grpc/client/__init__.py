@@ -1,13 +1,15 @@
-"""The trainer's side: sessions, typed results, errors."""
+"""The trainer's side: sessions (one env, or N on one vector stream), typed results, errors."""
 
 from typing import Any
 
 from openenv_grpc.client.async_session import AsyncSession
+from openenv_grpc.client.async_vector_session import AsyncVectorSession
 from openenv_grpc.client.channel import aio_channel, sync_channel
 from openenv_grpc.client.errors import (
     CapacityError,
     EnvError,
     InfoUnavailable,
+    InvalidRequest,
     OpenEnvError,
     PayloadTypeError,
     ProtocolError,
@@ -22,13 +24,17 @@ from openenv_grpc.client.outcome import StepOutcome
 from openenv_grpc.client.retry import OpenRetry
 from openenv_grpc.client.session_core import SessionOptions, SessionSource
 from openenv_grpc.client.sync_session import Session
+from openenv_grpc.client.sync_vector_session import VectorSession
+from openenv_grpc.client.vector_outcome import VectorOutcome
 
 __all__ = [
     "AsyncSession",
+    "AsyncVectorSession",
     "CapacityError",
     "Draining",
     "EnvError",
     "InfoUnavailable",
+    "InvalidRequest",
     "OpenEnvError",
     "OpenRetry",
     "PayloadTypeError",
@@ -41,6 +47,8 @@ __all__ = [
     "SessionStateError",
     "SessionTimeout",
     "StepOutcome",
+    "VectorOutcome",
+    "VectorSession",
     "aio_channel",
     "fetch_info",
     "sync_channel",

@@ -19,7 +19,6 @@ from openenv_grpc.client.errors import CapacityError, SessionLost, SessionTimeou
 from openenv_grpc.client.outcome import StepOutcome
 from openenv_grpc.client.protocol import lost
 from openenv_grpc.client.session_core import ActionT, ObservationT, ResetOptionsT, StateT
-from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:  # only the type checker needs these
@@ -27,30 +26,22 @@ if TYPE_CHECKING:  # only the type checker needs these
 
     from openenv_grpc.client.session_core import SessionOptions
 
-__all__ = ["AsyncSession"]
+__all__ = ["AsyncSession", "AsyncStream"]
 
 
-_Call = grpc.aio.StreamStreamCall[pb.SessionRequest, pb.SessionResponse]
+_Call = grpc.aio.StreamStreamCall[Any, Any]
 
 
-class AsyncSession(session_core.SessionBase, Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
-    """An asyncio session: ``async with AsyncEchoEnv("127.0.0.1:50051") as env: ...``.
-
-    ``target`` is a ``"host:port"`` string (the session owns a channel to it), a
-    ``grpc.aio.Channel`` or an ``EnvServiceStub`` over one; many sessions may share a
-    channel. The options, typing and ``timeout`` work as in
-    :class:`~openenv_grpc.client.sync_session.Session`. Calls on one session must not
-    overlap: await each before the next.
+class AsyncStream(session_core.StreamBase):
+    """The asyncio transport of a stream (one env's or a vector's): the twin of
+    :class:`~openenv_grpc.client.sync_session.SyncStream`, with grpc.aio. The kind of
+    stream's commands are the subclass's (:class:`AsyncSession`, ``AsyncVectorSession``).
     """
 
     _channel_class = grpc.aio.Channel
     _make_channel = aio_channel
 
-    def __init__(
-        self,
-        target: str | grpc.aio.Channel | pb_grpc.EnvServiceAsyncStub,
-        **options: Unpack[SessionOptions],
-    ) -> None:
+    def __init__(self, target: Any, **options: Unpack[SessionOptions]) -> None:
         super().__init__(target, **options)
         #: A read left running by a timed-out request; its answer is stale when it comes.
         self._pending: asyncio.Future[Any] | None = None
@@ -95,7 +86,7 @@ class AsyncSession(session_core.SessionBase, Generic[ActionT, ObservationT, Stat
 
     async def _open_once(self) -> CapacityError | None:
         core = self._core
-        call: _Call = core.stub.Session(metadata=core.metadata)
+        call: _Call = core.open_stream()
         if core.admit(call, await call.initial_metadata()):
             return None
         refused = core.refused(
@@ -136,33 +127,9 @@ class AsyncSession(session_core.SessionBase, Generic[ActionT, ObservationT, Stat
         if owned.provider is not None:
             await asyncio.to_thread(owned.provider.stop)  # stopping blocks (a drain, a container)
 
-    # -- commands: see Session for what each returns and raises -----------------------
-
-    async def reset(
-        self, *, seed: int | None = None, episode_id: str | None = None,
-        options: ResetOptionsT | None = None, timeout: float | None = None,
-    ) -> StepOutcome[ObservationT]:  # fmt: skip
-        """Start a new episode; see :meth:`Session.reset`."""
-        protocol = self._core.protocol
-        response = await self._roundtrip(protocol.reset_request(seed, episode_id, options), timeout)
-        return protocol.step_result(response)
-
-    async def step(
-        self, action: ActionT, *, timeout: float | None = None
-    ) -> StepOutcome[ObservationT]:
-        """Apply ``action``; see :meth:`Session.step`."""
-        protocol = self._core.protocol
-        return protocol.step_result(await self._roundtrip(protocol.step_request(action), timeout))
-
-    async def state(self, *, timeout: float | None = None) -> StateT:
-        """The environment's current state; see :meth:`Session.state`."""
-        protocol = self._core.protocol
-        response = await self._roundtrip(protocol.state_request(), timeout)
-        return protocol.state_result(response)  # type: ignore[no-any-return]
-
     # -- transport --------------------------------------------------------------------
 
-    async def _roundtrip(self, request: pb.SessionRequest, timeout: float | None) -> Any:
+    async def _roundtrip(self, request: Any, timeout: float | None) -> Any:
         if self._core.must_reopen():
             await self.open()
         call: _Call = self._core.open_call()
@@ -199,6 +166,50 @@ class AsyncSession(session_core.SessionBase, Generic[ActionT, ObservationT, Stat
             raise
         self._pending = None
         return response
+
+
+class AsyncSession(
+    AsyncStream, session_core.SessionBase, Generic[ActionT, ObservationT, StateT, ResetOptionsT]
+):
+    """An asyncio session: ``async with AsyncEchoEnv("127.0.0.1:50051") as env: ...``.
+
+    ``target`` is a ``"host:port"`` string (the session owns a channel to it), a
+    ``grpc.aio.Channel`` or an ``EnvServiceStub`` over one; many sessions may share a
+    channel. The options, typing and ``timeout`` work as in
+    :class:`~openenv_grpc.client.sync_session.Session`. Calls on one session must not
+    overlap: await each before the next.
+    """
+
+    def __init__(
+        self,
+        target: str | grpc.aio.Channel | pb_grpc.EnvServiceAsyncStub,
+        **options: Unpack[SessionOptions],
+    ) -> None:
+        super().__init__(target, **options)
+
+    # -- commands: see Session for what each returns and raises -----------------------
+
+    async def reset(
+        self, *, seed: int | None = None, episode_id: str | None = None,
+        options: ResetOptionsT | None = None, timeout: float | None = None,
+    ) -> StepOutcome[ObservationT]:  # fmt: skip
+        """Start a new episode; see :meth:`Session.reset`."""
+        protocol = self._core.protocol
+        response = await self._roundtrip(protocol.reset_request(seed, episode_id, options), timeout)
+        return protocol.step_result(response)
+
+    async def step(
+        self, action: ActionT, *, timeout: float | None = None
+    ) -> StepOutcome[ObservationT]:
+        """Apply ``action``; see :meth:`Session.step`."""
+        protocol = self._core.protocol
+        return protocol.step_result(await self._roundtrip(protocol.step_request(action), timeout))
+
+    async def state(self, *, timeout: float | None = None) -> StateT:
+        """The environment's current state; see :meth:`Session.state`."""
+        protocol = self._core.protocol
+        response = await self._roundtrip(protocol.state_request(), timeout)
+        return protocol.state_result(response)  # type: ignore[no-any-return]
 
 
 AsyncSession._generic_origin = AsyncSession

@@ -14,6 +14,7 @@ __all__ = [
     "CapacityError",
     "EnvError",
     "InfoUnavailable",
+    "InvalidRequest",
     "OpenEnvError",
     "PayloadTypeError",
     "ProtocolError",
@@ -94,6 +95,14 @@ class SessionStateError(OpenEnvError, RuntimeError):
 class PayloadTypeError(OpenEnvError, TypeError):
     """A typed client was given a message of the wrong type (an observation where an
     action belongs, say). Nothing was sent; the session goes on."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+class InvalidRequest(OpenEnvError, ValueError):
+    """A call's arguments do not fit together (e.g. a vector reset given a list of seeds
+    that is not one per env named). Nothing was sent; the session goes on."""
 
     def __init__(self, message: str) -> None:
         super().__init__(grpc.StatusCode.INVALID_ARGUMENT, message)

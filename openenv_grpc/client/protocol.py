@@ -2,7 +2,10 @@
 
 It builds request envelopes, matches responses to request ids, decodes typed payloads
 and turns errors and final statuses into exceptions, so that ``Session`` and
-``AsyncSession`` differ only in how they move bytes.
+``AsyncSession`` differ only in how they move bytes. :class:`StreamProtocol` is what a
+Session and a VectorSession stream share (ids, notices, errors, decoding);
+:class:`SessionProtocol` adds the one-env commands (the vector ones are in
+``vector_protocol.py``).
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import typing
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import grpc
 from google.protobuf import any_pb2, descriptor_pool, message_factory
@@ -34,9 +37,12 @@ __all__ = [
     "Metadata",
     "SessionProtocol",
     "SessionTypes",
+    "StreamProtocol",
     "admitted_session_id",
     "lost",
+    "pack_typed",
     "refusal",
+    "status_code",
 ]
 
 Metadata = Iterable[tuple[str, Any]]
@@ -66,10 +72,15 @@ class SessionTypes:
         return cls()
 
 
-class SessionProtocol:
-    """Request ids, envelopes and decoding for one session."""
+class StreamProtocol:
+    """Request ids, envelopes, notices and decoding: what every kind of stream shares.
+    Its requests and responses have the same field numbers for the id, close, error and
+    notice (see session.proto), whichever message types a stream uses."""
 
-    __slots__ = ("_next_id", "_types", "draining", "episode_id", "step_count")
+    __slots__ = ("_next_id", "_types", "draining")
+
+    #: The stream's request message.
+    _request_class: ClassVar[type[Any]] = pb.SessionRequest
 
     def __init__(self, types: SessionTypes) -> None:
         self._types = types
@@ -78,48 +89,21 @@ class SessionProtocol:
         self._next_id = 1
         #: The server's DRAINING notice, once one was read.
         self.draining: Draining | None = None
-        self.episode_id = ""
-        self.step_count = 0
 
-    # -- requests ---------------------------------------------------------------------
-
-    def _envelope(self) -> pb.SessionRequest:
-        request = pb.SessionRequest(request_id=self._next_id)
+    def _envelope(self) -> Any:
+        request = self._request_class(request_id=self._next_id)
         self._next_id += 1
         return request
 
-    def reset_request(
-        self, seed: int | None, episode_id: str | None, options: Message | None
-    ) -> pb.SessionRequest:
-        request = self._envelope()
-        reset = request.reset
-        reset.SetInParent()
-        if seed is not None:
-            reset.seed = seed
-        if episode_id is not None:
-            reset.episode_id = episode_id
-        if options is not None:
-            _pack(reset.options, options, self._types.reset_options, "reset options")
-        return request
-
-    def step_request(self, action: Message) -> pb.SessionRequest:
-        request = self._envelope()
-        _pack(request.step.action, action, self._types.action, "action")
-        return request
-
-    def state_request(self) -> pb.SessionRequest:
-        request = self._envelope()
-        request.state.SetInParent()
-        return request
-
-    def close_request(self) -> pb.SessionRequest:
+    def close_request(self) -> Any:
         request = self._envelope()
         request.close.SetInParent()
         return request
 
-    # -- responses --------------------------------------------------------------------
+    def close_result(self, response: Any) -> None:
+        self._outcome(response, "closed")
 
-    def is_stale(self, response: pb.SessionResponse, request: pb.SessionRequest) -> bool:
+    def is_stale(self, response: Any, request: Any) -> bool:
         """True for what is not the answer to ``request``: the late answer to an earlier
         request (one the caller gave up on), or a notice (request id 0, kept)."""
         if response.request_id == request.request_id:
@@ -133,6 +117,65 @@ class SessionProtocol:
             f"response to request {response.request_id} arrived while waiting for "
             f"{request.request_id}"
         )
+
+    def _outcome(self, response: Any, expected: str) -> Any:
+        outcome = response.WhichOneof("outcome")
+        if outcome == expected:
+            return getattr(response, expected)
+        if outcome == "error":
+            error = response.error
+            raise EnvError(status_code(error.code), error.message, error.exception_type)
+        raise ProtocolError(f"expected a {expected!r} response, got {outcome!r}")
+
+    def _decode(self, payload: any_pb2.Any, role: str) -> Any:
+        message_class: type[Message] | None = getattr(self._types, role)
+        if message_class is None:
+            message_class = _registered_class(payload.type_url)
+            if message_class is None:
+                return payload  # type unknown to this process: hand over the raw Any
+        try:
+            return unpack(payload, message_class, f"the server's {role}")
+        except PayloadError as exc:
+            raise ProtocolError(str(exc)) from None
+
+
+class SessionProtocol(StreamProtocol):
+    """Request ids, envelopes and decoding for one session."""
+
+    __slots__ = ("episode_id", "step_count")
+
+    def __init__(self, types: SessionTypes) -> None:
+        super().__init__(types)
+        self.episode_id = ""
+        self.step_count = 0
+
+    # -- requests ---------------------------------------------------------------------
+
+    def reset_request(
+        self, seed: int | None, episode_id: str | None, options: Message | None
+    ) -> pb.SessionRequest:
+        request: pb.SessionRequest = self._envelope()
+        reset = request.reset
+        reset.SetInParent()
+        if seed is not None:
+            reset.seed = seed
+        if episode_id is not None:
+            reset.episode_id = episode_id
+        if options is not None:
+            pack_typed(reset.options, options, self._types.reset_options, "reset options")
+        return request
+
+    def step_request(self, action: Message) -> pb.SessionRequest:
+        request: pb.SessionRequest = self._envelope()
+        pack_typed(request.step.action, action, self._types.action, "action")
+        return request
+
+    def state_request(self) -> pb.SessionRequest:
+        request: pb.SessionRequest = self._envelope()
+        request.state.SetInParent()
+        return request
+
+    # -- responses --------------------------------------------------------------------
 
     def step_result(self, response: pb.SessionResponse) -> StepOutcome[Any]:
         result = self._outcome(response, "result")
@@ -152,31 +195,15 @@ class SessionProtocol:
         result = self._outcome(response, "state")
         return self._decode(result.state, "state")
 
-    def close_result(self, response: pb.SessionResponse) -> None:
-        self._outcome(response, "closed")
 
-    def _outcome(self, response: pb.SessionResponse, expected: str) -> Any:
-        outcome = response.WhichOneof("outcome")
-        if outcome == expected:
-            return getattr(response, expected)
-        if outcome == "error":
-            error = response.error
-            raise EnvError(_status_code(error.code), error.message, error.exception_type)
-        raise ProtocolError(f"expected a {expected!r} response, got {outcome!r}")
+def pack_typed(
+    target: any_pb2.Any, message: Message, pinned: type[Message] | None, what: str
+) -> None:
+    """Pack ``message`` into ``target``, checking it against the type a typed client pins.
 
-    def _decode(self, payload: any_pb2.Any, role: str) -> Any:
-        message_class: type[Message] | None = getattr(self._types, role)
-        if message_class is None:
-            message_class = _registered_class(payload.type_url)
-            if message_class is None:
-                return payload  # type unknown to this process: hand over the raw Any
-        try:
-            return unpack(payload, message_class, f"the server's {role}")
-        except PayloadError as exc:
-            raise ProtocolError(str(exc)) from None
-
-
-def _pack(target: any_pb2.Any, message: Message, pinned: type[Message] | None, what: str) -> None:
+    Raises:
+        PayloadTypeError: ``message`` is not of the ``pinned`` type (nothing is sent).
+    """
     if pinned is not None and not isinstance(message, pinned):
         raise PayloadTypeError(
             f"{what} must be {pinned.DESCRIPTOR.full_name}, got {type(message).__qualname__}"
@@ -195,7 +222,8 @@ def _registered_class(url: str) -> type[Message] | None:
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
-def _status_code(value: int) -> grpc.StatusCode:
+def status_code(value: int) -> grpc.StatusCode:
+    """The gRPC status code with this number (UNKNOWN for a number gRPC does not know)."""
     return _CODES.get(value, grpc.StatusCode.UNKNOWN)
 
 

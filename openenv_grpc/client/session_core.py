@@ -4,8 +4,9 @@ its bytes move.
 :class:`~openenv_grpc.client.sync_session.Session` (blocking) and
 :class:`~openenv_grpc.client.async_session.AsyncSession` (asyncio) are thin shells over
 :class:`SessionBase`: they open the stream, write, read, sleep between open attempts,
-close a channel and stop a provider, with blocking calls or with awaits. Everything else
-lives here once:
+close a channel and stop a provider, with blocking calls or with awaits. The vector
+shells (``VectorSession``, ``AsyncVectorSession``) move their bytes the same way, over
+:class:`StreamBase` too. Everything else lives here once:
 
 - the target: a ``"host:port"`` string (the session then owns a channel), a channel, or a
   stub;
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypedDict, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypedDict, TypeVar
 
 import grpc
 from google.protobuf.message import Message
@@ -31,6 +32,7 @@ from openenv_grpc.client.protocol import (
     Metadata,
     SessionProtocol,
     SessionTypes,
+    StreamProtocol,
     admitted_session_id,
     refusal,
 )
@@ -47,6 +49,7 @@ __all__ = [
     "SessionCore",
     "SessionOptions",
     "SessionSource",
+    "StreamBase",
     "launched",
 ]
 
@@ -124,12 +127,16 @@ class OpenSchedule:
         return OpenRetry.wait(bound, refused.retry_after)
 
 
-class SessionCore:
-    """The state of one session, whichever shell moves its bytes."""
+ProtocolT = TypeVar("ProtocolT", bound=StreamProtocol)
+
+
+class SessionCore(Generic[ProtocolT]):
+    """The state of one session, whichever shell moves its bytes; ``ProtocolT`` is the
+    kind of stream's protocol (one env's, or a vector's)."""
 
     __slots__ = (
-        "call", "channel", "lost", "metadata", "protocol", "provider", "reconnect", "retry",
-        "session_id", "stub",
+        "call", "channel", "headers", "lost", "metadata", "protocol", "provider", "reconnect",
+        "retry", "rpc", "session_id", "stub",
     )  # fmt: skip
 
     def __init__(
@@ -140,8 +147,17 @@ class SessionCore:
         metadata: Metadata,
         retry: OpenRetry | None,
         reconnect: bool,
+        *,
+        rpc: str = "Session",
+        protocol: ProtocolT | None = None,
     ) -> None:
-        self.protocol = SessionProtocol(types)
+        self.protocol: ProtocolT = (
+            protocol if protocol is not None else SessionProtocol(types)  # type: ignore[assignment]
+        )
+        #: The stub's method that opens the stream ("Session", "VectorSession").
+        self.rpc = rpc
+        #: The headers the server sent when it admitted the stream.
+        self.headers: dict[str, str] = {}
         #: The EnvService stub the stream is opened on.
         self.stub = stub
         #: The channel this session made and closes (None when the caller gave one).
@@ -170,6 +186,11 @@ class SessionCore:
             raise SessionStateError("session is already open")
         return OpenSchedule(self.retry)
 
+    def open_stream(self, *requests: Any) -> Any:
+        """Start the stream's call on the stub (the shell passes its request iterator, if
+        its API takes one); returns the call."""
+        return getattr(self.stub, self.rpc)(*requests, metadata=self.metadata)
+
     def admit(self, call: Any, initial_metadata: Metadata | None) -> bool:
         """Take ``call`` as the session's stream if its headers say the server admitted
         it (and made its env); False when they do not (the call then ends refused)."""
@@ -177,6 +198,7 @@ class SessionCore:
         if session_id is None:
             return False
         self.call, self.session_id, self.lost = call, session_id, False
+        self.headers = {key: str(value) for key, value in initial_metadata or ()}
         return True
 
     @staticmethod
@@ -237,15 +259,19 @@ class SessionCore:
         return owned
 
 
-class SessionBase:
-    """What ``Session`` and ``AsyncSession`` share that does no I/O: the constructor, the
-    typed-client machinery and the session's identity.
+class StreamBase:
+    """What every shell shares that does no I/O: the constructor, the typed-client
+    machinery and the stream's identity.
 
     A shell sets :attr:`_channel_class` (channels it accepts as a target) and
-    :attr:`_make_channel` (how it makes one from ``"host:port"``).
+    :attr:`_make_channel` (how it makes one from ``"host:port"``); a kind of stream sets
+    :attr:`_rpc`, and may override :meth:`_new_protocol` and :meth:`_open_metadata`.
     """
 
+    #: The stub's method that opens the stream.
+    _rpc: ClassVar[str] = "Session"
     _types: ClassVar[SessionTypes] = SessionTypes()
+    _core: SessionCore[Any]
     #: The generic class whose type arguments a typed client pins (the shell itself).
     _generic_origin: ClassVar[type[Any] | None] = None
     _channel_class: ClassVar[type[Any]]
@@ -267,7 +293,11 @@ class SessionBase:
             channel = target = make_channel(target, options.get("credentials"))
         if isinstance(target, self._channel_class):
             target = pb_grpc.EnvServiceStub(target)
-        metadata = (*auth_metadata(options.get("token")), *options.get("metadata", ()))
+        metadata = (
+            *auth_metadata(options.get("token")),
+            *options.get("metadata", ()),
+            *self._open_metadata(),
+        )
         self._core = SessionCore(
             self._types,
             target,
@@ -275,7 +305,17 @@ class SessionBase:
             metadata,
             options.get("retry"),
             options.get("reconnect", False),
+            rpc=self._rpc,
+            protocol=self._new_protocol(),
         )
+
+    def _new_protocol(self) -> StreamProtocol | None:
+        """The stream's protocol (None: a one-env session's)."""
+        return None
+
+    def _open_metadata(self) -> tuple[tuple[str, str], ...]:
+        """Call metadata the kind of stream sends when it opens."""
+        return ()
 
     @property
     def session_id(self) -> str:
@@ -284,26 +324,33 @@ class SessionBase:
         return self._core.session_id
 
     @property
-    def episode_id(self) -> str:
-        """The current episode's id ("" before the first reset)."""
-        return self._core.protocol.episode_id
-
-    @property
     def draining(self) -> Draining | None:
         """The server's DRAINING notice once the session has read one (None before):
         the session ends at its deadline. Notices are read on the way to a call's answer,
         so this turns on at the first call after the server began to drain."""
-        return self._core.protocol.draining
-
-    @property
-    def step_count(self) -> int:
-        """Steps taken in the current episode, as the server last said."""
-        return self._core.protocol.step_count
+        draining: Draining | None = self._core.protocol.draining
+        return draining
 
     def _adopt(self, provider: SessionSource) -> Self:
         """Own ``provider``: the session stops it when it ends or fails to open."""
         self._core.provider = provider
         return self
+
+
+class SessionBase(StreamBase):
+    """What ``Session`` and ``AsyncSession`` add: the one env's episode."""
+
+    _core: SessionCore[SessionProtocol]
+
+    @property
+    def episode_id(self) -> str:
+        """The current episode's id ("" before the first reset)."""
+        return self._core.protocol.episode_id
+
+    @property
+    def step_count(self) -> int:
+        """Steps taken in the current episode, as the server last said."""
+        return self._core.protocol.step_count
 
 
 def launched(cls: type[ClientT], provider: SessionSource, kwargs: dict[str, Any]) -> ClientT:
@@ -319,7 +366,7 @@ def launched(cls: type[ClientT], provider: SessionSource, kwargs: dict[str, Any]
     except BaseException:
         provider.stop()
         raise
-    if not isinstance(session, SessionBase):
+    if not isinstance(session, StreamBase):
         provider.stop()
-        raise TypeError(f"{cls.__qualname__} is not a Session or AsyncSession class")
+        raise TypeError(f"{cls.__qualname__} is not a session class (Session, AsyncSession, ...)")
     return session._adopt(provider)

@@ -24,7 +24,6 @@ from openenv_grpc.client.errors import CapacityError, SessionLost, SessionTimeou
 from openenv_grpc.client.outcome import StepOutcome
 from openenv_grpc.client.protocol import lost
 from openenv_grpc.client.session_core import ActionT, ObservationT, ResetOptionsT, StateT
-from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:  # only the type checker needs these
@@ -32,62 +31,44 @@ if TYPE_CHECKING:  # only the type checker needs these
 
     from openenv_grpc.client.session_core import SessionOptions
 
-__all__ = ["Session"]
+__all__ = ["Session", "SyncStream"]
 
 
 #: What a read returns once the stream is over.
 _END: Any = object()
 
 
-class _RequestQueue(Iterator[pb.SessionRequest]):
+class _RequestQueue(Iterator[Any]):
     """The request side of the stream; ``end()`` half-closes it (and frees gRPC's thread)."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[pb.SessionRequest | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
 
-    def __next__(self) -> pb.SessionRequest:
+    def __next__(self) -> Any:
         item = self._queue.get()
         if item is None:
             self._queue.put(None)  # stay ended for any later next()
             raise StopIteration
         return item
 
-    def put(self, request: pb.SessionRequest) -> None:
+    def put(self, request: Any) -> None:
         self._queue.put(request)
 
     def end(self) -> None:
         self._queue.put(None)
 
 
-class Session(session_core.SessionBase, Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
-    """A blocking session: ``with EchoEnv("127.0.0.1:50051") as env: env.reset()``.
-
-    ``target`` is a ``"host:port"`` string (the session owns a channel to it), a
-    ``grpc.Channel`` or an ``EnvServiceStub`` over one; many sessions may share a channel.
-    Subclass it with concrete types (``Session[A, O, S, R]``) for a typed client that
-    checks what it sends and decodes what it gets; the untyped session decodes any message
-    type imported in this process.
-
-    Options (keywords): ``credentials`` (see
-    :func:`openenv_grpc.client.channel.tls_credentials`) make the owned channel TLS;
-    ``token`` is sent as ``authorization: Bearer <token>``; ``metadata`` is added to the
-    call; ``retry`` (an :class:`~openenv_grpc.client.retry.OpenRetry`) retries the open
-    while the server is full; with ``reconnect``, a call made after the stream was lost
-    (:class:`SessionLost`) first opens a fresh session; the call that saw the loss still
-    raises, because its episode is gone: reset to go on.
-
-    Each call takes a ``timeout``: :class:`SessionTimeout` leaves the session open and the
-    late answer is dropped when it comes. Calls without a timeout read in the caller's
-    thread; a timed call reads in a helper thread of the session, so that the caller can
-    stop waiting. Calls on one session must not overlap.
+class SyncStream(session_core.StreamBase):
+    """The blocking transport of a stream (one env's or a vector's): open with retries,
+    write through a queue gRPC's sender thread drains, read in the caller's thread (or a
+    helper thread for a timed call), close or abort, and let go of what it owns. The
+    kind of stream's commands are the subclass's (:class:`Session`, ``VectorSession``).
     """
 
     _channel_class = grpc.Channel
     _make_channel = sync_channel
 
-    def __init__(
-        self, target: str | grpc.Channel | pb_grpc.EnvServiceStub, **options: Unpack[SessionOptions]
-    ) -> None:
+    def __init__(self, target: Any, **options: Unpack[SessionOptions]) -> None:
         super().__init__(target, **options)
         self._requests: _RequestQueue | None = None
         #: Reads for timed calls (started on the first one), and a read a timed-out call
@@ -148,7 +129,7 @@ class Session(session_core.SessionBase, Generic[ActionT, ObservationT, StateT, R
         """
         core = self._core
         requests = _RequestQueue()
-        call = core.stub.Session(requests, metadata=core.metadata)
+        call = core.open_stream(requests)
         if core.admit(call, call.initial_metadata()):
             self._requests = requests
             return None
@@ -204,6 +185,80 @@ class Session(session_core.SessionBase, Generic[ActionT, ObservationT, StateT, R
         if owned.provider is not None:
             owned.provider.stop()
 
+    # -- transport --------------------------------------------------------------------
+
+    def _roundtrip(self, request: Any, timeout: float | None = None) -> Any:
+        if self._core.must_reopen():
+            self.open()
+        call = self._core.open_call()
+        assert self._requests is not None  # set with the call
+        self._requests.put(request)
+        try:
+            while (response := self._read(call, timeout)) is not _END:
+                if not self._core.protocol.is_stale(response, request):
+                    return response
+            error = lost(call.code(), call.details())
+        except grpc.RpcError as exc:
+            error = lost(exc.code(), exc.details())
+        self._end_stream()
+        self._let_go(self._core.stream_lost())
+        raise error
+
+    def _read(self, call: Any, timeout: float | None) -> Any:
+        """The stream's next answer (``_END`` once it is over).
+
+        Raises:
+            SessionTimeout: none within ``timeout``; the read goes on for the next call.
+            grpc.RpcError: the stream failed.
+        """
+        if timeout is None and self._pending is None:
+            return next(call, _END)  # the fast path: this thread reads
+        if self._pending is None:
+            if self._reader is None:
+                self._reader = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="openenv-session-read"
+                )
+            self._pending = self._reader.submit(next, call, _END)
+        try:
+            response = self._pending.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise SessionTimeout(timeout or 0.0) from None
+        finally:
+            if self._pending is not None and self._pending.done():
+                self._pending = None
+        return response
+
+
+class Session(
+    SyncStream, session_core.SessionBase, Generic[ActionT, ObservationT, StateT, ResetOptionsT]
+):
+    """A blocking session: ``with EchoEnv("127.0.0.1:50051") as env: env.reset()``.
+
+    ``target`` is a ``"host:port"`` string (the session owns a channel to it), a
+    ``grpc.Channel`` or an ``EnvServiceStub`` over one; many sessions may share a channel.
+    Subclass it with concrete types (``Session[A, O, S, R]``) for a typed client that
+    checks what it sends and decodes what it gets; the untyped session decodes any message
+    type imported in this process.
+
+    Options (keywords): ``credentials`` (see
+    :func:`openenv_grpc.client.channel.tls_credentials`) make the owned channel TLS;
+    ``token`` is sent as ``authorization: Bearer <token>``; ``metadata`` is added to the
+    call; ``retry`` (an :class:`~openenv_grpc.client.retry.OpenRetry`) retries the open
+    while the server is full; with ``reconnect``, a call made after the stream was lost
+    (:class:`SessionLost`) first opens a fresh session; the call that saw the loss still
+    raises, because its episode is gone: reset to go on.
+
+    Each call takes a ``timeout``: :class:`SessionTimeout` leaves the session open and the
+    late answer is dropped when it comes. Calls without a timeout read in the caller's
+    thread; a timed call reads in a helper thread of the session, so that the caller can
+    stop waiting. Calls on one session must not overlap.
+    """
+
+    def __init__(
+        self, target: str | grpc.Channel | pb_grpc.EnvServiceStub, **options: Unpack[SessionOptions]
+    ) -> None:
+        super().__init__(target, **options)
+
     # -- commands ---------------------------------------------------------------------
 
     def reset(
@@ -241,51 +296,6 @@ class Session(session_core.SessionBase, Generic[ActionT, ObservationT, StateT, R
         """
         request = self._core.protocol.state_request()
         return self._core.protocol.state_result(self._roundtrip(request, timeout))  # type: ignore[no-any-return]
-
-    # -- transport --------------------------------------------------------------------
-
-    def _roundtrip(
-        self, request: pb.SessionRequest, timeout: float | None = None
-    ) -> pb.SessionResponse:
-        if self._core.must_reopen():
-            self.open()
-        call = self._core.open_call()
-        assert self._requests is not None  # set with the call
-        self._requests.put(request)
-        try:
-            while (response := self._read(call, timeout)) is not _END:
-                if not self._core.protocol.is_stale(response, request):
-                    return response  # type: ignore[no-any-return]
-            error = lost(call.code(), call.details())
-        except grpc.RpcError as exc:
-            error = lost(exc.code(), exc.details())
-        self._end_stream()
-        self._let_go(self._core.stream_lost())
-        raise error
-
-    def _read(self, call: Any, timeout: float | None) -> Any:
-        """The stream's next answer (``_END`` once it is over).
-
-        Raises:
-            SessionTimeout: none within ``timeout``; the read goes on for the next call.
-            grpc.RpcError: the stream failed.
-        """
-        if timeout is None and self._pending is None:
-            return next(call, _END)  # the fast path: this thread reads
-        if self._pending is None:
-            if self._reader is None:
-                self._reader = concurrent.futures.ThreadPoolExecutor(
-                    1, thread_name_prefix="openenv-session-read"
-                )
-            self._pending = self._reader.submit(next, call, _END)
-        try:
-            response = self._pending.result(timeout)
-        except concurrent.futures.TimeoutError:
-            raise SessionTimeout(timeout or 0.0) from None
-        finally:
-            if self._pending is not None and self._pending.done():
-                self._pending = None
-        return response
 
 
 Session._generic_origin = Session

@@ -35,6 +35,9 @@ class Activity:
     def step(self, seconds: float) -> None:
         self.steps += 1
 
+    def env_steps(self, count: int, seconds: float) -> None:
+        self.steps += count
+
     def request_error(self, code: str) -> None:
         pass
 

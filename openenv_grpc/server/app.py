@@ -32,6 +32,7 @@ from openenv_grpc.server.service import EnvServicer, add_env_service
 from openenv_grpc.server.session import SessionManager
 from openenv_grpc.server.spec import EnvSpec
 from openenv_grpc.server.tls import server_credentials
+from openenv_grpc.server.vector_session import VectorSessions
 from openenv_grpc.server.workers import serve_workers
 
 __all__ = ["EnvServer", "serve"]
@@ -116,7 +117,8 @@ class EnvServer:
             lifecycle=self._lifecycle,
         )  # fmt: skip
         server = grpc.aio.server(options=grpc_options(self.config), interceptors=interceptors)
-        add_env_service(EnvServicer(self._sessions), server)
+        vectors = VectorSessions(self._sessions, self._processes)
+        add_env_service(EnvServicer(self._sessions, vectors), server)
         self._health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(

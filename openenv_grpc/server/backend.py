@@ -8,7 +8,8 @@ the layers below it.
 
 The two backends: :class:`~openenv_grpc.server.episode.EpisodeDriver` (the env in this
 process) and :class:`~openenv_grpc.server.env_process_pool.EnvProcessBackend` (the env in
-an env process of ``--isolated``; the driver runs there).
+an env process of ``--isolated``; the driver runs there). A VectorSession stream's backend
+is :class:`~openenv_grpc.server.vector_episode.VectorDriver`, wherever its envs run.
 """
 
 from __future__ import annotations
@@ -61,6 +62,11 @@ class Answer(NamedTuple):
     #: The stream ends after this answer: a close, or a hung env that could not be
     #: replaced (nothing is left to serve).
     ends: bool = False
+    #: For STEPPED: how many env steps the answer holds (a vector stream's step: one per
+    #: env that stepped; ``seconds`` is then the whole call's time).
+    steps: int = 1
+    #: A vector stream's per-env errors in this answer: one gRPC code name each.
+    env_errors: tuple[str, ...] = ()
 
 
 class SessionBackend(Protocol):

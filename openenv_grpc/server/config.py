@@ -99,6 +99,13 @@ class ServerConfig:
         help="sessions (= env instances) per server process; `0` or `-1` (any number "
         "below 1) = unlimited",
     )  # fmt: skip
+    max_vector_envs: int = setting(
+        1024, variable="MAX_VECTOR_ENVS", flag="--max-vector-envs", minimum=1,
+        help="most envs one VectorSession stream may hold (its `openenv-num-envs`)",
+        details="a larger N is refused with `INVALID_ARGUMENT` before admission; each env "
+        "of a vector stream also takes one of the `MAX_CONCURRENT_ENVS` slots, all or "
+        "nothing (`RESOURCE_EXHAUSTED` names N and the free slots)",
+    )  # fmt: skip
     idle_timeout: float = setting(
         600.0, variable="IDLE_TIMEOUT", flag="--idle-timeout", minimum=0,
         help="seconds a session may wait for its client before the server closes it; "

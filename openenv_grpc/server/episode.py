@@ -34,6 +34,8 @@ __all__ = [
     "MAX_RESET_OPTIONS_BYTES",
     "MAX_TYPE_URL_BYTES",
     "EpisodeDriver",
+    "PayloadRefused",
+    "decode_payload",
 ]
 
 log = logging.getLogger(__name__)
@@ -313,17 +315,33 @@ class EpisodeDriver:
             self._phase = _Phase.RUNNING
 
 
-def _decode(payload: Any, message_class: type[Message], what: str) -> Message:
+class PayloadRefused(ValueError):
+    """A payload is not of its declared type, does not parse, or has a type url over
+    :data:`MAX_TYPE_URL_BYTES` (the message says which; the request is INVALID_ARGUMENT)."""
+
+
+def decode_payload(payload: Any, message_class: type[Message], what: str) -> Message:
+    """Decode a request's ``payload`` (``what``: "action", ...) as ``message_class``.
+
+    Raises:
+        PayloadRefused: it cannot be.
+    """
     try:
         return unpack(payload, message_class, what)
     except PayloadError as exc:
         # Checked only here, off the hot path: a wrong type url is echoed in the error.
         size = len(payload.type_url.encode())
         if size > MAX_TYPE_URL_BYTES:
-            raise _RequestError(
-                _INVALID_ARGUMENT,
-                f"{what} type_url is {size} bytes; at most {MAX_TYPE_URL_BYTES} are allowed",
+            raise PayloadRefused(
+                f"{what} type_url is {size} bytes; at most {MAX_TYPE_URL_BYTES} are allowed"
             ) from None
+        raise PayloadRefused(str(exc)) from None
+
+
+def _decode(payload: Any, message_class: type[Message], what: str) -> Message:
+    try:
+        return decode_payload(payload, message_class, what)
+    except PayloadRefused as exc:
         raise _RequestError(_INVALID_ARGUMENT, str(exc)) from None
 
 

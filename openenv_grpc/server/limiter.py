@@ -1,8 +1,10 @@
 """Admission control: how many env instances a server process holds, and whether it
 admits new sessions.
 
-Only Session streams pass through here; health, reflection and Info never do. A slot is
-taken before a session's env is created and given back when that env is closed -- which
+Only Session and VectorSession streams pass through here; health, reflection and Info
+never do. A vector stream of N envs takes N slots at once, all or nothing: it counts as N
+sessions. A slot is taken before a session's env is created and given back when that env
+is closed -- which
 can be after its session ended: an open cancelled while the factory runs, or an env
 abandoned in a hung call, keeps its slot until the factory or the call returns and the
 env is closed. So the cap is a hard limit on live envs. All calls happen on the server's
@@ -39,33 +41,39 @@ class SessionLimiter:
         self._idle = asyncio.Event()
         self._idle.set()
 
-    def try_acquire(self) -> Admission:
-        """Take a slot if one is free; the caller must :meth:`release` it exactly once."""
+    @property
+    def free(self) -> int | None:
+        """Slots free now (None: unlimited)."""
+        return max(self.capacity - self.active, 0) if self.capacity else None
+
+    def try_acquire(self, count: int = 1) -> Admission:
+        """Take ``count`` slots if that many are free (all or none); the caller must
+        :meth:`release` them exactly once."""
         if self.draining:
             return Admission.DRAINING
-        if self.capacity and self.active >= self.capacity:
+        if self.capacity and self.active + count > self.capacity:
             return Admission.FULL
-        self.active += 1
+        self.active += count
         self._idle.clear()
         return Admission.ADMITTED
 
-    def acquire_for_replacement(self) -> None:
-        """Take a slot for a session's replacement env (also while draining: the session
-        is already admitted); the caller must :meth:`release` it exactly once.
+    def acquire_for_replacement(self, count: int = 1) -> None:
+        """Take ``count`` slots for a session's replacement envs (also while draining: the
+        session is already admitted); the caller must :meth:`release` them exactly once.
 
         Raises:
-            NoSlot: every slot is held.
+            NoSlot: fewer than ``count`` slots are free.
         """
-        if self.capacity and self.active >= self.capacity:
+        if self.capacity and self.active + count > self.capacity:
             raise NoSlot(f"server at {self.describe()} (an env stuck in a call holds its slot)")
-        self.active += 1
+        self.active += count
         self._idle.clear()
 
-    def release(self) -> None:
-        """Give back a slot taken by :meth:`try_acquire`."""
-        if self.active <= 0:
+    def release(self, count: int = 1) -> None:
+        """Give back ``count`` slots taken by :meth:`try_acquire`."""
+        if self.active < count:
             raise RuntimeError("SessionLimiter.release() without a matching acquire")
-        self.active -= 1
+        self.active -= count
         if self.active == 0:
             self._idle.set()
 

@@ -1,8 +1,9 @@
 """Prometheus metrics of one server process, served over HTTP on a side port.
 
 The session lifecycle and the request handler report through one :class:`Metrics`
-object; with metrics off they get :data:`NO_METRICS`, whose methods do nothing, so the
-hot path never branches on a setting. Gauges (active sessions, capacity) are read from
+object (a vector stream of N envs counts as N sessions, and its steps one per env); with
+metrics off they get :data:`NO_METRICS`, whose methods do nothing, so the hot path never
+branches on a setting. Gauges (active sessions, capacity) are read from
 the limiter when scraped, costing nothing per step.
 """
 
@@ -29,6 +30,7 @@ class Metrics(Protocol):
     def session_refused(self, reason: str) -> None: ...
     def session_ended(self, seconds: float, reason: str) -> None: ...
     def step(self, seconds: float) -> None: ...
+    def env_steps(self, count: int, seconds: float) -> None: ...
     def request_error(self, code: str) -> None: ...
     def pool_saturated(self) -> None: ...
 
@@ -41,6 +43,9 @@ class _NoMetrics:
         pass
 
     def step(self, seconds: float) -> None:
+        pass
+
+    def env_steps(self, count: int, seconds: float) -> None:
         pass
 
     def request_error(self, code: str) -> None:
@@ -74,6 +79,10 @@ class MetricsTee:
     def step(self, seconds: float) -> None:
         self._first.step(seconds)
         self._second.step(seconds)
+
+    def env_steps(self, count: int, seconds: float) -> None:
+        self._first.env_steps(count, seconds)
+        self._second.env_steps(count, seconds)
 
     def request_error(self, code: str) -> None:
         self._first.request_error(code)
@@ -134,6 +143,13 @@ class PrometheusMetrics:
 
     def step(self, seconds: float) -> None:
         self._steps.observe(seconds)
+
+    def env_steps(self, count: int, seconds: float) -> None:
+        # A vector step: each env step counts, at the call's time shared among them.
+        each = seconds / count if count else 0.0
+        observe = self._steps.observe
+        for _ in range(count):
+            observe(each)
 
     def request_error(self, code: str) -> None:
         self._errors.labels(self._env, code).inc()

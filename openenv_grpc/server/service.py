@@ -1,4 +1,5 @@
-"""The EnvService servicer: wires the two RPCs to the session manager and the spec."""
+"""The EnvService servicer: wires the three RPCs to the session manager, the vector
+streams and the spec."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import grpc
 from openenv_grpc._version import __version__
 from openenv_grpc.metadata import PROTOCOL, SERVICE_NAME
 from openenv_grpc.server.session import SessionManager
+from openenv_grpc.server.vector_session import AUTORESET_MODES, VectorSessions
 from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
 
@@ -17,10 +19,12 @@ __all__ = ["PROTOCOL", "SERVICE_NAME", "EnvServicer", "add_env_service"]
 
 
 class EnvServicer(pb_grpc.EnvServiceServicer):
-    """Session streams go to the session manager; Info is answered from the spec."""
+    """Session streams go to the session manager, VectorSession streams to the vector
+    streams (which hand them to the same manager); Info is answered from the spec."""
 
-    def __init__(self, sessions: SessionManager) -> None:
+    def __init__(self, sessions: SessionManager, vectors: VectorSessions) -> None:
         self._sessions = sessions
+        self._vectors = vectors
         spec = sessions.spec
         # Everything but the capacity is fixed: build it once, copy it per call.
         self._info = pb.InfoResponse(
@@ -35,6 +39,12 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
             server_version=__version__,
             protocol=PROTOCOL,
             server_pid=os.getpid(),
+            vector=pb.VectorSupport(
+                supported=True,
+                native_batch=vectors.native,
+                max_envs_per_stream=vectors.max_envs,
+                autoreset_modes=AUTORESET_MODES,
+            ),
         )
         self._workers = sessions.config.workers
 
@@ -45,6 +55,13 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
     ) -> None:
         # The manager reads with context.read(): cheaper than the async iterator.
         await self._sessions.serve(context)
+
+    async def VectorSession(  # type: ignore[override]
+        self,
+        request_iterator: AsyncIterator[bytes],
+        context: grpc.aio.ServicerContext[bytes, bytes],
+    ) -> None:
+        await self._vectors.serve(context)
 
     async def Info(
         self,
@@ -64,14 +81,15 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
 
 def add_env_service(servicer: EnvServicer, server: grpc.aio.Server) -> None:
     """Register ``servicer`` like the generated ``add_EnvServiceServicer_to_server``, except
-    that Session requests and responses are bytes: the session's backend parses them, so
-    a request that does not decode ends the stream with INVALID_ARGUMENT (gRPC would say
-    UNKNOWN), and an isolated worker's answer passes through unparsed.
+    that Session and VectorSession requests and responses are bytes: the stream's backend
+    parses them, so a request that does not decode ends the stream with INVALID_ARGUMENT
+    (gRPC would say UNKNOWN), and an isolated worker's answer passes through unparsed.
     """
     handlers = {
         # Bytes both ways: the session's backend parses and serializes (it may be a
         # worker process that hands back response bytes as they are).
         "Session": grpc.stream_stream_rpc_method_handler(servicer.Session),
+        "VectorSession": grpc.stream_stream_rpc_method_handler(servicer.VectorSession),
         "Info": grpc.unary_unary_rpc_method_handler(
             servicer.Info,
             request_deserializer=pb.InfoRequest.FromString,

@@ -1,10 +1,12 @@
-"""The session lifecycle: one Session stream, one environment instance, from admission
-to close.
+"""The stream lifecycle: from admission to close, for a Session stream (one environment
+instance) and for a VectorSession stream (N of them, see ``vector_session.py``).
 
-Every path that ends a stream goes through :meth:`SessionManager.serve`'s ``finally``:
+Every path that ends a stream goes through :meth:`SessionManager.run`'s ``finally``:
 the client closes or cancels, its process dies, keepalive drops the connection, the idle
 reaper or a drain cancels the session. There the env is closed exactly once and the slot
 released exactly once (for in-process envs the slot goes with the env: see ``runner.py``).
+A vector stream is N sessions to everything here: N slots taken at once, all or nothing,
+and given back together; the idle reaper and the drain end it like any session.
 
 A drain tells every held session at once with a notice (request_id 0), ends them when
 the grace period is over, and gives their envs a short budget to close; an env stuck in
@@ -20,9 +22,10 @@ import logging
 import time
 import uuid
 from concurrent.futures import Executor
+from typing import Protocol
 
 import grpc
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from openenv_grpc.metadata import ADMITTED_KEY, RETRY_PUSHBACK_KEY, SESSION_ID_KEY
 from openenv_grpc.server.activity import Activity
@@ -44,7 +47,7 @@ from openenv_grpc.server.runner import EnvRunner
 from openenv_grpc.server.spec import EnvSpec
 from openenv_grpc.v1 import session_pb2 as pb
 
-__all__ = ["CLOSE_BUDGET", "SessionManager"]
+__all__ = ["CLOSE_BUDGET", "Held", "SessionManager", "StreamOpening"]
 
 log = logging.getLogger(__name__)
 
@@ -109,20 +112,72 @@ class _LiveSession:
         task.add_done_callback(tasks.discard)
 
 
-class _Held:
-    """What an admitted session holds until :meth:`SessionManager._release`."""
+class Held:
+    """What an admitted stream holds until :meth:`SessionManager._release`."""
 
-    __slots__ = ("backend", "live", "owns_slot", "reason", "released", "started")
+    __slots__ = ("backend", "live", "owns_slot", "reason", "released", "slots", "started")
 
-    def __init__(self, live: _LiveSession) -> None:
+    def __init__(self, live: _LiveSession, slots: int) -> None:
         self.started = time.monotonic()
         self.reason = "error"  # how the session ended, for logs and metrics
         self.backend: SessionBackend | None = None
         self.live = live
         self.released = False
-        #: The session frees its limiter slot itself; False once an in-process env runner
-        #: took it over (it frees the slot when its env is closed, maybe after the session).
+        #: Limiter slots the stream was admitted with: 1, or N for a vector stream.
+        self.slots = slots
+        #: The session frees its limiter slots itself; False once an in-process env runner
+        #: took them over (it frees them when its env is closed, maybe after the session).
         self.owns_slot = True
+
+
+class StreamOpening(Protocol):
+    """What one kind of stream brings to :meth:`SessionManager.run`: how many slots it
+    takes, its message types, and how its backend is made once it is admitted."""
+
+    @property
+    def slots(self) -> int:
+        """Limiter slots (= env instances) the stream takes, all or nothing."""
+        ...
+
+    @property
+    def request_class(self) -> type[Message]:
+        """The stream's request message (read back for the oversize answer)."""
+        ...
+
+    @property
+    def response_class(self) -> type[Message]:
+        """The stream's response message."""
+        ...
+
+    async def open(self, held: Held) -> SessionBackend:
+        """Make the stream's backend (its envs). Set ``held.owns_slot`` to False before
+        handing the slots to something that frees them itself.
+
+        Raises:
+            Exception: the env factory's (or the env process's) failure.
+        """
+        ...
+
+    def headers(self) -> tuple[tuple[str, str], ...]:
+        """Initial metadata beyond the admitted and session-id keys, sent once open."""
+        ...
+
+
+class _OneEnv:
+    """A Session stream: one slot, one env."""
+
+    slots = 1
+    request_class = pb.SessionRequest
+    response_class = pb.SessionResponse
+
+    def __init__(self, manager: SessionManager) -> None:
+        self._manager = manager
+
+    async def open(self, held: Held) -> SessionBackend:
+        return await self._manager._open_backend(held)
+
+    def headers(self) -> tuple[tuple[str, str], ...]:
+        return ()
 
 
 class SessionManager:
@@ -166,6 +221,22 @@ class SessionManager:
         #: Longest an env call may take; the server's setting wins over the env's own.
         self._call_timeout = config.call_timeout(spec.env_class.step_timeout)
         self._max_response = config.max_message_bytes
+        self._one_env = _OneEnv(self)
+
+    @property
+    def call_timeout(self) -> float | None:
+        """Longest an env call may take (None: no limit); the server's setting wins."""
+        return self._call_timeout
+
+    @property
+    def pool(self) -> Executor:
+        """The shared thread pool that blocking env calls run on."""
+        return self._pool
+
+    @property
+    def lifecycle(self) -> Executor:
+        """The threads that build and close pooled envs."""
+        return self._lifecycle
 
     async def _new_runner(self) -> EnvRunner:
         """A replacement env for a session whose env hung; it needs a slot of its own.
@@ -179,7 +250,7 @@ class SessionManager:
             self.spec, self._pool, lifecycle=self._lifecycle, release=self.limiter.release
         )
 
-    async def _open_backend(self, held: _Held) -> SessionBackend:
+    async def _open_backend(self, held: Held) -> SessionBackend:
         """A fresh env for one session: in an env process when isolated, else here."""
         if self._processes is not None:
             return await self._processes.open()
@@ -193,20 +264,27 @@ class SessionManager:
 
     async def serve(self, context: _Context) -> None:
         """Run one Session stream, given its RPC context, to its end."""
-        admission = self.limiter.try_acquire()
+        await self.run(context, self._one_env)
+
+    async def run(self, context: _Context, opening: StreamOpening) -> None:
+        """Run one stream of any kind, given its RPC context, to its end: admit its slots
+        (or refuse it), make its backend, answer its requests, release everything once."""
+        slots = opening.slots
+        admission = self.limiter.try_acquire(slots)
         if admission is not Admission.ADMITTED:
-            self._metrics.session_refused(admission.value)
-            await self._refuse(context, admission)
+            for _ in range(slots):  # a vector stream counts as N sessions
+                self._metrics.session_refused(admission.value)
+            await self._refuse(context, admission, slots)
             return
         session_id = uuid.uuid4().hex[:16]
         SESSION_ID.set(session_id)  # this task's context: every log line below carries it
         live = _LiveSession(asyncio.current_task(), context)  # type: ignore[arg-type]
-        held = _Held(live)
+        held = Held(live, slots)
         self._live.add(live)
         self._no_sessions.clear()
         try:
             try:
-                held.backend = await self._open_backend(held)
+                held.backend = await opening.open(held)
             except Exception as exc:
                 held.reason = "factory_error"
                 log.exception("environment factory raised")
@@ -217,13 +295,13 @@ class SessionManager:
                 )
             # Headers now tell the client it was admitted and its env exists.
             await context.send_initial_metadata(
-                ((ADMITTED_KEY, self.spec.name), (SESSION_ID_KEY, session_id))
+                ((ADMITTED_KEY, self.spec.name), (SESSION_ID_KEY, session_id), *opening.headers())
             )
-            log.debug("session opened")
+            log.debug("session opened" if slots == 1 else f"vector session of {slots} opened")
             live.ready = True
             if self._drain_deadline is not None:
                 live.notify(self._drain_notice(), self._notices)
-            held.reason = await self._loop(context, held.backend, live)
+            held.reason = await self._loop(context, held.backend, live, opening)
         except asyncio.CancelledError:
             end_reason = live.end_reason
             if end_reason is None:
@@ -238,8 +316,8 @@ class SessionManager:
         finally:
             await self._release(held)
 
-    async def _release(self, held: _Held) -> None:
-        """Close the session's env and free its slot, once."""
+    async def _release(self, held: Held) -> None:
+        """Close the session's envs and free their slots, once."""
         if held.released:
             return
         held.released = True
@@ -249,12 +327,19 @@ class SessionManager:
         if held.backend is not None:
             await held.backend.close()
         if held.owns_slot:
-            self.limiter.release()
+            self.limiter.release(held.slots)
         elapsed = time.monotonic() - held.started
-        self._metrics.session_ended(elapsed, held.reason)
+        for _ in range(held.slots):  # a vector stream counts as N sessions
+            self._metrics.session_ended(elapsed, held.reason)
         log.debug("session ended (%s) after %.3fs", held.reason, elapsed)
 
-    async def _loop(self, context: _Context, backend: SessionBackend, live: _LiveSession) -> str:
+    async def _loop(
+        self,
+        context: _Context,
+        backend: SessionBackend,
+        live: _LiveSession,
+        opening: StreamOpening,
+    ) -> str:
         """Answer requests until the stream ends; returns how it ended."""
         loop = asyncio.get_running_loop()
         read, write, handle, record = context.read, context.write, backend.handle, self._record
@@ -279,7 +364,7 @@ class SessionManager:
             response = answer.response
             if len(response) > max_response:
                 # gRPC would end the stream; fail this request instead.
-                response = self._too_large(raw, len(response))  # type: ignore[arg-type]
+                response = self._too_large(raw, len(response), opening)  # type: ignore[arg-type]
             live.waiting_since = loop.time()
             if live.side_write is not None:  # a notice is on its way: never overlap it
                 await live.side_write
@@ -299,44 +384,63 @@ class SessionManager:
         """Count what a request was answered with, in Info's activity and in Prometheus."""
         outcome = answer.outcome
         if outcome is Outcome.STEPPED:
-            self._metrics.step(answer.seconds)
+            steps = answer.steps
+            if steps == 1:
+                self._metrics.step(answer.seconds)
+            elif steps:
+                self._metrics.env_steps(steps, answer.seconds)
         elif outcome is Outcome.FAILED:
             self._metrics.request_error(answer.error)
         elif outcome is Outcome.SATURATED:
             self._metrics.request_error(answer.error)
             self._metrics.pool_saturated()
+        if answer.env_errors:
+            for code in answer.env_errors:
+                self._metrics.request_error(code)
 
-    def _too_large(self, raw: bytes, size: int) -> bytes:
+    def _too_large(self, raw: bytes, size: int, opening: StreamOpening) -> bytes:
         """The in-band error that replaces a response over the message limit."""
+        request: Message
         try:
-            request = pb.SessionRequest.FromString(raw)
+            request = opening.request_class.FromString(raw)
         except DecodeError:  # decoded once already; kept total for safety
-            request = pb.SessionRequest()
+            request = opening.request_class()
         command = request.WhichOneof("command") or "request"
         self._metrics.request_error(grpc.StatusCode.RESOURCE_EXHAUSTED.name)
-        response = pb.SessionResponse(request_id=request.request_id)
-        response.error.code = _RESOURCE_EXHAUSTED
-        response.error.message = (
+        response = opening.response_class(request_id=request.request_id)  # type: ignore[attr-defined]
+        response.error.code = _RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
+        hint = "" if opening.slots == 1 else " (name fewer envs per request, by indices)"
+        response.error.message = (  # type: ignore[attr-defined]
             f"the {command} response is {size} bytes, over the server's message limit of "
             f"{self._max_response} bytes (--max-message-bytes): the {command} took effect "
-            "but its result cannot be sent; the session goes on"
+            f"but its result cannot be sent{hint}; the session goes on"
         )
         return response.SerializeToString()
 
-    async def _refuse(
-        self,
-        context: _Context,
-        admission: Admission,
-    ) -> None:
+    async def _refuse(self, context: _Context, admission: Admission, asked: int) -> None:
         if admission is Admission.DRAINING:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE, "server is draining: not admitting new sessions"
             )
-        await context.abort(
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"server at {self.limiter.describe()}; retry later or elsewhere",
-            trailing_metadata=((RETRY_PUSHBACK_KEY, str(self.config.retry_pushback_ms)),),
+        limiter = self.limiter
+        pushback: tuple[tuple[str, str], ...] = (
+            (RETRY_PUSHBACK_KEY, str(self.config.retry_pushback_ms)),
         )
+        if asked == 1:
+            message = f"server at {limiter.describe()}; retry later or elsewhere"
+        elif limiter.capacity and asked > limiter.capacity:
+            # Waiting never helps: no pushback, so that a retrying client gives up.
+            message = (
+                f"server at {limiter.describe()}: {asked} envs asked, more than its capacity "
+                f"of {limiter.capacity}: this never fits here; ask for fewer"
+            )
+            pushback = ()
+        else:
+            message = (
+                f"server at {limiter.describe()}: {asked} envs asked, {limiter.free} free; "
+                "retry later or elsewhere"
+            )
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message, trailing_metadata=pushback)
 
     def _end_message(self, reason: _EndReason) -> str:
         if reason is _EndReason.IDLE:

@@ -14,12 +14,14 @@ a client may use its own prefix; a url naming another type is refused in-band wi
 INVALID_ARGUMENT, and the error names both the expected type and the url received.
 """
 
+from collections import abc as _abc
 from google.protobuf import any_pb2 as _any_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import descriptor_pb2 as _descriptor_pb2
 from google.protobuf import message as _message
 from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
@@ -55,6 +57,74 @@ NOTICE_KIND_DRAINING: NoticeKind.ValueType  # 1
 Finish the episode, or move to another server.
 """
 Global___NoticeKind: _TypeAlias = NoticeKind  # noqa: Y015
+
+class _VectorAnswerMode:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _VectorAnswerModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_VectorAnswerMode.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    VECTOR_ANSWER_MODE_UNSPECIFIED: _VectorAnswerMode.ValueType  # 0
+    """The default: VECTOR_ANSWER_MODE_ALL."""
+    VECTOR_ANSWER_MODE_ALL: _VectorAnswerMode.ValueType  # 1
+    """One VectorSessionResponse with a row (or an error) for every env of the request."""
+
+class VectorAnswerMode(_VectorAnswerMode, metaclass=_VectorAnswerModeEnumTypeWrapper):
+    """VectorAnswerMode says how a step is answered. Room for a ready-first mode (results for
+    whichever envs finish first, in several VectorSessionResponses with the same request_id, the
+    last one marked): it will be a new value here and a new field on VectorSessionResponse; the
+    fields that exist keep their meaning. A server refuses a mode it does not know with
+    INVALID_ARGUMENT.
+    """
+
+VECTOR_ANSWER_MODE_UNSPECIFIED: VectorAnswerMode.ValueType  # 0
+"""The default: VECTOR_ANSWER_MODE_ALL."""
+VECTOR_ANSWER_MODE_ALL: VectorAnswerMode.ValueType  # 1
+"""One VectorSessionResponse with a row (or an error) for every env of the request."""
+Global___VectorAnswerMode: _TypeAlias = VectorAnswerMode  # noqa: Y015
+
+class _AutoresetMode:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _AutoresetModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_AutoresetMode.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    AUTORESET_MODE_UNSPECIFIED: _AutoresetMode.ValueType  # 0
+    """Not given: NEXT_STEP."""
+    AUTORESET_MODE_NEXT_STEP: _AutoresetMode.ValueType  # 1
+    """The step after the one that ended an episode resets that env instead (its action is
+    ignored): that row is the new episode's first observation, reward 0, flags false, and
+    is marked in VectorResult.autoreset.
+    """
+    AUTORESET_MODE_SAME_STEP: _AutoresetMode.ValueType  # 2
+    """The step that ends an episode resets the env at once: its row carries the step's
+    reward and flags but the new episode's first observation (marked in autoreset); the
+    ended episode's last observation and info come as final_observations / final_infos.
+    """
+    AUTORESET_MODE_DISABLED: _AutoresetMode.ValueType  # 3
+    """No autoreset: an env whose episode ended must be reset by the client before it steps."""
+
+class AutoresetMode(_AutoresetMode, metaclass=_AutoresetModeEnumTypeWrapper):
+    """AutoresetMode says how an env of a vector stream starts its next episode once one ended
+    (Gymnasium 1.x's vector autoreset modes, same meaning). Chosen at open with the
+    openenv-autoreset metadata value next_step, same_step or disabled.
+    """
+
+AUTORESET_MODE_UNSPECIFIED: AutoresetMode.ValueType  # 0
+"""Not given: NEXT_STEP."""
+AUTORESET_MODE_NEXT_STEP: AutoresetMode.ValueType  # 1
+"""The step after the one that ended an episode resets that env instead (its action is
+ignored): that row is the new episode's first observation, reward 0, flags false, and
+is marked in VectorResult.autoreset.
+"""
+AUTORESET_MODE_SAME_STEP: AutoresetMode.ValueType  # 2
+"""The step that ends an episode resets the env at once: its row carries the step's
+reward and flags but the new episode's first observation (marked in autoreset); the
+ended episode's last observation and info come as final_observations / final_infos.
+"""
+AUTORESET_MODE_DISABLED: AutoresetMode.ValueType  # 3
+"""No autoreset: an env whose episode ended must be reset by the client before it steps."""
+Global___AutoresetMode: _TypeAlias = AutoresetMode  # noqa: Y015
 
 @_typing.final
 class SessionRequest(_message.Message):
@@ -487,6 +557,7 @@ class InfoResponse(_message.Message):
     PROTOCOL_FIELD_NUMBER: _builtins.int
     SERVER_PID_FIELD_NUMBER: _builtins.int
     ACTIVITY_FIELD_NUMBER: _builtins.int
+    VECTOR_FIELD_NUMBER: _builtins.int
     env_name: _builtins.str
     """The environment's name, e.g. "echo"."""
     env_version: _builtins.str
@@ -519,6 +590,12 @@ class InfoResponse(_message.Message):
     def activity(self) -> Global___Activity:
         """What the answering process has done since it started (for dashboards and consoles)."""
 
+    @_builtins.property
+    def vector(self) -> Global___VectorSupport:
+        """What VectorSession streams offer here. (Numbered apart from the fields before it, so
+        other additions to InfoResponse can take the numbers in between.)
+        """
+
     def __init__(
         self,
         *,
@@ -535,10 +612,11 @@ class InfoResponse(_message.Message):
         protocol: _builtins.str = ...,
         server_pid: _builtins.int = ...,
         activity: Global___Activity | None = ...,
+        vector: Global___VectorSupport | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["activity", b"activity", "capacity", b"capacity", "descriptors", b"descriptors"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["activity", b"activity", "capacity", b"capacity", "descriptors", b"descriptors", "vector", b"vector"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action_type", b"action_type", "activity", b"activity", "capacity", b"capacity", "descriptors", b"descriptors", "env_description", b"env_description", "env_name", b"env_name", "env_version", b"env_version", "observation_type", b"observation_type", "protocol", b"protocol", "reset_options_type", b"reset_options_type", "server_pid", b"server_pid", "server_version", b"server_version", "state_type", b"state_type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action_type", b"action_type", "activity", b"activity", "capacity", b"capacity", "descriptors", b"descriptors", "env_description", b"env_description", "env_name", b"env_name", "env_version", b"env_version", "observation_type", b"observation_type", "protocol", b"protocol", "reset_options_type", b"reset_options_type", "server_pid", b"server_pid", "server_version", b"server_version", "state_type", b"state_type", "vector", b"vector"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -620,3 +698,518 @@ class Activity(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Activity: _TypeAlias = Activity  # noqa: Y015
+
+@_typing.final
+class VectorSessionRequest(_message.Message):
+    """-- vector streams ------------------------------------------------------------------------
+
+    A VectorSession stream holds N environments, indexed 0 .. N-1, for as long as it lives;
+    any end of the stream closes all N and frees all N slots. Each request names the envs it
+    is about by index (empty: all, in order), strictly increasing; an index out of range or
+    repeated refuses the whole request with INVALID_ARGUMENT and nothing is done. Results are
+    columnar: one row per env that answered, in index order; an env whose call failed has no
+    row but an entry in `errors` (its neighbours still answer).
+
+    The field numbers of request_id, close, error and notice are those of SessionRequest and
+    SessionResponse, so a notice or an error is the same bytes on both kinds of stream.
+
+    VectorSessionRequest is one command from the client on a VectorSession stream. The whole message
+    is at most the server's --max-message-bytes; the caps of SessionRequest apply per env
+    (episode_id 256 bytes, reset options 64 KiB, type_url 256 bytes).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    RESET_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    CLOSE_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.int
+    """Client-chosen id, echoed by the response; numbered from 1 as for SessionRequest."""
+    @_builtins.property
+    def reset(self) -> Global___VectorReset:
+        """Start new episodes in some or all envs."""
+
+    @_builtins.property
+    def step(self) -> Global___VectorStep:
+        """Apply one action in each of some or all envs."""
+
+    @_builtins.property
+    def state(self) -> Global___VectorState:
+        """Read the state of some or all envs."""
+
+    @_builtins.property
+    def close(self) -> Global___CloseCommand:
+        """Close every env and end the stream."""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.int = ...,
+        reset: Global___VectorReset | None = ...,
+        step: Global___VectorStep | None = ...,
+        state: Global___VectorState | None = ...,
+        close: Global___CloseCommand | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["close", b"close", "command", b"command", "reset", b"reset", "state", b"state", "step", b"step"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["close", b"close", "command", b"command", "request_id", b"request_id", "reset", b"reset", "state", b"state", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_command: _TypeAlias = _typing.Literal["reset", "step", "state", "close"]  # noqa: Y015
+    _WhichOneofArgType_command: _TypeAlias = _typing.Literal["command", b"command"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_command) -> _WhichOneofReturnType_command | None: ...
+
+Global___VectorSessionRequest: _TypeAlias = VectorSessionRequest  # noqa: Y015
+
+@_typing.final
+class VectorReset(_message.Message):
+    """VectorReset starts a new episode in each env of `indices`; valid at any time."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDICES_FIELD_NUMBER: _builtins.int
+    ENVS_FIELD_NUMBER: _builtins.int
+    BATCH_OBSERVATION_FIELD_NUMBER: _builtins.int
+    batch_observation: _builtins.bool
+    """Answer with one batch_observation instead of one observation per env (only where the
+    stream's envs batch natively: the openenv-batch response header says "native").
+    """
+    @_builtins.property
+    def indices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The envs to reset, strictly increasing; empty means all."""
+
+    @_builtins.property
+    def envs(self) -> _containers.RepeatedCompositeFieldContainer[Global___ResetCommand]:
+        """One reset per env of `indices` (per env when `indices` is empty), in the same order;
+        or none at all: then each env is reset unseeded, with a fresh episode id, no options.
+        """
+
+    def __init__(
+        self,
+        *,
+        indices: _abc.Iterable[_builtins.int] | None = ...,
+        envs: _abc.Iterable[Global___ResetCommand] | None = ...,
+        batch_observation: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_observation", b"batch_observation", "envs", b"envs", "indices", b"indices"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___VectorReset: _TypeAlias = VectorReset  # noqa: Y015
+
+@_typing.final
+class VectorStep(_message.Message):
+    """VectorStep applies one action in each env of `indices`. Give the actions either one per
+    env (`actions`, which every env and every language can use) or as one message in the
+    env's batch form (`batch_action`, where the stream's envs batch natively); the answer's
+    observations come in the same form. An env whose episode ended is reset instead of
+    stepped under NEXT_STEP autoreset (its action is ignored); under DISABLED it answers
+    FAILED_PRECONDITION for its index, as does an env not reset yet (with `batch_action`,
+    such an env refuses the whole request instead: a batch cannot leave out a row).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDICES_FIELD_NUMBER: _builtins.int
+    ACTIONS_FIELD_NUMBER: _builtins.int
+    BATCH_ACTION_FIELD_NUMBER: _builtins.int
+    ANSWER_MODE_FIELD_NUMBER: _builtins.int
+    answer_mode: Global___VectorAnswerMode.ValueType
+    """How the server answers; unspecified is VECTOR_ANSWER_MODE_ALL."""
+    @_builtins.property
+    def indices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The envs to step, strictly increasing; empty means all."""
+
+    @_builtins.property
+    def actions(self) -> _containers.RepeatedCompositeFieldContainer[_any_pb2.Any]:
+        """One action per env of `indices`, in the same order, of the env's declared action type."""
+
+    @_builtins.property
+    def batch_action(self) -> _any_pb2.Any:
+        """All the actions as one message of the action type in its batch form (a row per env of
+        `indices`); instead of `actions`.
+        """
+
+    def __init__(
+        self,
+        *,
+        indices: _abc.Iterable[_builtins.int] | None = ...,
+        actions: _abc.Iterable[_any_pb2.Any] | None = ...,
+        batch_action: _any_pb2.Any | None = ...,
+        answer_mode: Global___VectorAnswerMode.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["batch_action", b"batch_action"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["actions", b"actions", "answer_mode", b"answer_mode", "batch_action", b"batch_action", "indices", b"indices"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___VectorStep: _TypeAlias = VectorStep  # noqa: Y015
+
+@_typing.final
+class VectorState(_message.Message):
+    """VectorState asks for the state of each env of `indices`."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDICES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def indices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The envs to read, strictly increasing; empty means all."""
+
+    def __init__(
+        self,
+        *,
+        indices: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["indices", b"indices"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___VectorState: _TypeAlias = VectorState  # noqa: Y015
+
+@_typing.final
+class VectorSessionResponse(_message.Message):
+    """VectorSessionResponse answers exactly one VectorSessionRequest, or is a notice (request_id 0). A
+    response over --max-message-bytes is replaced by an Error with code RESOURCE_EXHAUSTED
+    naming the limit; the request took effect (the envs stepped) and the stream goes on.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    RESULT_FIELD_NUMBER: _builtins.int
+    STATES_FIELD_NUMBER: _builtins.int
+    CLOSED_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    NOTICE_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.int
+    """The request_id of the request this answers; 0 for a notice."""
+    @_builtins.property
+    def result(self) -> Global___VectorResult:
+        """The answer to a reset or a step."""
+
+    @_builtins.property
+    def states(self) -> Global___VectorStates:
+        """The answer to a state command."""
+
+    @_builtins.property
+    def closed(self) -> Global___CloseResult:
+        """The answer to a close command; the stream ends right after it."""
+
+    @_builtins.property
+    def error(self) -> Global___Error:
+        """The whole request was refused and nothing was done (INVALID_ARGUMENT for a bad
+        request, e.g. a wrong action count, an index out of range or repeated, a wrong-typed
+        action, an empty envelope; FAILED_PRECONDITION for a batch_action naming an env that
+        cannot step; INTERNAL when a native batch raised for the whole call; DEADLINE_EXCEEDED
+        past the step timeout: every env was replaced, reset them; RESOURCE_EXHAUSTED for a
+        response over the message limit or a call that never got a thread); the stream goes on.
+        """
+
+    @_builtins.property
+    def notice(self) -> Global___Notice:
+        """News from the server that answers no request (request_id 0), e.g. that it drains."""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.int = ...,
+        result: Global___VectorResult | None = ...,
+        states: Global___VectorStates | None = ...,
+        closed: Global___CloseResult | None = ...,
+        error: Global___Error | None = ...,
+        notice: Global___Notice | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["closed", b"closed", "error", b"error", "notice", b"notice", "outcome", b"outcome", "result", b"result", "states", b"states"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["closed", b"closed", "error", b"error", "notice", b"notice", "outcome", b"outcome", "request_id", b"request_id", "result", b"result", "states", b"states"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["result", "states", "closed", "error", "notice"]  # noqa: Y015
+    _WhichOneofArgType_outcome: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_outcome) -> _WhichOneofReturnType_outcome | None: ...
+
+Global___VectorSessionResponse: _TypeAlias = VectorSessionResponse  # noqa: Y015
+
+@_typing.final
+class VectorResult(_message.Message):
+    """VectorResult is what the envs returned for a reset or a step, one row per env that
+    answered, in index order. Row r is about env indices[r].
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class InfosEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.int
+        @_builtins.property
+        def value(self) -> _struct_pb2.Struct: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.int = ...,
+            value: _struct_pb2.Struct | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class FinalInfosEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.int
+        @_builtins.property
+        def value(self) -> _struct_pb2.Struct: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.int = ...,
+            value: _struct_pb2.Struct | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class ErrorsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.int
+        @_builtins.property
+        def value(self) -> Global___Error: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.int = ...,
+            value: Global___Error | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    INDICES_FIELD_NUMBER: _builtins.int
+    OBSERVATIONS_FIELD_NUMBER: _builtins.int
+    BATCH_OBSERVATION_FIELD_NUMBER: _builtins.int
+    REWARDS_FIELD_NUMBER: _builtins.int
+    TERMINATED_FIELD_NUMBER: _builtins.int
+    TRUNCATED_FIELD_NUMBER: _builtins.int
+    EPISODE_IDS_FIELD_NUMBER: _builtins.int
+    STEP_COUNTS_FIELD_NUMBER: _builtins.int
+    INFOS_FIELD_NUMBER: _builtins.int
+    AUTORESET_FIELD_NUMBER: _builtins.int
+    FINAL_OBSERVATIONS_FIELD_NUMBER: _builtins.int
+    BATCH_FINAL_OBSERVATION_FIELD_NUMBER: _builtins.int
+    FINAL_INFOS_FIELD_NUMBER: _builtins.int
+    ERRORS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def indices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The env index of each row."""
+
+    @_builtins.property
+    def observations(self) -> _containers.RepeatedCompositeFieldContainer[_any_pb2.Any]:
+        """One observation per row, of the env's observation type (unless batch_observation)."""
+
+    @_builtins.property
+    def batch_observation(self) -> _any_pb2.Any:
+        """Every row's observation in one message of the observation type in its batch form (a
+        leading dimension of one entry per row), when the request asked for the batch form.
+        """
+
+    @_builtins.property
+    def rewards(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """The reward of each row (0 for a reset or an autoreset under NEXT_STEP)."""
+
+    @_builtins.property
+    def terminated(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
+        """Each row's episode reached a terminal state of the task."""
+
+    @_builtins.property
+    def truncated(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
+        """Each row's episode was cut short by a limit outside the task."""
+
+    @_builtins.property
+    def episode_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The env's current episode after this call (a new one on an autoreset row)."""
+
+    @_builtins.property
+    def step_counts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Steps taken in that episode so far (0 after a reset or on an autoreset row)."""
+
+    @_builtins.property
+    def infos(self) -> _containers.MessageMap[_builtins.int, _struct_pb2.Struct]:
+        """Extra data the env returned, for the rows that have any, keyed by env index."""
+
+    @_builtins.property
+    def autoreset(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
+        """Empty when no row was autoreset; else one per row: true where autoreset started a new
+        episode in this call (see AutoresetMode).
+        """
+
+    @_builtins.property
+    def final_observations(self) -> _containers.RepeatedCompositeFieldContainer[_any_pb2.Any]:
+        """Under SAME_STEP: for each autoreset row, in row order, the last observation of the
+        episode that just ended (unless batch_final_observation).
+        """
+
+    @_builtins.property
+    def batch_final_observation(self) -> _any_pb2.Any:
+        """Under SAME_STEP, in batch form: the same observations in one message."""
+
+    @_builtins.property
+    def final_infos(self) -> _containers.MessageMap[_builtins.int, _struct_pb2.Struct]:
+        """Under SAME_STEP: the info of the last step of each episode that just ended, keyed by
+        env index (only those that had one).
+        """
+
+    @_builtins.property
+    def errors(self) -> _containers.MessageMap[_builtins.int, Global___Error]:
+        """The envs that failed in this call and have no row, keyed by env index: INTERNAL (the
+        env raised: reset it), INVALID_ARGUMENT (the env refused its action; its episode goes
+        on), FAILED_PRECONDITION (it cannot step now: reset it first), UNAVAILABLE (with
+        --isolated: its env process died; a fresh env took its place: reset it),
+        DEADLINE_EXCEEDED (with --isolated: its env process was stopped past the step timeout;
+        a fresh env took its place: reset it).
+        """
+
+    def __init__(
+        self,
+        *,
+        indices: _abc.Iterable[_builtins.int] | None = ...,
+        observations: _abc.Iterable[_any_pb2.Any] | None = ...,
+        batch_observation: _any_pb2.Any | None = ...,
+        rewards: _abc.Iterable[_builtins.float] | None = ...,
+        terminated: _abc.Iterable[_builtins.bool] | None = ...,
+        truncated: _abc.Iterable[_builtins.bool] | None = ...,
+        episode_ids: _abc.Iterable[_builtins.str] | None = ...,
+        step_counts: _abc.Iterable[_builtins.int] | None = ...,
+        infos: _abc.Mapping[_builtins.int, _struct_pb2.Struct] | None = ...,
+        autoreset: _abc.Iterable[_builtins.bool] | None = ...,
+        final_observations: _abc.Iterable[_any_pb2.Any] | None = ...,
+        batch_final_observation: _any_pb2.Any | None = ...,
+        final_infos: _abc.Mapping[_builtins.int, _struct_pb2.Struct] | None = ...,
+        errors: _abc.Mapping[_builtins.int, Global___Error] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["batch_final_observation", b"batch_final_observation", "batch_observation", b"batch_observation"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["autoreset", b"autoreset", "batch_final_observation", b"batch_final_observation", "batch_observation", b"batch_observation", "episode_ids", b"episode_ids", "errors", b"errors", "final_infos", b"final_infos", "final_observations", b"final_observations", "indices", b"indices", "infos", b"infos", "observations", b"observations", "rewards", b"rewards", "step_counts", b"step_counts", "terminated", b"terminated", "truncated", b"truncated"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___VectorResult: _TypeAlias = VectorResult  # noqa: Y015
+
+@_typing.final
+class VectorStates(_message.Message):
+    """VectorStates carries the state of each env of a state command that answered."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ErrorsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.int
+        @_builtins.property
+        def value(self) -> Global___Error: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.int = ...,
+            value: Global___Error | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    INDICES_FIELD_NUMBER: _builtins.int
+    STATES_FIELD_NUMBER: _builtins.int
+    ERRORS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def indices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The env index of each entry of `states`."""
+
+    @_builtins.property
+    def states(self) -> _containers.RepeatedCompositeFieldContainer[Global___StateResult]:
+        """The state of each env, with its episode id and step count."""
+
+    @_builtins.property
+    def errors(self) -> _containers.MessageMap[_builtins.int, Global___Error]:
+        """The envs whose state() raised (INTERNAL), keyed by env index; their episodes go on."""
+
+    def __init__(
+        self,
+        *,
+        indices: _abc.Iterable[_builtins.int] | None = ...,
+        states: _abc.Iterable[Global___StateResult] | None = ...,
+        errors: _abc.Mapping[_builtins.int, Global___Error] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["errors", b"errors", "indices", b"indices", "states", b"states"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___VectorStates: _TypeAlias = VectorStates  # noqa: Y015
+
+@_typing.final
+class VectorSupport(_message.Message):
+    """VectorSupport describes what VectorSession streams offer on this server."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SUPPORTED_FIELD_NUMBER: _builtins.int
+    NATIVE_BATCH_FIELD_NUMBER: _builtins.int
+    MAX_ENVS_PER_STREAM_FIELD_NUMBER: _builtins.int
+    AUTORESET_MODES_FIELD_NUMBER: _builtins.int
+    supported: _builtins.bool
+    """VectorSession is served (false from servers that predate it)."""
+    native_batch: _builtins.bool
+    """The env may answer a vector stream natively as one batch (batch_action,
+    batch_observation); the openenv-batch response header says whether a stream does.
+    """
+    max_envs_per_stream: _builtins.int
+    """Most envs one VectorSession stream may hold (openenv-num-envs); also bounded by the
+    free slots of max_sessions.
+    """
+    @_builtins.property
+    def autoreset_modes(self) -> _containers.RepeatedScalarFieldContainer[Global___AutoresetMode.ValueType]:
+        """The autoreset modes the server accepts."""
+
+    def __init__(
+        self,
+        *,
+        supported: _builtins.bool = ...,
+        native_batch: _builtins.bool = ...,
+        max_envs_per_stream: _builtins.int = ...,
+        autoreset_modes: _abc.Iterable[Global___AutoresetMode.ValueType] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["autoreset_modes", b"autoreset_modes", "max_envs_per_stream", b"max_envs_per_stream", "native_batch", b"native_batch", "supported", b"supported"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___VectorSupport: _TypeAlias = VectorSupport  # noqa: Y015

@@ -40,6 +40,11 @@ class EnvServiceStub:
                 request_serializer=openenv__grpc_dot_v1_dot_session__pb2.SessionRequest.SerializeToString,
                 response_deserializer=openenv__grpc_dot_v1_dot_session__pb2.SessionResponse.FromString,
                 _registered_method=True)
+        self.VectorSession = channel.stream_stream(
+                '/openenv_grpc.v1.EnvService/VectorSession',
+                request_serializer=openenv__grpc_dot_v1_dot_session__pb2.VectorSessionRequest.SerializeToString,
+                response_deserializer=openenv__grpc_dot_v1_dot_session__pb2.VectorSessionResponse.FromString,
+                _registered_method=True)
         self.Info = channel.unary_unary(
                 '/openenv_grpc.v1.EnvService/Info',
                 request_serializer=openenv__grpc_dot_v1_dot_session__pb2.InfoRequest.SerializeToString,
@@ -60,6 +65,18 @@ class EnvServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def VectorSession(self, request_iterator, context):
+        """VectorSession binds N new environment instances to this stream until the stream ends:
+        one request steps all of them, or some by index. N and the autoreset mode travel as
+        call metadata (openenv-num-envs, openenv-autoreset), so that N slots are admitted all
+        or nothing before any environment exists: RESOURCE_EXHAUSTED (and
+        grpc-retry-pushback-ms) when they do not fit, UNAVAILABLE while the server drains,
+        INVALID_ARGUMENT for a bad N or mode. See VectorSessionRequest.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Info(self, request, context):
         """Info describes the hosted environment, its message types and the server's capacity.
         """
@@ -74,6 +91,11 @@ def add_EnvServiceServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=openenv__grpc_dot_v1_dot_session__pb2.SessionRequest.FromString,
                     response_serializer=openenv__grpc_dot_v1_dot_session__pb2.SessionResponse.SerializeToString,
+            ),
+            'VectorSession': grpc.stream_stream_rpc_method_handler(
+                    servicer.VectorSession,
+                    request_deserializer=openenv__grpc_dot_v1_dot_session__pb2.VectorSessionRequest.FromString,
+                    response_serializer=openenv__grpc_dot_v1_dot_session__pb2.VectorSessionResponse.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
@@ -109,6 +131,33 @@ class EnvService:
             '/openenv_grpc.v1.EnvService/Session',
             openenv__grpc_dot_v1_dot_session__pb2.SessionRequest.SerializeToString,
             openenv__grpc_dot_v1_dot_session__pb2.SessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VectorSession(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/openenv_grpc.v1.EnvService/VectorSession',
+            openenv__grpc_dot_v1_dot_session__pb2.VectorSessionRequest.SerializeToString,
+            openenv__grpc_dot_v1_dot_session__pb2.VectorSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

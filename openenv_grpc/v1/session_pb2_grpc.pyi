@@ -49,6 +49,14 @@ class EnvServiceStub:
     Fails with RESOURCE_EXHAUSTED (and grpc-retry-pushback-ms) when the server is full,
     or UNAVAILABLE while the server drains, before any environment is created.
     """
+    VectorSession: _grpc.StreamStreamMultiCallable[_session_pb2.VectorSessionRequest, _session_pb2.VectorSessionResponse]
+    """VectorSession binds N new environment instances to this stream until the stream ends:
+    one request steps all of them, or some by index. N and the autoreset mode travel as
+    call metadata (openenv-num-envs, openenv-autoreset), so that N slots are admitted all
+    or nothing before any environment exists: RESOURCE_EXHAUSTED (and
+    grpc-retry-pushback-ms) when they do not fit, UNAVAILABLE while the server drains,
+    INVALID_ARGUMENT for a bad N or mode. See VectorSessionRequest.
+    """
     Info: _grpc.UnaryUnaryMultiCallable[_session_pb2.InfoRequest, _session_pb2.InfoResponse]
     """Info describes the hosted environment, its message types and the server's capacity."""
 
@@ -61,6 +69,14 @@ class EnvServiceAsyncStub(EnvServiceStub):
     """Session binds one new environment instance to this stream until the stream ends.
     Fails with RESOURCE_EXHAUSTED (and grpc-retry-pushback-ms) when the server is full,
     or UNAVAILABLE while the server drains, before any environment is created.
+    """
+    VectorSession: _aio.StreamStreamMultiCallable[_session_pb2.VectorSessionRequest, _session_pb2.VectorSessionResponse]  # type: ignore[assignment]
+    """VectorSession binds N new environment instances to this stream until the stream ends:
+    one request steps all of them, or some by index. N and the autoreset mode travel as
+    call metadata (openenv-num-envs, openenv-autoreset), so that N slots are admitted all
+    or nothing before any environment exists: RESOURCE_EXHAUSTED (and
+    grpc-retry-pushback-ms) when they do not fit, UNAVAILABLE while the server drains,
+    INVALID_ARGUMENT for a bad N or mode. See VectorSessionRequest.
     """
     Info: _aio.UnaryUnaryMultiCallable[_session_pb2.InfoRequest, _session_pb2.InfoResponse]  # type: ignore[assignment]
     """Info describes the hosted environment, its message types and the server's capacity."""
@@ -77,6 +93,20 @@ class EnvServiceServicer(metaclass=_abc_1.ABCMeta):
         """Session binds one new environment instance to this stream until the stream ends.
         Fails with RESOURCE_EXHAUSTED (and grpc-retry-pushback-ms) when the server is full,
         or UNAVAILABLE while the server drains, before any environment is created.
+        """
+
+    @_abc_1.abstractmethod
+    def VectorSession(
+        self,
+        request_iterator: _MaybeAsyncIterator[_session_pb2.VectorSessionRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_session_pb2.VectorSessionResponse], _abc.AsyncIterator[_session_pb2.VectorSessionResponse]]:
+        """VectorSession binds N new environment instances to this stream until the stream ends:
+        one request steps all of them, or some by index. N and the autoreset mode travel as
+        call metadata (openenv-num-envs, openenv-autoreset), so that N slots are admitted all
+        or nothing before any environment exists: RESOURCE_EXHAUSTED (and
+        grpc-retry-pushback-ms) when they do not fit, UNAVAILABLE while the server drains,
+        INVALID_ARGUMENT for a bad N or mode. See VectorSessionRequest.
         """
 
     @_abc_1.abstractmethod

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import threading
 import time
 import uuid
 from collections import deque
@@ -55,6 +56,15 @@ class PooledEchoEnv(CountingEchoEnv):
     """The echo env run on the shared thread pool (not declared cheap)."""
 
     runs_inline = False
+
+
+class ThreadReportingEnv(PooledEchoEnv):
+    """The pooled echo env; each step observes the id of the thread it ran on."""
+
+    def step(self, action: EchoAction) -> Transition[EchoObservation]:
+        transition = super().step(action)
+        transition.observation.echoed_message = str(threading.get_ident())
+        return transition
 
 
 class AsyncEchoEnv(AsyncEnvironment[EchoAction, EchoObservation, EchoState, Empty]):

@@ -1,0 +1,94 @@
+"""``AsyncVectorSession``: N environment instances over one stream, for asyncio trainers.
+
+The asyncio twin of :class:`~openenv_grpc.client.sync_vector_session.VectorSession`,
+moving its bytes like ``AsyncSession`` (the transport
+:class:`~openenv_grpc.client.async_session.AsyncStream`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Generic
+
+import grpc
+
+from openenv_grpc.client.async_session import AsyncStream
+from openenv_grpc.client.session_core import ActionT, ObservationT, ResetOptionsT, StateT
+from openenv_grpc.client.vector_core import VectorBase
+from openenv_grpc.client.vector_outcome import VectorOutcome
+from openenv_grpc.client.vector_protocol import EpisodeIds, Indices, Options, Seeds
+from openenv_grpc.environment import AutoresetMode
+from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:  # only the type checker needs these
+    from typing_extensions import Unpack
+
+    from openenv_grpc.client.session_core import SessionOptions
+
+__all__ = ["AsyncVectorSession"]
+
+
+class AsyncVectorSession(
+    AsyncStream, VectorBase, Generic[ActionT, ObservationT, StateT, ResetOptionsT]
+):
+    """An asyncio vector session: ``async with AsyncVectorSession(target, 64) as envs:``.
+    Arguments, options and errors as in
+    :class:`~openenv_grpc.client.sync_vector_session.VectorSession`."""
+
+    def __init__(
+        self,
+        target: str | grpc.aio.Channel | pb_grpc.EnvServiceAsyncStub,
+        num_envs: int,
+        *,
+        autoreset: str | AutoresetMode = "next_step",
+        **options: Unpack[SessionOptions],
+    ) -> None:
+        self._configure(num_envs, autoreset)
+        super().__init__(target, **options)
+
+    # -- commands: see VectorSession for what each returns and raises ----------------
+
+    async def reset(
+        self, *, seeds: Seeds = None, options: Options = None, episode_ids: EpisodeIds = None,
+        indices: Indices = None, batch: bool = False, timeout: float | None = None,
+    ) -> VectorOutcome[ObservationT]:  # fmt: skip
+        """Start new episodes in the envs named; see :meth:`VectorSession.reset`."""
+        protocol = self._core.protocol
+        request = protocol.reset_request(seeds, options, episode_ids, indices, batch)
+        answer = await self._roundtrip(request, timeout)
+        return protocol.outcome(answer)
+
+    async def step(
+        self, actions: Sequence[ActionT], *, indices: Indices = None, timeout: float | None = None
+    ) -> VectorOutcome[ObservationT]:
+        """Apply one action per env named; see :meth:`VectorSession.step`."""
+        protocol = self._core.protocol
+        answer = await self._roundtrip(protocol.step_request(actions, indices), timeout)
+        return protocol.outcome(answer)
+
+    async def step_batch(
+        self, action: ActionT, *, indices: Indices = None, timeout: float | None = None
+    ) -> VectorOutcome[ObservationT]:
+        """Apply a batch-form action; see :meth:`VectorSession.step_batch`."""
+        protocol = self._core.protocol
+        answer = await self._roundtrip(protocol.step_batch_request(action, indices), timeout)
+        return protocol.outcome(answer)
+
+    async def state(self, index: int, *, timeout: float | None = None) -> StateT:
+        """The state of env ``index``; see :meth:`VectorSession.state`."""
+        protocol = self._core.protocol
+        answer = await self._roundtrip(protocol.state_request([index]), timeout)
+        state: StateT = self._single_state(index, protocol.states(answer))
+        return state
+
+    async def states(
+        self, indices: Indices = None, *, timeout: float | None = None
+    ) -> list[StateT]:
+        """The states of the envs named; see :meth:`VectorSession.states`."""
+        protocol = self._core.protocol
+        answer = await self._roundtrip(protocol.state_request(indices), timeout)
+        states: list[Any] = self._all_states(protocol.states(answer))
+        return states
+
+
+AsyncVectorSession._generic_origin = AsyncVectorSession

@@ -1,0 +1,97 @@
+"""What ``VectorSession`` and ``AsyncVectorSession`` share that does no I/O: N, the
+autoreset mode, the stream's metadata and the envs' last known episodes.
+
+A vector stream is opened, retried, timed out, reconnected and closed exactly like a
+one-env session (the transport shells ``SyncStream`` and ``AsyncStream``, over
+:mod:`openenv_grpc.client.session_core`); only its commands and answers differ.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from openenv_grpc.client.session_core import SessionCore, StreamBase
+from openenv_grpc.client.vector_protocol import VectorProtocol
+from openenv_grpc.environment import AutoresetMode
+from openenv_grpc.metadata import AUTORESET_KEY, AUTORESET_VALUES, BATCH_KEY, NUM_ENVS_KEY
+
+__all__ = ["VectorBase"]
+
+
+class VectorBase(StreamBase):
+    """The vector stream's identity: how many envs, which autoreset, native or not."""
+
+    _rpc = "VectorSession"
+    _core: SessionCore[VectorProtocol]
+    _num_envs: int
+    _autoreset: str
+
+    def _configure(self, num_envs: int, autoreset: str | AutoresetMode) -> None:
+        """Check and keep N and the mode (before the base constructor reads them).
+
+        Raises:
+            ValueError: N is not a positive int, or the mode is not one of Gymnasium's.
+        """
+        if isinstance(num_envs, bool) or not isinstance(num_envs, int) or num_envs < 1:
+            raise ValueError(f"num_envs must be a positive int, got {num_envs!r}")
+        mode = autoreset.value if isinstance(autoreset, AutoresetMode) else str(autoreset)
+        if mode.lower() not in AUTORESET_VALUES:
+            raise ValueError(
+                f"autoreset must be one of {', '.join(AUTORESET_VALUES)}, got {mode!r}"
+            )
+        self._num_envs = num_envs
+        self._autoreset = mode.lower()
+
+    def _new_protocol(self) -> VectorProtocol:
+        return VectorProtocol(self._types, self._num_envs)
+
+    def _open_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((NUM_ENVS_KEY, str(self._num_envs)), (AUTORESET_KEY, self._autoreset))
+
+    @property
+    def num_envs(self) -> int:
+        """How many envs the stream holds."""
+        return self._num_envs
+
+    @property
+    def autoreset(self) -> AutoresetMode:
+        """What the server does when an env's episode ends."""
+        return AutoresetMode(self._autoreset)
+
+    @property
+    def native(self) -> bool:
+        """The server answers this stream as one native batch (``step_batch`` and
+        ``batch=True`` work); False for a loop over plain instances, or before open."""
+        return self._core.headers.get(BATCH_KEY) == "native"
+
+    @property
+    def episode_ids(self) -> list[str]:
+        """Each env's current episode, as the server last said ("" before its reset)."""
+        return list(self._core.protocol.episode_ids)
+
+    @property
+    def step_counts(self) -> list[int]:
+        """Each env's step count, as the server last said."""
+        return list(self._core.protocol.step_counts)
+
+    def _single_state(self, index: int, answer: tuple[dict[int, Any], Any]) -> Any:
+        """The state of env ``index`` from a state answer.
+
+        Raises:
+            EnvError: that env's state() raised.
+        """
+        states, errors = answer
+        if index in errors:
+            raise errors[index]
+        return states[index]
+
+    def _all_states(self, answer: tuple[dict[int, Any], Any]) -> list[Any]:
+        """Every state of a state answer, in index order.
+
+        Raises:
+            EnvError: an env's state() raised (the first such, its index in the message).
+        """
+        states, errors = answer
+        for index, error in sorted(errors.items()):
+            raise type(error)(error.code, f"env {index}: {error.message}", error.exception_type)
+        return [states[index] for index in sorted(states)]

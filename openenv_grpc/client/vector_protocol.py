@@ -1,0 +1,214 @@
+"""The transport-free half of a vector session: requests over env indices, and answers
+decoded into :class:`~openenv_grpc.client.vector_outcome.VectorOutcome`.
+
+Shared by ``VectorSession`` and ``AsyncVectorSession`` (as ``protocol.py`` is by the
+one-env sessions); ids, notices, errors and payload decoding come from
+:class:`~openenv_grpc.client.protocol.StreamProtocol`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from google.protobuf.message import Message
+
+from openenv_grpc.client.errors import EnvError, InvalidRequest
+from openenv_grpc.client.protocol import SessionTypes, StreamProtocol, pack_typed, status_code
+from openenv_grpc.client.vector_outcome import VectorOutcome
+from openenv_grpc.codec import info_from_struct
+from openenv_grpc.v1 import session_pb2 as pb
+
+__all__ = ["EpisodeIds", "Indices", "Options", "Seeds", "VectorProtocol"]
+
+#: Env indices a call is about: None means all, in order.
+Indices = Sequence[int] | None
+#: Seeds of a reset: None (unseeded), one int (env ``i`` gets ``seed + i``, as Gymnasium's
+#: vector envs seed), or one per env named (None: unseeded).
+Seeds = int | Sequence[int | None] | None
+#: Reset options: None, one message for every env named, or one (or None) per env.
+Options = Message | Sequence[Message | None] | None
+#: Episode ids of a reset: None (the server makes them) or one (or None) per env named.
+EpisodeIds = Sequence[str | None] | None
+
+
+class VectorProtocol(StreamProtocol):
+    """Requests, answers and each env's last known episode for one vector stream."""
+
+    __slots__ = ("episode_ids", "num_envs", "step_counts")
+
+    _request_class = pb.VectorSessionRequest
+
+    def __init__(self, types: SessionTypes, num_envs: int) -> None:
+        super().__init__(types)
+        self.num_envs = num_envs
+        #: Each env's episode, as the server last said ("" before its first reset).
+        self.episode_ids = [""] * num_envs
+        #: Each env's step count, as the server last said.
+        self.step_counts = [0] * num_envs
+
+    # -- requests ---------------------------------------------------------------------
+
+    def reset_request(
+        self,
+        seeds: Seeds,
+        options: Options,
+        episode_ids: EpisodeIds,
+        indices: Indices,
+        batch: bool,
+    ) -> pb.VectorSessionRequest:
+        """A reset of the envs named (all by default).
+
+        Raises:
+            InvalidRequest: a sequence of seeds, options or ids does not have one entry
+                per env named.
+            PayloadTypeError: an options message is not of the pinned type.
+        """
+        request: pb.VectorSessionRequest = self._envelope()
+        reset = request.reset
+        reset.SetInParent()
+        named = self._named(indices, reset.indices)
+        reset.batch_observation = batch
+        if seeds is None and options is None and episode_ids is None:
+            return request  # the server resets each env unseeded, with a fresh id
+        per_seed = _per_env(seeds, named, "seeds")
+        per_id = _per_env(episode_ids, named, "episode_ids")
+        per_options = _per_env(options, named, "options")
+        if isinstance(seeds, int):
+            per_seed = [seeds + index for index in named]
+        if isinstance(options, Message):
+            per_options = [options] * len(named)
+        pinned = self._types.reset_options
+        for seed, episode_id, option in zip(per_seed, per_id, per_options, strict=True):
+            command = reset.envs.add()
+            if seed is not None:
+                command.seed = seed
+            if episode_id is not None:
+                command.episode_id = episode_id
+            if option is not None:
+                pack_typed(command.options, option, pinned, "reset options")
+        return request
+
+    def step_request(self, actions: Sequence[Message], indices: Indices) -> pb.VectorSessionRequest:
+        """A step with one action per env named (all by default).
+
+        Raises:
+            PayloadTypeError: an action is not of the pinned type (nothing is sent).
+        """
+        request: pb.VectorSessionRequest = self._envelope()
+        step = request.step
+        step.SetInParent()
+        if indices is not None:
+            step.indices.extend(indices)
+        add, pinned = step.actions.add, self._types.action
+        for action in actions:
+            pack_typed(add(), action, pinned, "action")
+        return request
+
+    def step_batch_request(self, action: Message, indices: Indices) -> pb.VectorSessionRequest:
+        """A step with every action in one batch-form message."""
+        request: pb.VectorSessionRequest = self._envelope()
+        step = request.step
+        if indices is not None:
+            step.indices.extend(indices)
+        pack_typed(step.batch_action, action, self._types.action, "batch action")
+        return request
+
+    def state_request(self, indices: Indices) -> pb.VectorSessionRequest:
+        request: pb.VectorSessionRequest = self._envelope()
+        request.state.SetInParent()
+        if indices is not None:
+            request.state.indices.extend(indices)
+        return request
+
+    def _named(self, indices: Indices, target: Any) -> Sequence[int]:
+        if indices is None:
+            return range(self.num_envs)
+        target.extend(indices)
+        return indices
+
+    # -- answers ----------------------------------------------------------------------
+
+    def outcome(self, response: pb.VectorSessionResponse) -> VectorOutcome[Any]:
+        """The answer to a reset or a step.
+
+        Raises:
+            EnvError: the whole request was refused (per-env errors are in the outcome).
+            ProtocolError: the server answered something else.
+        """
+        result: pb.VectorResult = self._outcome(response, "result")
+        indices = list(result.indices)
+        ids, counts = list(result.episode_ids), list(result.step_counts)
+        episode_ids, step_counts = self.episode_ids, self.step_counts
+        for index, episode_id, count in zip(indices, ids, counts, strict=True):
+            episode_ids[index] = episode_id
+            step_counts[index] = count
+        decode = self._decode
+        autoreset = list(result.autoreset) or [False] * len(indices)
+        finals = [index for index, auto in zip(indices, autoreset, strict=True) if auto]
+        return VectorOutcome(
+            indices=indices,
+            observations=[decode(o, "observation") for o in result.observations],
+            rewards=list(result.rewards),
+            terminated=list(result.terminated),
+            truncated=list(result.truncated),
+            episode_ids=ids,
+            step_counts=counts,
+            infos={index: info_from_struct(info) for index, info in result.infos.items()},
+            autoreset=autoreset,
+            final_observations={
+                index: decode(o, "observation")
+                for index, o in zip(finals, result.final_observations, strict=False)
+            },
+            final_infos={index: info_from_struct(i) for index, i in result.final_infos.items()},
+            errors=_errors(result.errors),
+            batch_payload=result.batch_observation
+            if result.HasField("batch_observation")
+            else None,
+            batch_final_payload=(
+                result.batch_final_observation
+                if result.HasField("batch_final_observation")
+                else None
+            ),
+            _decode=lambda payload: decode(payload, "observation"),
+        )
+
+    def states(
+        self, response: pb.VectorSessionResponse
+    ) -> tuple[dict[int, Any], dict[int, EnvError]]:
+        """The answer to a state command: states and errors, by env index.
+
+        Raises:
+            EnvError: the request was refused.
+        """
+        result: pb.VectorStates = self._outcome(response, "states")
+        states = {
+            index: self._decode(entry.state, "state")
+            for index, entry in zip(result.indices, result.states, strict=True)
+        }
+        return states, _errors(result.errors)
+
+
+def _per_env(values: Any, named: Sequence[int], what: str) -> Sequence[Any]:
+    """``values`` as one entry per env named; a single value or None is spread later."""
+    if values is None or isinstance(values, (int, Message)):
+        return [None] * len(named)
+    if len(values) != len(named):
+        raise InvalidRequest(
+            f"{len(values)} {what} for {len(named)} envs: give one per env named, or one for all"
+        )
+    return list(values)
+
+
+def _present(
+    result: pb.VectorResult, name: Literal["batch_observation", "batch_final_observation"]
+) -> Any:
+    """The batch-form payload ``name`` of ``result``, or None when it is not set."""
+    return getattr(result, name) if result.HasField(name) else None
+
+
+def _errors(errors: Any) -> dict[int, EnvError]:
+    return {
+        index: EnvError(status_code(error.code), error.message, error.exception_type)
+        for index, error in errors.items()
+    }

@@ -1,0 +1,600 @@
+"""The envs of one vector stream, answered in one call: a loop over N plain instances, or
+the env's own native batch (:meth:`Environment.make_batch`).
+
+A vector stream's envs are one object, a :class:`VectorBatch`, with ``reset`` / ``step`` /
+``state`` / ``close`` over env indices; each call returns a :class:`BatchOutcome` (rows,
+observations already serialized, rewards, flags, infos, autoreset marks, per-env errors).
+The session runs each whole call where the env's execution mode says -- one
+:class:`~openenv_grpc.server.runner.EnvRunner` holds the batch -- so inline envs are
+stepped in one pass on the event loop, pooled ones in one thread hop for the whole batch
+(not one per env), async ones gathered on the loop. In an env process (``--isolated``)
+the same batch classes serve a sub-batch.
+
+The loop does the autoreset of Gymnasium's vector envs itself (a native batch does its
+own): NEXT_STEP resets an env on the step after its episode ended (its action ignored),
+SAME_STEP resets it at once and keeps the last observation and info as the final ones.
+An autoreset starts the next episode unseeded (the env's generators go on) with the
+options of the env's last reset by the client, and a fresh episode id.
+
+An env's exception becomes an error for its index only (``InvalidAction``:
+INVALID_ARGUMENT, the episode unchanged; anything else: INTERNAL); its neighbours answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import logging
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, NamedTuple, cast
+
+import grpc
+from google.protobuf.message import Message
+
+from openenv_grpc.environment import (
+    AutoresetMode,
+    BatchEnvironment,
+    BatchTransition,
+    Environment,
+    InvalidAction,
+    Transition,
+)
+from openenv_grpc.server.spec import EnvSpec
+
+__all__ = [
+    "AsyncLoopBatch",
+    "BatchOutcome",
+    "BatchStates",
+    "LoopBatch",
+    "NativeBatch",
+    "RowError",
+    "VectorBatch",
+    "batch_spec",
+    "build_batch",
+    "natively_batched",
+    "row_error",
+]
+
+log = logging.getLogger(__name__)
+
+_INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+_INTERNAL = grpc.StatusCode.INTERNAL.value[0]
+
+
+class RowError(NamedTuple):
+    """Why one env of a call has no row: a gRPC code (int), a message, and the exception
+    type raised inside the env, if any."""
+
+    code: int
+    message: str
+    exception_type: str = ""
+
+
+def row_error(exc: BaseException, what: str) -> RowError:
+    """The error of one env whose ``what`` (reset, step, state) raised ``exc``; logged
+    unless it is an :class:`InvalidAction` (a refusal, not a failure)."""
+    kind = type(exc)
+    name = f"{kind.__module__}.{kind.__qualname__}"
+    if isinstance(exc, InvalidAction):
+        return RowError(_INVALID_ARGUMENT, str(exc), name)
+    log.error("environment %s() raised", what, exc_info=exc)
+    return RowError(_INTERNAL, f"{what} failed: {kind.__name__}: {exc}", name)
+
+
+@dataclass(slots=True)
+class BatchOutcome:
+    """What one reset or step of a batch returned. Rows are env indices in call order,
+    those in ``errors`` left out. Observations travel serialized (their type is the env's
+    observation type), either one per row or as one batch-form message."""
+
+    rows: list[int] = field(default_factory=list)
+    observations: list[bytes] = field(default_factory=list)
+    batch_observation: bytes | None = None
+    rewards: list[float] = field(default_factory=list)
+    terminated: list[bool] = field(default_factory=list)
+    truncated: list[bool] = field(default_factory=list)
+    #: Env index -> info (a mapping, or a ``Struct`` already), for rows that have one.
+    infos: dict[int, Any] = field(default_factory=dict)
+    #: None: no row was autoreset; else one mark per row.
+    autoreset: list[bool] | None = None
+    #: Env index -> the episode id the batch gave an episode it autoreset (a loop knows
+    #: them; for a native batch the caller makes them).
+    new_episode_ids: dict[int, str] = field(default_factory=dict)
+    #: SAME_STEP: the ended episodes' last observations, one per autoreset row, in order.
+    final_observations: list[bytes] = field(default_factory=list)
+    batch_final_observation: bytes | None = None
+    #: SAME_STEP: env index -> the ended episode's last info (mapping or ``Struct``).
+    final_infos: dict[int, Any] = field(default_factory=dict)
+    errors: dict[int, RowError] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class BatchStates:
+    """What a state call returned: serialized states for ``rows``, and the envs whose
+    ``state()`` raised."""
+
+    rows: list[int] = field(default_factory=list)
+    states: list[bytes] = field(default_factory=list)
+    errors: dict[int, RowError] = field(default_factory=dict)
+
+
+class _BadTransition(Exception):
+    """An env returned something else than its declared types (reported as INTERNAL)."""
+
+
+class VectorBatch:
+    """The envs of one vector stream (the session calls its methods through one runner).
+
+    ``reset(indices, seeds, episode_ids, options, batch_form)`` and ``step(indices,
+    actions, batch_form)`` return a :class:`BatchOutcome`; ``state(indices)`` a
+    :class:`BatchStates`; ``close()`` closes every env. Methods are coroutines in
+    :class:`AsyncLoopBatch`. Raising (rather than answering per index) means the whole
+    call failed: ``InvalidAction`` refuses it, anything else breaks every named env.
+    """
+
+    #: The envs answer in a native batch form (batch_action, batch_observation).
+    native: ClassVar[bool] = False
+
+    def __init__(self, size: int, autoreset: AutoresetMode) -> None:
+        self.size = size
+        self.autoreset = autoreset
+
+
+class _Instances(VectorBatch):
+    """N plain instances of one env class, and the bookkeeping the loop's autoreset needs."""
+
+    def __init__(self, spec: EnvSpec, size: int, autoreset: AutoresetMode) -> None:
+        super().__init__(size, autoreset)
+        envs: list[Any] = []
+        try:
+            for _ in range(size):
+                env = spec.factory()
+                envs.append(env)
+                if not isinstance(env, spec.env_class):
+                    raise TypeError(
+                        f"factory returned {type(env).__qualname__}, "
+                        f"not {spec.env_class.__qualname__}"
+                    )
+        except BaseException:
+            _close_all(envs)
+            raise
+        self._envs = envs
+        self._observation = spec.types.observation
+        self._state = spec.types.state
+        self._same_step = autoreset is AutoresetMode.SAME_STEP
+        self._next_step = autoreset is AutoresetMode.NEXT_STEP
+        #: NEXT_STEP: the env's episode ended, so its next step resets it instead.
+        self._pending = [False] * size
+        #: The options of each env's last reset by the client, reused by its autoresets.
+        self._options: list[Message | None] = [None] * size
+
+    def _checked(self, transition: Any) -> Transition[Any]:
+        if not isinstance(transition, Transition):
+            raise _BadTransition(
+                f"environment returned a {type(transition).__qualname__}, not a Transition"
+            )
+        if not isinstance(transition.observation, self._observation):
+            raise _BadTransition(
+                _wrong_type("observation", transition.observation, self._observation)
+            )
+        return transition
+
+    def _add(
+        self, out: BatchOutcome, index: int, transition: Transition[Any], *, auto: bool = False
+    ) -> None:
+        """One row from a checked transition; remembers an ended episode for NEXT_STEP."""
+        out.rows.append(index)
+        out.observations.append(transition.observation.SerializeToString())
+        out.rewards.append(transition.reward)
+        ended = transition.terminated or transition.truncated
+        out.terminated.append(transition.terminated)
+        out.truncated.append(transition.truncated)
+        if transition.info:
+            out.infos[index] = transition.info
+        marks = out.autoreset
+        if auto:
+            if marks is None:
+                out.autoreset = marks = [False] * (len(out.rows) - 1)
+            marks.append(True)
+        elif marks is not None:
+            marks.append(False)
+        if ended and self._next_step:
+            self._pending[index] = True
+
+    def _add_same_step(
+        self,
+        out: BatchOutcome,
+        index: int,
+        ended: Transition[Any],
+        first: Transition[Any],
+        episode_id: str,
+    ) -> None:
+        """SAME_STEP's row for an episode that just ended: the step's reward and flags,
+        the new episode's first observation and info; the last ones go to the finals."""
+        self._add(out, index, first, auto=True)
+        out.rewards[-1] = ended.reward
+        out.terminated[-1] = ended.terminated
+        out.truncated[-1] = ended.truncated
+        out.final_observations.append(ended.observation.SerializeToString())
+        if ended.info:
+            out.final_infos[index] = ended.info
+        out.new_episode_ids[index] = episode_id
+
+    def _reset_row(
+        self, out: BatchOutcome, index: int, option: Message | None, answer: Any
+    ) -> None:
+        """One env's part of a reset: its row, or its error (``answer`` is what its reset
+        returned or raised)."""
+        try:
+            first = self._checked(_result(answer))
+        except Exception as exc:
+            out.errors[index] = row_error(exc, "reset")
+            return
+        self._pending[index] = False
+        self._options[index] = option
+        self._add(out, index, first)
+
+
+class LoopBatch(_Instances):
+    """N instances of a sync env, called one after the other in one call."""
+
+    def reset(
+        self,
+        indices: Sequence[int],
+        seeds: Sequence[int | None],
+        episode_ids: Sequence[str],
+        options: Sequence[Message | None],
+        batch_form: bool = False,
+    ) -> BatchOutcome:
+        out = BatchOutcome()
+        envs = self._envs
+        for index, seed, episode_id, option in zip(
+            indices, seeds, episode_ids, options, strict=True
+        ):
+            try:
+                first: Any = envs[index].reset(seed=seed, episode_id=episode_id, options=option)
+            except Exception as exc:
+                first = exc
+            self._reset_row(out, index, option, first)
+        return out
+
+    def step(
+        self, indices: Sequence[int], actions: Sequence[Message], batch_form: bool = False
+    ) -> BatchOutcome:
+        out = BatchOutcome()
+        envs, pending = self._envs, self._pending
+        add, checked, same_step = self._add, self._checked, self._same_step
+        for index, action in zip(indices, actions, strict=True):
+            env = envs[index]
+            try:
+                if pending[index]:  # NEXT_STEP: this step starts the next episode
+                    pending[index] = False
+                    episode_id = uuid.uuid4().hex
+                    first = env.reset(
+                        seed=None, episode_id=episode_id, options=self._options[index]
+                    )
+                    add(out, index, checked(first), auto=True)
+                    out.new_episode_ids[index] = episode_id
+                    continue
+                transition = checked(env.step(action))
+                if same_step and (transition.terminated or transition.truncated):
+                    episode_id = uuid.uuid4().hex
+                    first = env.reset(
+                        seed=None, episode_id=episode_id, options=self._options[index]
+                    )
+                    self._add_same_step(out, index, transition, checked(first), episode_id)
+                    continue
+            except Exception as exc:
+                out.errors[index] = row_error(exc, "step")
+                continue
+            add(out, index, transition)
+        return out
+
+    def state(self, indices: Sequence[int]) -> BatchStates:
+        out = BatchStates()
+        envs = self._envs
+        for index in indices:
+            try:
+                state: Any = envs[index].state()
+            except Exception as exc:
+                state = exc
+            _state_row(out, index, state, self._state)
+        return out
+
+    def close(self) -> None:
+        """Close every env (each once, whatever the others do).
+
+        Raises:
+            Exception: the first exception an env's close raised, after all were closed.
+        """
+        _close_all(self._envs, reraise=True)
+
+
+class AsyncLoopBatch(_Instances):
+    """N instances of an asyncio env; each call awaits them all at once (gathered)."""
+
+    async def reset(
+        self,
+        indices: Sequence[int],
+        seeds: Sequence[int | None],
+        episode_ids: Sequence[str],
+        options: Sequence[Message | None],
+        batch_form: bool = False,
+    ) -> BatchOutcome:
+        envs = self._envs
+        calls = [
+            envs[index].reset(seed=seed, episode_id=episode_id, options=option)
+            for index, seed, episode_id, option in zip(
+                indices, seeds, episode_ids, options, strict=True
+            )
+        ]
+        answers = await asyncio.gather(*calls, return_exceptions=True)
+        out = BatchOutcome()
+        for index, option, answer in zip(indices, options, answers, strict=True):
+            self._reset_row(out, index, option, answer)
+        return out
+
+    async def step(
+        self, indices: Sequence[int], actions: Sequence[Message], batch_form: bool = False
+    ) -> BatchOutcome:
+        answers = await asyncio.gather(
+            *(
+                self._one_step(index, action)
+                for index, action in zip(indices, actions, strict=True)
+            ),
+            return_exceptions=True,
+        )
+        out = BatchOutcome()
+        for index, answer in zip(indices, answers, strict=True):
+            try:
+                kind, transition, first, episode_id = _result(answer)
+            except Exception as exc:
+                out.errors[index] = row_error(exc, "step")
+                continue
+            if kind == "same_step":
+                self._add_same_step(out, index, transition, first, episode_id)
+            else:
+                self._add(out, index, transition, auto=kind == "next_step")
+                if kind == "next_step":
+                    out.new_episode_ids[index] = episode_id
+        return out
+
+    async def _one_step(self, index: int, action: Message) -> tuple[str, Transition[Any], Any, str]:
+        """One env's part of a step: (what happened, the transition, the first transition
+        of a SAME_STEP autoreset, the new episode's id)."""
+        env = self._envs[index]
+        if self._pending[index]:
+            self._pending[index] = False
+            episode_id = uuid.uuid4().hex
+            options = self._options[index]
+            first = await env.reset(seed=None, episode_id=episode_id, options=options)
+            return "next_step", self._checked(first), None, episode_id
+        transition = self._checked(await env.step(action))
+        if self._same_step and (transition.terminated or transition.truncated):
+            episode_id = uuid.uuid4().hex
+            options = self._options[index]
+            first = await env.reset(seed=None, episode_id=episode_id, options=options)
+            return "same_step", transition, self._checked(first), episode_id
+        return "step", transition, None, ""
+
+    async def state(self, indices: Sequence[int]) -> BatchStates:
+        envs = self._envs
+        answers = await asyncio.gather(
+            *(envs[index].state() for index in indices), return_exceptions=True
+        )
+        out = BatchStates()
+        for index, answer in zip(indices, answers, strict=True):
+            _state_row(out, index, answer, self._state)
+        return out
+
+    async def close(self) -> None:
+        """Close every env (each once); see :meth:`LoopBatch.close`."""
+        first: BaseException | None = None
+        for env in self._envs:
+            try:
+                await env.close()
+            except Exception as exc:
+                log.exception("environment close() raised")
+                first = first or exc
+        if first is not None:
+            raise first
+
+
+class NativeBatch(VectorBatch):
+    """An env's own :class:`BatchEnvironment`, checked and put in the wire's shape.
+
+    Per-env clients are served too: their actions are joined into the batch form
+    (``join_actions``) and the batch observation split per row (``split_observation``).
+    """
+
+    native = True
+
+    def __init__(self, batch: BatchEnvironment[Any, Any, Any, Any], spec: EnvSpec) -> None:
+        super().__init__(batch.size, batch.autoreset)
+        self._batch = batch
+        self._observation = spec.types.observation
+        self._state = spec.types.state
+
+    def reset(
+        self,
+        indices: Sequence[int],
+        seeds: Sequence[int | None],
+        episode_ids: Sequence[str],
+        options: Sequence[Message | None],
+        batch_form: bool = False,
+    ) -> BatchOutcome:
+        transition = self._batch.reset(indices, seeds, options)
+        return self._outcome(indices, transition, batch_form, resets=False)
+
+    def step(self, indices: Sequence[int], actions: Any, batch_form: bool = False) -> BatchOutcome:
+        batch = self._batch
+        action = actions if batch_form else batch.join_actions(actions)
+        return self._outcome(indices, batch.step(indices, action), batch_form, resets=True)
+
+    def state(self, indices: Sequence[int]) -> BatchStates:
+        out = BatchStates()
+        for index in indices:
+            try:
+                state: Any = self._batch.state(index)
+            except Exception as exc:
+                state = exc
+            _state_row(out, index, state, self._state)
+        return out
+
+    def close(self) -> None:
+        self._batch.close()
+
+    def _outcome(
+        self, indices: Sequence[int], transition: Any, batch_form: bool, *, resets: bool
+    ) -> BatchOutcome:
+        """The wire's rows from a native :class:`BatchTransition`.
+
+        Raises:
+            _BadTransition: the batch broke its contract (wrong type, wrong lengths).
+        """
+        if not isinstance(transition, BatchTransition):
+            raise _BadTransition(
+                f"batch returned a {type(transition).__qualname__}, not a BatchTransition"
+            )
+        failed = transition.errors or {}
+        rows = [index for index in indices if index not in failed]
+        count = len(rows)
+        out = BatchOutcome(rows=rows)
+        out.rewards = [float(reward) for reward in _column(transition.rewards, count, "rewards")]
+        out.terminated = [
+            bool(flag) for flag in _column(transition.terminated, count, "terminated")
+        ]
+        out.truncated = [bool(flag) for flag in _column(transition.truncated, count, "truncated")]
+        if transition.infos is not None:
+            for index, info in zip(rows, _column(transition.infos, count, "infos"), strict=True):
+                if info:
+                    out.infos[index] = info
+        observation = self._observed(transition.observation, "observation")
+        if batch_form:
+            out.batch_observation = observation.SerializeToString()
+        else:
+            out.observations = self._split(observation, count, "observation")
+        marks = transition.reset if resets else None
+        if marks is not None and any(_column(marks, count, "reset")):
+            out.autoreset = [bool(mark) for mark in marks]
+            ended = [index for index, mark in zip(rows, out.autoreset, strict=True) if mark]
+            final = transition.final_observation
+            if final is not None:
+                final = self._observed(final, "final observation")
+                if batch_form:
+                    out.batch_final_observation = final.SerializeToString()
+                else:
+                    out.final_observations = self._split(final, len(ended), "final observation")
+            if transition.final_infos is not None:
+                infos = _column(transition.final_infos, len(ended), "final_infos")
+                for index, info in zip(ended, infos, strict=True):
+                    if info:
+                        out.final_infos[index] = info
+        for index, exc in failed.items():
+            out.errors[index] = row_error(exc, "step" if resets else "reset")
+        return out
+
+    def _observed(self, observation: Any, what: str) -> Message:
+        if not isinstance(observation, self._observation):
+            raise _BadTransition(_wrong_type(what, observation, self._observation))
+        return observation
+
+    def _split(self, observation: Message, count: int, what: str) -> list[bytes]:
+        parts = self._batch.split_observation(observation, count)
+        if len(parts) != count:
+            raise _BadTransition(f"split_observation gave {len(parts)} {what}s for {count} rows")
+        return [self._observed(part, what).SerializeToString() for part in parts]
+
+
+def natively_batched(env_class: type[Any]) -> bool:
+    """The env class overrides :meth:`Environment.make_batch` (it may answer a vector
+    stream as one native batch)."""
+    if not (isinstance(env_class, type) and issubclass(env_class, Environment)):
+        return False
+    made = getattr(env_class.make_batch, "__func__", None)
+    return made is not getattr(Environment.make_batch, "__func__", None)
+
+
+def build_batch(spec: EnvSpec, size: int, autoreset: AutoresetMode) -> VectorBatch:
+    """The batch of one vector stream: the env's native batch when its ``make_batch``
+    returns one, else a loop over ``size`` instances from the factory.
+
+    Raises:
+        InvalidAction: ``make_batch`` refused (the open is refused with INVALID_ARGUMENT).
+        Exception: what the factory or ``make_batch`` raised.
+        TypeError: ``make_batch`` returned something else than a BatchEnvironment.
+    """
+    env_class = spec.env_class
+    if issubclass(env_class, Environment):
+        native = env_class.make_batch(size, autoreset) if natively_batched(env_class) else None
+        if native is not None:
+            if not isinstance(native, BatchEnvironment):
+                raise TypeError(
+                    f"{env_class.__qualname__}.make_batch returned "
+                    f"{type(native).__qualname__}, not a BatchEnvironment"
+                )
+            return NativeBatch(native, spec)
+        return LoopBatch(spec, size, autoreset)
+    return AsyncLoopBatch(spec, size, autoreset)
+
+
+def batch_spec(spec: EnvSpec, size: int, autoreset: AutoresetMode) -> EnvSpec:
+    """``spec`` for one vector stream's batch: its factory builds the batch
+    (:func:`build_batch`), and its execution mode is the env's, so an
+    :class:`~openenv_grpc.server.runner.EnvRunner` runs each batch call as a whole where
+    one env call would run."""
+    # EnvRunner calls whatever object the factory makes; a batch is one such object.
+    batch_class: Any = VectorBatch
+    factory: Any = functools.partial(build_batch, spec, size, autoreset)
+    return dataclasses.replace(spec, factory=factory, env_class=batch_class)
+
+
+def _state_row(out: BatchStates, index: int, answer: Any, expected: type[Message]) -> None:
+    """One env's state, or its error (``answer`` is what its state() returned or raised)."""
+    try:
+        state = _result(answer)
+    except Exception as exc:
+        out.errors[index] = row_error(exc, "state")
+        return
+    if not isinstance(state, expected):
+        out.errors[index] = RowError(_INTERNAL, _wrong_type("state", state, expected))
+        return
+    out.rows.append(index)
+    out.states.append(state.SerializeToString())
+
+
+def _result(answer: Any) -> Any:
+    """A gathered answer: raises what the call raised (a cancellation goes on up: it is
+    no Exception), else returns its result."""
+    if isinstance(answer, BaseException):
+        raise answer
+    return answer
+
+
+def _column(values: Any, count: int, what: str) -> Sequence[Any]:
+    if values is None or len(values) != count:
+        got = "none" if values is None else len(values)
+        raise _BadTransition(f"batch returned {got} {what} for {count} rows")
+    return cast(Sequence[Any], values)
+
+
+def _wrong_type(what: str, value: object, expected: type[Message]) -> str:
+    return (
+        f"environment returned a {type(value).__qualname__} {what}, "
+        f"declared {expected.DESCRIPTOR.full_name}"
+    )
+
+
+def _close_all(envs: Sequence[Any], *, reraise: bool = False) -> None:
+    first: BaseException | None = None
+    for env in envs:
+        try:
+            env.close()
+        except Exception as exc:
+            log.exception("environment close() raised")
+            first = first or exc
+    if reraise and first is not None:
+        raise first

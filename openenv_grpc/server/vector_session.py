@@ -1,0 +1,150 @@
+"""The VectorSession stream: N environment instances bound to one stream.
+
+Opening reads N (``openenv-num-envs``) and the autoreset mode (``openenv-autoreset``)
+from the call's metadata, so a bad value is refused (INVALID_ARGUMENT) and N slots are
+admitted all or nothing before any message is read or any env exists. From there the
+stream is N sessions to the session manager (``session.py``): the same admission, idle
+timeout, drain notice and ending, all N envs closed and all N slots freed once on every
+ending. This module decides what backs the N envs: one batch in this process (the env's
+native batch, or a loop over plain instances; ``vector_batch.py``), or, with
+``--isolated``, sub-batches spread over the env processes (``vector_spread.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import grpc
+
+from openenv_grpc.environment import AutoresetMode
+from openenv_grpc.metadata import AUTORESET_KEY, AUTORESET_VALUES, BATCH_KEY, NUM_ENVS_KEY
+from openenv_grpc.server.backend import SessionBackend
+from openenv_grpc.server.env_process_pool import EnvProcessPool
+from openenv_grpc.server.runner import EnvRunner
+from openenv_grpc.server.session import Held, SessionManager
+from openenv_grpc.server.vector_batch import batch_spec, natively_batched
+from openenv_grpc.server.vector_episode import BatchCalls, LocalBatchCalls, VectorDriver
+from openenv_grpc.server.vector_spread import SpreadBatchCalls
+from openenv_grpc.v1 import session_pb2 as pb
+
+__all__ = ["VectorSessions", "read_open"]
+
+_Context = grpc.aio.ServicerContext[bytes, bytes]
+
+_MODES = {
+    "next_step": AutoresetMode.NEXT_STEP,
+    "same_step": AutoresetMode.SAME_STEP,
+    "disabled": AutoresetMode.DISABLED,
+}
+
+#: The modes as Info lists them.
+AUTORESET_MODES = (
+    pb.AUTORESET_MODE_NEXT_STEP,
+    pb.AUTORESET_MODE_SAME_STEP,
+    pb.AUTORESET_MODE_DISABLED,
+)
+
+
+def read_open(metadata: Iterable[tuple[str, Any]] | None, most: int) -> tuple[int, AutoresetMode]:
+    """N and the autoreset mode of a VectorSession open, from its call metadata.
+
+    Raises:
+        ValueError: N is missing, not a decimal number, below 1 or above ``most``, or
+            the mode is not one of next_step, same_step, disabled.
+    """
+    items = {key: value for key, value in metadata or ()}
+    raw = items.get(NUM_ENVS_KEY)
+    if raw is None:
+        raise ValueError(f"a VectorSession needs the number of envs in the {NUM_ENVS_KEY} metadata")
+    text = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+    if not text.strip().isdecimal():
+        raise ValueError(f"{NUM_ENVS_KEY} must be a whole number of envs, got {text[:32]!r}")
+    size = int(text)
+    if size < 1 or size > most:
+        raise ValueError(
+            f"{NUM_ENVS_KEY} is {size}: a vector stream holds 1 to {most} envs on this server "
+            "(--max-vector-envs)"
+        )
+    mode = items.get(AUTORESET_KEY, "next_step")
+    mode_text = mode.decode(errors="replace") if isinstance(mode, bytes) else str(mode)
+    if mode_text.lower() not in _MODES:
+        raise ValueError(
+            f"{AUTORESET_KEY} must be one of {', '.join(AUTORESET_VALUES)}, got {mode_text[:32]!r}"
+        )
+    return size, _MODES[mode_text.lower()]
+
+
+class VectorSessions:
+    """Opens the VectorSession streams of one server process and hands each to the
+    session manager as N sessions."""
+
+    def __init__(self, manager: SessionManager, processes: EnvProcessPool | None) -> None:
+        self._manager = manager
+        self._processes = processes
+        #: Most envs one stream may hold.
+        self.max_envs = manager.config.max_vector_envs
+        #: The env may answer a stream as one native batch (Info says so).
+        self.native = natively_batched(manager.spec.env_class)
+
+    async def serve(self, context: _Context) -> None:
+        """Run one VectorSession stream, given its RPC context, to its end."""
+        try:
+            size, autoreset = read_open(context.invocation_metadata(), self.max_envs)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        await self._manager.run(context, _VectorOpening(self, size, autoreset))
+
+    async def open(self, held: Held, size: int, autoreset: AutoresetMode) -> VectorDriver:
+        """The backend of one stream of ``size`` envs: its batch built (or spread).
+
+        Raises:
+            Exception: what building the envs raised.
+        """
+        manager = self._manager
+        calls: BatchCalls
+        if self._processes is not None:
+            calls = await SpreadBatchCalls.open(self._processes, size, autoreset, self.native)
+        else:
+            spec = batch_spec(manager.spec, size, autoreset)
+            limiter = manager.limiter
+
+            def release() -> None:
+                limiter.release(size)
+
+            async def make() -> EnvRunner:
+                return await EnvRunner.create(
+                    spec, manager.pool, lifecycle=manager.lifecycle, release=release
+                )
+
+            async def replacement() -> EnvRunner:
+                limiter.acquire_for_replacement(size)  # NoSlot: the hung batch holds them
+                return await make()
+
+            # From here the runner frees the stream's slots when its batch is closed (or
+            # could not be made), as for a single session's env.
+            held.owns_slot = False
+            runner = await make()
+            calls = LocalBatchCalls(runner, replacement, manager.call_timeout)
+        return VectorDriver(manager.spec, size, autoreset, calls)
+
+
+class _VectorOpening:
+    """A VectorSession stream, for :meth:`SessionManager.run`."""
+
+    request_class = pb.VectorSessionRequest
+    response_class = pb.VectorSessionResponse
+
+    def __init__(self, streams: VectorSessions, size: int, autoreset: AutoresetMode) -> None:
+        self._streams = streams
+        self.slots = size
+        self._autoreset = autoreset
+        self._driver: VectorDriver | None = None
+
+    async def open(self, held: Held) -> SessionBackend:
+        self._driver = await self._streams.open(held, self.slots, self._autoreset)
+        return self._driver
+
+    def headers(self) -> tuple[tuple[str, str], ...]:
+        native = self._driver is not None and self._driver.native
+        return ((BATCH_KEY, "native" if native else "loop"),)
