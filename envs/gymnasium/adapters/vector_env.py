@@ -57,6 +57,7 @@ from openenv_grpc_envs.gymnasium.adapters.gymnasium_env import (
 from openenv_grpc_envs.gymnasium.adapters.registration import spec_for
 from openenv_grpc_envs.gymnasium.adapters.session_streams import SessionStreams
 from openenv_grpc_envs.gymnasium.adapters.transport import BACKENDS, Batch, LoopThread, Transport
+from openenv_grpc_envs.gymnasium.adapters.vector_stream import VectorStream
 from openenv_grpc_envs.gymnasium.v1.gymnasium_pb2 import (
     EnvDescription,
     GymnasiumResetOptions,
@@ -114,7 +115,7 @@ class RemoteGymnasiumVectorEnv(VectorEnv[Any, Any, Any]):
         max_episode_steps: int | None = None,
         kwargs: Mapping[str, Any] | None = None,
         autoreset_mode: str | AutoresetMode = AutoresetMode.NEXT_STEP,
-        transport: Literal["vector", "sessions"] = "sessions",
+        transport: Literal["vector", "sessions"] = "vector",
         backend: str | None = None,
         render_mode: str | None = None,
         channels: int = 1,
@@ -162,7 +163,7 @@ class RemoteGymnasiumVectorEnv(VectorEnv[Any, Any, Any]):
         self._loop = LoopThread()
         try:
             self._transport: Transport = (
-                _vector_stream()(
+                VectorStream(
                     self._loop, target, num_envs, self._options, self.autoreset_mode,
                     backend=backend, credentials=credentials, timeout=step_timeout,
                     session_options=session_options,
@@ -357,9 +358,3 @@ class RemoteGymnasiumVectorEnv(VectorEnv[Any, Any, Any]):
     def __repr__(self) -> str:
         env_id = getattr(getattr(self, "description", None), "env_id", "?")
         return f"RemoteGymnasiumVectorEnv({env_id}, num_envs={self.num_envs})"
-
-
-def _vector_stream() -> type[Transport]:
-    from openenv_grpc_envs.gymnasium.adapters.vector_stream import VectorStream
-
-    return VectorStream

@@ -15,29 +15,34 @@ from typing import Any
 
 import grpc
 import numpy as np
+from gymnasium import spaces
 from gymnasium.vector import AutoresetMode
 
-from openenv_grpc import EnvError
-from openenv_grpc.client.vector_session import VectorOutcome, VectorSession
+from openenv_grpc import EnvError, VectorOutcome
 from openenv_grpc_envs.gymnasium import convert
 from openenv_grpc_envs.gymnasium.adapters.transport import BACKENDS, Batch, LoopThread
-from openenv_grpc_envs.gymnasium.batch_convert import encode_stacked, view_batch
+from openenv_grpc_envs.gymnasium.batch_convert import (
+    encode_stacked,
+    view_batch,
+    view_observation_bytes,
+)
+from openenv_grpc_envs.gymnasium.client import GymnasiumVectorEnv
+from openenv_grpc_envs.gymnasium.convert import ConversionError
 from openenv_grpc_envs.gymnasium.v1.gymnasium_pb2 import (
     GymnasiumAction,
     GymnasiumObservation,
     GymnasiumResetOptions,
-    GymnasiumState,
 )
 
 __all__ = ["VectorStream"]
+
+_LEAF_SPACES = (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)
 
 _MODES = {
     AutoresetMode.NEXT_STEP: "next_step",
     AutoresetMode.SAME_STEP: "same_step",
     AutoresetMode.DISABLED: "disabled",
 }
-
-_Session = VectorSession[Any, GymnasiumObservation, GymnasiumState, GymnasiumResetOptions]
 
 
 class VectorStream:
@@ -68,7 +73,7 @@ class VectorStream:
         self._options.CopyFrom(options)
         if backend is not None:
             self._options.backend = BACKENDS[backend]  # type: ignore[assignment]
-        self._session: _Session = VectorSession(
+        self._session = GymnasiumVectorEnv(
             target,
             num_envs,
             autoreset=_MODES[autoreset_mode],
@@ -77,7 +82,7 @@ class VectorStream:
         )
         self._session.open()
         try:
-            if not self._session.native_batch:
+            if not self._session.native:
                 raise EnvError(
                     grpc.StatusCode.FAILED_PRECONDITION,
                     "the server does not batch the gymnasium env natively (an older server?): "
@@ -85,8 +90,7 @@ class VectorStream:
                 )
             # One unseeded reset of every env describes the spaces.
             first = self._reset(list(range(num_envs)), [None] * num_envs, self._options)
-            assert first.batch_observation is not None
-            self.description = first.batch_observation.env
+            self.description = _observation(first).env
             self._set_spaces()
         except BaseException:
             self._session.close()
@@ -97,7 +101,7 @@ class VectorStream:
         self._action_space = convert.build_space(self.description.action_space)
 
     @property
-    def session(self) -> _Session:
+    def session(self) -> GymnasiumVectorEnv:
         """The vector stream (its ``session_id`` tags the server's logs)."""
         return self._session
 
@@ -126,14 +130,14 @@ class VectorStream:
         if options is not None:
             options.backend = self._options.backend  # the stream keeps its backend
         outcome = self._reset(indices, seeds, options)
-        assert outcome.batch_observation is not None
+        observation = _observation(outcome)  # a reset also describes the env: parse it
         if options is not None:
-            self.description = outcome.batch_observation.env
+            self.description = observation.env
             self._set_spaces()
             self._options = options
         count = len(indices)
         return Batch(
-            view_batch(outcome.batch_observation.value, self._observation_space, count),
+            view_batch(observation.value, self._observation_space, count),
             np.zeros(count, dtype=np.float64),
             np.zeros(count, dtype=np.bool_),
             np.zeros(count, dtype=np.bool_),
@@ -145,20 +149,17 @@ class VectorStream:
         encode_stacked(action.value, actions, self._action_space)
         outcome = self._session.step_batch(action, timeout=self._timeout)
         _raise_first(outcome)
-        assert outcome.batch_observation is not None
         n = self._num_envs
         batch = Batch(
-            view_batch(outcome.batch_observation.value, self._observation_space, n),
+            self._view(outcome.batch_payload, n),
             np.asarray(outcome.rewards, dtype=np.float64),
             np.asarray(outcome.terminated, dtype=np.bool_),
             np.asarray(outcome.truncated, dtype=np.bool_),
         )
         finals: Any = None
         ended = [i for i, reset in enumerate(outcome.autoreset) if reset]
-        if outcome.batch_final_observation is not None and ended:
-            finals = view_batch(
-                outcome.batch_final_observation.value, self._observation_space, len(ended)
-            )
+        if outcome.batch_final_payload is not None and ended:
+            finals = self._view(outcome.batch_final_payload, len(ended))
         final_row = {i: j for j, i in enumerate(ended)} if finals is not None else {}
         infos = outcome.infos
         for i in range(n):
@@ -171,8 +172,27 @@ class VectorStream:
                 batch.infos.append((i, dict(info or {})))
         return batch
 
+    def _view(self, payload: Any, rows: int) -> Any:
+        """The batch observation in ``payload`` (an ``Any``) as Gymnasium batches it: a
+        view into the payload's bytes when it is one tensor (reading ``payload.value`` is
+        the one copy), else parsed and viewed.
+
+        Raises:
+            ConversionError: the server sent no batch, or one of another shape.
+        """
+        if payload is None:
+            raise ConversionError("observation: the server answered without a batch")
+        data = payload.value
+        array = view_observation_bytes(data)
+        space = self._observation_space
+        if array is not None and isinstance(space, _LEAF_SPACES):
+            expected = (rows, *(() if isinstance(space, spaces.Discrete) else space.shape))
+            if array.shape == expected:
+                return array
+        return view_batch(GymnasiumObservation.FromString(data).value, space, rows)
+
     def frames(self) -> tuple[Any, ...]:
-        states = self._session.state(timeout=self._timeout)
+        states = self._session.states(timeout=self._timeout)
         return tuple(
             convert.to_numpy(s.frame, writable=True, what="frame") if s.frame.dtype else None
             for s in states
@@ -189,6 +209,13 @@ def _row(batch: Any, row: int) -> Any:
     if isinstance(batch, tuple):
         return tuple(_row(value, row) for value in batch)
     return batch[row]
+
+
+def _observation(outcome: VectorOutcome[GymnasiumObservation]) -> GymnasiumObservation:
+    observation = outcome.batch_observation
+    if observation is None:
+        raise ConversionError("observation: the server answered without a batch")
+    return observation
 
 
 def _raise_first(outcome: VectorOutcome[Any]) -> None:
