@@ -10,7 +10,7 @@ ENV ?= echo
 NODE_CLIENT := clients/node/node_modules/.installed
 GOPATH_DIR := build/gopath
 
-.PHONY: install serve test pytest lint proto proto-check clean bench-echo clients go-play \
+.PHONY: install serve test pytest lint proto proto-check clean bench-echo bench-gym clients go-play \
 	buf-breaking system-deps image dockerd bench console console-screenshot settings-table
 
 # `local` = the registry-free debootstrap base; python:3.11-slim where a registry is reachable
@@ -115,9 +115,15 @@ bench-echo: $(VENV)/.installed
 	$(PY) -m bench.echo_load --sessions 1 64 --seconds 5
 
 BENCH ?= --quick
-## bench: openenv-grpc vs OpenEnv side by side (BENCH=--full for the big run)
+GYM_BENCH ?=
+## bench: openenv-grpc vs OpenEnv side by side (BENCH=--full for the big run), then bench-gym
 bench: $(VENV)/.installed
 	$(PY) -m bench.run $(BENCH)
+	$(PY) -m bench.gym_vector $(GYM_BENCH)
+
+## bench-gym: Gymnasium vector envs, remote (vector stream, N sessions, EnvPool) vs in process
+bench-gym: $(VENV)/.installed
+	$(PY) -m bench.gym_vector $(GYM_BENCH)
 
 ## image: the container image of one environment: make image ENV=echo [BASE_IMAGE=python:3.11-slim]
 image:

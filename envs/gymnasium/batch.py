@@ -237,6 +237,15 @@ class GymnasiumBatch(
                 message.env.CopyFrom(observation.env)
         return out
 
+    def cost_class(self) -> str:
+        """What the server's measured placement groups this batch's calls by: the env id,
+        the backend and the size ("" before the first reset), as the one-env session's
+        ``cost_class`` gives its env id."""
+        description = self.description
+        if description is None:
+            return ""
+        return f"{description.env_id}/{Backend.Name(description.backend)}/{self.size}"
+
     def close(self) -> None:
         backend, self._backend = self._backend, None
         if backend is not None:

@@ -26,6 +26,7 @@ import numpy.typing as npt
 from gymnasium import spaces
 
 from openenv_grpc_envs.gymnasium.convert import (
+    _NAMES,
     ConversionError,
     _array,
     _cast,
@@ -112,7 +113,7 @@ def _encode_leaf(
         data = array.tobytes()
     tensor.data = data
     tensor.shape[:] = (k, *shape)
-    tensor.dtype = dtype.name
+    tensor.dtype = _NAMES.get(dtype) or dtype.name
 
 
 def encode_stacked(target: Value, batch: Any, space: spaces.Space[Any]) -> None:

@@ -267,14 +267,19 @@ class RemoteGymnasiumVectorEnv(VectorEnv[Any, Any, Any]):
         if self._last is None or len(indices) == self.num_envs:
             self._last = rows.observations
         else:  # a partial reset returns the whole batch: the others' last observations
-            items = list(iterate(self.observation_space, self._last))
-            for row, item in zip(indices, iterate(batch_space(spaces[0], len(indices)),
-                                                  rows.observations), strict=True):  # fmt: skip
-                items[row] = item
-            out = create_empty_array(spaces[0], self.num_envs)
-            assert out is not None  # None only for spaces convert cannot build
-            self._last = concatenate(spaces[0], items, out)
+            self._last = self._merge(indices, rows.observations)
         return self._last, infos
+
+    def _merge(self, indices: Sequence[int], observations: Any) -> Any:
+        """A new batch: the last one with the rows of ``indices`` replaced."""
+        space = self.single_observation_space
+        items = list(iterate(self.observation_space, self._last))
+        fresh = iterate(batch_space(space, len(indices)), observations)
+        for index, item in zip(indices, fresh, strict=True):
+            items[index] = item
+        out = create_empty_array(space, self.num_envs)
+        assert out is not None  # None only for spaces convert cannot build
+        return concatenate(space, items, out)
 
     def step(
         self, actions: Any

@@ -19,8 +19,13 @@ from openenv_grpc import AutoresetMode, BatchTransition, InvalidAction
 from openenv_grpc_envs.gymnasium import GymnasiumEnvironment, convert
 from openenv_grpc_envs.gymnasium.adapters import reset_options
 from openenv_grpc_envs.gymnasium.batch import GymnasiumBatch
-from openenv_grpc_envs.gymnasium.batch_convert import encode_rows, view_batch
+from openenv_grpc_envs.gymnasium.batch_convert import (
+    encode_rows,
+    view_batch,
+    view_observation_bytes,
+)
 from openenv_grpc_envs.gymnasium.configuration import register_ale
+from openenv_grpc_envs.gymnasium.convert import ConversionError
 from openenv_grpc_envs.gymnasium.v1.gymnasium_pb2 import (
     GymnasiumAction,
     GymnasiumObservation,
@@ -245,6 +250,7 @@ def test_configuration_is_one_per_batch(closing: Callable[[Any], Any]) -> None:
     with pytest.raises(InvalidAction, match="unknown env_id"):
         batch.reset([0, 1], [None, None], [reset_options("NoSuch-v0")] * 2)
     assert batch.description is not None and batch.description.env_id == "CartPole-v1"
+    assert batch.cost_class() == "CartPole-v1/BACKEND_GYMNASIUM/2"  # measured placement
     result = batch.reset([0, 1], [1, 2], [other, other])
     assert result.observation.env.env_id == "Acrobot-v1"
     assert batch.state(1).seed == 2 and batch.state(1).env.env_id == "Acrobot-v1"
@@ -288,3 +294,28 @@ def test_state_and_rendering(closing: Callable[[Any], Any]) -> None:
     options.render_mode = "human"
     with pytest.raises(InvalidAction, match="no display"):
         batch.reset([0, 1], [None, None], [options, options])
+
+
+def test_observation_bytes_are_viewed_in_place_or_refused() -> None:
+    """The client's one-copy path: a one-tensor batch observation is viewed inside the
+    received bytes; other values fall back to parsing; malformed bytes are refused."""
+    frames = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4)
+    message = GymnasiumObservation(value=Value(tensor=convert.to_tensor(frames)))
+    message.env.env_id = "ALE/Pong-v5"  # a reset's description is skipped over
+    data = message.SerializeToString()
+    view = view_observation_bytes(data)
+    assert view is not None and np.array_equal(view, frames) and not view.flags.writeable
+    assert np.shares_memory(view, np.frombuffer(data, dtype=np.uint8))  # no copy
+    discrete = GymnasiumObservation(value=Value(discrete=1))
+    assert view_observation_bytes(discrete.SerializeToString()) is None
+    tuple_value = GymnasiumObservation()
+    tuple_value.value.tuple.SetInParent()
+    assert view_observation_bytes(tuple_value.SerializeToString()) is None
+    with pytest.raises(ConversionError, match="truncated"):
+        view_observation_bytes(data[:-5])
+    short = GymnasiumObservation(value=Value(tensor=convert.to_tensor(frames)))
+    short.value.tensor.data = b"\x00" * 5
+    with pytest.raises(ConversionError, match="5 bytes of data for shape"):
+        view_observation_bytes(short.SerializeToString())
+    with pytest.raises(ConversionError, match="malformed varint"):
+        view_observation_bytes(b"\x0a\xff")
