@@ -18,6 +18,7 @@ from gymnasium.utils.passive_env_checker import env_render_passive_checker as pa
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
 from openenv_grpc import CapacityError, EnvError
+from openenv_grpc.client.info import fetch_info
 from openenv_grpc.testing import ServerProcess
 from openenv_grpc_envs.gymnasium import GymnasiumEnv
 from openenv_grpc_envs.gymnasium.adapters import RemoteGymnasiumEnv, RemoteGymnasiumVectorEnv
@@ -417,6 +418,9 @@ def test_envpool_backend_is_envpools_semantics_over_the_wire(server: ServerProce
             ended += int(got[2].sum())
         assert ended >= 2  # NEXT_STEP autoresets ran, the same on both
     pool.close()
+    info = fetch_info(server.target)  # strangers learn it from Info too
+    assert info.vector.native_batch and "EnvPool" in info.env_description
+    assert "seeded per pool" in info.env_description
     with pytest.raises(ValueError, match="needs transport='vector'"):
         RemoteGymnasiumVectorEnv(server.target, 2, "CartPole-v1", backend="envpool",
                                  transport="sessions")  # fmt: skip

@@ -53,7 +53,10 @@ class GymnasiumEnvironment(
     version = "1.0.0"
     description = (
         "Any registered Gymnasium environment (classic control, toy text, Box2D, "
-        "Atari via ale-py), chosen by env_id at reset."
+        "Atari via ale-py), chosen by env_id at reset. Vector streams are answered as one "
+        "native batch with SyncVectorEnv's semantics, or (reset option backend=ENVPOOL) "
+        "by one EnvPool pool: seeded per pool when made (a seeded reset of some envs is "
+        "refused), EnvPool's generators, float32 rewards, its own ids."
     )
     # Atari steps take 0.1-1 ms and making an env takes tens of ms: keep them off the loop.
     runs_inline = False
