@@ -386,7 +386,7 @@ def test_bad_actions_are_errors_and_the_stream_goes_on(server: ServerProcess) ->
         with pytest.raises(EnvError, match=r"env 1: action: 5 is outside \[0, 1\]") as bad:
             envs.step(np.array([0, 5, 1]))
         assert bad.value.code is grpc.StatusCode.INVALID_ARGUMENT
-        with pytest.raises(EnvError, match="does not fit 3 rows") as wrong:
+        with pytest.raises(EnvError, match="does not match 3 rows") as wrong:
             envs.step(np.array([0, 1]))
         assert wrong.value.code is grpc.StatusCode.INVALID_ARGUMENT
         obs, *_ = envs.step(np.array([0, 1, 1]))  # the stream goes on

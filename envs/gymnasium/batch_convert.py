@@ -18,7 +18,7 @@ protobuf copies that once more into its message, which Python's upb cannot avoid
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,11 +29,11 @@ from openenv_grpc_envs.gymnasium.convert import (
     _NAMES,
     ConversionError,
     _array,
-    _cast,
     _expect,
     _label,
     _outside,
     _unsupported,
+    array_of,
     fill_tensor,
     to_numpy,
 )
@@ -193,22 +193,7 @@ def decode_batch(
 
 def _leaf_array(value: Value, space: spaces.Space[Any], rows: int, path: str) -> Array:
     shape = (rows, *_leaf_shape(space))
-    dtype = _leaf_dtype(space)
-    if value.WhichOneof("kind") == "ints":
-        ints = np.array(value.ints.values, dtype=np.int64)
-        if ints.size != math.prod(shape):
-            raise ConversionError(
-                f"{path}: {ints.size} ints for {rows} rows of {_label(space)} "
-                f"(expected {math.prod(shape)})"
-            )
-        return _cast(ints, dtype, path).reshape(shape)
-    array = to_numpy(value.tensor, what=path)
-    if array.shape != shape:
-        raise ConversionError(
-            f"{path}: shape {list(array.shape)} does not fit {rows} rows of {_label(space)} "
-            f"(expected {list(shape)})"
-        )
-    return _cast(array, dtype, path)
+    return array_of(value, shape, _leaf_dtype(space), f"{rows} rows of {_label(space)}", path)
 
 
 def _bounds(space: spaces.Space[Any]) -> tuple[Any, Any]:
@@ -418,46 +403,26 @@ def view_observation_bytes(data: bytes) -> Array | None:
     Raises:
         ConversionError: the bytes are not a well-formed message of that shape.
     """
-    value = _field(data, 0, len(data), 1)
-    if value is None:
-        return None
-    tensor = _field(data, value[0], value[1], 2)
+    value = _last_message(data, 0, len(data), 1)
+    tensor = _last_message(data, *value, 2) if value is not None else None
     if tensor is None:
         return None
-    start, end = tensor
-    body: tuple[int, int] | None = None
+    body = (0, 0)
     shape: list[int] = []
     dtype = ""
-    pos = start
-    while pos < end:
-        key, pos = _varint(data, pos, end)
-        number, wire = key >> 3, key & 7
-        if wire == 2:
-            length, pos = _varint(data, pos, end)
-            if pos + length > end:
-                raise ConversionError("observation: truncated tensor")
-            if number == 1:
-                body = (pos, pos + length)
-            elif number == 2:  # packed shape
-                inner = pos
-                while inner < pos + length:
-                    dim, inner = _varint(data, inner, pos + length)
-                    shape.append(dim)
-            elif number == 3:
-                dtype = data[pos : pos + length].decode("ascii", "replace")
-            pos += length
-        elif wire == 0:
-            dim, pos = _varint(data, pos, end)
-            if number == 2:
+    for number, start, end in _fields(data, *tensor):
+        if number == 1 and end >= 0:
+            body = (start, end)
+        elif number == 2 and end >= 0:  # packed shape
+            while start < end:
+                dim, start = _varint(data, start, end)
                 shape.append(dim)
-        else:
-            pos = _skip(data, pos, end, wire)
-    tensor_message = Tensor(dtype=dtype, shape=shape)
-    if body is None:  # an empty data field is left off the wire
-        tensor_message.data = b""
-        return to_numpy(tensor_message, what="observation")
-    if dtype not in _DTYPE_NAMES:
-        return to_numpy(tensor_message, what="observation")  # raises, naming the dtype
+        elif number == 2:
+            shape.append(start)  # a varint field's value
+        elif number == 3 and end >= 0:
+            dtype = data[start:end].decode("ascii", "replace")
+    if dtype not in _DTYPE_NAMES:  # to_numpy raises, naming the dtype
+        return to_numpy(Tensor(dtype=dtype, shape=shape), what="observation")
     view = memoryview(data)[body[0] : body[1]]
     dt = np.dtype(dtype).newbyteorder("<")
     if len(view) != math.prod(shape) * dt.itemsize:
@@ -474,10 +439,9 @@ _DTYPE_NAMES = frozenset(
 )  # fmt: skip
 
 
-def _field(data: bytes, start: int, end: int, wanted: int) -> tuple[int, int] | None:
-    """The span of the last length-delimited field ``wanted`` in data[start:end] (the
-    last one wins, as protobuf merges), or None."""
-    found = None
+def _fields(data: bytes, start: int, end: int) -> Iterator[tuple[int, int, int]]:
+    """The fields of the message in data[start:end]: ``(number, start, end)`` of each
+    length-delimited one, ``(number, value, -1)`` of each varint; others are skipped."""
     pos = start
     while pos < end:
         key, pos = _varint(data, pos, end)
@@ -486,13 +450,22 @@ def _field(data: bytes, start: int, end: int, wanted: int) -> tuple[int, int] | 
             length, pos = _varint(data, pos, end)
             if pos + length > end:
                 raise ConversionError("observation: truncated message")
-            if number == wanted:
-                found = (pos, pos + length)
+            yield number, pos, pos + length
             pos += length
+        elif wire == 0:
+            varint, pos = _varint(data, pos, end)
+            yield number, varint, -1
         else:
-            if number == wanted:
-                return None  # another kind of value in the oneof's place
             pos = _skip(data, pos, end, wire)
+
+
+def _last_message(data: bytes, start: int, end: int, wanted: int) -> tuple[int, int] | None:
+    """The span of the last field ``wanted`` if it is a message (the last one wins, as
+    protobuf merges); None when absent or when a varint took its place in the oneof."""
+    found: tuple[int, int] | None = None
+    for number, first, last in _fields(data, start, end):
+        if number == wanted:
+            found = (first, last) if last >= 0 else None
     return found
 
 
@@ -510,8 +483,6 @@ def _varint(data: bytes, pos: int, end: int) -> tuple[int, int]:
 
 
 def _skip(data: bytes, pos: int, end: int, wire: int) -> int:
-    if wire == 0:
-        return _varint(data, pos, end)[1]
     if wire == 1:
         pos += 8
     elif wire == 5:

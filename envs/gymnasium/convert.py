@@ -374,20 +374,29 @@ def _expect(kind: str | None, allowed: Sequence[str], space: spaces.Space[Any], 
 def _array(value: Value, space: spaces.Space[Any], path: str) -> Array:
     """The value's array in the space's dtype and shape, or a ConversionError."""
     assert space.shape is not None and space.dtype is not None  # array spaces have both
-    shape = tuple(space.shape)
-    target = np.dtype(space.dtype)
+    return array_of(value, tuple(space.shape), np.dtype(space.dtype), _label(space), path)
+
+
+def array_of(
+    value: Value, shape: tuple[int, ...], target: np.dtype[Any], label: str, path: str
+) -> Array:
+    """The array a ``tensor`` or ``ints`` value holds, as a writable array of ``shape``
+    and dtype ``target`` (``label`` names what it is for in errors).
+
+    Raises:
+        ConversionError: a wrong size or shape, or a lossy cast (see :func:`_cast`).
+    """
     if value.WhichOneof("kind") == "ints":
         ints = np.array(value.ints.values, dtype=np.int64)
         if ints.size != math.prod(shape):
             raise ConversionError(
-                f"{path}: {ints.size} ints for {_label(space)} (expected {math.prod(shape)})"
+                f"{path}: {ints.size} ints for {label} (expected {math.prod(shape)})"
             )
         return _cast(ints, target, path).reshape(shape)
     array = to_numpy(value.tensor, what=path)
     if array.shape != shape:
         raise ConversionError(
-            f"{path}: shape {list(array.shape)} does not match {_label(space)} "
-            f"(shape {list(shape)})"
+            f"{path}: shape {list(array.shape)} does not match {label} (shape {list(shape)})"
         )
     return _cast(array, target, path)
 

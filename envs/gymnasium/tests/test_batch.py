@@ -213,7 +213,7 @@ def test_bad_rows_answer_for_their_index_and_bad_batches_for_the_request(
     assert len(result.rewards) == 2 and batch.state(1).episode_steps == 0  # not stepped
     assert batch.state(0).episode_steps == 1
     for bad, match in [
-        (np.array([0, 1]), r"shape \[2\] does not fit 3 rows"),
+        (np.array([0, 1]), r"shape \[2\] does not match 3 rows"),
         (np.array([0.0, 1.0, 0.0]), "float64 cannot be cast to int64"),
     ]:
         with pytest.raises(InvalidAction, match=match):
