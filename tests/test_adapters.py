@@ -14,6 +14,7 @@ import gymnasium
 import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env
+from gymnasium.utils.env_match import check_environments_match
 from gymnasium.utils.passive_env_checker import env_render_passive_checker as passive_render_check
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
@@ -171,6 +172,25 @@ def test_registered_ids_make_the_adapter_and_the_checker_tests_render_modes(
     assert [mode for mode, _ in rendered] == ["rgb_array", "rgb_array"]
     for _, frame in rendered:
         assert frame.dtype == np.uint8 and frame.shape == (400, 600, 3)
+    wait_idle(server)
+
+
+@pytest.mark.parametrize("env_id", ["CartPole-v1", "Acrobot-v1"])
+def test_gymnasiums_match_checker_finds_the_local_env_frames_included(
+    server: ServerProcess, env_id: str
+) -> None:
+    """gymnasium.utils.env_match: the remote env and gymnasium.make(...) give identical
+    observations, rewards, flags, infos and rendered frames for 40 seeded steps. (Its
+    rewards compare types too: envs whose reward is a numpy scalar, e.g. Pendulum, give a
+    float remotely; their values are equal, see test_vector_stream_matches_sync_vector_env.)"""
+    remote = gymnasium.make(f"openenv-grpc/{env_id}", target=server.target,
+                            render_mode="rgb_array")  # fmt: skip
+    local = gymnasium.make(env_id, render_mode="rgb_array")
+    try:
+        check_environments_match(remote, local, num_steps=40, seed=3)
+    finally:
+        remote.close()
+        local.close()
     wait_idle(server)
 
 
