@@ -11,7 +11,8 @@ NODE_CLIENT := clients/node/node_modules/.installed
 GOPATH_DIR := build/gopath
 
 .PHONY: install serve test pytest lint proto proto-check clean bench-echo bench-gym clients go-play \
-	buf-breaking system-deps image dockerd bench console console-screenshot settings-table
+	buf-breaking system-deps image dockerd bench bench-vector console console-screenshot \
+	settings-table
 
 # `local` = the registry-free debootstrap base; python:3.11-slim where a registry is reachable
 BASE_IMAGE ?= local
@@ -119,7 +120,12 @@ GYM_BENCH ?=
 ## bench: openenv-grpc vs OpenEnv side by side (BENCH=--full for the big run), then bench-gym
 bench: $(VENV)/.installed
 	$(PY) -m bench.run $(BENCH)
+	$(PY) -m bench.vector_load $(BENCH)
 	$(PY) -m bench.gym_vector $(GYM_BENCH)
+
+## bench-vector: vector streams vs N sessions, bare grpc.aio and OpenEnv 0.10.0 / 0.3.0; CPU-heavy one process vs --isolated 2
+bench-vector: $(VENV)/.installed
+	$(PY) -m bench.vector_load $(BENCH)
 
 ## bench-gym: Gymnasium vector envs, remote (vector stream, N sessions, EnvPool) vs in process
 bench-gym: $(VENV)/.installed

@@ -32,6 +32,16 @@ OPENENV_VENV = ROOT / "build" / "bench-openenv-venv"
 #: What the OpenEnv venv gets: the pinned competitor, and the ASGI server and WebSocket
 #: library its docs use (both are openenv-core dependencies; named to be explicit).
 OPENENV_REQUIREMENTS = ["openenv-core==0.3.0", "uvicorn", "websockets"]
+#: The OpenEnv releases the benchmarks run against, each in a venv of its own: 0.3.0
+#: (``openenv-core``, the first peer, kept for continuity) and 0.10.0 (``openenv``, the
+#: renamed successor, the current release; same ``create_app`` + uvicorn serving).
+OPENENV_PEERS: dict[str, tuple[Path, list[str]]] = {
+    "0.3.0": (OPENENV_VENV, OPENENV_REQUIREMENTS),
+    "0.10.0": (
+        ROOT / "build" / "bench-openenv-0.10.0-venv",
+        ["openenv==0.10.0", "uvicorn", "websockets"],
+    ),
+}
 _SERVING = re.compile(r"serving \S+ on (\S+):(\d+)")
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -43,6 +53,7 @@ class System:
     kind: str  # "grpc" (AsyncEchoEnv client) or "openenv" (WebSocket client)
     description: str
     variant: str = ""  # OpenEnv: "default" or "tuned"
+    peer: str = "0.3.0"  # OpenEnv: the release (a key of OPENENV_PEERS)
 
     @property
     def compression(self) -> bool:
@@ -97,28 +108,31 @@ def raise_fd_limit() -> int:
 # -- the OpenEnv virtualenv ----------------------------------------------------------------
 
 
-def openenv_python() -> Path:
-    return OPENENV_VENV / "bin" / "python"
+def openenv_python(peer: str = "0.3.0") -> Path:
+    return OPENENV_PEERS[peer][0] / "bin" / "python"
 
 
-def ensure_openenv_venv(log: Any = print) -> dict[str, Any]:
-    """Create (once) the venv that holds openenv-core; returns its package versions."""
-    stamp = OPENENV_VENV / ".bench-installed"
-    wanted = " ".join(OPENENV_REQUIREMENTS)
+def ensure_openenv_venv(log: Any = print, peer: str = "0.3.0") -> dict[str, Any]:
+    """Create (once) the venv that holds OpenEnv release ``peer``; returns its package
+    versions."""
+    venv, requirements = OPENENV_PEERS[peer]
+    stamp = venv / ".bench-installed"
+    wanted = " ".join(requirements)
     started = time.monotonic()
-    if not (stamp.exists() and stamp.read_text().strip() == wanted and openenv_python().exists()):
-        log(f"bench: creating {OPENENV_VENV.relative_to(ROOT)} ({wanted}) ...")
+    python = openenv_python(peer)
+    if not (stamp.exists() and stamp.read_text().strip() == wanted and python.exists()):
+        log(f"bench: creating {venv.relative_to(ROOT)} ({wanted}) ...")
         base = getattr(sys, "_base_executable", sys.executable)
-        subprocess.run([base, "-m", "venv", "--clear", str(OPENENV_VENV)], check=True)
+        subprocess.run([base, "-m", "venv", "--clear", str(venv)], check=True)
         subprocess.run(
             [
-                str(openenv_python()),
+                str(python),
                 "-m",
                 "pip",
                 "install",
                 "--quiet",
                 "--disable-pip-version-check",
-                *OPENENV_REQUIREMENTS,
+                *requirements,
             ],
             check=True,
         )
@@ -126,11 +140,15 @@ def ensure_openenv_venv(log: Any = print) -> dict[str, Any]:
     versions = json.loads(
         subprocess.run(
             [
-                str(openenv_python()),
+                str(python),
                 "-c",
-                "import json, importlib.metadata as m; print(json.dumps({p: m.version(p) for p "
-                "in ('openenv-core', 'uvicorn', 'websockets', 'fastapi', 'starlette', "
-                "'pydantic')}))",
+                "import json, importlib.metadata as m\n"
+                "def v(p):\n"
+                "    try: return m.version(p)\n"
+                "    except m.PackageNotFoundError: return None\n"
+                "names = ('openenv-core', 'openenv', 'uvicorn', 'websockets', 'fastapi', "
+                "'starlette', 'pydantic')\n"
+                "print(json.dumps({p: v(p) for p in names if v(p)}))",
             ],
             check=True,
             capture_output=True,
@@ -240,7 +258,7 @@ def server_command(system: System, env: str, cpu_loops: int) -> tuple[list[str],
         cmd = [sys.executable, "-m", "bench.bare_echo", "0", "--mode", env]
         cmd += ["--cpu-loops", str(cpu_loops)]
     else:
-        cmd = [str(openenv_python()), str(ROOT / "bench" / "openenv_server.py")]
+        cmd = [str(openenv_python(system.peer)), str(ROOT / "bench" / "openenv_server.py")]
         cmd += ["--variant", system.variant, "--env", env, "--cpu-loops", str(cpu_loops)]
     return cmd, environ
 
@@ -335,7 +353,9 @@ class Client:
     stderr: collections.deque[str] = field(init=False)
 
     def __post_init__(self) -> None:
-        python = sys.executable if self.system.kind == "grpc" else str(openenv_python())
+        python = (
+            sys.executable if self.system.kind == "grpc" else str(openenv_python(self.system.peer))
+        )
         self.proc = subprocess.Popen(
             [python, str(ROOT / "bench" / "load_client.py")],
             cwd=ROOT,

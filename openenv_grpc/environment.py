@@ -201,7 +201,11 @@ class Environment(_EnvironmentBase[ActionT, ObservationT, StateT, ResetOptionsT]
         over them, one payload per env; an env that can answer a whole batch natively
         (one action message and one observation message for all its envs, e.g. arrays
         stacked into one tensor, or a C++ batch simulator) returns a batch instead. Called
-        where the env would be made (on the thread pool, or in an env process).
+        where the env would be made (on the thread pool, or in an env process), and the
+        batch's calls run where this env's calls run (inline, on the pool: one call per
+        vector request either way). None for some sizes is fine: those streams get the
+        loop. With ``--isolated`` the loop's instances are spread over the env processes,
+        but a native batch is one unit and lives in one of them.
 
         Raises:
             InvalidAction: this batch cannot be made (e.g. ``size`` too large; the open is

@@ -1,5 +1,6 @@
 """Trainers in other languages: the Node.js (clients/node) and Go (clients/go) players run
-full episodes against real servers, and their JSON summaries are checked.
+full episodes against real servers, and their JSON summaries are checked; the Node vector
+player steps N envs over one VectorSession stream.
 
 Each player opens a Session, provokes in-band errors (a step before reset, a step after
 truncation, an illegal OpenSpiel action), plays episodes to their end, reads the state and
@@ -162,6 +163,33 @@ def test_openspiel_games_to_the_end(
     assert codes.pop("step before reset") == FAILED_PRECONDITION
     [(when, illegal)] = codes.items()
     assert when.startswith("illegal action id") and illegal == INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize(
+    ("mode", "ended", "steps"),
+    [("next_step", [2, 1, 1], [1, 2, 2]), ("same_step", [3, 2, 1], [1, 0, 3])],
+)
+def test_node_vector_player_steps_n_envs_on_one_stream(
+    node_play: list[str], echo_server: ServerProcess, mode: str, ended: list[int], steps: list[int]
+) -> None:
+    """Env i truncates after 2 + i steps; six vector steps, then one of envs 0 and 2: the
+    autoresets and step counts are those of Gymnasium's mode, worked out by hand."""
+    vector = [node_play[0], str(NODE_DIR / "vector.js")]
+    code, summary, stderr = _play(vector, echo_server.target, "--envs", "3", "--autoreset", mode)
+    assert code == 0, stderr
+    assert summary["kind"] == "vector" and summary["native"] is False and summary["session_id"]
+    assert summary["per_env_errors"] == [
+        {"when": "step before reset", "rows": 0, "codes": [FAILED_PRECONDITION] * 3}
+    ]
+    assert {r["when"]: r["code"] for r in summary["refusals"]} == {
+        "wrong action count": INVALID_ARGUMENT,
+        "index out of range": INVALID_ARGUMENT,
+    }
+    assert summary["steps"] == 6 and summary["env_steps"] == 18
+    assert summary["episodes_ended"] == ended and summary["autoresets"] == ended
+    assert summary["partial_rows"] == [0, 2] and summary["step_counts"] == steps
+    assert summary["state_ok"] is True and summary["closed"] is True
+    echo_server.wait_until(lambda: echo_server.active() == 0)
 
 
 def test_node_and_go_play_alike(

@@ -13,6 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from openenv_grpc import VectorSession
 from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc_envs.echo import EchoAction
 from support.raw_vector import RawVector
@@ -129,3 +130,39 @@ def test_a_factory_failure_frees_all_n_slots(start_server) -> None:
     assert refused.code() is grpc.StatusCode.INTERNAL
     assert "no GPU left" in (refused.details() or "")
     server.wait_until(lambda: server.active() == 0, 10, "slots freed")
+
+
+def test_a_vector_stream_is_n_sessions_to_prometheus(start_server) -> None:
+    from test_observability import metrics_url, scrape
+
+    server = start_server(
+        "support.envs:FaultyEnv", "--metrics-port", "0", "--max-concurrent-envs", "6"
+    )
+    url = metrics_url(server)
+    with VectorSession(server.target, 4) as envs:
+        assert scrape(url)[("openenv_sessions_active", ())] == 4
+        refused = RawVector(server.target, 3).refusal()
+        assert refused.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        envs.reset()
+        envs.step(_echo("a", "b", "raise", "d"))
+        envs.step(_echo("a", "b", "c"), indices=[0, 1, 3])
+    server.wait_until(lambda: server.active() == 0, what="slots released")
+    after = scrape(url)
+    assert after[("openenv_step_seconds_count", ())] == 6  # one per env that stepped
+    assert after[("openenv_request_errors_total", (("code", "INTERNAL"),))] == 1
+    assert after[("openenv_sessions_refused_total", (("reason", "full"),))] == 3
+    assert after[("openenv_session_duration_seconds_count", (("reason", "closed"),))] == 4
+
+
+def test_a_vector_open_without_the_token_is_unauthenticated_before_any_env(start_server) -> None:
+    server = start_server("support.envs:CountingEchoEnv", extra_env={"AUTH_TOKEN": "s3cret"})
+    refused = RawVector(server.target, 3).refusal()
+    assert refused.code() is grpc.StatusCode.UNAUTHENTICATED
+    assert server.created() == 0
+    with VectorSession(server.target, 3, token="s3cret") as envs:
+        assert envs.reset().indices == [0, 1, 2]
+    server.wait_until(lambda: server.closed_envs() == 3)
+
+
+def _echo(*messages: str) -> list[EchoAction]:
+    return [EchoAction(message=m) for m in messages]

@@ -139,12 +139,16 @@ def test_every_bad_request_gets_its_code_and_the_stream_goes_on(server) -> None:
     stream.reset()
     wrong_type = pb.VectorStep(actions=[pack(EchoAction()), pack(Empty()), pack(EchoAction())])
     both = pb.VectorStep(actions=[pack(EchoAction())] * 3, batch_action=pack(EchoAction()))
+    garbage = pack(EchoAction())
+    garbage.value = b"\xff\xff\xff"
+    undecodable = pb.VectorStep(actions=[pack(EchoAction()), pack(EchoAction()), garbage])
     bad = {
         "wrong action count": stream.step(_say("a", "b")),
         "out of range": stream.step(_say("a"), indices=[3]),
         "repeated": stream.step(_say("a", "b"), indices=[1, 1]),
         "out of order": stream.step(_say("a", "b"), indices=[2, 0]),
         "wrong-typed action": stream.send(pb.VectorSessionRequest(step=wrong_type)),
+        "undecodable action": stream.send(pb.VectorSessionRequest(step=undecodable)),
         "empty envelope": stream.send(pb.VectorSessionRequest()),
         "batch_action on a loop": stream.step_batch(EchoAction(message="x")),
         "both forms": stream.send(pb.VectorSessionRequest(step=both)),
@@ -170,6 +174,7 @@ def test_every_bad_request_gets_its_code_and_the_stream_goes_on(server) -> None:
     assert "strictly increasing" in bad["out of order"].error.message
     assert "google.protobuf.Empty" in bad["wrong-typed action"].error.message
     assert "env 1" in bad["wrong-typed action"].error.message
+    assert "env 2" in bad["undecodable action"].error.message
     assert "empty request" in bad["empty envelope"].error.message
     assert "loop" in bad["batch_action on a loop"].error.message
     assert "256" in bad["long episode id"].error.message

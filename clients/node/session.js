@@ -1,5 +1,6 @@
 'use strict';
-// An openenv-grpc Session client for Node.js: one bidi stream owns one environment.
+// openenv-grpc clients for Node.js: a Session stream owns one environment, a VectorSession
+// stream owns N of them (stepped together, one message each way per vector step).
 //
 // No generated code: the core protocol (proto/openenv_grpc/v1/session.proto) is loaded by
 // @grpc/proto-loader for the service stub, and every env's messages (the .proto files
@@ -19,6 +20,9 @@ const TYPE_URL_PREFIX = 'type.googleapis.com/';
 const ADMITTED_KEY = 'openenv-env';
 const SESSION_ID_KEY = 'openenv-session-id';
 const RETRY_PUSHBACK_KEY = 'grpc-retry-pushback-ms';
+const NUM_ENVS_KEY = 'openenv-num-envs';
+const AUTORESET_KEY = 'openenv-autoreset';
+const BATCH_KEY = 'openenv-batch';
 
 /** gRPC status code numbers to names, e.g. 8 -> "RESOURCE_EXHAUSTED". */
 const CODE_NAMES = Object.fromEntries(Object.entries(grpc.status).map(([k, v]) => [v, k]));
@@ -97,13 +101,18 @@ function sleep(ms) {
   return new Promise((resolve) => setTimeout(resolve, ms));
 }
 
-/** One Session stream; use Session.open() to make one. */
-class Session {
+/**
+ * What both kinds of stream share: request ids, answers matched to them (notices, with
+ * request_id 0, answer nothing and are dropped), in-band errors, the stream's end, and
+ * packing of the google.protobuf.Any payloads.
+ */
+class Stream {
   constructor(call, root, types) {
     this._call = call;
     this._root = root;
     this.types = types; // full names of the env's action/observation/state/options types
     this.sessionId = '';
+    this.headers = null; // the server's response headers, once admitted
     this._nextId = 1;
     this._pending = new Map(); // request_id -> {resolve, reject}
     this._ended = null; // the SessionLost that ended the stream, once it has
@@ -113,18 +122,20 @@ class Session {
   }
 
   /**
-   * Opens a session on client; returns it once the server admitted it (its env exists).
-   * Throws CapacityError when the server is full, SessionLost on any other refusal.
+   * Resolves with the stream once the server admitted it (its envs exist): `makeCall`
+   * starts the call, `makeStream(call)` wraps it. Rejects with CapacityError when the
+   * server is full, SessionLost on any other refusal.
    */
-  static open(client, root, types) {
+  static _admit(makeCall, makeStream) {
     return new Promise((resolve, reject) => {
-      const call = client.Session();
-      const session = new Session(call, root, types);
+      const call = makeCall();
+      const stream = makeStream(call);
       call.once('metadata', (metadata) => {
         const admitted = metadata.get(ADMITTED_KEY);
         if (!admitted.length) return; // trailers-only refusal: 'status' tells why
-        session.sessionId = String(metadata.get(SESSION_ID_KEY)[0] || '');
-        resolve(session);
+        stream.sessionId = String(metadata.get(SESSION_ID_KEY)[0] || '');
+        stream.headers = metadata;
+        resolve(stream);
       });
       call.once('status', (status) => {
         if (status.code === grpc.status.RESOURCE_EXHAUSTED) {
@@ -134,23 +145,6 @@ class Session {
         }
       });
     });
-  }
-
-  /**
-   * Opens a session, retrying while the server is full: each retry waits the server's
-   * grpc-retry-pushback-ms hint (fallbackMs when it sent none). onRefused(err, attempt)
-   * is called before each wait. Throws the last CapacityError after `retries` retries.
-   */
-  static async openWithRetry(client, root, types, { retries = 20, fallbackMs = 500, onRefused } = {}) {
-    for (let attempt = 1; ; attempt++) {
-      try {
-        return await Session.open(client, root, types);
-      } catch (err) {
-        if (!(err instanceof CapacityError) || attempt > retries) throw err;
-        if (onRefused) onRefused(err, attempt);
-        await sleep(err.pushbackMs === null ? fallbackMs : err.pushbackMs);
-      }
-    }
   }
 
   /** Packs a plain object as a google.protobuf.Any of the named message type. */
@@ -193,6 +187,40 @@ class Session {
     });
   }
 
+  /** Closes the env(s) and ends the stream; returns once the server confirmed the close. */
+  async close() {
+    await this._request('close', {});
+    this._call.end();
+  }
+}
+
+/** One Session stream (one env); use Session.open() to make one. */
+class Session extends Stream {
+  /**
+   * Opens a session on client; returns it once the server admitted it (its env exists).
+   * Throws CapacityError when the server is full, SessionLost on any other refusal.
+   */
+  static open(client, root, types) {
+    return Stream._admit(() => client.Session(), (call) => new Session(call, root, types));
+  }
+
+  /**
+   * Opens a session, retrying while the server is full: each retry waits the server's
+   * grpc-retry-pushback-ms hint (fallbackMs when it sent none). onRefused(err, attempt)
+   * is called before each wait. Throws the last CapacityError after `retries` retries.
+   */
+  static async openWithRetry(client, root, types, { retries = 20, fallbackMs = 500, onRefused } = {}) {
+    for (let attempt = 1; ; attempt++) {
+      try {
+        return await Session.open(client, root, types);
+      } catch (err) {
+        if (!(err instanceof CapacityError) || attempt > retries) throw err;
+        if (onRefused) onRefused(err, attempt);
+        await sleep(err.pushbackMs === null ? fallbackMs : err.pushbackMs);
+      }
+    }
+  }
+
   /** Starts an episode; returns {observation, reward, terminated, truncated, episode_id, step_count}. */
   async reset({ seed, episodeId, options } = {}) {
     const body = {};
@@ -214,14 +242,76 @@ class Session {
     return { ...state, state: this.unpack(state.state) };
   }
 
-  /** Closes the env and ends the stream; returns once the server confirmed the close. */
-  async close() {
-    await this._request('close', {});
-    this._call.end();
-  }
-
   _result({ result }) {
     return { ...result, observation: this.unpack(result.observation) };
+  }
+}
+
+/**
+ * One VectorSession stream: numEnvs envs, indexed 0 .. numEnvs-1, admitted all or none.
+ * Every call names the envs it is about with `indices` (increasing; omitted: all).
+ * Results are columns, one row per env that answered (`indices`, `observations`,
+ * `rewards`, `terminated`, `truncated`, `episode_ids`, `step_counts`, `autoreset`, ...);
+ * an env that failed has no row but an entry in `errors` (by index) and the others still
+ * answer. A refused request (bad indices, wrong action count, ...) rejects with EnvError.
+ */
+class VectorSession extends Stream {
+  constructor(call, root, types, numEnvs) {
+    super(call, root, types);
+    this.numEnvs = numEnvs;
+    this.native = false; // the server answers in batch form (header openenv-batch: native)
+  }
+
+  /**
+   * Opens a vector stream of numEnvs envs; autoreset is next_step, same_step or disabled.
+   * Throws CapacityError when numEnvs slots are not free, SessionLost on any other refusal.
+   */
+  static async open(client, root, types, numEnvs, { autoreset = 'next_step' } = {}) {
+    const metadata = new grpc.Metadata();
+    metadata.set(NUM_ENVS_KEY, String(numEnvs));
+    metadata.set(AUTORESET_KEY, autoreset);
+    const stream = await Stream._admit(
+      () => client.VectorSession(metadata),
+      (call) => new VectorSession(call, root, types, numEnvs),
+    );
+    stream.native = String(stream.headers.get(BATCH_KEY)[0] || '') === 'native';
+    return stream;
+  }
+
+  /** Resets the envs named; `resets` is one {seed, episodeId, options} per env, or none. */
+  async reset({ indices = [], resets = [] } = {}) {
+    const envs = resets.map(({ seed, episodeId, options }) => {
+      const command = {};
+      if (seed !== undefined) command.seed = seed;
+      if (episodeId !== undefined) command.episode_id = episodeId;
+      if (options) command.options = this.pack(this.types.reset_options_type, options);
+      return command;
+    });
+    return this._columns(await this._request('reset', { indices, envs }));
+  }
+
+  /** Steps the envs named with one action (a plain object) each. */
+  async step(actions, { indices = [] } = {}) {
+    const packed = actions.map((action) => this.pack(this.types.action_type, action));
+    return this._columns(await this._request('step', { indices, actions: packed }));
+  }
+
+  /** Returns {rows: [{index, state, episode_id, step_count}], errors} for the envs named. */
+  async state({ indices = [] } = {}) {
+    const { states } = await this._request('state', { indices });
+    const rows = states.states.map((entry, row) => ({
+      index: states.indices[row],
+      state: this.unpack(entry.state),
+      episode_id: entry.episode_id,
+      step_count: entry.step_count,
+    }));
+    return { rows, errors: states.errors };
+  }
+
+  _columns({ result }) {
+    const observations = result.observations.map((any) => this.unpack(any));
+    const autoreset = result.autoreset.length ? result.autoreset : result.indices.map(() => false);
+    return { ...result, observations, autoreset };
   }
 }
 
@@ -232,5 +322,6 @@ module.exports = {
   PROTO_DIR,
   Session,
   SessionLost,
+  VectorSession,
   loadProtos,
 };

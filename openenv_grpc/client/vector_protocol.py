@@ -11,12 +11,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 
 from openenv_grpc.client.errors import EnvError, InvalidRequest
 from openenv_grpc.client.protocol import SessionTypes, StreamProtocol, pack_typed, status_code
 from openenv_grpc.client.vector_outcome import VectorOutcome
-from openenv_grpc.codec import info_from_struct
+from openenv_grpc.codec import info_from_struct, type_url
 from openenv_grpc.v1 import session_pb2 as pb
 
 __all__ = ["EpisodeIds", "Indices", "Options", "Seeds", "VectorProtocol"]
@@ -101,6 +101,11 @@ class VectorProtocol(StreamProtocol):
         if indices is not None:
             step.indices.extend(indices)
         add, pinned = step.actions.add, self._types.action
+        if pinned is not None and all(type(action) is pinned for action in actions):
+            url = type_url(pinned)  # the common case: one type, checked once per call
+            for action in actions:
+                add(type_url=url, value=action.SerializeToString())
+            return request
         for action in actions:
             pack_typed(add(), action, pinned, "action")
         return request
@@ -144,11 +149,12 @@ class VectorProtocol(StreamProtocol):
             episode_ids[index] = episode_id
             step_counts[index] = count
         decode = self._decode
+        observations = self._observations(result.observations)
         autoreset = list(result.autoreset) or [False] * len(indices)
         finals = [index for index, auto in zip(indices, autoreset, strict=True) if auto]
         return VectorOutcome(
             indices=indices,
-            observations=[decode(o, "observation") for o in result.observations],
+            observations=observations,
             rewards=list(result.rewards),
             terminated=list(result.terminated),
             truncated=list(result.truncated),
@@ -172,6 +178,20 @@ class VectorProtocol(StreamProtocol):
             ),
             _decode=lambda payload: decode(payload, "observation"),
         )
+
+    def _observations(self, payloads: Any) -> list[Any]:
+        """Each row's observation, decoded (in one pass when every url is the pinned
+        type's, the common case)."""
+        pinned = self._types.observation
+        if pinned is not None:
+            url = type_url(pinned)
+            if all(payload.type_url == url for payload in payloads):
+                parse = pinned.FromString
+                try:
+                    return [parse(payload.value) for payload in payloads]
+                except DecodeError:
+                    pass  # the slow path below says which one and why
+        return [self._decode(payload, "observation") for payload in payloads]
 
     def states(
         self, response: pb.VectorSessionResponse

@@ -14,6 +14,11 @@ A frame is a fixed header and a payload of ``length`` bytes::
 The worker answers every frame it reads with exactly one frame, in the order it read
 them, so the front matches answers to calls by their order and knows which call a worker
 is busy with. The only other frame is READY, sent once when the worker is up.
+
+A vector stream's sub-batch lives here too (``VECTOR_CREATE``, then ``VECTOR_REQUEST``
+frames): the front keeps the stream's books and sends each env process the part of a
+request that concerns its envs (``vector_frames.py``); the env process runs it on a
+:class:`~openenv_grpc.server.vector_batch.VectorBatch`, inline, and answers the outcome.
 """
 
 from __future__ import annotations
@@ -27,12 +32,31 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
+import grpc
+
+from openenv_grpc.codec import PayloadError, unpack
+from openenv_grpc.environment import AutoresetMode, InvalidAction
 from openenv_grpc.server.backend import Answer, Outcome, UndecodableRequest
 from openenv_grpc.server.episode import EpisodeDriver
 from openenv_grpc.server.runner import EnvRunner
 from openenv_grpc.server.spec import EnvSpec, ExecutionMode
+from openenv_grpc.server.vector_batch import batch_spec
+from openenv_grpc.server.vector_episode import BatchRefused, LocalBatchCalls, ResetArgs, StepArgs
+from openenv_grpc.server.vector_frames import fill_result, fill_states
+from openenv_grpc.v1 import session_pb2 as pb
 
-__all__ = ["HEADER", "READ_LIMIT", "Op", "Status", "answer_status", "answered", "worker_main"]
+__all__ = [
+    "AUTORESET_MODES",
+    "HEADER",
+    "READ_LIMIT",
+    "VECTOR_OPEN",
+    "Op",
+    "Status",
+    "answer_status",
+    "answered",
+    "refusal_flags",
+    "worker_main",
+]
 
 log = logging.getLogger(__name__)
 
@@ -40,23 +64,36 @@ log = logging.getLogger(__name__)
 HEADER = struct.Struct("<IQB")
 #: Stream buffer size: large frames are read in big chunks, not 64 KiB ones.
 READ_LIMIT = 1 << 20
+#: VECTOR_CREATE's payload: the sub-batch's size and its autoreset mode (an index of
+#: :data:`AUTORESET_MODES`).
+VECTOR_OPEN = struct.Struct("<IB")
+AUTORESET_MODES = (AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP, AutoresetMode.DISABLED)
 
 
 class Op:
-    """Front -> worker operations."""
+    """Front -> worker operations. CLOSE closes either kind of env."""
 
-    CREATE, REQUEST, CLOSE = 1, 2, 3
+    CREATE, REQUEST, CLOSE, VECTOR_CREATE, VECTOR_REQUEST = 1, 2, 3, 4, 5
 
 
 class Status:
-    """Worker -> front statuses. OK: an env was created or closed; FAILED: its factory
-    raised; UNDECODABLE: a request did not parse; READY: sent once, when the worker is up,
-    env id 0. An answered request has status ``ANSWER + outcome`` (plus ``ENDS`` when the
-    stream must end after it): the driver's :class:`~openenv_grpc.server.backend.Answer`,
-    which the front rebuilds without parsing the response."""
+    """Worker -> front statuses. OK: an env was created (a sub-batch: the payload says
+    ``native`` or ``loop``) or closed; FAILED: its factory raised; REFUSED: ``make_batch``
+    refused (InvalidAction); UNDECODABLE: a request did not parse; READY: sent once, when
+    the worker is up, env id 0. An answered request has status ``ANSWER + outcome`` (plus
+    ``ENDS`` when the stream must end after it): the driver's
+    :class:`~openenv_grpc.server.backend.Answer`, which the front rebuilds without parsing
+    the response. A sub-batch's answer is VECTOR_ANSWER (a VectorSessionResponse), or
+    ``VECTOR_REFUSED + flags`` (:func:`refusal_flags`) when the whole call failed."""
 
-    OK, FAILED, UNDECODABLE, READY = 0, 2, 3, 5
+    OK, FAILED, UNDECODABLE, READY, REFUSED = 0, 2, 3, 5, 6
     ANSWER, ENDS = 16, 8
+    VECTOR_ANSWER, VECTOR_REFUSED = 48, 64
+
+
+def refusal_flags(refused: BatchRefused) -> int:
+    """The flags of a refused sub-batch call, added to ``Status.VECTOR_REFUSED``."""
+    return refused.broken | refused.replaced << 1 | refused.saturated << 2 | refused.ends << 3
 
 
 def answer_status(answer: Answer) -> int:
@@ -89,6 +126,7 @@ async def _serve(
         spec = dataclasses.replace(spec, mode=ExecutionMode.INLINE)
     reader, writer = await asyncio.open_unix_connection(sock=sock, limit=READ_LIMIT)
     drivers: dict[int, EpisodeDriver] = {}
+    batches: dict[int, LocalBatchCalls] = {}
 
     async def new_runner() -> EnvRunner:
         return await EnvRunner.create(spec, pool=_NO_POOL)
@@ -102,7 +140,9 @@ async def _serve(
         while True:
             length, env_id, op = HEADER.unpack(await reader.readexactly(HEADER.size))
             payload = await reader.readexactly(length) if length else b""
-            if op == Op.REQUEST:
+            if op == Op.VECTOR_REQUEST:
+                await answer(env_id, *await _vector_answer(batches[env_id], spec, payload))
+            elif op == Op.REQUEST:
                 try:
                     done = await drivers[env_id].handle(payload)
                 except UndecodableRequest as exc:
@@ -119,8 +159,16 @@ async def _serve(
                     await answer(env_id, Status.FAILED, message)
                     continue
                 await answer(env_id, Status.OK)
+            elif op == Op.VECTOR_CREATE:
+                size, mode = VECTOR_OPEN.unpack(payload)
+                status, text = await _vector_create(spec, size, AUTORESET_MODES[mode])
+                if isinstance(text, LocalBatchCalls):
+                    batches[env_id] = text
+                    text = b"native" if text.native else b"loop"
+                await answer(env_id, status, text)
             elif op == Op.CLOSE:
-                closing = drivers.pop(env_id, None)
+                closing: EpisodeDriver | LocalBatchCalls | None = drivers.pop(env_id, None)
+                closing = closing or batches.pop(env_id, None)
                 if closing is not None:
                     await closing.close()
                 await answer(env_id, Status.OK)
@@ -129,6 +177,89 @@ async def _serve(
     finally:
         for driver in drivers.values():
             await driver.close()
+        for batch in batches.values():
+            await batch.close()
+
+
+async def _vector_create(
+    spec: EnvSpec, size: int, autoreset: AutoresetMode
+) -> tuple[int, LocalBatchCalls | bytes]:
+    """Build a sub-batch of ``size`` envs; returns the status to answer and the batch (or
+    the failure's text)."""
+    batched = batch_spec(spec, size, autoreset)
+
+    async def make() -> EnvRunner:
+        return await EnvRunner.create(batched, pool=_NO_POOL)
+
+    try:
+        # No step timeout here for inline envs: the front's watchdog stops this process.
+        return Status.OK, await LocalBatchCalls.create(make, None)
+    except InvalidAction as exc:
+        return Status.REFUSED, str(exc).encode()
+    except Exception as exc:
+        log.exception("environment factory raised")
+        return Status.FAILED, f"{type(exc).__name__}: {exc}".encode()
+
+
+async def _vector_answer(
+    calls: LocalBatchCalls, spec: EnvSpec, payload: bytes
+) -> tuple[int, bytes]:
+    """Run one sub-batch frame (checked by the front already); returns the status and the
+    answer (a VectorSessionResponse)."""
+    request = pb.VectorSessionRequest.FromString(payload)
+    response = pb.VectorSessionResponse(request_id=request.request_id)
+    command = request.WhichOneof("command")
+    types = spec.types
+    try:
+        if command == "step":
+            step = request.step
+            indices = list(step.indices)
+            if step.HasField("batch_action"):
+                action = unpack(step.batch_action, types.action, "batch action")
+                args = StepArgs(indices, action, step.batch_action, True)
+            else:
+                actions = [unpack(a, types.action, "action") for a in step.actions]
+                args = StepArgs(indices, actions, step.actions, False)
+            outcome = await calls.step(args)
+            # Only the ids of episodes autoreset here: the front keeps the other books.
+            new_ids = outcome.new_episode_ids
+            autoreset = outcome.autoreset is not None
+            ids = [new_ids.get(index, "") for index in outcome.rows] if autoreset else []
+            fill_result(response.result, outcome, spec.observation_url, ids, ())
+        elif command == "reset":
+            reset = request.reset
+            commands = reset.envs
+            options = [
+                unpack(c.options, types.reset_options, "reset options")
+                if c.HasField("options")
+                else None
+                for c in commands
+            ]
+            args_reset = ResetArgs(
+                list(reset.indices),
+                [c.seed if c.HasField("seed") else None for c in commands],
+                [c.episode_id for c in commands],
+                options,
+                [c.options if c.HasField("options") else None for c in commands],
+                reset.batch_observation,
+            )
+            outcome = await calls.reset(args_reset)
+            fill_result(response.result, outcome, spec.observation_url, (), ())
+        else:
+            states = await calls.state(list(request.state.indices))
+            fill_states(response.states, states, spec.state_url, None, None)
+    except PayloadError as exc:  # the front checked the payloads: not expected
+        response.ClearField("outcome")
+        response.error.code = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        response.error.message = str(exc)
+        return Status.VECTOR_REFUSED, response.SerializeToString()
+    except BatchRefused as refused:
+        response.ClearField("outcome")
+        response.error.code = refused.code
+        response.error.message = refused.message
+        response.error.exception_type = refused.exception_type
+        return Status.VECTOR_REFUSED + refusal_flags(refused), response.SerializeToString()
+    return Status.VECTOR_ANSWER, response.SerializeToString()
 
 
 class _NoPool:

@@ -18,6 +18,9 @@ call in time is killed; the session that waited gets DEADLINE_EXCEEDED in-band a
 env on a live worker, the other sessions on that worker lose their envs as on a crash,
 and a replacement worker starts. A drain uses the same watchdog to keep its grace period.
 After a worker dies, the env's ``reclaim_orphans`` hook runs in a thread (``orphans.py``).
+
+A vector stream's envs live here as sub-batches, one per worker, so that they step in
+parallel (``vector_spread.py``); each counts as its size in a worker's load.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import Any
 
 import grpc
 
+from openenv_grpc.environment import AutoresetMode, InvalidAction
 from openenv_grpc.server.backend import (
     Answer,
     EnvFactoryError,
@@ -42,8 +46,10 @@ from openenv_grpc.server.backend import (
     UndecodableRequest,
 )
 from openenv_grpc.server.env_process import (
+    AUTORESET_MODES,
     HEADER,
     READ_LIMIT,
+    VECTOR_OPEN,
     Op,
     Status,
     answered,
@@ -53,7 +59,7 @@ from openenv_grpc.server.orphans import OrphanReaper
 from openenv_grpc.server.spec import EnvSpec, ExecutionMode
 from openenv_grpc.v1 import session_pb2 as pb
 
-__all__ = ["EnvProcessBackend", "EnvProcessPool"]
+__all__ = ["CallTimedOut", "EnvProcessBackend", "EnvProcessPool", "Worker"]
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +81,7 @@ _INTERNAL = grpc.StatusCode.INTERNAL
 _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 
 
-class _CallTimedOut(SessionLostError):
+class CallTimedOut(SessionLostError):
     """The worker did not answer this call within the step timeout and was killed."""
 
 
@@ -104,7 +110,8 @@ class _Worker:
         self.wake = asyncio.Event()  # set when ``unsent`` has frames
         self.owed: deque[_Call] = deque()
         self.timer: asyncio.TimerHandle | None = None  # the watchdog of ``owed[0]``
-        self.envs: set[int] = set()
+        #: Env id -> how many env instances it is: 1, or a vector sub-batch's size.
+        self.envs: dict[int, int] = {}
         self.alive = True
         #: Why it is gone, once it is: what its sessions are told.
         self.gone = _DIED
@@ -277,10 +284,11 @@ class EnvProcessPool:
         worker.gone = message
         for call in worker.owed:
             if not call.future.done():
-                error = _CallTimedOut if call is culprit else SessionLostError
+                error = CallTimedOut if call is culprit else SessionLostError
                 call.future.set_exception(error(message))
         worker.owed.clear()
-        log.error("env worker pid %s %s: %d envs lost", worker.process.pid, how, len(worker.envs))
+        lost = sum(worker.envs.values())
+        log.error("env worker pid %s %s: %d envs lost", worker.process.pid, how, lost)
         self._reaper.reap(worker.process)
         if not self._stopped and self._grace_over_at is None:
             self._workers[self._workers.index(worker)] = self._spawn()
@@ -299,18 +307,24 @@ class EnvProcessPool:
     # -- calls ----------------------------------------------------------------------------
 
     async def call(
-        self, worker: _Worker, env_id: int, op: int, payload: bytes = b""
+        self, worker: _Worker, env_id: int, op: int, payload: bytes = b"", *, envs: int = 1
     ) -> tuple[int, bytes]:
-        """Send one frame and wait for its answer; returns its status and payload.
+        """Send one frame and wait for its answer; returns its status and payload. A call
+        about ``envs`` envs (a sub-batch's step) gets the step timeout that many times.
 
         Raises:
             SessionLostError: the worker is (or becomes) dead, or was killed because this
-                call (``_CallTimedOut``) or another one on it took too long.
+                call (``CallTimedOut``) or another one on it took too long.
         """
         if not worker.alive:
             raise SessionLostError(worker.gone)
         loop = asyncio.get_running_loop()
-        call = _Call(loop.create_future(), None if op == Op.CREATE else self._worker_limit)
+        limit = self._worker_limit
+        if op in (Op.CREATE, Op.VECTOR_CREATE):
+            limit = None
+        elif limit is not None and envs > 1:
+            limit *= envs
+        call = _Call(loop.create_future(), limit)
         worker.owed.append(call)
         if len(worker.owed) == 1:
             self._begin(worker, call)
@@ -335,28 +349,57 @@ class EnvProcessPool:
             EnvFactoryError: the env factory raised in the worker.
             SessionLostError: no worker is running, or it died meanwhile.
         """
+        worker = self.least_loaded(prefer_ready=prefer_ready)[0]
+        env_id, _ = await self._create(worker, Op.CREATE, b"", 1)
+        return worker, env_id
+
+    def least_loaded(self, *, prefer_ready: bool = False) -> list[_Worker]:
+        """The live workers, least loaded (fewest env instances) first (with
+        ``prefer_ready``, those up already first).
+
+        Raises:
+            SessionLostError: no worker is running.
+        """
         live = [worker for worker in self._workers if worker.alive]
-        if prefer_ready:
-            live = [worker for worker in live if worker.ready] or live
         if not live:
             raise SessionLostError("no environment worker process is running")
-        worker = min(live, key=lambda w: len(w.envs))
+        return sorted(live, key=lambda w: (prefer_ready and not w.ready, sum(w.envs.values())))
+
+    async def create_vector(
+        self, worker: _Worker, size: int, autoreset: AutoresetMode
+    ) -> tuple[int, bool]:
+        """Create a sub-batch of ``size`` envs on ``worker``; returns its env id and
+        whether it is the env's native batch.
+
+        Raises:
+            EnvFactoryError: the factory (or ``make_batch``) raised in the worker.
+            InvalidAction: ``make_batch`` refused.
+            SessionLostError: the worker died meanwhile.
+        """
+        payload = VECTOR_OPEN.pack(size, AUTORESET_MODES.index(autoreset))
+        env_id, answer = await self._create(worker, Op.VECTOR_CREATE, payload, size)
+        return env_id, answer == b"native"
+
+    async def _create(
+        self, worker: _Worker, op: int, payload: bytes, weight: int
+    ) -> tuple[int, bytes]:
         env_id = self._next_env
         self._next_env += 1
-        worker.envs.add(env_id)  # counted at once, so opens at the same time spread out
+        worker.envs[env_id] = weight  # counted at once, so opens at the same time spread out
         try:
-            status, payload = await self.call(worker, env_id, Op.CREATE)
+            status, answer = await self.call(worker, env_id, op, payload)
         except asyncio.CancelledError:
-            worker.envs.discard(env_id)
+            worker.envs.pop(env_id, None)
             self.close_env(worker, env_id)  # the worker builds it all the same
             raise
         except BaseException:
-            worker.envs.discard(env_id)
+            worker.envs.pop(env_id, None)
             raise
-        if status == Status.FAILED:
-            worker.envs.discard(env_id)
-            raise EnvFactoryError(payload.decode(errors="replace"))
-        return worker, env_id
+        if status in (Status.FAILED, Status.REFUSED):
+            worker.envs.pop(env_id, None)
+            text = answer.decode(errors="replace")
+            raise InvalidAction(text) if status == Status.REFUSED else EnvFactoryError(text)
+        return env_id, answer
 
     def close_env(self, worker: _Worker, env_id: int) -> asyncio.Task[None]:
         """Close an env in its worker, in a task of its own (a cancelled session must not
@@ -427,6 +470,10 @@ def _put(writer: asyncio.StreamWriter, header: bytes, payload: bytes) -> None:
         writer.write(payload)  # sent as far as the socket takes it; the rest is buffered
 
 
+#: One env process of the pool (for the vector spread, which places sub-batches on them).
+Worker = _Worker
+
+
 class EnvProcessBackend:
     """A session's env in a worker process."""
 
@@ -441,7 +488,7 @@ class EnvProcessBackend:
         started = time.perf_counter()
         try:
             status, payload = await self._pool.call(self._worker, self._env_id, Op.REQUEST, raw)
-        except _CallTimedOut:
+        except CallTimedOut:
             return await self._replace(raw)
         if status == Status.UNDECODABLE:
             raise UndecodableRequest(payload.decode(errors="replace"))
@@ -458,7 +505,7 @@ class EnvProcessBackend:
         """Answer a request whose worker was killed for taking too long: in-band
         DEADLINE_EXCEEDED and a fresh env on a live worker (as ``episode.py`` does
         in-process), or, if that fails, INTERNAL and the end of the session."""
-        self._worker.envs.discard(self._env_id)
+        self._worker.envs.pop(self._env_id, None)
         # The worker parsed it before calling the env (which then hung), so it parses.
         request = pb.SessionRequest.FromString(raw)
         command = request.WhichOneof("command")
@@ -493,7 +540,7 @@ class EnvProcessBackend:
         worker = self._worker
         if self._env_id not in worker.envs:
             return
-        worker.envs.discard(self._env_id)
+        worker.envs.pop(self._env_id, None)
         if not worker.alive:
             return  # it died with its process
         # Shielded: a server stopping must not skip the close. A worker that is stuck

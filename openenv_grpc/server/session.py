@@ -27,6 +27,7 @@ from typing import Protocol
 import grpc
 from google.protobuf.message import DecodeError, Message
 
+from openenv_grpc.environment import InvalidAction
 from openenv_grpc.metadata import ADMITTED_KEY, RETRY_PUSHBACK_KEY, SESSION_ID_KEY
 from openenv_grpc.server.activity import Activity
 from openenv_grpc.server.backend import (
@@ -285,6 +286,11 @@ class SessionManager:
         try:
             try:
                 held.backend = await opening.open(held)
+            except InvalidAction as exc:  # e.g. make_batch refused this size
+                held.reason = "refused"
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"the environment refused the open: {exc}"
+                )
             except Exception as exc:
                 held.reason = "factory_error"
                 log.exception("environment factory raised")

@@ -267,6 +267,13 @@ class LoopBatch(_Instances):
         out = BatchOutcome()
         envs, pending = self._envs, self._pending
         add, checked, same_step = self._add, self._checked, self._same_step
+        # The common row (a step that does not end its episode, no autoreset yet in this
+        # call) is written here, without a call per row: it is most of a vector step.
+        rows, observations = out.rows.append, out.observations.append
+        rewards, terminated, truncated = (
+            out.rewards.append, out.terminated.append, out.truncated.append,
+        )  # fmt: skip
+        observation_class = self._observation
         for index, action in zip(indices, actions, strict=True):
             env = envs[index]
             try:
@@ -279,18 +286,31 @@ class LoopBatch(_Instances):
                     add(out, index, checked(first), auto=True)
                     out.new_episode_ids[index] = episode_id
                     continue
-                transition = checked(env.step(action))
-                if same_step and (transition.terminated or transition.truncated):
-                    episode_id = uuid.uuid4().hex
-                    first = env.reset(
-                        seed=None, episode_id=episode_id, options=self._options[index]
-                    )
-                    self._add_same_step(out, index, transition, checked(first), episode_id)
+                transition = env.step(action)
+                if (
+                    type(transition) is not Transition
+                    or type(transition.observation) is not observation_class
+                ):
+                    transition = checked(transition)  # raises unless a subclass
+                ended = transition.terminated or transition.truncated
+                if ended or transition.info or out.autoreset is not None:
+                    if same_step and ended:
+                        episode_id = uuid.uuid4().hex
+                        first = env.reset(
+                            seed=None, episode_id=episode_id, options=self._options[index]
+                        )
+                        self._add_same_step(out, index, transition, checked(first), episode_id)
+                    else:
+                        add(out, index, transition)
                     continue
             except Exception as exc:
                 out.errors[index] = row_error(exc, "step")
                 continue
-            add(out, index, transition)
+            rows(index)
+            observations(transition.observation.SerializeToString())
+            rewards(transition.reward)
+            terminated(False)
+            truncated(False)
         return out
 
     def state(self, indices: Sequence[int]) -> BatchStates:

@@ -27,7 +27,6 @@ import grpc
 from google.protobuf import any_pb2
 from google.protobuf.message import DecodeError, Message
 
-from openenv_grpc.codec import info_to_struct
 from openenv_grpc.environment import AutoresetMode, InvalidAction
 from openenv_grpc.server.backend import Answer, Outcome, UndecodableRequest
 from openenv_grpc.server.episode import (
@@ -40,6 +39,7 @@ from openenv_grpc.server.limiter import NoSlot
 from openenv_grpc.server.runner import EnvRunner, PoolSaturated
 from openenv_grpc.server.spec import EnvSpec
 from openenv_grpc.server.vector_batch import BatchOutcome, BatchStates, RowError, VectorBatch
+from openenv_grpc.server.vector_frames import fill_result, fill_states
 from openenv_grpc.v1 import session_pb2 as pb
 
 __all__ = [
@@ -297,8 +297,8 @@ class VectorDriver:
     """The request handler of one vector stream of ``size`` envs (``backend.SessionBackend``)."""
 
     __slots__ = (
-        "_all", "_calling", "_calls", "_ends", "_mode", "_obs_url", "_size", "_spec",
-        "_state_url", "_steppable", "episode_ids", "phases", "step_counts",
+        "_action_url", "_all", "_calling", "_calls", "_ends", "_mode", "_obs_url", "_size",
+        "_spec", "_state_url", "_steppable", "episode_ids", "phases", "step_counts",
     )  # fmt: skip
 
     def __init__(
@@ -310,6 +310,7 @@ class VectorDriver:
         self._calls = calls
         self._obs_url = spec.observation_url
         self._state_url = spec.state_url
+        self._action_url = spec.action_url
         #: Every index, in order: what an empty index list means (never mutated).
         self._all: Sequence[int] = range(size)
         #: The phases in which an env may be stepped: under NEXT_STEP an ended episode
@@ -404,10 +405,16 @@ class VectorDriver:
                     f"{len(actions)} actions for {len(indices)} envs: give one action per "
                     "env named (all envs when indices is empty), or batch_action",
                 )
-            decoded = [
-                _decode(action, action_class, f"action {k} (env {index})")
-                for k, (index, action) in enumerate(zip(indices, actions, strict=True))
-            ]
+            url, parse = self._action_url, action_class.FromString
+            try:  # the common case: every url is the one we send, every payload parses
+                decoded = [parse(a.value) if a.type_url == url else None for a in actions]
+            except DecodeError:
+                decoded = [None] * len(actions)
+            if None in decoded:  # find the culprit, and say what is wrong with it
+                decoded = [
+                    _decode(action, action_class, f"action {k} (env {index})")
+                    for k, (index, action) in enumerate(zip(indices, actions, strict=True))
+                ]
             wire: Any = actions
             for index in indices:
                 if phases[index] not in steppable:
@@ -490,15 +497,7 @@ class VectorDriver:
     async def _state(self, command: pb.VectorState, response: pb.VectorSessionResponse) -> Answer:
         indices = self._indices(command.indices)
         states = await self._calls.state(indices)
-        result = response.states
-        result.indices.extend(states.rows)
-        add = result.states.add
-        url, ids, counts = self._state_url, self.episode_ids, self.step_counts
-        for index, state in zip(states.rows, states.states, strict=True):
-            entry = add(episode_id=ids[index], step_count=counts[index])
-            entry.state.type_url = url
-            entry.state.value = state
-        _fill_errors(result.errors, states.errors)
+        fill_states(response.states, states, self._state_url, self.episode_ids, self.step_counts)
         return self._answer(response, Outcome.STATE, states.errors)
 
     # -- bookkeeping ----------------------------------------------------------------------
@@ -566,31 +565,11 @@ class VectorDriver:
 
     def _fill(self, result: pb.VectorResult, outcome: BatchOutcome) -> None:
         """Copy a batch's outcome and the envs' bookkeeping into the wire's columns."""
-        rows = outcome.rows
-        result.indices.extend(rows)
-        url = self._obs_url
-        _put_observations(
-            result.batch_observation, result.observations, outcome.batch_observation,
-            outcome.observations, url,
-        )  # fmt: skip
-        result.rewards.extend(outcome.rewards)
-        result.terminated.extend(outcome.terminated)
-        result.truncated.extend(outcome.truncated)
         ids, counts = self.episode_ids, self.step_counts
-        result.episode_ids.extend([ids[index] for index in rows])
-        result.step_counts.extend([counts[index] for index in rows])
-        if outcome.infos:
-            _fill_infos(result.infos, outcome.infos)
-        if outcome.autoreset is not None:
-            result.autoreset.extend(outcome.autoreset)
-            _put_observations(
-                result.batch_final_observation, result.final_observations,
-                outcome.batch_final_observation, outcome.final_observations, url,
-            )  # fmt: skip
-            if outcome.final_infos:
-                _fill_infos(result.final_infos, outcome.final_infos)
-        if outcome.errors:
-            _fill_errors(result.errors, outcome.errors)
+        rows = outcome.rows
+        fill_result(
+            result, outcome, self._obs_url, [ids[i] for i in rows], [counts[i] for i in rows]
+        )
 
     def _answer(
         self,
@@ -682,35 +661,6 @@ def _ended_phase(terminated: bool, truncated: bool) -> _Phase:
     if truncated:
         return _Phase.TRUNCATED
     return _Phase.RUNNING
-
-
-def _put_observations(
-    batch: any_pb2.Any, each: Any, batch_value: bytes | None, values: list[bytes], url: str
-) -> None:
-    """Serialized observations into the wire: one batch-form Any, or one Any per row."""
-    if batch_value is not None:
-        batch.type_url = url
-        batch.value = batch_value
-        return
-    add = each.add
-    for value in values:
-        add(type_url=url, value=value)
-
-
-def _fill_infos(target: Any, infos: dict[int, Any]) -> None:
-    for index, info in infos.items():
-        if isinstance(info, Message):
-            target[index].CopyFrom(info)
-        else:
-            info_to_struct(info, target[index])
-
-
-def _fill_errors(target: Any, errors: dict[int, RowError]) -> None:
-    for index, error in errors.items():
-        entry = target[index]
-        entry.code = error.code
-        entry.message = error.message
-        entry.exception_type = error.exception_type
 
 
 def _decode(payload: any_pb2.Any, message_class: type[Message], what: str) -> Message:

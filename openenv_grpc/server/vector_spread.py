@@ -1,22 +1,294 @@
-"""``--isolated``: a vector stream's envs spread over the env processes (to come: until
-then such an open is refused with INTERNAL, naming the reason)."""
+"""``--isolated``: a vector stream's envs spread over the env processes.
+
+The stream's N envs are cut into contiguous blocks, one sub-batch per env process (the
+least loaded first), so a step runs on every core at once: the front sends each process
+the part of the request about its block (``vector_frames.py``), awaits them together and
+gathers the answers into one outcome, in index order. The vector driver in the front
+keeps the books and checks every request before any of it is sent, so a refusal never
+leaves some blocks stepped and others not.
+
+An env's native batch is one unit: a stream of an env that overrides ``make_batch`` lives
+in one env process (streams are still spread over the processes), since batch-form
+observations of several processes could not be joined.
+
+When an env process dies (a crash, or killed past the step timeout), only the envs of its
+block are lost: the call that saw it answers UNAVAILABLE (DEADLINE_EXCEEDED when this
+call's own block hung) for each of those indices, a fresh sub-batch replaces the block on
+a live process (reset those envs to go on), and the other blocks' results come as usual.
+If no fresh sub-batch can be made, the stream ends (UNAVAILABLE).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import bisect
+import contextlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import grpc
+
 from openenv_grpc.environment import AutoresetMode
-from openenv_grpc.server.backend import EnvFactoryError
+from openenv_grpc.server.backend import SessionLostError
+from openenv_grpc.server.env_process import Op, Status
+from openenv_grpc.server.env_process_pool import CallTimedOut, EnvProcessPool, Worker
+from openenv_grpc.server.vector_batch import BatchOutcome, BatchStates, RowError
+from openenv_grpc.server.vector_episode import BatchRefused, ResetArgs, StepArgs
+from openenv_grpc.server.vector_frames import (
+    read_outcome,
+    read_states,
+    reset_frame,
+    state_frame,
+    step_frame,
+)
+from openenv_grpc.v1 import session_pb2 as pb
+
+__all__ = ["SpreadBatchCalls"]
+
+log = logging.getLogger(__name__)
+
+_UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
+_DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+
+
+@dataclass(slots=True)
+class _Block:
+    """Envs ``start .. start + size - 1`` of the stream: one sub-batch in one process."""
+
+    worker: Worker
+    env_id: int
+    start: int
+    size: int
+
+
+#: One block's part of a call: the block, the positions of its envs in the call's index
+#: list, and their indices in the sub-batch.
+_Part = tuple[_Block, list[int], list[int]]
 
 
 class SpreadBatchCalls:
-    """The envs of one vector stream in env processes."""
+    """A vector stream's envs as sub-batches in the env processes (``BatchCalls``)."""
+
+    __slots__ = ("_autoreset", "_blocks", "_native", "_pool", "_starts")
+
+    def __init__(
+        self, pool: EnvProcessPool, blocks: list[_Block], autoreset: AutoresetMode, native: bool
+    ) -> None:
+        self._pool = pool
+        self._blocks = blocks
+        self._starts = [block.start for block in blocks]
+        self._autoreset = autoreset
+        self._native = native
 
     @classmethod
-    async def open(cls, pool: Any, size: int, autoreset: AutoresetMode, native: bool) -> Any:
-        """Raises:
-        EnvFactoryError: always, for now.
-        """
-        raise EnvFactoryError("vector streams are not served with --isolated yet")
+    async def open(
+        cls, pool: EnvProcessPool, size: int, autoreset: AutoresetMode, batches: bool
+    ) -> SpreadBatchCalls:
+        """Build the stream's sub-batches, all at once: over every live env process, or
+        in one when the env ``batches`` natively.
 
-    native = False
+        Raises:
+            EnvFactoryError, InvalidAction: building a sub-batch failed (the others made
+                are closed).
+            SessionLostError: no env process is running, or one died meanwhile.
+        """
+        workers = pool.least_loaded(prefer_ready=True)
+        count = 1 if batches else min(len(workers), size)
+        sizes = [size // count + (k < size % count) for k in range(count)]
+        starts = [sum(sizes[:k]) for k in range(count)]
+        made = await asyncio.gather(
+            *(pool.create_vector(workers[k], sizes[k], autoreset) for k in range(count)),
+            return_exceptions=True,
+        )
+        blocks = [
+            _Block(workers[k], answer[0], starts[k], sizes[k])
+            for k, answer in enumerate(made)
+            if not isinstance(answer, BaseException)
+        ]
+        failed = [answer for answer in made if isinstance(answer, BaseException)]
+        if failed:
+            for block in blocks:
+                pool.close_env(block.worker, block.env_id)
+            raise failed[0]
+        native = all(not isinstance(a, BaseException) and a[1] for a in made)
+        return cls(pool, blocks, autoreset, native)
+
+    @property
+    def native(self) -> bool:
+        return self._native
+
+    async def reset(self, args: ResetArgs) -> BatchOutcome:
+        seeds, ids, options = args.seeds, args.episode_ids, args.wire_options
+
+        def frame(positions: list[int], local: list[int]) -> bytes:
+            return reset_frame(
+                local, [seeds[k] for k in positions], [ids[k] for k in positions],
+                [options[k] for k in positions], args.batch_form,
+            )  # fmt: skip
+
+        return await self._outcomes(args.indices, frame)
+
+    async def step(self, args: StepArgs) -> BatchOutcome:
+        wire = args.wire
+
+        def frame(positions: list[int], local: list[int]) -> bytes:
+            if args.batch_form:  # one block: a native batch is never spread
+                return step_frame(local, wire, True)
+            return step_frame(local, [wire[k] for k in positions], False)
+
+        return await self._outcomes(args.indices, frame)
+
+    async def state(self, indices: Sequence[int]) -> BatchStates:
+        parts = self._split(indices)
+        answers = await asyncio.gather(*(self._call(part, state_frame(part[2])) for part in parts))
+        out = BatchStates()
+        for part, (status, payload) in zip(parts, answers, strict=True):
+            block = part[0]
+            if status is None:  # the block was lost: its envs are fresh ones now
+                out.errors.update(self._lost(part, indices, payload))
+                continue
+            response = pb.VectorSessionResponse.FromString(payload)
+            if status != Status.VECTOR_ANSWER:
+                raise _refusal(status, response)
+            states = read_states(response.states, block.start)
+            out.rows.extend(states.rows)
+            out.states.extend(states.states)
+            out.errors.update(states.errors)
+        return out
+
+    async def close(self) -> None:
+        await self._close_all()
+
+    async def close_strictly(self) -> None:
+        await self._close_all()  # the env processes log what the envs' close raised
+
+    async def _close_all(self) -> None:
+        closing = []
+        for block in self._blocks:
+            worker = block.worker
+            if worker.envs.pop(block.env_id, None) is not None and worker.alive:
+                closing.append(self._pool.close_env(worker, block.env_id))
+        if closing:
+            # Shielded: a server stopping must not skip the closes.
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(asyncio.gather(*closing))
+
+    # -- one call over the blocks ---------------------------------------------------------
+
+    async def _outcomes(self, indices: Sequence[int], frame: Any) -> BatchOutcome:
+        """Send each block its part (``frame(positions, local indices)``), together, and
+        gather the answers in index order."""
+        parts = self._split(indices)
+        answers = await asyncio.gather(
+            *(self._call(part, frame(part[1], part[2])) for part in parts)
+        )
+        out = BatchOutcome()
+        for part, (status, payload) in zip(parts, answers, strict=True):
+            if status is None:
+                out.errors.update(self._lost(part, indices, payload))
+                continue
+            response = pb.VectorSessionResponse.FromString(payload)
+            if status != Status.VECTOR_ANSWER:
+                refused = _refusal(status, response)
+                if len(parts) == 1:
+                    raise refused
+                # Only a whole block failed (e.g. no env thread in time): its envs say so.
+                error = RowError(refused.code, refused.message, refused.exception_type)
+                out.errors.update({indices[k]: error for k in part[1]})
+                continue
+            _merge(out, read_outcome(response.result, part[0].start))
+        return out
+
+    def _split(self, indices: Sequence[int]) -> list[_Part]:
+        """The call's indices, block by block (only blocks with envs in the call)."""
+        parts: list[_Part] = []
+        starts, blocks = self._starts, self._blocks
+        current: _Part | None = None
+        for position, index in enumerate(indices):
+            block = blocks[bisect.bisect_right(starts, index) - 1]
+            if current is None or current[0] is not block:
+                current = (block, [], [])
+                parts.append(current)
+            current[1].append(position)
+            current[2].append(index - block.start)
+        return parts
+
+    async def _call(self, part: _Part, frame: bytes) -> tuple[int | None, Any]:
+        """One block's call: its status and payload, or (None, the error of its envs)
+        when its env process died or was stopped under it (the block is rebuilt).
+
+        Raises:
+            SessionLostError: the block could not be rebuilt.
+        """
+        block = part[0]
+        try:
+            return await self._pool.call(
+                block.worker, block.env_id, Op.VECTOR_REQUEST, frame, envs=len(part[1])
+            )
+        except CallTimedOut as exc:
+            code, why = _DEADLINE_EXCEEDED, f"{exc} (this call took too long)"
+        except SessionLostError as exc:
+            code, why = _UNAVAILABLE, str(exc)
+        await self._rebuild(block)
+        message = f"{why}; a fresh environment took this one's place: reset it"
+        return None, RowError(code, message)
+
+    async def _rebuild(self, block: _Block) -> None:
+        """A fresh sub-batch for a lost block, on a live env process.
+
+        Raises:
+            SessionLostError: none could be made.
+        """
+        block.worker.envs.pop(block.env_id, None)
+        try:
+            worker = self._pool.least_loaded(prefer_ready=True)[0]
+            block.env_id, _ = await self._pool.create_vector(worker, block.size, self._autoreset)
+        except Exception as exc:  # a factory error, make_batch refusing, no live process
+            log.error("could not replace the envs of a lost env process: %s", exc)
+            raise SessionLostError(
+                f"the envs of an env process that died could not be replaced: {exc}"
+            ) from None
+        block.worker = worker
+        log.warning(
+            "vector envs %d..%d replaced on env worker pid %s",
+            block.start, block.start + block.size - 1, worker.process.pid,
+        )  # fmt: skip
+
+    @staticmethod
+    def _lost(part: _Part, indices: Sequence[int], error: RowError) -> dict[int, RowError]:
+        return {indices[k]: error for k in part[1]}
+
+
+def _refusal(status: int, response: pb.VectorSessionResponse) -> BatchRefused:
+    """The whole-call refusal an env process answered."""
+    flags = status - Status.VECTOR_REFUSED
+    error = response.error
+    return BatchRefused(
+        error.code, error.message, error.exception_type,
+        broken=bool(flags & 1), replaced=bool(flags & 2), saturated=bool(flags & 4),
+        ends=bool(flags & 8),
+    )  # fmt: skip
+
+
+def _merge(out: BatchOutcome, part: BatchOutcome) -> None:
+    """Append one block's outcome (its rows follow those already in ``out``)."""
+    before = len(out.rows)
+    out.rows.extend(part.rows)
+    if part.batch_observation is not None:  # one block only
+        out.batch_observation = part.batch_observation
+        out.batch_final_observation = part.batch_final_observation
+    out.observations.extend(part.observations)
+    out.rewards.extend(part.rewards)
+    out.terminated.extend(part.terminated)
+    out.truncated.extend(part.truncated)
+    out.infos.update(part.infos)
+    if part.autoreset is not None or out.autoreset is not None:
+        marks = out.autoreset if out.autoreset is not None else [False] * before
+        marks.extend(part.autoreset if part.autoreset is not None else [False] * len(part.rows))
+        out.autoreset = marks
+    out.new_episode_ids.update(part.new_episode_ids)
+    out.final_observations.extend(part.final_observations)
+    out.final_infos.update(part.final_infos)
+    out.errors.update(part.errors)

@@ -15,13 +15,28 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 from typing import ClassVar
 
 from google.protobuf.empty_pb2 import Empty
 
-from openenv_grpc import AsyncEnvironment, Environment, InvalidAction, Transition
-from openenv_grpc_envs.echo import EchoAction, EchoEnvironment, EchoObservation, EchoState
+from openenv_grpc import (
+    AsyncEnvironment,
+    AutoresetMode,
+    BatchEnvironment,
+    BatchTransition,
+    Environment,
+    InvalidAction,
+    Transition,
+)
+from openenv_grpc_envs.echo import (
+    EchoAction,
+    EchoEnvironment,
+    EchoObservation,
+    EchoResetOptions,
+    EchoState,
+)
 
 
 class Ledger:
@@ -286,3 +301,123 @@ class SlowFactoryEchoEnv(CountingEchoEnv):
     def __init__(self) -> None:
         time.sleep(float(os.environ.get("OPENENV_TEST_FACTORY_SECONDS", "2")))
         super().__init__()
+
+
+class BatchingEchoEnv(CountingEchoEnv):
+    """The counting echo env, which also answers a vector stream natively (up to 8 envs;
+    a larger stream gets the server's loop; 13 is refused) with :class:`EchoBatch`."""
+
+    @classmethod
+    def make_batch(cls, size: int, autoreset: AutoresetMode) -> EchoBatch | None:
+        if size == 13:
+            raise InvalidAction("13 envs bring bad luck")
+        return EchoBatch(size, autoreset) if size <= 8 else None
+
+
+class EchoBatch(BatchEnvironment[EchoAction, EchoObservation, EchoState, EchoResetOptions]):
+    """N echo envs in one object. The batch form of an action or an observation is one
+    message whose ``message`` / ``echoed_message`` holds the rows joined by newlines (the
+    observation's ``message_length`` is then the number of rows). A row ``raise`` raises
+    for that env, ``invalid`` refuses its action; the autoreset is the batch's own."""
+
+    def __init__(self, size: int, autoreset: AutoresetMode) -> None:
+        super().__init__(size, autoreset)
+        self._ledgers = [Ledger() for _ in range(size)]
+        self._options = [EchoResetOptions() for _ in range(size)]
+        self._seeds = [0] * size
+        self._steps = [0] * size
+        self._lengths = [0] * size
+        self._ended = [False] * size
+
+    def reset(
+        self,
+        indices: Sequence[int],
+        seeds: Sequence[int | None],
+        options: Sequence[EchoResetOptions | None],
+    ) -> BatchTransition[EchoObservation]:
+        for index, seed, option in zip(indices, seeds, options, strict=True):
+            self._start(index, seed, option or EchoResetOptions())
+        greetings = [self._options[i].greeting or "ready" for i in indices]
+        return BatchTransition(
+            self._rows(greetings), [0.0] * len(indices), [False] * len(indices),
+            [False] * len(indices),
+        )  # fmt: skip
+
+    def _start(self, index: int, seed: int | None, options: EchoResetOptions) -> None:
+        self._options[index] = options
+        self._seeds[index] = seed or 0
+        self._steps[index] = self._lengths[index] = 0
+        self._ended[index] = False
+
+    def step(self, indices: Sequence[int], actions: EchoAction) -> BatchTransition[EchoObservation]:
+        messages = actions.message.split("\n")
+        if len(messages) != len(indices):
+            raise InvalidAction(f"{len(messages)} rows for {len(indices)} envs")
+        rows: list[str] = []
+        rewards: list[float] = []
+        terminated: list[bool] = []
+        truncated: list[bool] = []
+        reset: list[bool] = []
+        finals: list[str] = []
+        errors: dict[int, Exception] = {}
+        for index, message in zip(indices, messages, strict=True):
+            if message == "raise":
+                errors[index] = RuntimeError("boom in the batch")
+                continue
+            if message == "invalid":
+                errors[index] = InvalidAction("not this row")
+                continue
+            if self._ended[index] and self.autoreset is AutoresetMode.NEXT_STEP:
+                self._start(index, None, self._options[index])
+                rows.append(self._options[index].greeting or "ready")
+                rewards.append(0.0)
+                terminated.append(False)
+                truncated.append(False)
+                reset.append(True)
+                continue
+            self._steps[index] += 1
+            self._lengths[index] += len(message)
+            limit = self._options[index].max_steps
+            ended = bool(limit) and self._steps[index] >= limit
+            rewards.append(0.1 * len(message))
+            terminated.append(False)
+            truncated.append(ended)
+            if ended and self.autoreset is AutoresetMode.SAME_STEP:
+                finals.append(message)
+                self._start(index, None, self._options[index])
+                rows.append(self._options[index].greeting or "ready")
+                reset.append(True)
+                continue
+            self._ended[index] = ended
+            rows.append(message)
+            reset.append(False)
+        return BatchTransition(
+            self._rows(rows), rewards, terminated, truncated, reset=reset,
+            final_observation=self._rows(finals) if finals else None,
+            final_infos=[{"last": m} for m in finals] if finals else None,
+            errors=errors or None,
+        )  # fmt: skip
+
+    def state(self, index: int) -> EchoState:
+        return EchoState(total_length=self._lengths[index], seed=self._seeds[index])
+
+    def join_actions(self, actions: Sequence[EchoAction]) -> EchoAction:
+        if any("\n" in action.message for action in actions):
+            raise InvalidAction("a row may not hold a newline")
+        return EchoAction(message="\n".join(action.message for action in actions))
+
+    def split_observation(self, observation: EchoObservation, rows: int) -> list[EchoObservation]:
+        if rows == 0:
+            return []
+        return [
+            EchoObservation(echoed_message=m, message_length=len(m))
+            for m in observation.echoed_message.split("\n")
+        ]
+
+    @staticmethod
+    def _rows(messages: Sequence[str]) -> EchoObservation:
+        return EchoObservation(echoed_message="\n".join(messages), message_length=len(messages))
+
+    def close(self) -> None:
+        for ledger in self._ledgers:
+            ledger.closed()

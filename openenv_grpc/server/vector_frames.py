@@ -1,0 +1,207 @@
+"""The wire's vector messages as the frames of a sub-batch, and a batch's outcome in the
+columns of a :class:`~openenv_grpc.v1.session_pb2.VectorResult`.
+
+Two users: the vector driver fills the answer to the client from a batch's outcome and
+its own bookkeeping (:func:`fill_result`); with ``--isolated`` the front sends each env
+process the part of a request that concerns its sub-batch as a ``VectorSessionRequest``
+(local indices, payloads as received), the env process answers with the sub-batch's
+outcome in a ``VectorResult``, and the front reads it back (:func:`read_outcome`). Between
+front and env process, ``episode_ids`` holds only the ids of episodes the sub-batch
+autoreset ("" for the other rows) and ``step_counts`` is empty: the front keeps the books.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from google.protobuf import any_pb2, struct_pb2
+
+from openenv_grpc.codec import info_to_struct
+from openenv_grpc.server.vector_batch import BatchOutcome, BatchStates, RowError
+from openenv_grpc.v1 import session_pb2 as pb
+
+__all__ = [
+    "fill_errors",
+    "fill_result",
+    "fill_states",
+    "read_outcome",
+    "read_states",
+    "reset_frame",
+    "state_frame",
+    "step_frame",
+]
+
+
+# -- a batch's outcome in the wire's columns --------------------------------------------------
+
+
+def fill_result(
+    result: pb.VectorResult,
+    outcome: BatchOutcome,
+    url: str,
+    episode_ids: Sequence[str],
+    step_counts: Sequence[int],
+) -> None:
+    """Copy ``outcome`` into ``result``: ``url`` is the observation type's, and the ids and
+    step counts are one per row (or empty)."""
+    rows = outcome.rows
+    result.indices.extend(rows)
+    _put_observations(
+        result.batch_observation, result.observations, outcome.batch_observation,
+        outcome.observations, url,
+    )  # fmt: skip
+    result.rewards.extend(outcome.rewards)
+    result.terminated.extend(outcome.terminated)
+    result.truncated.extend(outcome.truncated)
+    result.episode_ids.extend(episode_ids)
+    result.step_counts.extend(step_counts)
+    if outcome.infos:
+        _fill_infos(result.infos, outcome.infos)
+    if outcome.autoreset is not None:
+        result.autoreset.extend(outcome.autoreset)
+        _put_observations(
+            result.batch_final_observation, result.final_observations,
+            outcome.batch_final_observation, outcome.final_observations, url,
+        )  # fmt: skip
+        if outcome.final_infos:
+            _fill_infos(result.final_infos, outcome.final_infos)
+    if outcome.errors:
+        fill_errors(result.errors, outcome.errors)
+
+
+def read_outcome(result: pb.VectorResult, offset: int) -> BatchOutcome:
+    """A sub-batch's outcome from its env process, with its indices moved by ``offset``
+    (infos stay ``Struct`` messages)."""
+    rows = [index + offset for index in result.indices]
+    out = BatchOutcome(rows=rows)
+    if result.HasField("batch_observation"):
+        out.batch_observation = result.batch_observation.value
+    else:
+        out.observations = [payload.value for payload in result.observations]
+    out.rewards = list(result.rewards)
+    out.terminated = list(result.terminated)
+    out.truncated = list(result.truncated)
+    out.infos = {index + offset: info for index, info in result.infos.items()}
+    if result.autoreset:
+        out.autoreset = list(result.autoreset)
+        out.new_episode_ids = {
+            index: episode_id
+            for index, episode_id in zip(rows, result.episode_ids, strict=True)
+            if episode_id
+        }
+        if result.HasField("batch_final_observation"):
+            out.batch_final_observation = result.batch_final_observation.value
+        else:
+            out.final_observations = [payload.value for payload in result.final_observations]
+        out.final_infos = {index + offset: info for index, info in result.final_infos.items()}
+    out.errors = _read_errors(result.errors, offset)
+    return out
+
+
+def fill_states(
+    result: pb.VectorStates, states: BatchStates, url: str, ids: Any, counts: Any
+) -> None:
+    """Copy ``states`` into ``result``; ``ids`` and ``counts`` map an env index to its
+    episode id and step count (empty mappings between front and env process)."""
+    result.indices.extend(states.rows)
+    add = result.states.add
+    for index, state in zip(states.rows, states.states, strict=True):
+        entry = add()
+        if ids:
+            entry.episode_id = ids[index]
+            entry.step_count = counts[index]
+        entry.state.type_url = url
+        entry.state.value = state
+    fill_errors(result.errors, states.errors)
+
+
+def read_states(result: pb.VectorStates, offset: int) -> BatchStates:
+    """A sub-batch's states from its env process, indices moved by ``offset``."""
+    return BatchStates(
+        rows=[index + offset for index in result.indices],
+        states=[entry.state.value for entry in result.states],
+        errors=_read_errors(result.errors, offset),
+    )
+
+
+def fill_errors(target: Any, errors: dict[int, RowError]) -> None:
+    """Per-env errors into a wire map of Errors."""
+    for index, error in errors.items():
+        entry = target[index]
+        entry.code = error.code
+        entry.message = error.message
+        entry.exception_type = error.exception_type
+
+
+def _read_errors(errors: Any, offset: int) -> dict[int, RowError]:
+    return {
+        index + offset: RowError(error.code, error.message, error.exception_type)
+        for index, error in errors.items()
+    }
+
+
+def _put_observations(
+    batch: any_pb2.Any, each: Any, batch_value: bytes | None, values: list[bytes], url: str
+) -> None:
+    """Serialized observations into the wire: one batch-form Any, or one Any per row."""
+    if batch_value is not None:
+        batch.type_url = url
+        batch.value = batch_value
+        return
+    add = each.add
+    for value in values:
+        add(type_url=url, value=value)
+
+
+def _fill_infos(target: Any, infos: dict[int, Any]) -> None:
+    for index, info in infos.items():
+        if isinstance(info, struct_pb2.Struct):  # read back from an env process
+            target[index].CopyFrom(info)
+        else:
+            info_to_struct(info, target[index])
+
+
+# -- requests for a sub-batch -----------------------------------------------------------------
+
+
+def step_frame(indices: Sequence[int], actions: Any, batch_form: bool) -> bytes:
+    """A step of a sub-batch: local ``indices`` and their actions as received (Anys, or
+    one batch-form Any)."""
+    request = pb.VectorSessionRequest(request_id=1)
+    step = request.step
+    step.indices.extend(indices)
+    if batch_form:
+        step.batch_action.CopyFrom(actions)
+    else:
+        step.actions.extend(actions)
+    return request.SerializeToString()
+
+
+def reset_frame(
+    indices: Sequence[int],
+    seeds: Sequence[int | None],
+    episode_ids: Sequence[str],
+    options: Sequence[any_pb2.Any | None],
+    batch_form: bool,
+) -> bytes:
+    """A reset of a sub-batch: local ``indices``, one seed, id and options (as received)
+    each; the episode ids are chosen already."""
+    request = pb.VectorSessionRequest(request_id=1)
+    reset = request.reset
+    reset.indices.extend(indices)
+    reset.batch_observation = batch_form
+    for seed, episode_id, option in zip(seeds, episode_ids, options, strict=True):
+        command = reset.envs.add(episode_id=episode_id)
+        if seed is not None:
+            command.seed = seed
+        if option is not None:
+            command.options.CopyFrom(option)
+    return request.SerializeToString()
+
+
+def state_frame(indices: Sequence[int]) -> bytes:
+    """A state command for a sub-batch's local ``indices``."""
+    request = pb.VectorSessionRequest(request_id=1)
+    request.state.indices.extend(indices)
+    return request.SerializeToString()

@@ -1,0 +1,90 @@
+"""``--isolated 2`` and vector streams: a vector's envs are spread over both env processes
+and stepped in parallel; a crash or a hung call in one process costs only the envs that
+lived there (fresh ones take their place, to be reset) while the others answer on."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from openenv_grpc import VectorSession
+from openenv_grpc_envs.echo import EchoAction, EchoVectorEnv
+
+
+def _say(*messages: str) -> list[EchoAction]:
+    return [EchoAction(message=m) for m in messages]
+
+
+def _pids(outcome) -> list[int]:  # type: ignore[no-untyped-def]
+    return [int(o.echoed_message) for o in outcome.observations]
+
+
+def test_a_vectors_envs_are_spread_over_the_env_processes_and_step_in_parallel(
+    start_server,
+) -> None:
+    server = start_server("support.envs:FaultyEnv", "--isolated", "2")
+    with VectorSession(server.target, 4) as envs:
+        envs.reset()
+        pids = _pids(envs.step(_say("pid", "pid", "pid", "pid")))
+        assert pids[0] == pids[1] and pids[2] == pids[3] and pids[0] != pids[2]
+        assert server.proc.pid not in pids
+        assert server.created() == 4 and server.active() == 4
+        started = time.monotonic()
+        out = envs.step(_say(*["sleep:0.6"] * 4))  # 2 x 0.6 s per process, both at once
+        assert time.monotonic() - started < 2.0  # one after the other would take 2.4 s
+        assert out.indices == [0, 1, 2, 3] and out.step_counts == [2, 2, 2, 2]
+        assert envs.states(indices=[1, 2]) == [envs.state(1), envs.state(2)]
+    server.wait_until(lambda: server.closed_envs() == 4 and server.active() == 0)
+
+
+def test_a_crashed_env_process_loses_only_its_envs_and_the_stream_goes_on(start_server) -> None:
+    server = start_server("support.envs:FaultyEnv", "--isolated", "2")
+    with VectorSession(server.target, 4) as envs, EchoVectorEnv(server.target, 2) as other:
+        envs.reset()
+        other.reset()
+        before = _pids(envs.step(_say("pid", "pid", "pid", "pid")))
+        out = envs.step(_say("exit", "x", "y", "z"))  # env 0's process dies mid-step
+        assert out.indices == [2, 3] and out.step_counts == [2, 2]
+        for index in (0, 1):
+            assert out.errors[index].code is grpc.StatusCode.UNAVAILABLE
+            assert "reset it" in out.errors[index].message
+        # Envs 0 and 1 are fresh ones now: they answer once reset.
+        refused = envs.step(_say("a", "b", "c", "d"))
+        assert refused.indices == [2, 3]
+        assert refused.errors[0].code is grpc.StatusCode.FAILED_PRECONDITION
+        envs.reset(indices=[0, 1])
+        after = _pids(envs.step(_say("pid", "pid", "pid", "pid")))
+        assert after[0] == after[1] != before[0] and after[2:] == before[2:]
+        assert envs.step_counts == [1, 1, 4, 4]
+        # The other stream's envs on the dead process were lost and replaced too, or
+        # lived on the other process: either way it answers.
+        answered = other.step(_say("p", "q"))
+        assert len(answered.indices) + len(answered.errors) == 2
+    server.wait_until(lambda: server.active() == 0)
+
+
+def test_a_hung_block_answers_deadline_exceeded_for_its_envs_only(start_server) -> None:
+    server = start_server("support.envs:FaultyEnv", "--isolated", "2", "--step-timeout", "0.5")
+    with VectorSession(server.target, 4) as envs:
+        envs.reset()
+        started = time.monotonic()
+        out = envs.step(_say("sleep:30", "x", "y", "z"))
+        assert time.monotonic() - started < 10  # 0.5 s per env of the block, then killed
+        assert out.indices == [2, 3]
+        for index in (0, 1):
+            assert out.errors[index].code is grpc.StatusCode.DEADLINE_EXCEEDED
+        envs.reset(indices=[0, 1])
+        assert envs.step(_say("a", "b", "c", "d")).step_counts == [1, 1, 2, 2]
+
+
+def test_a_native_batch_lives_in_one_env_process(start_server) -> None:
+    server = start_server("support.envs:BatchingEchoEnv", "--isolated", "2")
+    with EchoVectorEnv(server.target, 3) as envs:
+        assert envs.native
+        envs.reset(batch=True)
+        out = envs.step_batch(EchoAction(message="a\nb\nc"))
+        assert out.batch_observation is not None
+        assert out.batch_observation.echoed_message == "a\nb\nc"
+        assert envs.step(_say("x", "y", "z"), indices=None).step_counts == [2, 2, 2]
+    server.wait_until(lambda: server.closed_envs() == 3 and server.active() == 0)
