@@ -297,6 +297,16 @@ def test_session_streams_still_match_sync_vector_env(
     wait_idle(server)
 
 
+def test_vector_stream_matches_with_isolated_env_processes() -> None:
+    """With --isolated the native batch runs in an env process: still SyncVectorEnv's."""
+    isolated = ServerProcess("gymnasium", ["--max-concurrent-envs", "0", "--isolated", "2"])
+    try:
+        assert run_pair(isolated, AutoresetMode.SAME_STEP, "cartpole", "vector") >= 10
+        wait_idle(isolated)
+    finally:
+        isolated.stop()
+
+
 def test_vector_stream_uses_one_stream_and_views_the_received_bytes(
     server: ServerProcess,
 ) -> None:
