@@ -370,7 +370,8 @@ def test_disabled_mode_and_reset_mask(server: ServerProcess, transport: str) -> 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_close_releases_every_slot(server: ServerProcess, transport: str) -> None:
-    envs = RemoteGymnasiumVectorEnv(server.target, 24, "CartPole-v1", channels=2,
+    channels = 2 if transport == "sessions" else 1
+    envs = RemoteGymnasiumVectorEnv(server.target, 24, "CartPole-v1", channels=channels,
                                     transport=transport)  # type: ignore[arg-type]  # fmt: skip
     assert server.active() == 24
     envs.reset(seed=0)
@@ -451,6 +452,8 @@ def test_envpool_backend_is_envpools_semantics_over_the_wire(server: ServerProce
     info = fetch_info(server.target)  # strangers learn it from Info too
     assert info.vector.native_batch and "EnvPool" in info.env_description
     assert "seeded per pool" in info.env_description
+    with pytest.raises(ValueError, match="needs transport='sessions'"):
+        RemoteGymnasiumVectorEnv(server.target, 2, "CartPole-v1", channels=2)
     with pytest.raises(ValueError, match="needs transport='vector'"):
         RemoteGymnasiumVectorEnv(server.target, 2, "CartPole-v1", backend="envpool",
                                  transport="sessions")  # fmt: skip

@@ -89,6 +89,7 @@ class RemoteGymnasiumVectorEnv(VectorEnv[Any, Any, Any]):
         render_mode: None, or ``"rgb_array"``: :meth:`render` returns every env's frame.
         channels: The sessions transport's number of ``grpc.aio`` channels (round robin;
             more than one spreads sessions over a multi-worker server's processes).
+            With one vector stream there is one channel.
         credentials: TLS channel credentials (see ``openenv_grpc.client.channel``).
         step_timeout: Seconds each remote reset/step may take (None: no limit).
         session_options: Passed to each session (``token``, ``retry``, ``metadata``).
@@ -102,8 +103,8 @@ class RemoteGymnasiumVectorEnv(VectorEnv[Any, Any, Any]):
 
     Raises (from the constructor): ``CapacityError`` / ``SessionRefused`` when the envs
     cannot be admitted (nothing stays open), ``EnvError`` when the server refuses the
-    configuration, ``ValueError`` for ``num_envs < 1`` or an unknown transport, backend
-    or render mode.
+    configuration, ``ValueError`` for ``num_envs < 1``, an unknown transport, backend
+    or render mode, or an option of the other transport.
     """
 
     def __init__(
@@ -134,6 +135,8 @@ class RemoteGymnasiumVectorEnv(VectorEnv[Any, Any, Any]):
             )
         if render_mode is not None and render_mode not in RENDER_MODES:
             raise ValueError(f"render_mode {render_mode!r} is not one of {RENDER_MODES}")
+        if channels != 1 and transport != "sessions":
+            raise ValueError("channels= spreads sessions: it needs transport='sessions'")
         self.num_envs = num_envs
         self.render_mode = render_mode
         self.transport = transport
