@@ -163,23 +163,25 @@ class RemoteGymnasiumVectorEnv(VectorEnv[Any, Any, Any]):
         if self.autoreset_mode is not AutoresetMode.NEXT_STEP:
             remake["autoreset_mode"] = self.autoreset_mode.value
         self.spec = spec_for(env_id, remake)
-        self._loop = LoopThread()
+        # Only N sessions need an event loop of their own; the vector stream blocks.
+        self._loop = LoopThread() if transport == "sessions" else None
         try:
             self._transport: Transport = (
-                VectorStream(
-                    self._loop, target, num_envs, self._options, self.autoreset_mode,
-                    backend=backend, credentials=credentials, timeout=step_timeout,
-                    session_options=session_options,
-                )
-                if transport == "vector"
-                else SessionStreams(
+                SessionStreams(
                     self._loop, target, num_envs, self._options, self.autoreset_mode,
                     channels=channels, credentials=credentials, timeout=step_timeout,
                     session_options=session_options,
                 )
+                if self._loop is not None
+                else VectorStream(
+                    target, num_envs, self._options, self.autoreset_mode, backend=backend,
+                    credentials=credentials, timeout=step_timeout,
+                    session_options=session_options,
+                )
             )  # fmt: skip
         except BaseException:
-            self._loop.stop()
+            if self._loop is not None:
+                self._loop.stop()
             raise
         self._set_spaces(self._transport.description)
         # Sub-envs whose last step ended their episode (DISABLED refuses to step them).
@@ -205,7 +207,8 @@ class RemoteGymnasiumVectorEnv(VectorEnv[Any, Any, Any]):
         try:
             self._transport.close()
         finally:
-            self._loop.stop()
+            if self._loop is not None:
+                self._loop.stop()
 
     def __enter__(self) -> RemoteGymnasiumVectorEnv:
         return self

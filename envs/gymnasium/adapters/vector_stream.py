@@ -20,7 +20,7 @@ from gymnasium.vector import AutoresetMode
 
 from openenv_grpc import EnvError, VectorOutcome
 from openenv_grpc_envs.gymnasium import convert
-from openenv_grpc_envs.gymnasium.adapters.transport import BACKENDS, Batch, LoopThread
+from openenv_grpc_envs.gymnasium.adapters.transport import BACKENDS, Batch
 from openenv_grpc_envs.gymnasium.batch_convert import (
     encode_stacked,
     view_batch,
@@ -55,7 +55,6 @@ class VectorStream:
 
     def __init__(
         self,
-        loop: LoopThread,
         target: str,
         num_envs: int,
         options: GymnasiumResetOptions,
@@ -66,7 +65,7 @@ class VectorStream:
         timeout: float | None,
         session_options: dict[str, Any],
     ) -> None:
-        del loop  # blocking calls from the caller's thread: no hop per step
+        # Blocking calls from the caller's thread: no thread hop per step.
         self._num_envs = num_envs
         self._timeout = timeout
         self._options = GymnasiumResetOptions()
