@@ -10,7 +10,7 @@ ENV ?= echo
 NODE_CLIENT := clients/node/node_modules/.installed
 GOPATH_DIR := build/gopath
 
-.PHONY: install serve test pytest lint proto proto-check clean bench-echo clients go-play \
+.PHONY: install serve test pytest lint proto proto-check clean bench-echo bench-gym clients go-play \
 	buf-breaking system-deps image dockerd bench bench-vector bench-snapshots console \
 	console-screenshot settings-table
 
@@ -125,14 +125,20 @@ BENCH ?= --quick
 bench-snapshots: $(VENV)/.installed
 	$(PY) -m bench.snapshots --markdown
 
-## bench: openenv-grpc vs OpenEnv side by side (BENCH=--full for the big run)
+GYM_BENCH ?=
+## bench: openenv-grpc vs OpenEnv side by side (BENCH=--full for the big run), then bench-gym
 bench: $(VENV)/.installed
 	$(PY) -m bench.run $(BENCH)
 	$(PY) -m bench.vector_load $(BENCH)
+	$(PY) -m bench.gym_vector $(GYM_BENCH)
 
 ## bench-vector: vector streams vs N sessions, bare grpc.aio and OpenEnv 0.10.0 / 0.3.0; CPU-heavy one process vs --isolated 2
 bench-vector: $(VENV)/.installed
 	$(PY) -m bench.vector_load $(BENCH)
+
+## bench-gym: Gymnasium vector envs, remote (vector stream, N sessions, EnvPool) vs in process
+bench-gym: $(VENV)/.installed
+	$(PY) -m bench.gym_vector $(GYM_BENCH)
 
 ## image: the container image of one environment: make image ENV=echo [BASE_IMAGE=python:3.11-slim]
 image:

@@ -7,18 +7,26 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 from typing import Any
+from unittest import mock
 
 import grpc
 import gymnasium
 import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env
+from gymnasium.utils.env_match import check_environments_match
+from gymnasium.utils.passive_env_checker import env_render_passive_checker as passive_render_check
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
 from openenv_grpc import CapacityError, EnvError
+from openenv_grpc.client.info import fetch_info
 from openenv_grpc.testing import ServerProcess
-from openenv_grpc_envs.gymnasium import GymnasiumEnv, convert
+from openenv_grpc_envs.gymnasium import GymnasiumEnv
 from openenv_grpc_envs.gymnasium.adapters import RemoteGymnasiumEnv, RemoteGymnasiumVectorEnv
+from openenv_grpc_envs.gymnasium.adapters.registration import remote_id
+from openenv_grpc_envs.gymnasium.adapters.vector_stream import VectorStream
+from openenv_grpc_envs.gymnasium.configuration import register_ale
+from openenv_grpc_envs.gymnasium.v1.gymnasium_pb2 import Backend
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +45,7 @@ def equal(a: Any, b: Any) -> bool:
     """Exact equality of observations (arrays, tuples, dicts, numbers)."""
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
-    if isinstance(a, tuple):
+    if isinstance(a, tuple) or (isinstance(a, np.ndarray) and a.dtype.kind == "O"):
         return len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b, strict=True))
     return bool(np.array_equal(np.asarray(a), np.asarray(b)))
 
@@ -134,76 +142,202 @@ def test_wraps_an_open_session_and_closes_it(server: ServerProcess) -> None:
     wait_idle(server)
 
 
+def test_registered_ids_make_the_adapter_and_the_checker_tests_render_modes(
+    server: ServerProcess,
+) -> None:
+    """``gymnasium.make("openenv-grpc/<id>", target=...)`` builds the adapter with a spec,
+    and check_env makes one env per declared render mode from that spec and checks its
+    frames (rgb_array, rendered by the server)."""
+    rendered: list[Any] = []
+
+    def record(env: gymnasium.Env[Any, Any]) -> None:
+        rendered.append((env.render_mode, env.render()))
+        passive_render_check(env)
+
+    for made in (
+        gymnasium.make("openenv-grpc/CartPole-v1", target=server.target).unwrapped,
+        RemoteGymnasiumEnv(server.target, "CartPole-v1"),  # made directly: the same spec
+    ):
+        assert isinstance(made, RemoteGymnasiumEnv)
+        assert made.spec is not None and made.spec.id == "openenv-grpc/CartPole-v1"
+        assert made.spec.kwargs == {"env_id": "CartPole-v1", "target": server.target}
+        assert made.metadata["render_modes"] == ["rgb_array"]
+        with (
+            warnings.catch_warnings(),
+            mock.patch("gymnasium.utils.env_checker.env_render_passive_checker", record),
+        ):
+            warnings.simplefilter("ignore")  # infinite Box bounds only warn
+            check_env(made)
+        made.close()
+    assert [mode for mode, _ in rendered] == ["rgb_array", "rgb_array"]
+    for _, frame in rendered:
+        assert frame.dtype == np.uint8 and frame.shape == (400, 600, 3)
+    wait_idle(server)
+
+
+@pytest.mark.parametrize("env_id", ["CartPole-v1", "Acrobot-v1"])
+def test_gymnasiums_match_checker_finds_the_local_env_frames_included(
+    server: ServerProcess, env_id: str
+) -> None:
+    """gymnasium.utils.env_match: the remote env and gymnasium.make(...) give identical
+    observations, rewards, flags, infos and rendered frames for 40 seeded steps. (Its
+    rewards compare types too: envs whose reward is a numpy scalar, e.g. Pendulum, give a
+    float remotely; their values are equal, see test_vector_stream_matches_sync_vector_env.)"""
+    remote = gymnasium.make(f"openenv-grpc/{env_id}", target=server.target,
+                            render_mode="rgb_array")  # fmt: skip
+    local = gymnasium.make(env_id, render_mode="rgb_array")
+    try:
+        check_environments_match(remote, local, num_steps=40, seed=3)
+    finally:
+        remote.close()
+        local.close()
+    wait_idle(server)
+
+
+def test_the_generic_id_takes_any_server_side_id(server: ServerProcess) -> None:
+    env = gymnasium.make(
+        "openenv-grpc/Remote-v0", target=server.target, env_id="ALE/Pong-v5",
+        render_mode="rgb_array", kwargs={"frameskip": 4},
+    )  # fmt: skip
+    try:
+        obs, _ = env.reset(seed=0)
+        assert obs.shape == (210, 160, 3)
+        assert env.metadata["render_fps"] == 30
+        assert env.render().shape == (210, 160, 3)  # type: ignore[union-attr]
+        assert env.spec is not None and env.spec.id == "openenv-grpc/Remote-v0"
+    finally:
+        env.close()
+    with pytest.raises(ValueError, match="render_mode 'human'"):
+        RemoteGymnasiumEnv(server.target, "CartPole-v1", render_mode="human")
+    assert remote_id("ALE/Pong-v5") == remote_id("NotLocal-v0") == "openenv-grpc/Remote-v0"
+    wait_idle(server)
+
+
 # -- RemoteGymnasiumVectorEnv ----------------------------------------------------------
 
 
+TRANSPORTS = ["vector", "sessions"]
+# (id, make kwargs, step limit, vector steps): a Discrete-action env, a Box-action env with
+# a short limit so episodes end, and Atari frames (uint8 210x160x3) with a short limit.
+CASES = {
+    "cartpole": ("CartPole-v1", {}, None, 100),
+    "pendulum": ("Pendulum-v1", {}, 6, 20),
+    "pong": ("ALE/Pong-v5", {"frameskip": 4}, 5, 11),
+}
+
+
 def run_pair(
-    server: ServerProcess, mode: AutoresetMode, steps: int, num_envs: int = 4
-) -> tuple[list[Any], list[Any]]:
-    """The same seeded random actions through the remote vector env and a local
-    SyncVectorEnv of CartPole; returns both lists of step results."""
-    local = SyncVectorEnv([lambda: gymnasium.make("CartPole-v1")] * num_envs, autoreset_mode=mode)
-    remote = RemoteGymnasiumVectorEnv(server.target, num_envs, "CartPole-v1", autoreset_mode=mode)
+    server: ServerProcess,
+    mode: AutoresetMode,
+    case: str = "cartpole",
+    transport: str = "vector",
+    num_envs: int = 4,
+) -> int:
+    """The same seeded actions through the remote vector env and a local SyncVectorEnv,
+    compared step for step (observations, rewards, flags, infos; in DISABLED the ended
+    envs reset by mask on both); returns how many episodes ended."""
+    env_id, kwargs, limit, steps = CASES[case]
+    register_ale()
+    local = SyncVectorEnv(
+        [lambda: gymnasium.make(env_id, max_episode_steps=limit, **kwargs)] * num_envs,
+        autoreset_mode=mode,
+    )
+    remote = RemoteGymnasiumVectorEnv(
+        server.target, num_envs, env_id, max_episode_steps=limit, kwargs=kwargs,
+        autoreset_mode=mode, transport=transport,  # type: ignore[arg-type]
+    )  # fmt: skip
+    ended = 0
     try:
         assert remote.metadata["autoreset_mode"] is mode
         assert remote.observation_space == local.observation_space
         assert remote.action_space == local.action_space
         assert remote.single_action_space == local.single_action_space
-        remote_obs, _ = remote.reset(seed=11)
-        local_obs, _ = local.reset(seed=11)
-        assert equal(remote_obs, local_obs)
-        remote_steps, local_steps = [], []
-        rng = np.random.default_rng(0)
+        obs, infos = remote.reset(seed=11)
+        ref, ref_infos = local.reset(seed=11)
+        assert equal(obs, ref) and equal(infos, ref_infos)
+        local.action_space.seed(0)
         for _ in range(steps):
-            actions = rng.integers(2, size=num_envs)
-            remote_steps.append(remote.step(actions))
-            local_steps.append(local.step(actions))
-        return remote_steps, local_steps
+            actions = local.action_space.sample()
+            got, want = remote.step(actions), local.step(actions)
+            for name, a, b in zip(("obs", "rewards", "terms", "truncs", "infos"), got, want,
+                                  strict=True):  # fmt: skip
+                assert equal(a, b), (name, a, b)
+            assert got[0].dtype == want[0].dtype and got[1].dtype == np.float64
+            done = want[2] | want[3]
+            ended += int(done.sum())
+            if mode is AutoresetMode.DISABLED and done.any():
+                options = {"reset_mask": done}
+                assert equal(remote.reset(options=dict(options))[0],
+                             local.reset(options=dict(options))[0])  # fmt: skip
     finally:
         remote.close()
         local.close()
+    return ended
 
 
-@pytest.mark.parametrize("mode", [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP])
-def test_vector_env_matches_sync_vector_env(server: ServerProcess, mode: AutoresetMode) -> None:
-    remote_steps, local_steps = run_pair(server, mode, steps=120)
-    episodes_ended = 0
-    for remote, local in zip(remote_steps, local_steps, strict=True):
-        obs, rewards, terms, truncs, infos = remote
-        l_obs, l_rewards, l_terms, l_truncs, l_infos = local
-        assert obs.shape == (4, 4) and obs.dtype == np.float32
-        assert rewards.dtype == np.float64 and terms.dtype == truncs.dtype == np.bool_
-        assert equal(obs, l_obs) and equal(rewards, l_rewards)
-        assert equal(terms, l_terms) and equal(truncs, l_truncs)
-        assert infos.keys() == l_infos.keys()
-        if "final_obs" in infos:  # SAME_STEP: the ended episodes' last observations
-            assert equal(infos["_final_obs"], l_infos["_final_obs"])
-            for i in np.flatnonzero(infos["_final_obs"]):
-                assert equal(infos["final_obs"][i], l_infos["final_obs"][i])
-        episodes_ended += int(terms.sum() + truncs.sum())
-    assert episodes_ended >= 10  # random CartPole episodes last ~20 steps: autoresets ran
+MODES = [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP, AutoresetMode.DISABLED]
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
+@pytest.mark.parametrize("case", list(CASES))
+def test_vector_stream_matches_sync_vector_env(
+    server: ServerProcess, case: str, mode: AutoresetMode
+) -> None:
+    """One vector stream equals SyncVectorEnv step for step, in every autoreset mode, for
+    a discrete, a Box and an image env; episodes end and autoreset (or mask resets) run."""
+    assert run_pair(server, mode, case, "vector") >= 2
     wait_idle(server)
 
 
-def test_next_step_autoreset_after_termination(server: ServerProcess) -> None:
-    with RemoteGymnasiumVectorEnv(server.target, 2, "CartPole-v1") as envs:
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
+def test_session_streams_still_match_sync_vector_env(
+    server: ServerProcess, mode: AutoresetMode
+) -> None:
+    assert run_pair(server, mode, "cartpole", "sessions") >= 10
+    wait_idle(server)
+
+
+def test_vector_stream_matches_with_isolated_env_processes() -> None:
+    """With --isolated the native batch runs in an env process: still SyncVectorEnv's."""
+    isolated = ServerProcess("gymnasium", ["--max-concurrent-envs", "0", "--isolated", "2"])
+    try:
+        assert run_pair(isolated, AutoresetMode.SAME_STEP, "cartpole", "vector") >= 10
+        wait_idle(isolated)
+    finally:
+        isolated.stop()
+
+
+def test_vector_stream_uses_one_stream_and_views_the_received_bytes(
+    server: ServerProcess,
+) -> None:
+    with RemoteGymnasiumVectorEnv(server.target, 8, "CartPole-v1") as envs:
+        assert server.active() == 8 and isinstance(envs.remote, VectorStream)
+        envs.reset(seed=0)
+        obs, *_ = envs.step(envs.action_space.sample())
+        assert not obs.flags.writeable and obs.base is not None  # a view, not a copy
+        again, *_ = envs.step(envs.action_space.sample())
+        assert not np.shares_memory(obs, again)  # never shared between calls
+    wait_idle(server)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_next_step_autoreset_after_termination(server: ServerProcess, transport: str) -> None:
+    with RemoteGymnasiumVectorEnv(server.target, 2, "CartPole-v1", transport=transport) as envs:  # type: ignore[arg-type]
         envs.reset(seed=[5, None])
         pushes = np.array([1, 0])
-        ended = np.zeros(2, dtype=bool)
         for _ in range(200):
             obs, rewards, terms, truncs, _ = envs.step(pushes)
             if terms[0]:
                 break
         assert terms[0] and rewards[0] == 1.0  # pushed right until the pole fell
-        ended = terms.copy()
         obs, rewards, terms, truncs, _ = envs.step(pushes)  # sub-env 0 resets now
         assert rewards[0] == 0.0 and not terms[0] and not truncs[0]
         assert np.all(np.abs(obs[0]) <= 0.05)  # CartPole's first observations lie in ±0.05
-        assert ended[0]
 
 
-def test_seeds_int_and_list(server: ServerProcess) -> None:
-    with RemoteGymnasiumVectorEnv(server.target, 3, "CartPole-v1") as envs:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_seeds_int_and_list(server: ServerProcess, transport: str) -> None:
+    with RemoteGymnasiumVectorEnv(server.target, 3, "CartPole-v1", transport=transport) as envs:  # type: ignore[arg-type]
         by_int, _ = envs.reset(seed=40)
         by_list, _ = envs.reset(seed=[40, 41, 42])
         assert equal(by_int, by_list)
@@ -214,10 +348,12 @@ def test_seeds_int_and_list(server: ServerProcess) -> None:
             envs.reset(seed=[1, 2])
 
 
-def test_disabled_mode_and_reset_mask(server: ServerProcess) -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_disabled_mode_and_reset_mask(server: ServerProcess, transport: str) -> None:
     with RemoteGymnasiumVectorEnv(
-        server.target, 2, "CartPole-v1", autoreset_mode="Disabled", max_episode_steps=2
-    ) as envs:
+        server.target, 2, "CartPole-v1", autoreset_mode="Disabled", max_episode_steps=2,
+        transport=transport,  # type: ignore[arg-type]
+    ) as envs:  # fmt: skip
         envs.reset(seed=0)
         envs.step(np.array([0, 1]))
         _, _, _, truncs, _ = envs.step(np.array([0, 1]))
@@ -232,8 +368,11 @@ def test_disabled_mode_and_reset_mask(server: ServerProcess) -> None:
             envs.reset(options={"reset_mask": [True, True]})
 
 
-def test_close_releases_every_session(server: ServerProcess) -> None:
-    envs = RemoteGymnasiumVectorEnv(server.target, 24, "CartPole-v1", channels=2)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_close_releases_every_slot(server: ServerProcess, transport: str) -> None:
+    channels = 2 if transport == "sessions" else 1
+    envs = RemoteGymnasiumVectorEnv(server.target, 24, "CartPole-v1", channels=channels,
+                                    transport=transport)  # type: ignore[arg-type]  # fmt: skip
     assert server.active() == 24
     envs.reset(seed=0)
     envs.step(envs.action_space.sample())
@@ -245,25 +384,100 @@ def test_close_releases_every_session(server: ServerProcess) -> None:
         envs.step(envs.action_space.sample())
 
 
-def test_capacity_refusal_closes_the_sessions_already_open() -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_capacity_refusal_leaves_nothing_open(transport: str) -> None:
     small = ServerProcess("gymnasium", ["--max-concurrent-envs", "2"])
     try:
         with pytest.raises(CapacityError):
-            RemoteGymnasiumVectorEnv(small.target, 3, "CartPole-v1")
+            RemoteGymnasiumVectorEnv(small.target, 3, "CartPole-v1", transport=transport)  # type: ignore[arg-type]
         wait_idle(small)
-        with RemoteGymnasiumVectorEnv(small.target, 2, "CartPole-v1") as envs:
+        with RemoteGymnasiumVectorEnv(small.target, 2, "CartPole-v1", transport=transport) as envs:  # type: ignore[arg-type]
             assert envs.reset(seed=0)[0].shape == (2, 4)
     finally:
         small.stop()
 
 
-def test_vector_tuple_observations_batch(server: ServerProcess) -> None:
-    with RemoteGymnasiumVectorEnv(server.target, 3, "Blackjack-v1") as envs:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_vector_tuple_observations_batch(server: ServerProcess, transport: str) -> None:
+    with RemoteGymnasiumVectorEnv(server.target, 3, "Blackjack-v1", transport=transport) as envs:  # type: ignore[arg-type]
         obs, _ = envs.reset(seed=1)
         assert obs in envs.observation_space
         assert isinstance(obs, tuple) and all(part.shape == (3,) for part in obs)
         obs, *_ = envs.step(np.zeros(3, dtype=np.int64))
         assert obs in envs.observation_space
-        assert convert.build_space(envs.description.observation_space) == (
-            envs.single_observation_space
-        )
+        local = SyncVectorEnv([lambda: gymnasium.make("Blackjack-v1")] * 3)
+        local.reset(seed=1)
+        assert equal(obs, local.step(np.zeros(3, dtype=np.int64))[0])
+        local.close()
+
+
+def test_bad_actions_are_errors_and_the_stream_goes_on(server: ServerProcess) -> None:
+    with RemoteGymnasiumVectorEnv(server.target, 3, "CartPole-v1") as envs:
+        envs.reset(seed=0)
+        with pytest.raises(EnvError, match=r"env 1: action: 5 is outside \[0, 1\]") as bad:
+            envs.step(np.array([0, 5, 1]))
+        assert bad.value.code is grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(EnvError, match="does not match 3 rows") as wrong:
+            envs.step(np.array([0, 1]))
+        assert wrong.value.code is grpc.StatusCode.INVALID_ARGUMENT
+        obs, *_ = envs.step(np.array([0, 1, 1]))  # the stream goes on
+        assert obs.shape == (3, 4)
+
+
+def test_envpool_backend_is_envpools_semantics_over_the_wire(server: ServerProcess) -> None:
+    """Pinned: with backend="envpool" the remote vector env equals an in-process EnvPool
+    pool with the same seeds step for step, and not SyncVectorEnv (other generators)."""
+    import envpool
+
+    n, seed = 4, 3
+    pool = envpool.make_gymnasium("CartPole-v1", num_envs=n, batch_size=n,
+                                  env_seed=[seed + i for i in range(n)])  # fmt: skip
+    with RemoteGymnasiumVectorEnv(server.target, n, "CartPole-v1", backend="envpool") as envs:
+        assert envs.description.backend == Backend.BACKEND_ENVPOOL
+        obs, infos = envs.reset(seed=seed)
+        ref, _ = pool.reset()
+        assert equal(obs, ref) and infos == {}  # EnvPool's bookkeeping infos are dropped
+        gym_obs, _ = SyncVectorEnv([lambda: gymnasium.make("CartPole-v1")] * n).reset(seed=seed)
+        assert not np.allclose(obs, gym_obs)
+        rng = np.random.default_rng(1)
+        ended = 0
+        for _ in range(60):
+            actions = rng.integers(2, size=n)
+            got, want = envs.step(actions), pool.step(actions)
+            assert equal(got[0], want[0]) and equal(got[1], want[1].astype(np.float64))
+            assert equal(got[2], want[2]) and equal(got[3], want[3])
+            ended += int(got[2].sum())
+        assert ended >= 2  # NEXT_STEP autoresets ran, the same on both
+    pool.close()
+    info = fetch_info(server.target)  # strangers learn it from Info too
+    assert info.vector.native_batch and "EnvPool" in info.env_description
+    assert "seeded per pool" in info.env_description
+    with pytest.raises(ValueError, match="needs transport='sessions'"):
+        RemoteGymnasiumVectorEnv(server.target, 2, "CartPole-v1", channels=2)
+    with pytest.raises(ValueError, match="needs transport='vector'"):
+        RemoteGymnasiumVectorEnv(server.target, 2, "CartPole-v1", backend="envpool",
+                                 transport="sessions")  # fmt: skip
+    wait_idle(server)
+
+
+def test_vector_env_spec_make_vec_and_render(server: ServerProcess) -> None:
+    envs = gymnasium.make_vec("openenv-grpc/CartPole-v1", num_envs=3, target=server.target,
+                              render_mode="rgb_array")  # fmt: skip
+    try:
+        assert isinstance(envs, RemoteGymnasiumVectorEnv) and envs.render_mode == "rgb_array"
+        assert envs.spec is not None and envs.spec.id == "openenv-grpc/CartPole-v1"
+        envs.reset(seed=0)
+        frames = envs.render()
+        assert frames is not None and len(frames) == 3
+        assert all(f.shape == (400, 600, 3) and f.dtype == np.uint8 for f in frames)
+    finally:
+        envs.close()
+    direct = RemoteGymnasiumVectorEnv(server.target, 2, "CartPole-v1")
+    try:
+        assert direct.spec is not None and direct.spec.kwargs["num_envs"] == 2
+        again = gymnasium.make_vec(direct.spec)  # the spec makes the same vector env
+        assert isinstance(again, RemoteGymnasiumVectorEnv) and again.num_envs == 2
+        again.close()
+    finally:
+        direct.close()
+    wait_idle(server)

@@ -11,7 +11,7 @@ Build actions and read observations with :mod:`openenv_grpc_envs.gymnasium.conve
         cart = convert.decode(result.observation.value)  # a float32 ndarray
 """
 
-from openenv_grpc import AsyncSession, Session
+from openenv_grpc import AsyncSession, AsyncVectorSession, Session, VectorSession
 from openenv_grpc.providers.launch import AsyncFromDockerImage, FromDockerImage
 from openenv_grpc_envs.gymnasium.v1.gymnasium_pb2 import (
     GymnasiumAction,
@@ -20,7 +20,7 @@ from openenv_grpc_envs.gymnasium.v1.gymnasium_pb2 import (
     GymnasiumState,
 )
 
-__all__ = ["AsyncGymnasiumEnv", "GymnasiumEnv"]
+__all__ = ["AsyncGymnasiumEnv", "AsyncGymnasiumVectorEnv", "GymnasiumEnv", "GymnasiumVectorEnv"]
 
 
 class GymnasiumEnv(
@@ -35,3 +35,17 @@ class AsyncGymnasiumEnv(
     AsyncSession[GymnasiumAction, GymnasiumObservation, GymnasiumState, GymnasiumResetOptions],
 ):
     """An asyncio gymnasium session: ``async with AsyncGymnasiumEnv(channel) as env: ...``."""
+
+
+class GymnasiumVectorEnv(
+    VectorSession[GymnasiumAction, GymnasiumObservation, GymnasiumState, GymnasiumResetOptions]
+):
+    """N gymnasium envs on one vector stream (``step_batch`` takes the batch form, see
+    :mod:`openenv_grpc_envs.gymnasium.batch_convert`); as a ``gymnasium.vector.VectorEnv``:
+    :class:`~openenv_grpc_envs.gymnasium.adapters.RemoteGymnasiumVectorEnv`."""
+
+
+class AsyncGymnasiumVectorEnv(
+    AsyncVectorSession[GymnasiumAction, GymnasiumObservation, GymnasiumState, GymnasiumResetOptions]
+):
+    """N gymnasium envs on one vector stream, for asyncio."""

@@ -67,6 +67,10 @@ DTYPES = frozenset(
     }
 )
 
+# dtype -> wire name, and wire name -> little-endian dtype: dtype.name is slow (µs).
+_NAMES: dict[np.dtype[Any], str] = {np.dtype(name): name for name in DTYPES}
+_LITTLE: dict[str, np.dtype[Any]] = {name: np.dtype(name).newbyteorder("<") for name in DTYPES}
+
 #: The space types this module converts.
 SUPPORTED_SPACES = "Box, Discrete, MultiDiscrete, MultiBinary, Dict and Tuple"
 
@@ -87,11 +91,13 @@ def fill_tensor(target: Tensor, array: npt.ArrayLike) -> None:
         ConversionError: the array's dtype is not one of :data:`DTYPES`.
     """
     arr = np.asarray(array)
-    name = arr.dtype.name
-    if name not in DTYPES:
-        raise ConversionError(f"dtype {arr.dtype} cannot travel as a Tensor")
-    if arr.dtype.byteorder == ">":  # the wire is little-endian
-        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    name = _NAMES.get(arr.dtype)
+    if name is None:  # not a native dtype: another byte order, or no Tensor dtype at all
+        name = arr.dtype.name
+        if name not in DTYPES:
+            raise ConversionError(f"dtype {arr.dtype} cannot travel as a Tensor")
+        if arr.dtype.byteorder == ">":  # the wire is little-endian
+            arr = arr.astype(arr.dtype.newbyteorder("<"))
     target.data = arr.tobytes()  # C order even for a non-contiguous view: one copy
     target.shape[:] = arr.shape
     target.dtype = name
@@ -119,7 +125,7 @@ def to_numpy(tensor: Tensor, *, writable: bool = False, what: str = "tensor") ->
     shape = tuple(tensor.shape)
     if any(dim < 0 for dim in shape):
         raise ConversionError(f"{what}: negative dimension in shape {list(shape)}")
-    dtype = np.dtype(name).newbyteorder("<")
+    dtype = _LITTLE[name]
     data = tensor.data  # one copy out of the message; the array views it
     expected = math.prod(shape) * dtype.itemsize
     if len(data) != expected:
@@ -368,20 +374,29 @@ def _expect(kind: str | None, allowed: Sequence[str], space: spaces.Space[Any], 
 def _array(value: Value, space: spaces.Space[Any], path: str) -> Array:
     """The value's array in the space's dtype and shape, or a ConversionError."""
     assert space.shape is not None and space.dtype is not None  # array spaces have both
-    shape = tuple(space.shape)
-    target = np.dtype(space.dtype)
+    return array_of(value, tuple(space.shape), np.dtype(space.dtype), _label(space), path)
+
+
+def array_of(
+    value: Value, shape: tuple[int, ...], target: np.dtype[Any], label: str, path: str
+) -> Array:
+    """The array a ``tensor`` or ``ints`` value holds, as a writable array of ``shape``
+    and dtype ``target`` (``label`` names what it is for in errors).
+
+    Raises:
+        ConversionError: a wrong size or shape, or a lossy cast (see :func:`_cast`).
+    """
     if value.WhichOneof("kind") == "ints":
         ints = np.array(value.ints.values, dtype=np.int64)
         if ints.size != math.prod(shape):
             raise ConversionError(
-                f"{path}: {ints.size} ints for {_label(space)} (expected {math.prod(shape)})"
+                f"{path}: {ints.size} ints for {label} (expected {math.prod(shape)})"
             )
         return _cast(ints, target, path).reshape(shape)
     array = to_numpy(value.tensor, what=path)
     if array.shape != shape:
         raise ConversionError(
-            f"{path}: shape {list(array.shape)} does not match {_label(space)} "
-            f"(shape {list(shape)})"
+            f"{path}: shape {list(array.shape)} does not match {label} (shape {list(shape)})"
         )
     return _cast(array, target, path)
 

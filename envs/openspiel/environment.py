@@ -545,12 +545,12 @@ class OpenSpielEnvironment(
         try:
             same = str(loaded.game.deserialize_state(text)) == str(state)
         except Exception as exc:  # SpielError from a game's own deserializer
-            raise InvalidAction(
+            raise NotImplementedError(  # UNIMPLEMENTED: this game cannot, others can
                 f"{loaded.description} cannot snapshot: its state does not deserialize in "
                 f"OpenSpiel: {_short(exc)}"
             ) from None
         if not same:
-            raise InvalidAction(
+            raise NotImplementedError(
                 f"{loaded.description} cannot snapshot: its state does not round-trip "
                 "through OpenSpiel's serialization"
             )

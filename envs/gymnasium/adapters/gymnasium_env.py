@@ -23,10 +23,13 @@ from typing import Any, SupportsFloat
 
 import grpc
 import gymnasium
+import numpy as np
+import numpy.typing as npt
 from google.protobuf import struct_pb2
 
 from openenv_grpc.client.outcome import StepOutcome
 from openenv_grpc_envs.gymnasium import convert
+from openenv_grpc_envs.gymnasium.adapters.registration import spec_for
 from openenv_grpc_envs.gymnasium.client import GymnasiumEnv
 from openenv_grpc_envs.gymnasium.v1.gymnasium_pb2 import (
     EnvDescription,
@@ -41,12 +44,18 @@ __all__ = ["RemoteGymnasiumEnv", "reset_options"]
 OPTION_KEYS = frozenset({"env_id", "max_episode_steps", "kwargs"})
 
 
+#: The render modes the adapters offer: frames come from the server (state().frame).
+RENDER_MODES = ["rgb_array"]
+
+
 def reset_options(
     env_id: str = "",
     max_episode_steps: int | None = None,
     kwargs: Mapping[str, Any] | None = None,
+    render_mode: str | None = None,
 ) -> GymnasiumResetOptions:
-    """The ``GymnasiumResetOptions`` for an env id, an optional step limit and make kwargs.
+    """The ``GymnasiumResetOptions`` for an env id, an optional step limit, make kwargs and
+    a render mode (None or "rgb_array").
 
     Returns:
         The message; ``kwargs`` travel as a ``Struct`` (JSON-like values only).
@@ -54,7 +63,7 @@ def reset_options(
     Raises:
         ValueError: a kwarg value cannot be stored in a ``Struct``.
     """
-    options = GymnasiumResetOptions(env_id=env_id)
+    options = GymnasiumResetOptions(env_id=env_id, render_mode=render_mode or "")
     if max_episode_steps is not None:
         options.max_episode_steps = max_episode_steps
     if kwargs:
@@ -101,8 +110,15 @@ class RemoteGymnasiumEnv(gymnasium.Env[Any, Any]):
             default (``GYM_ENV_ID``).
         max_episode_steps: A TimeLimit override; None keeps the registry's limit.
         kwargs: Keyword arguments for ``gymnasium.make`` on the server.
+        render_mode: None, or ``"rgb_array"``: the server renders and :meth:`render`
+            returns its current frame (one ``state`` call).
         session_options: Passed to ``GymnasiumEnv`` when the adapter opens the session
             (``token``, ``credentials``, ``retry``, ``metadata``, ``reconnect``).
+
+    ``spec``: ``gymnasium.make("openenv-grpc/<id>", target=...)`` sets Gymnasium's own;
+    made directly, the adapter carries the same (its id and the keyword arguments that
+    make it again, with ``target`` when it is an address), so ``spec.make`` and
+    Gymnasium's checker (which makes one env per render mode from it) work either way.
 
     Values: observations are numpy elements of ``observation_space`` (new arrays on every
     call); actions may be anything ``convert.encode`` turns into an element of
@@ -116,7 +132,7 @@ class RemoteGymnasiumEnv(gymnasium.Env[Any, Any]):
     missing dependency, bad kwargs).
     """
 
-    metadata: dict[str, Any] = {"render_modes": []}  # noqa: RUF012 (gymnasium's contract)
+    metadata: dict[str, Any] = {"render_modes": RENDER_MODES}  # noqa: RUF012 (gymnasium's)
 
     def __init__(
         self,
@@ -125,9 +141,21 @@ class RemoteGymnasiumEnv(gymnasium.Env[Any, Any]):
         *,
         max_episode_steps: int | None = None,
         kwargs: Mapping[str, Any] | None = None,
+        render_mode: str | None = None,
         **session_options: Any,
     ) -> None:
-        self._options = reset_options(env_id, max_episode_steps, kwargs)
+        if render_mode is not None and render_mode not in RENDER_MODES:
+            raise ValueError(f"render_mode {render_mode!r} is not one of {RENDER_MODES}")
+        self.render_mode = render_mode
+        self._options = reset_options(env_id, max_episode_steps, kwargs, render_mode)
+        remake: dict[str, Any] = {"env_id": env_id}
+        if isinstance(target, str):
+            remake["target"] = target
+        if max_episode_steps is not None:
+            remake["max_episode_steps"] = max_episode_steps
+        if kwargs:
+            remake["kwargs"] = dict(kwargs)
+        self.spec = spec_for(env_id, remake)
         if isinstance(target, GymnasiumEnv):
             self._session = target
         else:
@@ -150,6 +178,17 @@ class RemoteGymnasiumEnv(gymnasium.Env[Any, Any]):
         self.max_episode_steps = int(description.max_episode_steps)
         self.observation_space = convert.build_space(description.observation_space)
         self.action_space = convert.build_space(description.action_space)
+        self.metadata = dict(type(self).metadata)
+        if description.render_fps:
+            self.metadata["render_fps"] = description.render_fps
+
+    def render(self) -> npt.NDArray[np.uint8] | None:
+        """The env's current frame (``render_mode="rgb_array"``: uint8, H x W x 3, asked
+        of the server with one ``state`` call), or None without a render mode."""
+        if self.render_mode is None:
+            return None
+        frame = self._session.state().frame
+        return convert.to_numpy(frame, writable=True, what="frame") if frame.dtype else None
 
     @property
     def session(self) -> GymnasiumEnv:

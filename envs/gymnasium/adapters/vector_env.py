@@ -1,25 +1,35 @@
-"""N remote sessions of the ``gymnasium`` env as one ``gymnasium.vector.VectorEnv``.
+"""N remote envs of the ``gymnasium`` env as one ``gymnasium.vector.VectorEnv``.
 
 ::
 
     from openenv_grpc_envs.gymnasium.adapters import RemoteGymnasiumVectorEnv
 
-    with RemoteGymnasiumVectorEnv("127.0.0.1:50051", num_envs=16, env_id="CartPole-v1") as envs:
-        obs, infos = envs.reset(seed=0)             # float32 (16, 4)
+    with RemoteGymnasiumVectorEnv("127.0.0.1:50051", num_envs=64, env_id="CartPole-v1") as envs:
+        obs, infos = envs.reset(seed=0)             # float32 (64, 4)
         obs, rewards, terminated, truncated, infos = envs.step(envs.action_space.sample())
 
-How it runs: an asyncio event loop in one background thread owns a ``grpc.aio`` channel
-(or a small pool of them, ``channels=``) and N ``AsyncGymnasiumEnv`` sessions; the
-blocking ``reset``/``step`` hand a coroutine to that loop, which sends the N requests at
-once and gathers the N answers (one round trip of wall time per vector step, not N).
-Observations are decoded and batched in the caller's thread.
+Two transports, the same results (both equal ``SyncVectorEnv`` step for step):
+
+* ``transport="vector"`` (the default): **one** ``VectorSession`` stream holds the N envs
+  (N slots admitted all or nothing). A vector step is one message each way: the actions
+  as one tensor, the observations as one tensor (numpy gets a read-only view of the
+  received bytes: the one copy is protobuf's), autoreset done by the server. The server
+  answers the batch natively: N gymnasium envs in one loop, or one EnvPool pool
+  (``backend="envpool"``). Best whenever the N envs fit one server process (with
+  ``--isolated K`` it spreads them over K env processes itself): per-message cost is
+  paid once per vector step, not N times.
+* ``transport="sessions"``: N ``Session`` streams over ``channels`` channels, stepped
+  concurrently, autoreset on the client. Better when the envs should spread over
+  several server processes or pods (``--workers``, Envoy, a swarm: they balance streams,
+  and one stream lands on one process), when one env's failure must not touch the others'
+  streams, or against a server that predates vector streams.
 
 Autoreset, as Gymnasium 1.x defines it (``metadata["autoreset_mode"]``):
 
 * ``NEXT_STEP`` (the default, like ``SyncVectorEnv``): the step that ends an episode
   returns its last observation; the next ``step`` of that sub-env ignores the action,
-  resets it remotely (unseeded: the remote env's generator continues) and returns the
-  first observation with reward 0 and both flags False.
+  resets it (unseeded: its generator continues) and returns the first observation with
+  reward 0 and both flags False.
 * ``SAME_STEP``: the step that ends an episode resets at once and returns the new first
   observation; the last one is in ``infos["final_obs"]`` and its info in
   ``infos["final_info"]`` (masks ``infos["_final_obs"]``, ``infos["_final_info"]``).
@@ -29,11 +39,8 @@ Autoreset, as Gymnasium 1.x defines it (``metadata["autoreset_mode"]``):
 
 from __future__ import annotations
 
-import asyncio
-import threading
-from collections.abc import Coroutine, Mapping, Sequence
-from concurrent.futures import Future
-from typing import Any, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 import grpc
 import numpy as np
@@ -41,90 +48,63 @@ import numpy.typing as npt
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
-from openenv_grpc.client.channel import AioChannelPool
-from openenv_grpc.client.outcome import StepOutcome
 from openenv_grpc_envs.gymnasium import convert
-from openenv_grpc_envs.gymnasium.adapters.gymnasium_env import _options_from_mapping, reset_options
-from openenv_grpc_envs.gymnasium.client import AsyncGymnasiumEnv
+from openenv_grpc_envs.gymnasium.adapters.gymnasium_env import (
+    RENDER_MODES,
+    _options_from_mapping,
+    reset_options,
+)
+from openenv_grpc_envs.gymnasium.adapters.registration import spec_for
+from openenv_grpc_envs.gymnasium.adapters.session_streams import SessionStreams
+from openenv_grpc_envs.gymnasium.adapters.transport import BACKENDS, Batch, LoopThread, Transport
+from openenv_grpc_envs.gymnasium.adapters.vector_stream import VectorStream
 from openenv_grpc_envs.gymnasium.v1.gymnasium_pb2 import (
     EnvDescription,
-    GymnasiumAction,
-    GymnasiumObservation,
     GymnasiumResetOptions,
-    Value,
 )
 
-__all__ = ["RemoteGymnasiumVectorEnv"]
+__all__ = ["TRANSPORTS", "RemoteGymnasiumVectorEnv"]
 
-T = TypeVar("T")
-_Result = StepOutcome[GymnasiumObservation]
-
-#: Seconds close() waits for the sessions to close before it stops the loop anyway.
+#: Seconds close() waits for the remote envs to close before it stops the loop anyway.
 CLOSE_TIMEOUT = 30.0
-
-
-class _LoopThread:
-    """An asyncio event loop running in a daemon thread; ``run`` blocks on a coroutine."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._main, name="openenv-grpc-vector-env", daemon=True
-        )
-        self._thread.start()
-
-    def _main(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
-
-    def run(self, coroutine: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        future: Future[T] = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
-        return future.result(timeout)
-
-    def stop(self) -> None:
-        if self.loop.is_closed():
-            return
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join()
-        self.loop.close()
-
-
-async def _gather(coroutines: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
-    """Every result; if any coroutine raised, the first error once all have finished
-    (so no request of this batch is still in flight when the caller sees it)."""
-    results = await asyncio.gather(*coroutines, return_exceptions=True)
-    for result in results:
-        if isinstance(result, BaseException):
-            raise result
-    return results  # type: ignore[return-value]
+#: The ways to reach the envs (see the module docstring).
+TRANSPORTS = ("vector", "sessions")
 
 
 class RemoteGymnasiumVectorEnv(VectorEnv[Any, Any, Any]):
-    """``num_envs`` sessions of the catalogue's ``gymnasium`` env, stepped concurrently.
+    """``num_envs`` remote envs of the catalogue's ``gymnasium`` env.
 
     Args:
         target: ``"host:port"`` of the server.
-        num_envs: How many sessions (each holds one remote env and one server slot).
+        num_envs: How many envs (each holds one server slot).
         env_id: The registered id, e.g. ``"CartPole-v1"`` (empty: the server's default).
         max_episode_steps: A TimeLimit override; None keeps the registry's limit.
         kwargs: Keyword arguments for ``gymnasium.make`` on the server.
         autoreset_mode: ``NEXT_STEP`` (default), ``SAME_STEP`` or ``DISABLED``.
-        channels: How many ``grpc.aio`` channels the sessions share, round robin (more
-            than one spreads them over a multi-worker server's processes).
+        transport: ``"vector"`` (one vector stream, the default) or ``"sessions"`` (N
+            streams); see the module docstring for when each is better.
+        backend: With the vector transport, what steps the envs on the server:
+            ``"gymnasium"``, ``"envpool"`` (EnvPool's semantics, see the env README),
+            ``"auto"`` or None (the server's ``GYM_VECTOR_BACKEND``).
+        render_mode: None, or ``"rgb_array"``: :meth:`render` returns every env's frame.
+        channels: The sessions transport's number of ``grpc.aio`` channels (round robin;
+            more than one spreads sessions over a multi-worker server's processes).
+            With one vector stream there is one channel.
         credentials: TLS channel credentials (see ``openenv_grpc.client.channel``).
         step_timeout: Seconds each remote reset/step may take (None: no limit).
-        session_options: Passed to each ``AsyncGymnasiumEnv`` (``token``, ``retry``,
-            ``metadata``).
+        session_options: Passed to each session (``token``, ``retry``, ``metadata``).
 
-    The sub-envs run the same configuration; a reset seed ``s`` (an int) seeds sub-env
-    ``i`` with ``s + i``, a list gives one seed each, as ``SyncVectorEnv`` does, so the
-    two produce the same batches for the same seeds and actions. Close it (or use
-    ``with``) to free the server's slots; sessions left open are reclaimed only by the
+    A reset seed ``s`` (an int) seeds sub-env ``i`` with ``s + i``, a list gives one seed
+    each, as ``SyncVectorEnv`` does, so the two produce the same batches for the same
+    seeds and actions. Observations are read-only arrays (vector transport: views of the
+    received bytes; copy them to write into them), never shared between calls. Close it
+    (or use ``with``) to free the server's slots; envs left open are reclaimed only by the
     server's idle timeout.
 
-    Raises (from the constructor): ``CapacityError`` / ``SessionRefused`` when a session
-    cannot be opened (the ones already open are closed), ``EnvError`` when the server
-    refuses the configuration, ``ValueError`` for ``num_envs < 1``.
+    Raises (from the constructor): ``CapacityError`` / ``SessionRefused`` when the envs
+    cannot be admitted (nothing stays open), ``EnvError`` when the server refuses the
+    configuration, ``ValueError`` for ``num_envs < 1``, an unknown transport, backend
+    or render mode, or an option of the other transport.
     """
 
     def __init__(
@@ -136,6 +116,9 @@ class RemoteGymnasiumVectorEnv(VectorEnv[Any, Any, Any]):
         max_episode_steps: int | None = None,
         kwargs: Mapping[str, Any] | None = None,
         autoreset_mode: str | AutoresetMode = AutoresetMode.NEXT_STEP,
+        transport: Literal["vector", "sessions"] = "vector",
+        backend: str | None = None,
+        render_mode: str | None = None,
         channels: int = 1,
         credentials: grpc.ChannelCredentials | None = None,
         step_timeout: float | None = None,
@@ -143,56 +126,70 @@ class RemoteGymnasiumVectorEnv(VectorEnv[Any, Any, Any]):
     ) -> None:
         if num_envs < 1:
             raise ValueError(f"num_envs must be >= 1, got {num_envs}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if backend is not None and (backend not in BACKENDS or transport != "vector"):
+            raise ValueError(
+                f"backend must be one of {sorted(BACKENDS)} and needs transport='vector', "
+                f"got {backend!r} with {transport!r}"
+            )
+        if render_mode is not None and render_mode not in RENDER_MODES:
+            raise ValueError(f"render_mode {render_mode!r} is not one of {RENDER_MODES}")
+        if channels != 1 and transport != "sessions":
+            raise ValueError("channels= spreads sessions: it needs transport='sessions'")
         self.num_envs = num_envs
+        self.render_mode = render_mode
+        self.transport = transport
         self.autoreset_mode = (
             autoreset_mode
             if isinstance(autoreset_mode, AutoresetMode)
             else AutoresetMode(autoreset_mode)
         )
-        self.metadata = {"autoreset_mode": self.autoreset_mode, "render_modes": []}
-        self._options = reset_options(env_id, max_episode_steps, kwargs)
-        self._timeout = step_timeout
-        self._sessions: list[AsyncGymnasiumEnv] = []
-        self._pool: AioChannelPool | None = None
-        self._loop = _LoopThread()
+        self.metadata = {"autoreset_mode": self.autoreset_mode, "render_modes": RENDER_MODES}
+        self._options = reset_options(env_id, max_episode_steps, kwargs, render_mode)
+        remake: dict[str, Any] = {
+            "env_id": env_id,
+            "target": target,
+            "transport": transport,
+            "num_envs": num_envs,
+            "vectorization_mode": "vector_entry_point",
+        }
+        if max_episode_steps is not None:
+            remake["max_episode_steps"] = max_episode_steps
+        if kwargs:
+            remake["kwargs"] = dict(kwargs)
+        if backend is not None:
+            remake["backend"] = backend
+        if self.autoreset_mode is not AutoresetMode.NEXT_STEP:
+            remake["autoreset_mode"] = self.autoreset_mode.value
+        self.spec = spec_for(env_id, remake)
+        # Only N sessions need an event loop of their own; the vector stream blocks.
+        self._loop = LoopThread() if transport == "sessions" else None
         try:
-            description = self._loop.run(self._open(target, channels, credentials, session_options))
+            self._transport: Transport = (
+                SessionStreams(
+                    self._loop, target, num_envs, self._options, self.autoreset_mode,
+                    channels=channels, credentials=credentials, timeout=step_timeout,
+                    session_options=session_options,
+                )
+                if self._loop is not None
+                else VectorStream(
+                    target, num_envs, self._options, self.autoreset_mode, backend=backend,
+                    credentials=credentials, timeout=step_timeout,
+                    session_options=session_options,
+                )
+            )  # fmt: skip
         except BaseException:
-            self._loop.stop()
+            if self._loop is not None:
+                self._loop.stop()
             raise
-        self._set_spaces(description)
-        # Sub-envs whose last step ended their episode (NEXT_STEP resets them next step).
-        self._autoreset = np.zeros(num_envs, dtype=np.bool_)
-        # Each sub-env's latest observation (a partial reset returns the whole batch).
-        self._last_observations: list[Any] | None = None
+        self._set_spaces(self._transport.description)
+        # Sub-envs whose last step ended their episode (DISABLED refuses to step them).
+        self._ended = np.zeros(num_envs, dtype=np.bool_)
+        # The latest batch (a partial reset returns the whole batch).
+        self._last: Any = None
 
     # -- setup and teardown -------------------------------------------------------------
-
-    async def _open(
-        self,
-        target: str,
-        channels: int,
-        credentials: grpc.ChannelCredentials | None,
-        session_options: dict[str, Any],
-    ) -> EnvDescription:
-        """Open every session and make one unseeded reset each, which describes the
-        spaces (the Info RPC names message types only)."""
-        self._pool = AioChannelPool(target, size=channels, credentials=credentials)
-        self._sessions = [
-            AsyncGymnasiumEnv(self._pool.next(), **session_options) for _ in range(self.num_envs)
-        ]
-        try:
-            await _gather([session.open() for session in self._sessions])
-            firsts = await _gather(
-                [
-                    session.reset(options=self._options, timeout=self._timeout)
-                    for session in self._sessions
-                ]
-            )
-        except BaseException:
-            await self._close_all()
-            raise
-        return firsts[0].observation.env
 
     def _set_spaces(self, description: EnvDescription) -> None:
         self.description = description
@@ -202,21 +199,16 @@ class RemoteGymnasiumVectorEnv(VectorEnv[Any, Any, Any]):
         self.single_action_space = convert.build_space(description.action_space)
         self.observation_space = batch_space(self.single_observation_space, self.num_envs)
         self.action_space = batch_space(self.single_action_space, self.num_envs)
-
-    async def _close_all(self) -> None:
-        # abort() a session that was never opened is a no-op; close() of an open one sends
-        # the close request, so the server closes its env before the slot is freed.
-        await asyncio.gather(*(s.close() for s in self._sessions), return_exceptions=True)
-        if self._pool is not None:
-            await self._pool.close()
-            self._pool = None
+        if description.render_fps:
+            self.metadata["render_fps"] = description.render_fps
 
     def close_extras(self, **kwargs: Any) -> None:
-        """Close every remote env and session, the channels and the loop thread."""
+        """Close every remote env, the streams, the channels and the loop thread."""
         try:
-            self._loop.run(self._close_all(), timeout=CLOSE_TIMEOUT)
+            self._transport.close()
         finally:
-            self._loop.stop()
+            if self._loop is not None:
+                self._loop.stop()
 
     def __enter__(self) -> RemoteGymnasiumVectorEnv:
         return self
@@ -225,9 +217,9 @@ class RemoteGymnasiumVectorEnv(VectorEnv[Any, Any, Any]):
         self.close()
 
     @property
-    def sessions(self) -> list[AsyncGymnasiumEnv]:
-        """The sessions, one per sub-env (their ``session_id`` tags the server's logs)."""
-        return list(self._sessions)
+    def remote(self) -> Transport:
+        """The transport (``VectorStream`` or ``SessionStreams``: its session ids)."""
+        return self._transport
 
     # -- the VectorEnv contract ---------------------------------------------------------
 
@@ -237,7 +229,7 @@ class RemoteGymnasiumVectorEnv(VectorEnv[Any, Any, Any]):
         seed: int | Sequence[int | None] | None = None,
         options: dict[str, Any] | None = None,
     ) -> tuple[Any, dict[str, Any]]:
-        """Reset the sub-envs (all, or those of ``options["reset_mask"]``) concurrently.
+        """Reset the sub-envs (all, or those of ``options["reset_mask"]``).
 
         ``options`` besides ``reset_mask`` may hold ``env_id``, ``max_episode_steps`` and
         ``kwargs`` (see ``RemoteGymnasiumEnv.reset``); they must not change the spaces.
@@ -247,7 +239,7 @@ class RemoteGymnasiumVectorEnv(VectorEnv[Any, Any, Any]):
 
         Raises:
             ValueError: wrong number of seeds, a bad ``reset_mask``, unknown option keys,
-                or options that change the spaces. EnvError / SessionLost: from a session.
+                or options that change the spaces. EnvError / SessionLost: from the server.
         """
         if self.closed:
             raise RuntimeError("the vector env is closed")
@@ -261,39 +253,46 @@ class RemoteGymnasiumVectorEnv(VectorEnv[Any, Any, Any]):
             if not mask.all():
                 raise ValueError("reset options other than reset_mask need a full reset")
             message = _options_from_mapping(options, self._options)
-        indices = [i for i in range(self.num_envs) if mask[i]]
-        results = self._loop.run(
-            _gather(
-                [
-                    self._sessions[i].reset(seed=seeds[i], options=message, timeout=self._timeout)
-                    for i in indices
-                ]
-            )
-        )
+        indices = [int(i) for i in np.flatnonzero(mask)]
+        spaces = (self.single_observation_space, self.single_action_space)
+        rows = self._transport.reset(indices, [seeds[i] for i in indices], message)
         if message is not None:
-            self._check_spaces(results[0].observation.env)
+            described = self._transport.description
+            if (
+                convert.build_space(described.observation_space),
+                convert.build_space(described.action_space),
+            ) != spaces:
+                raise ValueError(
+                    "the reset options changed the spaces; a vector env's spaces are fixed "
+                    "(make a new RemoteGymnasiumVectorEnv for another env)"
+                )
             self._options = message
-        self._autoreset[mask] = False
-        infos: dict[str, Any] = {}
-        observations: list[Any] = []
-        for i, result in zip(indices, results, strict=True):
-            infos = self._add_info(infos, dict(result.info), i)
-        if self._last_observations is None or len(indices) == self.num_envs:
-            observations = [self._decode(r) for r in results]
-        else:
-            # A partial reset returns the whole batch: the others' last observations.
-            observations = list(self._last_observations)
-            for i, result in zip(indices, results, strict=True):
-                observations[i] = self._decode(result)
-        self._last_observations = observations
-        return self._batch(observations), infos
+            self.description = described
+        self._ended[mask] = False
+        infos = self._infos(rows)
+        if self._last is None or len(indices) == self.num_envs:
+            self._last = rows.observations
+        else:  # a partial reset returns the whole batch: the others' last observations
+            self._last = self._merge(indices, rows.observations)
+        return self._last, infos
+
+    def _merge(self, indices: Sequence[int], observations: Any) -> Any:
+        """A new batch: the last one with the rows of ``indices`` replaced."""
+        space = self.single_observation_space
+        items = list(iterate(self.observation_space, self._last))
+        fresh = iterate(batch_space(space, len(indices)), observations)
+        for index, item in zip(indices, fresh, strict=True):
+            items[index] = item
+        out = create_empty_array(space, self.num_envs)
+        assert out is not None  # None only for spaces convert cannot build
+        return concatenate(space, items, out)
 
     def step(
         self, actions: Any
     ) -> tuple[
         Any, npt.NDArray[np.float64], npt.NDArray[np.bool_], npt.NDArray[np.bool_], dict[str, Any]
     ]:
-        """Step every sub-env concurrently (resetting ended ones per the autoreset mode).
+        """Step every sub-env (resetting ended ones per the autoreset mode).
 
         Returns:
             ``(observations, rewards, terminations, truncations, infos)``, batched.
@@ -302,67 +301,43 @@ class RemoteGymnasiumVectorEnv(VectorEnv[Any, Any, Any]):
             RuntimeError: ``DISABLED`` mode and a sub-env's episode is over (reset it
                 with ``reset_mask`` first), or the env is closed.
             EnvError: a remote env refused its action (INVALID_ARGUMENT) or raised.
-            ConversionError: an action is not an element of ``single_action_space``.
+            ConversionError: the actions are not a batch of ``single_action_space``.
             SessionLost: a stream ended.
         """
         if self.closed:
             raise RuntimeError("the vector env is closed")
-        if self._last_observations is None:
+        if self._last is None:
             raise RuntimeError("reset the vector env before stepping it")
-        mode = self.autoreset_mode
-        if mode is AutoresetMode.DISABLED and self._autoreset.any():
-            ended = np.flatnonzero(self._autoreset).tolist()
+        if self.autoreset_mode is AutoresetMode.DISABLED and self._ended.any():
+            ended = np.flatnonzero(self._ended).tolist()
             raise RuntimeError(
                 f"sub-envs {ended} ended their episodes: reset them with "
                 "options={'reset_mask': mask} before stepping (autoreset is DISABLED)"
             )
-        values = [
-            convert.encode(action, self.single_action_space)
-            for action in iterate(self.action_space, actions)
-        ]
-        resetting = self._autoreset if mode is AutoresetMode.NEXT_STEP else None
-        outcomes = self._loop.run(
-            _gather([self._step_one(i, values[i], resetting) for i in range(self.num_envs)])
+        batch = self._transport.step(actions)
+        self._ended = np.logical_or(batch.terminated, batch.truncated)
+        self._last = batch.observations
+        return (
+            batch.observations,
+            batch.rewards,
+            batch.terminated,
+            batch.truncated,
+            self._infos(batch),
         )
-        rewards = np.zeros(self.num_envs, dtype=np.float64)
-        terminations = np.zeros(self.num_envs, dtype=np.bool_)
-        truncations = np.zeros(self.num_envs, dtype=np.bool_)
-        observations: list[Any] = []
-        infos: dict[str, Any] = {}
-        for i, (result, reset) in enumerate(outcomes):
-            if reset is None:  # a plain step, or a NEXT_STEP reset (result is the reset's)
-                observations.append(self._decode(result))
-                rewards[i] = result.reward
-                terminations[i] = result.terminated
-                truncations[i] = result.truncated
-                infos = self._add_info(infos, dict(result.info), i)
-            else:  # SAME_STEP: the episode ended on this step and was reset at once
-                rewards[i] = result.reward
-                terminations[i] = result.terminated
-                truncations[i] = result.truncated
-                final = {"final_obs": self._decode(result), "final_info": dict(result.info)}
-                infos = self._add_info(infos, final, i)
-                observations.append(self._decode(reset))
-                infos = self._add_info(infos, dict(reset.info), i)
-        self._autoreset = np.logical_or(terminations, truncations)
-        self._last_observations = observations
-        return self._batch(observations), rewards, terminations, truncations, infos
 
-    async def _step_one(
-        self, i: int, value: Value, resetting: npt.NDArray[np.bool_] | None
-    ) -> tuple[_Result, _Result | None]:
-        """Sub-env ``i``'s part of a vector step: ``(result, reset_after)``. Under
-        NEXT_STEP an ended sub-env is reset instead of stepped (its action is ignored);
-        under SAME_STEP a sub-env whose step ends the episode is reset right away."""
-        session = self._sessions[i]
-        if resetting is not None and resetting[i]:
-            return await session.reset(timeout=self._timeout), None
-        result = await session.step(GymnasiumAction(value=value), timeout=self._timeout)
-        if self.autoreset_mode is AutoresetMode.SAME_STEP and result.done:
-            return result, await session.reset(timeout=self._timeout)
-        return result, None
+    def render(self) -> tuple[Any, ...] | None:
+        """Every sub-env's current frame (``render_mode="rgb_array"``), else None."""
+        if self.render_mode is None:
+            return None
+        return self._transport.frames()
 
     # -- helpers ------------------------------------------------------------------------
+
+    def _infos(self, batch: Batch) -> dict[str, Any]:
+        infos: dict[str, Any] = {}
+        for i, info in batch.infos:
+            infos = self._add_info(infos, info, i)
+        return infos
 
     def _seeds(self, seed: int | Sequence[int | None] | None) -> list[int | None]:
         if seed is None:
@@ -387,31 +362,9 @@ class RemoteGymnasiumVectorEnv(VectorEnv[Any, Any, Any]):
             )
         if not mask.any():
             raise ValueError("options['reset_mask'] must select at least one sub-env")
-        if not mask.all() and self._last_observations is None:
+        if not mask.all() and self._last is None:
             raise ValueError("the first reset must reset every sub-env")
         return mask
-
-    def _check_spaces(self, description: EnvDescription) -> None:
-        if (
-            convert.build_space(description.observation_space) != self.single_observation_space
-            or convert.build_space(description.action_space) != self.single_action_space
-        ):
-            raise ValueError(
-                "the reset options changed the spaces; a vector env's spaces are fixed "
-                "(make a new RemoteGymnasiumVectorEnv for another env)"
-            )
-
-    def _decode(self, result: _Result) -> Any:
-        return convert.decode(
-            result.observation.value, self.single_observation_space, "observation"
-        )
-
-    def _batch(self, observations: list[Any]) -> Any:
-        """A new batch (never shared with an earlier one) from per-env observations."""
-        space = self.single_observation_space
-        out = create_empty_array(space, self.num_envs)
-        assert out is not None  # None only for spaces convert cannot build
-        return concatenate(space, observations, out)
 
     def __repr__(self) -> str:
         env_id = getattr(getattr(self, "description", None), "env_id", "?")

@@ -281,8 +281,8 @@ def _valid(env_id: str) -> Value:
         ),
         (
             options("CartPole-v1", render_mode="human"),
-            "kwargs ['render_mode'] are not allowed (the server never renders; use the "
-            "max_episode_steps field for a step limit)",
+            "kwargs ['render_mode'] are not allowed (use the render_mode and "
+            "max_episode_steps fields)",
         ),
         (
             options("FrozenLake-v1", map_name="9x9"),

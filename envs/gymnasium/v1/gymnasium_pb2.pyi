@@ -15,6 +15,7 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -25,6 +26,38 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _Backend:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _BackendEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Backend.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    BACKEND_UNSPECIFIED: _Backend.ValueType  # 0
+    """The server's default: its GYM_VECTOR_BACKEND setting (gymnasium unless set)."""
+    BACKEND_GYMNASIUM: _Backend.ValueType  # 1
+    """N gymnasium.make envs stepped in a loop: the semantics of gymnasium.vector.SyncVectorEnv."""
+    BACKEND_ENVPOOL: _Backend.ValueType  # 2
+    """One envpool pool (C++, the [envpool] extra) for the ids EnvPool knows: its own seeding,
+    spaces and infos (see the env README); vector streams only.
+    """
+    BACKEND_AUTO: _Backend.ValueType  # 3
+    """EnvPool when it serves the id, Gymnasium otherwise."""
+
+class Backend(_Backend, metaclass=_BackendEnumTypeWrapper):
+    """Backend chooses what steps a vector stream's envs."""
+
+BACKEND_UNSPECIFIED: Backend.ValueType  # 0
+"""The server's default: its GYM_VECTOR_BACKEND setting (gymnasium unless set)."""
+BACKEND_GYMNASIUM: Backend.ValueType  # 1
+"""N gymnasium.make envs stepped in a loop: the semantics of gymnasium.vector.SyncVectorEnv."""
+BACKEND_ENVPOOL: Backend.ValueType  # 2
+"""One envpool pool (C++, the [envpool] extra) for the ids EnvPool knows: its own seeding,
+spaces and infos (see the env README); vector streams only.
+"""
+BACKEND_AUTO: Backend.ValueType  # 3
+"""EnvPool when it serves the id, Gymnasium otherwise."""
+Global___Backend: _TypeAlias = Backend  # noqa: Y015
 
 @_typing.final
 class Tensor(_message.Message):
@@ -470,10 +503,19 @@ class EnvDescription(_message.Message):
     MAX_EPISODE_STEPS_FIELD_NUMBER: _builtins.int
     OBSERVATION_SPACE_FIELD_NUMBER: _builtins.int
     ACTION_SPACE_FIELD_NUMBER: _builtins.int
+    BACKEND_FIELD_NUMBER: _builtins.int
+    RENDER_MODE_FIELD_NUMBER: _builtins.int
+    RENDER_FPS_FIELD_NUMBER: _builtins.int
     env_id: _builtins.str
     """The registered id, e.g. "CartPole-v1" or "ALE/Pong-v5"."""
     max_episode_steps: _builtins.int
     """The TimeLimit in steps after which an episode is truncated; 0 means none."""
+    backend: Global___Backend.ValueType
+    """Which simulator answers: Gymnasium itself or one EnvPool pool (vector streams only)."""
+    render_mode: _builtins.str
+    """"rgb_array" when the env renders (frames come in GymnasiumState.frame); empty: never."""
+    render_fps: _builtins.float
+    """The env's metadata["render_fps"] (frames per second of its renderings); 0 if unset."""
     @_builtins.property
     def kwargs(self) -> _struct_pb2.Struct:
         """The keyword arguments given to gymnasium.make (besides the id)."""
@@ -494,10 +536,13 @@ class EnvDescription(_message.Message):
         max_episode_steps: _builtins.int = ...,
         observation_space: Global___Space | None = ...,
         action_space: Global___Space | None = ...,
+        backend: Global___Backend.ValueType = ...,
+        render_mode: _builtins.str = ...,
+        render_fps: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["action_space", b"action_space", "kwargs", b"kwargs", "observation_space", b"observation_space"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action_space", b"action_space", "env_id", b"env_id", "kwargs", b"kwargs", "max_episode_steps", b"max_episode_steps", "observation_space", b"observation_space"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action_space", b"action_space", "backend", b"backend", "env_id", b"env_id", "kwargs", b"kwargs", "max_episode_steps", b"max_episode_steps", "observation_space", b"observation_space", "render_fps", b"render_fps", "render_mode", b"render_mode"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -505,7 +550,10 @@ Global___EnvDescription: _TypeAlias = EnvDescription  # noqa: Y015
 
 @_typing.final
 class GymnasiumAction(_message.Message):
-    """GymnasiumAction is one action."""
+    """GymnasiumAction is one action. In the batch form of a vector stream (one message for
+    k envs) every leaf of the value gains a leading dimension k: a Box becomes a Tensor
+    (k, ...), a Discrete an int64 Tensor (k,), a Dict or Tuple holds batched leaves.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -529,7 +577,10 @@ Global___GymnasiumAction: _TypeAlias = GymnasiumAction  # noqa: Y015
 
 @_typing.final
 class GymnasiumObservation(_message.Message):
-    """GymnasiumObservation is what the env observed."""
+    """GymnasiumObservation is what the env observed. Its batch form (a vector stream's
+    batch_observation) stacks k observations like a batch action: one Tensor (k, ...) per
+    leaf, rows in the order of the result's indices.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -571,6 +622,7 @@ class GymnasiumState(_message.Message):
     LAST_OBSERVATION_FIELD_NUMBER: _builtins.int
     TERMINATED_FIELD_NUMBER: _builtins.int
     TRUNCATED_FIELD_NUMBER: _builtins.int
+    FRAME_FIELD_NUMBER: _builtins.int
     default_env_id: _builtins.str
     """The env id a reset without an env_id uses first (the server's GYM_ENV_ID)."""
     episode_steps: _builtins.int
@@ -593,6 +645,12 @@ class GymnasiumState(_message.Message):
         Atari frame); unset otherwise.
         """
 
+    @_builtins.property
+    def frame(self) -> Global___Tensor:
+        """The env's current frame (uint8, height x width x 3) when it renders (render_mode
+        "rgb_array"); unset otherwise.
+        """
+
     def __init__(
         self,
         *,
@@ -604,10 +662,11 @@ class GymnasiumState(_message.Message):
         last_observation: Global___Value | None = ...,
         terminated: _builtins.bool = ...,
         truncated: _builtins.bool = ...,
+        frame: Global___Tensor | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "env", b"env", "last_observation", b"last_observation", "seed", b"seed"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "env", b"env", "frame", b"frame", "last_observation", b"last_observation", "seed", b"seed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "default_env_id", b"default_env_id", "env", b"env", "episode_return", b"episode_return", "episode_steps", b"episode_steps", "last_observation", b"last_observation", "seed", b"seed", "terminated", b"terminated", "truncated", b"truncated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "default_env_id", b"default_env_id", "env", b"env", "episode_return", b"episode_return", "episode_steps", b"episode_steps", "frame", b"frame", "last_observation", b"last_observation", "seed", b"seed", "terminated", b"terminated", "truncated", b"truncated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
@@ -627,6 +686,8 @@ class GymnasiumResetOptions(_message.Message):
     ENV_ID_FIELD_NUMBER: _builtins.int
     MAX_EPISODE_STEPS_FIELD_NUMBER: _builtins.int
     KWARGS_FIELD_NUMBER: _builtins.int
+    BACKEND_FIELD_NUMBER: _builtins.int
+    RENDER_MODE_FIELD_NUMBER: _builtins.int
     env_id: _builtins.str
     """The registered id, e.g. "CartPole-v1" or "ALE/Pong-v5"; empty means the session's
     current env id, or the server's GYM_ENV_ID before the first one.
@@ -634,6 +695,14 @@ class GymnasiumResetOptions(_message.Message):
     max_episode_steps: _builtins.int
     """Truncate episodes after this many steps (at least 1); unset means the registry's
     limit for this id.
+    """
+    backend: Global___Backend.ValueType
+    """What steps a vector stream's envs (a plain session always runs Gymnasium; asking it
+    for BACKEND_ENVPOOL is refused).
+    """
+    render_mode: _builtins.str
+    """"rgb_array" to make the env render (each state() then carries the current frame);
+    empty: no rendering. Other modes are refused (the server has no display).
     """
     @_builtins.property
     def kwargs(self) -> _struct_pb2.Struct:
@@ -648,10 +717,12 @@ class GymnasiumResetOptions(_message.Message):
         env_id: _builtins.str = ...,
         max_episode_steps: _builtins.int | None = ...,
         kwargs: _struct_pb2.Struct | None = ...,
+        backend: Global___Backend.ValueType = ...,
+        render_mode: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_max_episode_steps", b"_max_episode_steps", "kwargs", b"kwargs", "max_episode_steps", b"max_episode_steps"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_episode_steps", b"_max_episode_steps", "env_id", b"env_id", "kwargs", b"kwargs", "max_episode_steps", b"max_episode_steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_episode_steps", b"_max_episode_steps", "backend", b"backend", "env_id", b"env_id", "kwargs", b"kwargs", "max_episode_steps", b"max_episode_steps", "render_mode", b"render_mode"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_episode_steps: _TypeAlias = _typing.Literal["max_episode_steps"]  # noqa: Y015
     _WhichOneofArgType__max_episode_steps: _TypeAlias = _typing.Literal["_max_episode_steps", b"_max_episode_steps"]  # noqa: Y015

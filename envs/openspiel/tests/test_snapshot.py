@@ -78,7 +78,9 @@ def test_restore_on_a_fresh_instance_continues_exactly(options: OpenSpielResetOp
 def test_a_game_whose_state_does_not_deserialize_cannot_snapshot() -> None:
     env = OpenSpielEnvironment()
     env.reset(seed=1, episode_id="e", options=OpenSpielResetOptions(game="negotiation"))
-    with pytest.raises(InvalidAction, match=r"negotiation\(\) cannot snapshot: its state does not"):
+    with pytest.raises(
+        NotImplementedError, match=r"negotiation\(\) cannot snapshot: its state does not"
+    ):
         env.snapshot()
 
 

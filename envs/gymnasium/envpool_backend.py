@@ -1,0 +1,229 @@
+"""One EnvPool pool (``envpool`` 1.2.5, C++ batched stepping; the ``[envpool]`` extra)
+serving a vector stream's N envs, for the ids EnvPool knows.
+
+Where EnvPool differs from Gymnasium (pinned by ``tests/test_batch_envpool.py``):
+
+* **Seeds.** A pool is seeded when it is made, one seed per env; it cannot reseed one env
+  later. A seeded reset of *every* env makes a new pool with those seeds; a seeded reset
+  of some envs only is refused (INVALID_ARGUMENT); an unseeded reset continues each env's
+  generator. EnvPool's generators are not NumPy's: the same seed gives other episodes
+  than ``gymnasium.make`` (deterministic all the same: same seeds, same episodes).
+* **Autoreset.** EnvPool resets an ended env itself on its next step (NEXT_STEP: reward 0,
+  flags False, the action ignored), which is Gymnasium's NEXT_STEP; SAME_STEP and an
+  explicit reset go through ``reset(env_id)``, which clears that pending reset.
+* **Spaces, rewards, infos.** Spaces are EnvPool's (for classic control the same as
+  Gymnasium's); rewards are EnvPool's float32 values widened to float64 (Pendulum's differ
+  from Gymnasium's float64 ones in the last digits); EnvPool's bookkeeping keys
+  (``env_id``, ``players``, ``elapsed_step``) are dropped from infos (the wire has indices
+  and step counts), so classic control has none, like Gymnasium.
+* **Ids** are EnvPool's: ``Pong-v5`` is EnvPool's Atari with its own preprocessing (84x84
+  grey, frame stack), not ``ALE/Pong-v5``.
+* No rendering, and ``kwargs`` go to ``envpool.make_gymnasium`` (its own names).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import gymnasium
+import numpy as np
+import numpy.typing as npt
+
+from openenv_grpc import AutoresetMode, InvalidAction
+from openenv_grpc_envs.gymnasium.backends import Rows
+from openenv_grpc_envs.gymnasium.configuration import Config, describe, jsonable
+from openenv_grpc_envs.gymnasium.v1.gymnasium_pb2 import Backend
+
+__all__ = ["EnvPoolEnvs", "envpool_ids", "envpool_installed"]
+
+#: Info keys EnvPool adds for its own bookkeeping (the wire carries indices, step counts).
+BOOKKEEPING_KEYS = frozenset({"env_id", "players", "elapsed_step"})
+#: EnvPool takes seeds as C++ ints.
+MAX_SEED = 2**31 - 1
+
+
+def envpool_installed() -> bool:
+    """Whether ``envpool`` can be imported here."""
+    try:
+        import envpool  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def envpool_ids() -> frozenset[str]:
+    """The ids EnvPool serves (empty without the extra)."""
+    try:
+        import envpool
+    except ImportError:
+        return frozenset()
+    return frozenset(envpool.list_all_envs())
+
+
+class EnvPoolEnvs:
+    """``size`` envs in one EnvPool pool; see :class:`.backends.BatchBackend`.
+
+    Raises (from the constructor): InvalidAction when EnvPool is missing, does not know
+    the id, or refuses the kwargs, seeds or render mode.
+    """
+
+    def __init__(
+        self, config: Config, size: int, autoreset: AutoresetMode, seeds: Sequence[int | None]
+    ) -> None:
+        try:
+            import envpool
+        except ImportError:
+            raise InvalidAction(
+                "BACKEND_ENVPOOL needs envpool on the server: pip install 'openenv-grpc[envpool]'"
+            ) from None
+        if config.env_id not in envpool_ids():
+            raise InvalidAction(
+                f"EnvPool does not serve {config.env_id!r} (its ids: envpool.list_all_envs())"
+            )
+        if config.render_mode:
+            raise InvalidAction("the EnvPool backend does not render: leave render_mode empty")
+        env_seeds = [_seed(s) for s in seeds]
+        kwargs = dict(config.kwargs)
+        if config.max_episode_steps is not None:
+            kwargs["max_episode_steps"] = config.max_episode_steps
+        try:
+            self._pool: Any = envpool.make_gymnasium(
+                config.env_id, num_envs=size, batch_size=size, env_seed=env_seeds, **kwargs
+            )
+        except (TypeError, ValueError, RuntimeError, KeyError) as exc:
+            raise InvalidAction(
+                f"envpool cannot make {config.env_id!r} with kwargs {config.kwargs}: "
+                f"{type(exc).__name__}: {exc}"
+            ) from None
+        self._same_step = autoreset is AutoresetMode.SAME_STEP
+        self.observation_space = self._pool.observation_space
+        self.action_space = self._pool.action_space
+        if not isinstance(self.observation_space, gymnasium.spaces.Box):
+            self._pool.close()
+            raise InvalidAction(
+                f"the EnvPool backend serves Box observations; {config.env_id!r} has "
+                f"{self.observation_space} (use backend gymnasium)"
+            )
+        self.description = describe(
+            config,
+            self.observation_space,
+            self.action_space,
+            int(self._pool.spec.config.max_episode_steps),
+            Backend.BACKEND_ENVPOOL,
+        )
+        self._action_dtype = np.dtype(self.action_space.dtype or np.int64)
+        # Each env's latest observation, one array for the pool (an element per env).
+        self._last = np.zeros((size, *(self.observation_space.shape or ())),
+                              dtype=self.observation_space.dtype)  # fmt: skip
+        self._seen = np.zeros(size, dtype=np.bool_)
+        #: Whether a reset has happened since the pool was made (the first may be partial).
+        self.fresh = True
+
+    def reset(self, indices: Sequence[int], seeds: Sequence[int | None]) -> Rows:
+        # Seeds were applied when the pool was made (the batch makes a new pool for them).
+        self.fresh = False
+        ids = np.asarray(indices, dtype=np.int32)
+        observations, info = self._pool.reset(ids)
+        observations = self._reorder(observations, info, ids)
+        count = len(indices)
+        rows = Rows(
+            list(indices), observations, True, [0.0] * count, [False] * count, [False] * count
+        )
+        rows.infos = _infos(info, count)
+        self._remember(indices, observations)
+        return rows
+
+    def step(self, indices: Sequence[int], actions: Any, resetting: Sequence[bool]) -> Rows:
+        ids = np.asarray(indices, dtype=np.int32)
+        batch = np.asarray(actions, dtype=self._action_dtype)
+        observations, rewards, terminated, truncated, info = self._pool.step(batch, ids)
+        observations = self._reorder(observations, info, ids)
+        count = len(indices)
+        rows = Rows(
+            list(indices),
+            observations,
+            True,
+            rewards.astype(np.float64).tolist(),
+            terminated.tolist(),
+            truncated.tolist(),
+        )
+        rows.infos = _infos(info, count)
+        if any(resetting):  # EnvPool reset those itself (its autoreset is NEXT_STEP's)
+            rows.reset = list(resetting)
+        if self._same_step:
+            done = np.flatnonzero(np.logical_or(terminated, truncated))
+            if done.size:
+                self._reset_done(rows, ids, done)
+        self._remember(indices, rows.observations)
+        return rows
+
+    def _reset_done(self, rows: Rows, ids: npt.NDArray[np.int32], done: npt.NDArray[Any]) -> None:
+        """SAME_STEP: reset the envs whose episode ended now; their last observations and
+        infos become the final ones."""
+        rows.final_observations = rows.observations[done].copy()
+        rows.final_infos = (
+            [rows.infos[j] for j in done] if rows.infos is not None else [None] * len(done)
+        )
+        first, info = self._pool.reset(ids[done])
+        first = self._reorder(first, info, ids[done])
+        observations = np.array(rows.observations)  # EnvPool's buffer may be reused
+        observations[done] = first
+        rows.observations = observations
+        reset = np.zeros(len(ids), dtype=np.bool_)
+        reset[done] = True
+        rows.reset = reset.tolist()
+        reset_infos = _infos(info, len(done))
+        if rows.infos is not None or reset_infos is not None:
+            merged = list(rows.infos or [None] * len(ids))
+            for j, row in enumerate(done):
+                merged[row] = reset_infos[j] if reset_infos is not None else None
+            rows.infos = merged
+
+    @staticmethod
+    def _reorder(observations: Any, info: Mapping[str, Any], ids: npt.NDArray[np.int32]) -> Any:
+        """Rows in the order asked (EnvPool answers in that order in sync mode; checked)."""
+        answered = np.asarray(info["env_id"])
+        if np.array_equal(answered, ids):
+            return observations
+        order = np.argsort(answered)[np.argsort(np.argsort(ids))]
+        return observations[order]
+
+    def _remember(self, indices: Sequence[int], observations: Any) -> None:
+        self._last[indices] = observations
+        self._seen[indices] = True
+
+    def last_observation(self, index: int) -> Any:
+        return self._last[index] if self._seen[index] else None
+
+    def render(self, index: int) -> Any:
+        return None
+
+    def close(self) -> None:
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            self._pool = None
+            pool.close()
+
+
+def _seed(seed: int | None) -> int:
+    """A seed EnvPool accepts (a fresh random one for None).
+
+    Raises:
+        InvalidAction: a seed outside 0 .. 2**31 - 1.
+    """
+    if seed is None:
+        return secrets.randbelow(MAX_SEED)
+    if not 0 <= seed <= MAX_SEED:
+        raise InvalidAction(f"the EnvPool backend takes seeds 0..{MAX_SEED}, got {seed}")
+    return seed
+
+
+def _infos(info: Mapping[str, Any], count: int) -> list[Mapping[str, Any] | None] | None:
+    """Per-row infos from EnvPool's columns, without its bookkeeping keys (None if none)."""
+    keys = [k for k in info if k not in BOOKKEEPING_KEYS]
+    if not keys:
+        return None
+    columns = {k: np.asarray(info[k]) for k in keys}
+    return [{k: jsonable(col[row]) for k, col in columns.items()} for row in range(count)]
