@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2
 from openenv_grpc import CapacityError, OpenRetry, SessionRefused
 from openenv_grpc.client import aio_channel
 from openenv_grpc.client import sync_channel as make_sync_channel
+from openenv_grpc.client.session_core import UNPROCESSED_RETRY_DELAYS, OpenSchedule
 from openenv_grpc.metadata import RETRY_PUSHBACK_KEY
 from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
@@ -284,6 +285,67 @@ def test_flood_beyond_capacity_is_refused_while_admitted_sessions_keep_stepping(
     assert server.created() == 2
     server.wait_until(lambda: server.closed_envs() == 2, what="both envs closed")
     assert server.active() == 0
+
+
+def test_opens_past_the_per_connection_stream_limit_end_admitted_or_full_never_unavailable(
+    start_server,
+) -> None:
+    """30 sync opens at once on one fresh channel, against a per-connection limit of 3
+    streams: the streams the server refuses unprocessed (REFUSED_STREAM, before the
+    client knows the limit or while a just-ended stream still counts on the server's
+    side) are opened again, so each open ends admitted or RESOURCE_EXHAUSTED, never
+    UNAVAILABLE."""
+    server = start_server(
+        "support.envs:CountingEchoEnv",
+        *("--max-concurrent-envs", "2", "--max-streams-per-connection", "3"),
+    )
+    channel = make_sync_channel(server.target)
+    outcomes: list[BaseException | None] = [None] * 30
+    admitted: list[EchoEnv] = []
+    start = threading.Barrier(len(outcomes))
+
+    def one(index: int) -> None:
+        start.wait()
+        try:
+            admitted.append(_open(channel))
+        except BaseException as exc:  # each outcome is asserted below
+            outcomes[index] = exc
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(outcomes))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    try:
+        refusals = [exc for exc in outcomes if exc is not None]
+        assert all(isinstance(exc, CapacityError) for exc in refusals), refusals
+        assert len(admitted) == 2 and len(refusals) == 28
+        for env in admitted:
+            env.reset()
+            _assert_echoes(env, "still here")
+    finally:
+        for env in admitted:
+            env.close()
+        channel.close()
+    server.wait_until(lambda: server.closed_envs() == 2, what="both envs closed")
+    assert server.created() == 2
+
+
+def test_an_unprocessed_refusal_is_retried_a_few_times_and_other_refusals_never() -> None:
+    refused_stream = SessionRefused(
+        grpc.StatusCode.UNAVAILABLE, "Stream removed (RST_STREAM with error code 7)"
+    )
+    unreachable = SessionRefused(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses")
+    assert refused_stream.unprocessed and not unreachable.unprocessed
+    schedule = OpenSchedule(None)
+    waits = [schedule.wait_after(refused_stream) for _ in UNPROCESSED_RETRY_DELAYS]
+    assert waits == list(UNPROCESSED_RETRY_DELAYS)
+    with pytest.raises(SessionRefused) as gave_up:
+        schedule.wait_after(refused_stream)
+    assert gave_up.value is refused_stream
+    with pytest.raises(SessionRefused) as at_once:
+        OpenSchedule(OpenRetry(attempts=5)).wait_after(unreachable)
+    assert at_once.value is unreachable
 
 
 def test_refusal_happens_before_any_env_call_on_the_raw_stream(full_server) -> None:

@@ -15,7 +15,7 @@ import grpc
 
 from openenv_grpc.client import session_core
 from openenv_grpc.client.channel import aio_channel
-from openenv_grpc.client.errors import CapacityError, SessionLost, SessionTimeout
+from openenv_grpc.client.errors import SessionLost, SessionRefused, SessionTimeout
 from openenv_grpc.client.outcome import Restored, StepOutcome
 from openenv_grpc.client.protocol import lost
 from openenv_grpc.client.session_core import ActionT, ObservationT, ResetOptionsT, StateT
@@ -78,25 +78,21 @@ class AsyncStream(session_core.StreamBase):
         schedule = self._core.begin_open()
         try:
             while True:
-                full = await self._open_once()
-                if full is None:
+                refused = await self._open_once()
+                if refused is None:
                     return
-                await asyncio.sleep(schedule.wait_after(full))
+                await asyncio.sleep(schedule.wait_after(refused))
         except BaseException:
             await self._let_go(self._core.failed_open())
             raise
 
-    async def _open_once(self) -> CapacityError | None:
+    async def _open_once(self) -> SessionRefused | None:
+        """One attempt: None once admitted, else the refusal (see :meth:`Session._open_once`)."""
         core = self._core
         call: _Call = core.open_stream()
         if core.admit(call, await call.initial_metadata()):
             return None
-        refused = core.refused(
-            await call.code(), await call.details(), await call.trailing_metadata()
-        )
-        if not isinstance(refused, CapacityError):
-            raise refused
-        return refused
+        return core.refused(await call.code(), await call.details(), await call.trailing_metadata())
 
     async def close(self) -> None:
         """Close the environment and the stream; see :meth:`Session.close`."""

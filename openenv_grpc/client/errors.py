@@ -38,6 +38,16 @@ class OpenEnvError(Exception):
 class SessionRefused(OpenEnvError):
     """The session could not be opened (server unreachable, draining, unauthenticated)."""
 
+    @property
+    def unprocessed(self) -> bool:
+        """The server refused the stream before doing anything with it (HTTP/2
+        REFUSED_STREAM, which gRPC reports as UNAVAILABLE): opening again is safe."""
+        return self.code is grpc.StatusCode.UNAVAILABLE and _REFUSED_STREAM in self.message
+
+
+#: How gRPC words an HTTP/2 RST_STREAM with error code REFUSED_STREAM (0x7).
+_REFUSED_STREAM = "RST_STREAM with error code 7"
+
 
 class CapacityError(SessionRefused):
     """The server is full (RESOURCE_EXHAUSTED); try again after ``retry_after`` seconds."""

@@ -144,26 +144,42 @@ class ChannelShare:
             return self.channel if self._users == 0 else None
 
 
+#: Backoff before each retry of a stream the server refused unprocessed (HTTP/2
+#: REFUSED_STREAM). It happens when a connection has as many streams open as the
+#: server's per-connection limit (and a just-ended stream still counts on its side):
+#: the server did nothing, so another attempt is always safe.
+UNPROCESSED_RETRY_DELAYS = (0.005, 0.02, 0.05, 0.1, 0.2, 0.5)
+
+
 class OpenSchedule:
     """The attempts of one ``open``: retries while the server answers RESOURCE_EXHAUSTED,
-    as ``retry`` allows (none without it)."""
+    as ``retry`` allows (none without it), and a few times when it refused the stream
+    before any processing (``UNPROCESSED_RETRY_DELAYS``)."""
 
-    __slots__ = ("_delays",)
+    __slots__ = ("_delays", "_unprocessed")
 
     def __init__(self, retry: OpenRetry | None) -> None:
         self._delays = iter(retry.delays()) if retry is not None else iter(())
+        self._unprocessed = iter(UNPROCESSED_RETRY_DELAYS)
 
-    def wait_after(self, refused: CapacityError) -> float:
-        """Seconds to sleep before the next attempt: jittered backoff, never shorter than
-        the server's pushback hint.
+    def wait_after(self, refused: SessionRefused) -> float:
+        """Seconds to sleep before the next attempt: for a full server, jittered backoff
+        never shorter than its pushback hint.
 
         Raises:
-            CapacityError: ``refused`` itself, when no attempt is left.
+            SessionRefused: ``refused`` itself, when it is not worth another attempt or
+                no attempt is left.
         """
-        bound = next(self._delays, None)
-        if bound is None:
-            raise refused
-        return OpenRetry.wait(bound, refused.retry_after)
+        if isinstance(refused, CapacityError):
+            bound = next(self._delays, None)
+            if bound is None:
+                raise refused
+            return OpenRetry.wait(bound, refused.retry_after)
+        if refused.unprocessed:
+            delay = next(self._unprocessed, None)
+            if delay is not None:
+                return delay
+        raise refused
 
 
 ProtocolT = TypeVar("ProtocolT", bound=StreamProtocol)

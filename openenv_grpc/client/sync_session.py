@@ -20,7 +20,7 @@ import grpc
 
 from openenv_grpc.client import session_core
 from openenv_grpc.client.channel import sync_channel
-from openenv_grpc.client.errors import CapacityError, SessionLost, SessionTimeout
+from openenv_grpc.client.errors import SessionLost, SessionRefused, SessionTimeout
 from openenv_grpc.client.outcome import Restored, StepOutcome
 from openenv_grpc.client.protocol import lost
 from openenv_grpc.client.recovery import run_blocking
@@ -118,18 +118,15 @@ class SyncStream(session_core.StreamBase):
         """
         schedule = self._core.begin_open()
         try:
-            while (full := self._open_once()) is not None:
-                time.sleep(schedule.wait_after(full))
+            while (refused := self._open_once()) is not None:
+                time.sleep(schedule.wait_after(refused))
         except BaseException:
             self._let_go(self._core.failed_open())
             raise
 
-    def _open_once(self) -> CapacityError | None:
-        """One attempt: None once admitted, the refusal when the server is full.
-
-        Raises:
-            SessionRefused: refused for another reason.
-        """
+    def _open_once(self) -> SessionRefused | None:
+        """One attempt: None once admitted, else the refusal (the schedule decides
+        whether another attempt follows)."""
         core = self._core
         requests = _RequestQueue()
         call = core.open_stream(requests)
@@ -137,10 +134,7 @@ class SyncStream(session_core.StreamBase):
             self._requests = requests
             return None
         requests.end()
-        refused = core.refused(call.code(), call.details(), call.trailing_metadata())
-        if isinstance(refused, CapacityError):
-            return refused
-        raise refused
+        return core.refused(call.code(), call.details(), call.trailing_metadata())
 
     def close(self) -> None:
         """Close the environment and the stream. Safe to call twice.

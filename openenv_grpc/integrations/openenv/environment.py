@@ -172,6 +172,9 @@ def _adapter(
         "openenv_concurrent": bool(getattr(env_class, "SUPPORTS_CONCURRENT_SESSIONS", False)),
         "_bridge": bridge,
         "_recipe": (env_class, action, observation, state, name),
+        # OpenEnv runs a sync env's calls on a worker thread: they may block (network,
+        # subprocesses), so they never move onto the event loop here either.
+        "runs_inline": False,
         "__module__": __name__,
         "__doc__": f"{env_class.__qualname__} (an OpenEnv environment), served by openenv-grpc.",
     }
