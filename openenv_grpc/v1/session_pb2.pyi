@@ -916,6 +916,8 @@ class VectorSessionRequest(_message.Message):
     STEP_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
     CLOSE_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_FIELD_NUMBER: _builtins.int
+    RESTORE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.int
     """Client-chosen id, echoed by the response; numbered from 1 as for SessionRequest."""
     @_builtins.property
@@ -934,6 +936,14 @@ class VectorSessionRequest(_message.Message):
     def close(self) -> Global___CloseCommand:
         """Close every env and end the stream."""
 
+    @_builtins.property
+    def snapshot(self) -> Global___VectorSnapshot:
+        """Capture the episodes of some or all envs as snapshots (answered with VectorSnapshots)."""
+
+    @_builtins.property
+    def restore(self) -> Global___VectorRestore:
+        """Continue some or all envs from snapshots (answered with VectorRestored)."""
+
     def __init__(
         self,
         *,
@@ -942,12 +952,14 @@ class VectorSessionRequest(_message.Message):
         step: Global___VectorStep | None = ...,
         state: Global___VectorState | None = ...,
         close: Global___CloseCommand | None = ...,
+        snapshot: Global___VectorSnapshot | None = ...,
+        restore: Global___VectorRestore | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["close", b"close", "command", b"command", "reset", b"reset", "state", b"state", "step", b"step"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["close", b"close", "command", b"command", "reset", b"reset", "restore", b"restore", "snapshot", b"snapshot", "state", b"state", "step", b"step"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["close", b"close", "command", b"command", "request_id", b"request_id", "reset", b"reset", "state", b"state", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["close", b"close", "command", b"command", "request_id", b"request_id", "reset", b"reset", "restore", b"restore", "snapshot", b"snapshot", "state", b"state", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_command: _TypeAlias = _typing.Literal["reset", "step", "state", "close"]  # noqa: Y015
+    _WhichOneofReturnType_command: _TypeAlias = _typing.Literal["reset", "step", "state", "close", "snapshot", "restore"]  # noqa: Y015
     _WhichOneofArgType_command: _TypeAlias = _typing.Literal["command", b"command"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_command) -> _WhichOneofReturnType_command | None: ...
 
@@ -1065,6 +1077,80 @@ class VectorState(_message.Message):
 Global___VectorState: _TypeAlias = VectorState  # noqa: Y015
 
 @_typing.final
+class VectorSnapshot(_message.Message):
+    """VectorSnapshot asks for a snapshot of each env of `indices`: per env exactly what a
+    Session's SnapshotCommand answers (the same bytes, format and signature), so a snapshot
+    of env 3 restores into a Session, into any env of a vector stream, or into a fork. Per
+    env and in-band, with its neighbours unaffected: UNIMPLEMENTED for an env without
+    snapshots (or a native batch that cannot capture one env; the message says why),
+    FAILED_PRECONDITION for an env with no episode to capture (never reset, or it failed
+    mid-episode), RESOURCE_EXHAUSTED for a snapshot over the server's size limit. No
+    episode is changed. An answer over --max-message-bytes is the whole request's
+    RESOURCE_EXHAUSTED error: ask for fewer envs at a time.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDICES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def indices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The envs to capture, strictly increasing; empty means all."""
+
+    def __init__(
+        self,
+        *,
+        indices: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["indices", b"indices"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___VectorSnapshot: _TypeAlias = VectorSnapshot  # noqa: Y015
+
+@_typing.final
+class VectorRestore(_message.Message):
+    """VectorRestore replaces the episode of each env of `indices` with the one its snapshot
+    captured (a Session's or a vector env's), exactly as a Session's RestoreCommand does:
+    same episode id, step count and phase, an ended episode included (under NEXT_STEP its
+    next step autoresets it). Each snapshot is checked before any env code sees it; a
+    refusal is that env's in-band error with RestoreCommand's codes (INVALID_ARGUMENT: not
+    one intact snapshot; FAILED_PRECONDITION: another key, env or env version;
+    UNIMPLEMENTED: no snapshots here), its episode unchanged, its neighbours restored. A
+    count of snapshots other than one per env named refuses the whole request
+    (INVALID_ARGUMENT), as bad indices do.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDICES_FIELD_NUMBER: _builtins.int
+    SNAPSHOTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def indices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The envs to restore, strictly increasing; empty means all."""
+
+    @_builtins.property
+    def snapshots(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """One snapshot per env of `indices` (per env when `indices` is empty), in the same
+        order: the bytes of a SnapshotResult, each at most InfoResponse.snapshots.max_bytes.
+        """
+
+    def __init__(
+        self,
+        *,
+        indices: _abc.Iterable[_builtins.int] | None = ...,
+        snapshots: _abc.Iterable[_builtins.bytes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["indices", b"indices", "snapshots", b"snapshots"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___VectorRestore: _TypeAlias = VectorRestore  # noqa: Y015
+
+@_typing.final
 class VectorSessionResponse(_message.Message):
     """VectorSessionResponse answers exactly one VectorSessionRequest, or is a notice (request_id 0). A
     response over --max-message-bytes is replaced by an Error with code RESOURCE_EXHAUSTED
@@ -1079,6 +1165,8 @@ class VectorSessionResponse(_message.Message):
     CLOSED_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     NOTICE_FIELD_NUMBER: _builtins.int
+    SNAPSHOTS_FIELD_NUMBER: _builtins.int
+    RESTORED_FIELD_NUMBER: _builtins.int
     request_id: _builtins.int
     """The request_id of the request this answers; 0 for a notice."""
     @_builtins.property
@@ -1107,6 +1195,14 @@ class VectorSessionResponse(_message.Message):
     def notice(self) -> Global___Notice:
         """News from the server that answers no request (request_id 0), e.g. that it drains."""
 
+    @_builtins.property
+    def snapshots(self) -> Global___VectorSnapshots:
+        """The answer to a snapshot command."""
+
+    @_builtins.property
+    def restored(self) -> Global___VectorRestored:
+        """The answer to a restore command."""
+
     def __init__(
         self,
         *,
@@ -1116,12 +1212,14 @@ class VectorSessionResponse(_message.Message):
         closed: Global___CloseResult | None = ...,
         error: Global___Error | None = ...,
         notice: Global___Notice | None = ...,
+        snapshots: Global___VectorSnapshots | None = ...,
+        restored: Global___VectorRestored | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["closed", b"closed", "error", b"error", "notice", b"notice", "outcome", b"outcome", "result", b"result", "states", b"states"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["closed", b"closed", "error", b"error", "notice", b"notice", "outcome", b"outcome", "restored", b"restored", "result", b"result", "snapshots", b"snapshots", "states", b"states"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["closed", b"closed", "error", b"error", "notice", b"notice", "outcome", b"outcome", "request_id", b"request_id", "result", b"result", "states", b"states"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["closed", b"closed", "error", b"error", "notice", b"notice", "outcome", b"outcome", "request_id", b"request_id", "restored", b"restored", "result", b"result", "snapshots", b"snapshots", "states", b"states"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["result", "states", "closed", "error", "notice"]  # noqa: Y015
+    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["result", "states", "closed", "error", "notice", "snapshots", "restored"]  # noqa: Y015
     _WhichOneofArgType_outcome: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_outcome) -> _WhichOneofReturnType_outcome | None: ...
 
@@ -1366,6 +1464,125 @@ class VectorStates(_message.Message):
 Global___VectorStates: _TypeAlias = VectorStates  # noqa: Y015
 
 @_typing.final
+class VectorSnapshots(_message.Message):
+    """VectorSnapshots carries the snapshot of each env of a snapshot command that answered."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ErrorsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.int
+        @_builtins.property
+        def value(self) -> Global___Error: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.int = ...,
+            value: Global___Error | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    INDICES_FIELD_NUMBER: _builtins.int
+    SNAPSHOTS_FIELD_NUMBER: _builtins.int
+    ERRORS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def indices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The env index of each entry of `snapshots`."""
+
+    @_builtins.property
+    def snapshots(self) -> _containers.RepeatedCompositeFieldContainer[Global___SnapshotResult]:
+        """The snapshot of each env, with its episode id and step count."""
+
+    @_builtins.property
+    def errors(self) -> _containers.MessageMap[_builtins.int, Global___Error]:
+        """The envs that could not be captured, keyed by env index (see VectorSnapshot); their
+        episodes go on.
+        """
+
+    def __init__(
+        self,
+        *,
+        indices: _abc.Iterable[_builtins.int] | None = ...,
+        snapshots: _abc.Iterable[Global___SnapshotResult] | None = ...,
+        errors: _abc.Mapping[_builtins.int, Global___Error] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["errors", b"errors", "indices", b"indices", "snapshots", b"snapshots"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___VectorSnapshots: _TypeAlias = VectorSnapshots  # noqa: Y015
+
+@_typing.final
+class VectorRestored(_message.Message):
+    """VectorRestored says where each env of a restore command now is."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ErrorsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.int
+        @_builtins.property
+        def value(self) -> Global___Error: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.int = ...,
+            value: Global___Error | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    INDICES_FIELD_NUMBER: _builtins.int
+    RESTORED_FIELD_NUMBER: _builtins.int
+    ERRORS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def indices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The env index of each entry of `restored`."""
+
+    @_builtins.property
+    def restored(self) -> _containers.RepeatedCompositeFieldContainer[Global___RestoreResult]:
+        """Where each restored env now is: the captured episode's id, step count and flags."""
+
+    @_builtins.property
+    def errors(self) -> _containers.MessageMap[_builtins.int, Global___Error]:
+        """The envs that were not restored, keyed by env index (see VectorRestore): a refused
+        snapshot or an env that refused it (INVALID_ARGUMENT) leaves the episode as it was;
+        INTERNAL (the env's restore raised): reset it.
+        """
+
+    def __init__(
+        self,
+        *,
+        indices: _abc.Iterable[_builtins.int] | None = ...,
+        restored: _abc.Iterable[Global___RestoreResult] | None = ...,
+        errors: _abc.Mapping[_builtins.int, Global___Error] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["errors", b"errors", "indices", b"indices", "restored", b"restored"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___VectorRestored: _TypeAlias = VectorRestored  # noqa: Y015
+
+@_typing.final
 class VectorSupport(_message.Message):
     """VectorSupport describes what VectorSession streams offer on this server."""
 
@@ -1375,6 +1592,7 @@ class VectorSupport(_message.Message):
     NATIVE_BATCH_FIELD_NUMBER: _builtins.int
     MAX_ENVS_PER_STREAM_FIELD_NUMBER: _builtins.int
     AUTORESET_MODES_FIELD_NUMBER: _builtins.int
+    SNAPSHOTS_FIELD_NUMBER: _builtins.int
     supported: _builtins.bool
     """VectorSession is served (false from servers that predate it)."""
     native_batch: _builtins.bool
@@ -1384,6 +1602,10 @@ class VectorSupport(_message.Message):
     max_envs_per_stream: _builtins.int
     """Most envs one VectorSession stream may hold (openenv-num-envs); also bounded by the
     free slots of max_sessions.
+    """
+    snapshots: _builtins.bool
+    """VectorSnapshot and VectorRestore are served (false from servers that predate them);
+    each env answers them as InfoResponse.snapshots says.
     """
     @_builtins.property
     def autoreset_modes(self) -> _containers.RepeatedScalarFieldContainer[Global___AutoresetMode.ValueType]:
@@ -1396,10 +1618,11 @@ class VectorSupport(_message.Message):
         native_batch: _builtins.bool = ...,
         max_envs_per_stream: _builtins.int = ...,
         autoreset_modes: _abc.Iterable[Global___AutoresetMode.ValueType] | None = ...,
+        snapshots: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["autoreset_modes", b"autoreset_modes", "max_envs_per_stream", b"max_envs_per_stream", "native_batch", b"native_batch", "supported", b"supported"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["autoreset_modes", b"autoreset_modes", "max_envs_per_stream", b"max_envs_per_stream", "native_batch", b"native_batch", "snapshots", b"snapshots", "supported", b"supported"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
