@@ -17,7 +17,8 @@ Use ``google.protobuf.Empty`` for the reset options of an environment that takes
 
 Optional, for envs that can: :meth:`Environment.snapshot` / :meth:`Environment.restore`
 (branch an episode, resume it elsewhere), :meth:`Environment.make_batch` (answer a vector
-stream's N envs natively, as a :class:`BatchEnvironment`), and
+stream's N envs natively, as a :class:`BatchEnvironment`, itself with an optional
+:meth:`BatchEnvironment.snapshot` / :meth:`BatchEnvironment.restore` per index), and
 :meth:`Environment.reclaim_orphans` (release what dead processes left behind).
 """
 
@@ -399,6 +400,36 @@ class BatchEnvironment(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
     def state(self, index: int) -> StateT:
         """The state of one env of the batch."""
         raise NotImplementedError
+
+    def snapshot(self, index: int) -> bytes:
+        """Optional: env ``index``'s episode as bytes, in the format of
+        :meth:`Environment.snapshot` of this env class and version -- so that a snapshot
+        taken here restores into a one-env session, and one taken there into this batch.
+        Called only for an env with an episode (reset and not failed since); the server
+        adds the bookkeeping and signs, as for one env.
+
+        Raises:
+            NotImplementedError: the default: this batch cannot capture one env (UNIMPLEMENTED
+                for that index, with the message as the reason; the other indices answer).
+            InvalidAction: a snapshot cannot be taken now (INVALID_ARGUMENT for that index).
+        """
+        raise NotImplementedError("this environment's native batch cannot snapshot one env")
+
+    def restore(self, index: int, snapshot: bytes, *, ended: bool) -> None:
+        """Optional: env ``index`` continues from ``snapshot`` (bytes of
+        :meth:`Environment.snapshot` or :meth:`snapshot` of this class and version,
+        authenticated by the server first). ``ended``: the captured episode had
+        terminated or been truncated; with NEXT_STEP the next step of ``index`` must then
+        reset it (as after a step that ended it), otherwise steps go on from the restored
+        state. The env's step and return counters are the snapshot's.
+
+        Raises:
+            NotImplementedError: the default (UNIMPLEMENTED for that index, saying why).
+            InvalidAction: the bytes are not acceptable after all, or do not fit this
+                batch (e.g. another configuration than the one its envs run); the env's
+                episode is unchanged (INVALID_ARGUMENT for that index).
+        """
+        raise NotImplementedError("this environment's native batch cannot restore one env")
 
     def join_actions(self, actions: Sequence[ActionT]) -> ActionT:
         """One batch-form action from one action per env (a client that sent one payload

@@ -42,8 +42,20 @@ from openenv_grpc.server.runner import EnvRunner
 from openenv_grpc.server.snapshots import SnapshotSeal
 from openenv_grpc.server.spec import EnvSpec, ExecutionMode
 from openenv_grpc.server.vector_batch import batch_spec
-from openenv_grpc.server.vector_episode import BatchRefused, LocalBatchCalls, ResetArgs, StepArgs
-from openenv_grpc.server.vector_frames import fill_result, fill_states
+from openenv_grpc.server.vector_episode import (
+    BatchRefused,
+    LocalBatchCalls,
+    ResetArgs,
+    RestoreArgs,
+    StepArgs,
+)
+from openenv_grpc.server.vector_frames import (
+    fill_errors,
+    fill_result,
+    fill_snapshots,
+    fill_states,
+    read_restore,
+)
 from openenv_grpc.v1 import session_pb2 as pb
 
 __all__ = [
@@ -259,6 +271,14 @@ async def _vector_answer(
             )
             outcome = await calls.reset(args_reset)
             fill_result(response.result, outcome, spec.observation_url, (), ())
+        elif command == "snapshot":  # the envs' own bytes: the front seals them
+            snapshots = await calls.snapshot(list(request.snapshot.indices))
+            fill_snapshots(response.snapshots, snapshots)
+        elif command == "restore":  # authenticated by the front already
+            indices, captured = read_restore(request.restore)
+            failed = await calls.restore(RestoreArgs(indices, captured))
+            response.restored.SetInParent()
+            fill_errors(response.restored.errors, failed)
         else:
             states = await calls.state(list(request.state.indices))
             fill_states(response.states, states, spec.state_url, None, None)

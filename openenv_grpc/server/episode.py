@@ -15,7 +15,6 @@ of a refused snapshot ever reaches the env.
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import logging
 import time
@@ -31,10 +30,16 @@ from openenv_grpc.environment import InvalidAction, Transition
 from openenv_grpc.server.backend import Answer, Outcome, UndecodableRequest
 from openenv_grpc.server.limiter import NoSlot
 from openenv_grpc.server.runner import EnvRunner, PoolSaturated
-from openenv_grpc.server.snapshots import Captured, SnapshotRefused, SnapshotSeal, ephemeral_ring
+from openenv_grpc.server.snapshots import (
+    CAPTURED_PHASES,
+    Captured,
+    SnapshotRefused,
+    SnapshotSeal,
+    default_seal,
+    sealing,
+)
 from openenv_grpc.server.spec import EnvSpec
 from openenv_grpc.v1 import session_pb2 as pb
-from openenv_grpc.v1 import snapshot_pb2
 
 __all__ = [
     "MAX_EPISODE_ID_BYTES",
@@ -64,11 +69,6 @@ MAX_RESET_OPTIONS_BYTES = 64 * 1024
 #: A payload's type url names a message type; longer ones are refused before they are
 #: compared (and echoed in the error).
 MAX_TYPE_URL_BYTES = 256
-#: Snapshots larger than this are signed and checked on a thread: hashing megabytes would
-#: stall every session on the event loop for milliseconds.
-_OFF_LOOP_BYTES = 1 << 20
-#: The snapshot limit of a driver made without a seal (tests): the setting's default.
-_DEFAULT_SNAPSHOT_LIMIT = 8 * 1024 * 1024
 
 
 class _Phase(enum.Enum):
@@ -86,11 +86,7 @@ _NEEDS_RESET = {
     _Phase.BROKEN: "the environment failed during this episode: call reset",
 }
 
-_CAPTURED_PHASE = {
-    _Phase.RUNNING: snapshot_pb2.SNAPSHOT_PHASE_RUNNING,
-    _Phase.TERMINATED: snapshot_pb2.SNAPSHOT_PHASE_TERMINATED,
-    _Phase.TRUNCATED: snapshot_pb2.SNAPSHOT_PHASE_TRUNCATED,
-}
+_CAPTURED_PHASE = {p: CAPTURED_PHASES[p.name] for p in _Phase if p.name in CAPTURED_PHASES}
 _RESTORED_PHASE: dict[int, _Phase] = {value: phase for phase, value in _CAPTURED_PHASE.items()}
 _NOTHING_TO_CAPTURE = {
     _Phase.NO_EPISODE: "snapshot before reset: there is no episode to capture; call reset",
@@ -154,11 +150,7 @@ class EpisodeDriver:
         snapshots: SnapshotSeal | None = None,
     ) -> None:
         self._spec = spec
-        self._seal = (
-            snapshots
-            if snapshots is not None
-            else SnapshotSeal(spec.name, spec.version, ephemeral_ring(), _DEFAULT_SNAPSHOT_LIMIT)
-        )
+        self._seal = snapshots if snapshots is not None else default_seal(spec.name, spec.version)
         #: The env instance in use now; the session closes this one when it ends.
         self.runner = runner
         self._make_runner = make_runner
@@ -317,9 +309,7 @@ class EpisodeDriver:
             _RequestError: the snapshot was refused (its code and message).
         """
         try:
-            if size > _OFF_LOOP_BYTES:
-                return await asyncio.to_thread(work, argument)
-            return work(argument)
+            return await sealing(lambda: work(argument), size)
         except SnapshotRefused as refused:
             raise _RequestError(refused.code, refused.message) from None
 

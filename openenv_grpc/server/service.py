@@ -44,6 +44,7 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
                 native_batch=vectors.native,
                 max_envs_per_stream=vectors.max_envs,
                 autoreset_modes=AUTORESET_MODES,
+                snapshots=True,
             ),
         )
         snapshots = self._info.snapshots

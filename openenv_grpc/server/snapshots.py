@@ -27,6 +27,7 @@ processes: such snapshots restore on this server only, until it exits.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import logging
@@ -34,9 +35,10 @@ import re
 import secrets
 import stat
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -45,15 +47,20 @@ from openenv_grpc.server.config import ServerConfig
 from openenv_grpc.v1 import snapshot_pb2
 
 __all__ = [
+    "CAPTURED_PHASES",
+    "DEFAULT_LIMIT",
     "FORMAT",
     "MAGIC",
     "MIN_SECRET_BYTES",
+    "OFF_LOOP_BYTES",
     "Captured",
     "KeyRing",
     "SnapshotKey",
     "SnapshotRefused",
     "SnapshotSeal",
+    "default_seal",
     "ephemeral_ring",
+    "sealing",
 ]
 
 log = logging.getLogger(__name__)
@@ -64,6 +71,14 @@ MAGIC = b"OGSN"
 FORMAT = 1
 #: Shortest secret accepted: an HMAC key guessable by brute force protects nothing.
 MIN_SECRET_BYTES = 16
+#: Snapshots (of one request, together) larger than this are signed and checked on a
+#: thread: hashing megabytes would stall every session on the event loop for milliseconds.
+OFF_LOOP_BYTES = 1 << 20
+#: The snapshot limit of a seal made without settings (tests): the setting's default.
+DEFAULT_LIMIT = 8 * 1024 * 1024
+
+_T = TypeVar("_T")
+_A = TypeVar("_A")
 
 _HEAD = struct.Struct("<4sBB")  # magic, format, key id length
 _BODY_LENGTH = struct.Struct("<I")
@@ -74,13 +89,14 @@ _INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 _FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION.value[0]
 _RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 
-_PHASES = frozenset(
-    (
-        snapshot_pb2.SNAPSHOT_PHASE_RUNNING,
-        snapshot_pb2.SNAPSHOT_PHASE_TERMINATED,
-        snapshot_pb2.SNAPSHOT_PHASE_TRUNCATED,
-    )
-)
+#: The phase a snapshot records, by the name of a driver's own episode phase (a
+#: session's and a vector env's name them alike); other phases cannot be captured.
+CAPTURED_PHASES: dict[str, int] = {
+    "RUNNING": snapshot_pb2.SNAPSHOT_PHASE_RUNNING,
+    "TERMINATED": snapshot_pb2.SNAPSHOT_PHASE_TERMINATED,
+    "TRUNCATED": snapshot_pb2.SNAPSHOT_PHASE_TRUNCATED,
+}
+_PHASES = frozenset(CAPTURED_PHASES.values())
 
 
 class SnapshotRefused(Exception):
@@ -341,6 +357,15 @@ class SnapshotSeal:
             raise _invalid(f"snapshot has no valid episode phase ({body.phase})")
         return Captured(body.episode_id, body.step_count, body.phase, body.env_state)
 
+    def seal_each(self, captured: Sequence[Captured]) -> list[bytes | SnapshotRefused]:
+        """:meth:`seal` of each (a vector stream's envs): the snapshot, or its refusal."""
+        return [_or_refused(self.seal, one) for one in captured]
+
+    def open_each(self, data: Sequence[bytes]) -> list[Captured | SnapshotRefused]:
+        """:meth:`open` of each (a vector stream's envs): what it captured, or its
+        refusal; one snapshot refused never refuses its neighbours."""
+        return [_or_refused(self.open, one) for one in data]
+
     def _unknown_key(self, key_id: str) -> str:
         if self.keys.ephemeral:
             return (
@@ -369,3 +394,24 @@ class SnapshotSeal:
 
 def _invalid(message: str) -> SnapshotRefused:
     return SnapshotRefused(_INVALID_ARGUMENT, message)
+
+
+def default_seal(env_name: str, env_version: str) -> SnapshotSeal:
+    """The seal of a driver made without the server's (tests): this process's random key
+    and the default limit."""
+    return SnapshotSeal(env_name, env_version, ephemeral_ring(), DEFAULT_LIMIT)
+
+
+async def sealing(work: Callable[[], _T], size: int) -> _T:
+    """``work()`` (seals or opens of ``size`` bytes in all), on a thread when it hashes
+    more than :data:`OFF_LOOP_BYTES`, else at once on the event loop."""
+    if size > OFF_LOOP_BYTES:
+        return await asyncio.to_thread(work)
+    return work()
+
+
+def _or_refused(work: Callable[[_A], _T], argument: _A) -> _T | SnapshotRefused:
+    try:
+        return work(argument)
+    except SnapshotRefused as refused:
+        return refused

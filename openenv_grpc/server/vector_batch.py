@@ -18,6 +18,14 @@ options of the env's last reset by the client, and a fresh episode id.
 
 An env's exception becomes an error for its index only (``InvalidAction``:
 INVALID_ARGUMENT, the episode unchanged; anything else: INTERNAL); its neighbours answer.
+
+Snapshots go per index too: ``snapshot(indices)`` returns each env's own bytes (the
+driver seals them with the bookkeeping, as for one env), ``restore(indices, states,
+ended)`` hands each env the bytes the driver authenticated; an env that cannot answers
+UNIMPLEMENTED for its index (``NotImplementedError``, with its reason). A restored env
+whose episode had ended autoresets at its next step under NEXT_STEP, as if its last step
+had ended it; its autoresets use no reset options (those of the slot's last reset belong
+to the episode the restore replaced).
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import dataclasses
 import functools
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple, cast
 
@@ -63,6 +71,7 @@ log = logging.getLogger(__name__)
 
 _INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 _INTERNAL = grpc.StatusCode.INTERNAL.value[0]
+_UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED.value[0]
 
 
 class RowError(NamedTuple):
@@ -75,12 +84,17 @@ class RowError(NamedTuple):
 
 
 def row_error(exc: BaseException, what: str) -> RowError:
-    """The error of one env whose ``what`` (reset, step, state) raised ``exc``; logged
-    unless it is an :class:`InvalidAction` (a refusal, not a failure)."""
+    """The error of one env whose ``what`` (reset, step, state, snapshot, restore) raised
+    ``exc``; logged unless it is an :class:`InvalidAction` (a refusal, not a failure) or
+    a snapshot or restore the env cannot do (``NotImplementedError``: UNIMPLEMENTED)."""
     kind = type(exc)
     name = f"{kind.__module__}.{kind.__qualname__}"
     if isinstance(exc, InvalidAction):
         return RowError(_INVALID_ARGUMENT, str(exc), name)
+    if isinstance(exc, NotImplementedError) and what in ("snapshot", "restore"):
+        # An env that snapshots some configurations only says which it cannot do.
+        why = str(exc) or "this environment cannot do it now"
+        return RowError(_UNIMPLEMENTED, f"{what} is not supported: {why}; the episode goes on")
     log.error("environment %s() raised", what, exc_info=exc)
     return RowError(_INTERNAL, f"{what} failed: {kind.__name__}: {exc}", name)
 
@@ -114,8 +128,8 @@ class BatchOutcome:
 
 @dataclass(slots=True)
 class BatchStates:
-    """What a state call returned: serialized states for ``rows``, and the envs whose
-    ``state()`` raised."""
+    """What a state (or snapshot) call returned: serialized states (or the envs' own
+    snapshot bytes) for ``rows``, and the envs whose call raised."""
 
     rows: list[int] = field(default_factory=list)
     states: list[bytes] = field(default_factory=list)
@@ -130,10 +144,12 @@ class VectorBatch:
     """The envs of one vector stream (the session calls its methods through one runner).
 
     ``reset(indices, seeds, episode_ids, options, batch_form)`` and ``step(indices,
-    actions, batch_form)`` return a :class:`BatchOutcome`; ``state(indices)`` a
-    :class:`BatchStates`; ``close()`` closes every env. Methods are coroutines in
-    :class:`AsyncLoopBatch`. Raising (rather than answering per index) means the whole
-    call failed: ``InvalidAction`` refuses it, anything else breaks every named env.
+    actions, batch_form)`` return a :class:`BatchOutcome`; ``state(indices)`` and
+    ``snapshot(indices)`` a :class:`BatchStates`; ``restore(indices, states, ended)`` the
+    per-index errors (every other index was restored); ``close()`` closes every env.
+    Methods are coroutines in :class:`AsyncLoopBatch`. Raising (rather than answering per
+    index) means the whole call failed: ``InvalidAction`` refuses it, anything else breaks
+    every named env.
     """
 
     #: The envs answer in a native batch form (batch_action, batch_observation).
@@ -223,6 +239,11 @@ class _Instances(VectorBatch):
         if ended.info:
             out.final_infos[index] = ended.info
         out.new_episode_ids[index] = episode_id
+
+    def _restored(self, index: int, ended: bool) -> None:
+        """Env ``index`` took a snapshot: its autoreset bookkeeping follows it."""
+        self._pending[index] = ended and self._next_step
+        self._options[index] = None
 
     def _reset_row(
         self, out: BatchOutcome, index: int, option: Message | None, answer: Any
@@ -325,6 +346,21 @@ class LoopBatch(_Instances):
             _state_row(out, index, state, self._state)
         return out
 
+    def snapshot(self, indices: Sequence[int]) -> BatchStates:
+        envs = self._envs
+        return _snapshots(indices, lambda index: envs[index].snapshot())
+
+    def restore(
+        self, indices: Sequence[int], states: Sequence[bytes], ended: Sequence[bool]
+    ) -> dict[int, RowError]:
+        envs = self._envs
+
+        def put(index: int, state: bytes, over: bool) -> None:
+            envs[index].restore(state)
+            self._restored(index, over)
+
+        return _restores(indices, states, ended, put)
+
     def close(self) -> None:
         """Close every env (each once, whatever the others do).
 
@@ -411,6 +447,34 @@ class AsyncLoopBatch(_Instances):
             _state_row(out, index, answer, self._state)
         return out
 
+    async def snapshot(self, indices: Sequence[int]) -> BatchStates:
+        envs = self._envs
+        answers = await asyncio.gather(
+            *(envs[index].snapshot() for index in indices), return_exceptions=True
+        )
+        out = BatchStates()
+        for index, answer in zip(indices, answers, strict=True):
+            _snapshot_row(out, index, answer)
+        return out
+
+    async def restore(
+        self, indices: Sequence[int], states: Sequence[bytes], ended: Sequence[bool]
+    ) -> dict[int, RowError]:
+        envs = self._envs
+        answers = await asyncio.gather(
+            *(envs[index].restore(state) for index, state in zip(indices, states, strict=True)),
+            return_exceptions=True,
+        )
+        errors: dict[int, RowError] = {}
+        for index, answer, over in zip(indices, answers, ended, strict=True):
+            try:
+                _result(answer)
+            except Exception as exc:
+                errors[index] = row_error(exc, "restore")
+                continue
+            self._restored(index, over)
+        return errors
+
     async def close(self) -> None:
         """Close every env (each once); see :meth:`LoopBatch.close`."""
         first: BaseException | None = None
@@ -464,6 +528,19 @@ class NativeBatch(VectorBatch):
                 state = exc
             _state_row(out, index, state, self._state)
         return out
+
+    def snapshot(self, indices: Sequence[int]) -> BatchStates:
+        return _snapshots(indices, self._batch.snapshot)
+
+    def restore(
+        self, indices: Sequence[int], states: Sequence[bytes], ended: Sequence[bool]
+    ) -> dict[int, RowError]:
+        batch = self._batch
+
+        def put(index: int, state: bytes, over: bool) -> None:
+            batch.restore(index, state, ended=over)
+
+        return _restores(indices, states, ended, put)
 
     def close(self) -> None:
         self._batch.close()
@@ -591,6 +668,53 @@ def _state_row(out: BatchStates, index: int, answer: Any, expected: type[Message
         return
     out.rows.append(index)
     out.states.append(state.SerializeToString())
+
+
+def _snapshots(indices: Sequence[int], take: Callable[[int], Any]) -> BatchStates:
+    """``take(index)`` (one env's snapshot) for each index, one after the other."""
+    out = BatchStates()
+    for index in indices:
+        try:
+            data: Any = take(index)
+        except Exception as exc:
+            data = exc
+        _snapshot_row(out, index, data)
+    return out
+
+
+def _restores(
+    indices: Sequence[int],
+    states: Sequence[bytes],
+    ended: Sequence[bool],
+    put: Callable[[int, bytes, bool], None],
+) -> dict[int, RowError]:
+    """``put(index, state, ended)`` (one env's restore) for each index; the failures."""
+    errors: dict[int, RowError] = {}
+    for index, state, over in zip(indices, states, ended, strict=True):
+        try:
+            put(index, state, over)
+        except Exception as exc:
+            errors[index] = row_error(exc, "restore")
+    return errors
+
+
+def _snapshot_row(out: BatchStates, index: int, answer: Any) -> None:
+    """One env's snapshot bytes, or its error (``answer``: what its snapshot() returned
+    or raised)."""
+    try:
+        data = _result(answer)
+    except Exception as exc:
+        out.errors[index] = row_error(exc, "snapshot")
+        return
+    if not isinstance(data, bytes | bytearray):
+        out.errors[index] = RowError(
+            _INTERNAL,
+            f"environment returned a {type(data).__qualname__} from snapshot(), not bytes; "
+            "the episode goes on",
+        )
+        return
+    out.rows.append(index)
+    out.states.append(bytes(data))
 
 
 def _result(answer: Any) -> Any:

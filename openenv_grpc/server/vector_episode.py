@@ -1,4 +1,5 @@
-"""Answers the requests of one vector stream: reset, step, state, close over N envs.
+"""Answers the requests of one vector stream: reset, step, state, snapshot, restore and
+close over N envs.
 
 This is the per-request half of a vector stream (its lifecycle is in ``session.py`` and
 ``vector_session.py``), the vector twin of ``episode.py``. It validates each request
@@ -7,6 +8,11 @@ per index, payloads of the declared types, the size caps of ``episode.py`` per e
 refuses a bad one as a whole with INVALID_ARGUMENT; it keeps each env's bookkeeping
 (episode id, step count, whether it may step) and maps what the envs returned to the
 columnar wire result, with per-env errors by index.
+
+Snapshots and restores are per env and sealed here with ``snapshots.py``, exactly as a
+one-env session seals them (``episode.py``): the same bytes either way, so a snapshot of
+one env of a vector restores into a Session and the other way round; each snapshot is
+authenticated before any env code sees it, and a refusal is that index's error only.
 
 The envs themselves are behind :class:`BatchCalls`: one call per request, in this process
 (:class:`LocalBatchCalls`, over a :class:`~openenv_grpc.server.vector_batch.VectorBatch`)
@@ -37,16 +43,26 @@ from openenv_grpc.server.episode import (
 )
 from openenv_grpc.server.limiter import NoSlot
 from openenv_grpc.server.runner import EnvRunner, PoolSaturated
+from openenv_grpc.server.snapshots import (
+    CAPTURED_PHASES,
+    Captured,
+    SnapshotRefused,
+    SnapshotSeal,
+    default_seal,
+    sealing,
+)
 from openenv_grpc.server.spec import EnvSpec
 from openenv_grpc.server.vector_batch import BatchOutcome, BatchStates, RowError, VectorBatch
-from openenv_grpc.server.vector_frames import fill_result, fill_states
+from openenv_grpc.server.vector_frames import fill_errors, fill_result, fill_states
 from openenv_grpc.v1 import session_pb2 as pb
+from openenv_grpc.v1 import snapshot_pb2
 
 __all__ = [
     "BatchCalls",
     "BatchRefused",
     "LocalBatchCalls",
     "ResetArgs",
+    "RestoreArgs",
     "StepArgs",
     "VectorDriver",
 ]
@@ -60,6 +76,7 @@ _INTERNAL = grpc.StatusCode.INTERNAL.value[0]
 _DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
 _RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
+_UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED.value[0]
 #: Per-env codes after which the env is a fresh one (its process died or was stopped).
 _REPLACED = {_UNAVAILABLE, _DEADLINE_EXCEEDED}
 _REQUEST_NAME = pb.VectorSessionRequest.DESCRIPTOR.full_name
@@ -79,6 +96,15 @@ _NEEDS_RESET = {
     _Phase.TERMINATED: "the episode has terminated (autoreset is disabled): reset it",
     _Phase.TRUNCATED: "the episode was truncated (autoreset is disabled): reset it",
     _Phase.BROKEN: "the environment failed during this episode: reset it",
+}
+
+
+_CAPTURED_PHASE = {p: CAPTURED_PHASES[p.name] for p in _Phase if p.name in CAPTURED_PHASES}
+_RESTORED_PHASE: dict[int, _Phase] = {value: phase for phase, value in _CAPTURED_PHASE.items()}
+_NOTHING_TO_CAPTURE = {
+    _Phase.NO_EPISODE: "snapshot before reset: there is no episode to capture; reset it",
+    _Phase.BROKEN: "the environment failed during this episode: there is nothing "
+    "consistent to capture; reset it",
 }
 
 
@@ -140,6 +166,24 @@ class ResetArgs:
     batch_form: bool
 
 
+@dataclass(slots=True)
+class RestoreArgs:
+    """One restore's snapshots, authenticated and opened (the envs get ``env_state``)."""
+
+    indices: Sequence[int]
+    captured: Sequence[Captured]
+
+    @property
+    def states(self) -> list[bytes]:
+        """Each env's own bytes."""
+        return [one.env_state for one in self.captured]
+
+    @property
+    def ended(self) -> list[bool]:
+        """Per env: the captured episode had ended (terminated or truncated)."""
+        return [one.phase != snapshot_pb2.SNAPSHOT_PHASE_RUNNING for one in self.captured]
+
+
 class BatchCalls(Protocol):
     """A vector stream's envs, wherever they run: one call per request.
 
@@ -157,6 +201,14 @@ class BatchCalls(Protocol):
     async def step(self, args: StepArgs) -> BatchOutcome: ...
 
     async def state(self, indices: Sequence[int]) -> BatchStates: ...
+
+    async def snapshot(self, indices: Sequence[int]) -> BatchStates:
+        """Each env's own snapshot bytes (unsealed), or its error."""
+        ...
+
+    async def restore(self, args: RestoreArgs) -> dict[int, RowError]:
+        """Hand each env its authenticated bytes; the envs that failed, by index."""
+        ...
 
     async def close(self) -> None:
         """Close every env, once; never raises for what the envs' ``close`` did (logged)."""
@@ -228,6 +280,18 @@ class LocalBatchCalls:
         result: BatchStates = await self._call("state", len(indices), self._batch.state, indices)
         return result
 
+    async def snapshot(self, indices: Sequence[int]) -> BatchStates:
+        batch = self._batch
+        result: BatchStates = await self._call("snapshot", len(indices), batch.snapshot, indices)
+        return result
+
+    async def restore(self, args: RestoreArgs) -> dict[int, RowError]:
+        result: dict[int, RowError] = await self._call(
+            "restore", len(args.indices), self._batch.restore, args.indices, args.states,
+            args.ended,
+        )  # fmt: skip
+        return result
+
     async def close(self) -> None:
         await self._runner.close_quietly()
 
@@ -297,14 +361,21 @@ class VectorDriver:
     """The request handler of one vector stream of ``size`` envs (``backend.SessionBackend``)."""
 
     __slots__ = (
-        "_action_url", "_all", "_calling", "_calls", "_ends", "_mode", "_obs_url", "_size",
-        "_spec", "_state_url", "_steppable", "episode_ids", "phases", "step_counts",
+        "_action_url", "_all", "_calling", "_calls", "_ends", "_mode", "_obs_url", "_seal",
+        "_size", "_spec", "_state_url", "_steppable", "episode_ids", "phases", "step_counts",
     )  # fmt: skip
 
     def __init__(
-        self, spec: EnvSpec, size: int, autoreset: AutoresetMode, calls: BatchCalls
+        self,
+        spec: EnvSpec,
+        size: int,
+        autoreset: AutoresetMode,
+        calls: BatchCalls,
+        snapshots: SnapshotSeal | None = None,
     ) -> None:
         self._spec = spec
+        #: Seals and opens the envs' snapshots (the server's key ring and size limit).
+        self._seal = snapshots if snapshots is not None else default_seal(spec.name, spec.version)
         self._size = size
         self._mode = autoreset
         self._calls = calls
@@ -350,6 +421,10 @@ class VectorDriver:
                 return await self._reset(request.reset, response)
             if command == "state":
                 return await self._state(request.state, response)
+            if command == "snapshot":
+                return await self._snapshot(request.snapshot, response)
+            if command == "restore":
+                return await self._restore(request.restore, response)
             if command == "close":
                 self._ends = True
                 try:
@@ -359,7 +434,10 @@ class VectorDriver:
                     raise _Refused(_INTERNAL, f"close failed: {_describe(exc)}") from None
                 response.closed.SetInParent()
                 return Answer(response.SerializeToString(), Outcome.CLOSED, ends=True)
-            raise _Refused(_INVALID_ARGUMENT, "empty request: set one of reset, step, state, close")
+            raise _Refused(
+                _INVALID_ARGUMENT,
+                "empty request: set one of reset, step, state, snapshot, restore, close",
+            )
         except _Refused as err:
             return self._refusal(response, err.code, err.message)
         except BatchRefused as err:
@@ -500,6 +578,102 @@ class VectorDriver:
         fill_states(response.states, states, self._state_url, self.episode_ids, self.step_counts)
         return self._answer(response, Outcome.STATE, states.errors)
 
+    async def _snapshot(
+        self, command: pb.VectorSnapshot, response: pb.VectorSessionResponse
+    ) -> Answer:
+        """Capture each env named, sealed with its bookkeeping; no episode changes."""
+        indices = self._indices(command.indices)
+        answer = response.snapshots
+        answer.SetInParent()
+        errors = self._without_snapshots(indices)
+        if errors is None:
+            errors = {}
+            phases = self.phases
+            capture = [i for i in indices if phases[i] in _CAPTURED_PHASE]
+            for index in indices:
+                if phases[index] not in _CAPTURED_PHASE:
+                    errors[index] = RowError(
+                        _FAILED_PRECONDITION, f"env {index}: {_NOTHING_TO_CAPTURE[phases[index]]}"
+                    )
+            self._calling = capture
+            got = await self._calls.snapshot(capture) if capture else BatchStates()
+            errors.update(got.errors)
+            ids, counts = self.episode_ids, self.step_counts
+            captured = [
+                Captured(ids[i], counts[i], _CAPTURED_PHASE[phases[i]], data)
+                for i, data in zip(got.rows, got.states, strict=True)
+            ]
+            size = sum(len(data) for data in got.states)
+            sealed = await sealing(lambda: self._seal.seal_each(captured), size)
+            for index, one in zip(got.rows, sealed, strict=True):
+                if isinstance(one, SnapshotRefused):
+                    errors[index] = RowError(one.code, f"env {index}: {one.message}")
+                    continue
+                answer.indices.append(index)
+                answer.snapshots.add(snapshot=one, episode_id=ids[index], step_count=counts[index])
+        fill_errors(answer.errors, errors)
+        return self._answer(response, Outcome.SNAPSHOT, errors)
+
+    async def _restore(
+        self, command: pb.VectorRestore, response: pb.VectorSessionResponse
+    ) -> Answer:
+        """Authenticate each snapshot, hand the envs theirs, and take over the captured
+        bookkeeping; a refused snapshot leaves that env's episode as it was."""
+        indices = self._indices(command.indices)
+        data = command.snapshots
+        if len(data) != len(indices):
+            raise _Refused(
+                _INVALID_ARGUMENT,
+                f"{len(data)} snapshots for {len(indices)} envs: give one per env named (all "
+                "envs when indices is empty); nothing was restored",
+            )
+        answer = response.restored
+        answer.SetInParent()
+        errors = self._without_snapshots(indices)
+        if errors is None:
+            errors = {}
+            size = sum(len(one) for one in data)
+            opened = await sealing(lambda: self._seal.open_each(data), size)
+            named: list[int] = []
+            captured: list[Captured] = []
+            for index, one in zip(indices, opened, strict=True):
+                if isinstance(one, SnapshotRefused):
+                    errors[index] = RowError(one.code, f"env {index}: {one.message}")
+                else:
+                    named.append(index)
+                    captured.append(one)
+            self._calling = named
+            failed = await self._calls.restore(RestoreArgs(named, captured)) if named else {}
+            phases, ids, counts = self.phases, self.episode_ids, self.step_counts
+            for index, one in zip(named, captured, strict=True):
+                if index in failed:
+                    continue
+                ids[index] = one.episode_id
+                counts[index] = one.step_count
+                phase = phases[index] = _RESTORED_PHASE[one.phase]
+                answer.indices.append(index)
+                answer.restored.add(
+                    episode_id=one.episode_id,
+                    step_count=one.step_count,
+                    terminated=phase is _Phase.TERMINATED,
+                    truncated=phase is _Phase.TRUNCATED,
+                )
+            self._book_errors(failed)
+            errors.update(failed)
+        fill_errors(answer.errors, errors)
+        return self._answer(response, Outcome.RESTORED, errors)
+
+    def _without_snapshots(self, indices: Sequence[int]) -> dict[int, RowError] | None:
+        """UNIMPLEMENTED for every env named when the env has no snapshots; else None."""
+        if self._spec.snapshots:
+            return None
+        error = RowError(
+            _UNIMPLEMENTED,
+            f"environment {self._spec.name!r} does not support snapshots (it does not "
+            "implement snapshot() and restore()); the stream goes on",
+        )
+        return dict.fromkeys(indices, error)
+
     # -- bookkeeping ----------------------------------------------------------------------
 
     def _book_step(self, outcome: BatchOutcome) -> int:
@@ -556,7 +730,7 @@ class VectorDriver:
         if err.replaced or err.ends:
             for index in range(self._size):
                 self._forget(index)
-        elif err.broken and command != "state":
+        elif err.broken and command not in ("state", "snapshot"):  # those change nothing
             for index in self._calling:
                 if self.phases[index] is not _Phase.NO_EPISODE:
                     self.phases[index] = _Phase.BROKEN

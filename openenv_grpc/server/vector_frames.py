@@ -8,6 +8,12 @@ process the part of a request that concerns its sub-batch as a ``VectorSessionRe
 outcome in a ``VectorResult``, and the front reads it back (:func:`read_outcome`). Between
 front and env process, ``episode_ids`` holds only the ids of episodes the sub-batch
 autoreset ("" for the other rows) and ``step_counts`` is empty: the front keeps the books.
+
+Snapshots are sealed and opened in the front, which keeps the bookkeeping they carry:
+between front and env process a ``VectorSnapshots`` answer carries each env's own bytes
+(unsigned, in ``SnapshotResult.snapshot``), and a ``VectorRestore`` frame carries each
+env's authenticated part as an unsigned ``SnapshotBody`` (its ``env_state`` and
+``phase``), never bytes the client sent that the front did not check.
 """
 
 from __future__ import annotations
@@ -18,16 +24,24 @@ from typing import Any
 from google.protobuf import any_pb2, struct_pb2
 
 from openenv_grpc.codec import info_to_struct
+from openenv_grpc.server.snapshots import Captured
 from openenv_grpc.server.vector_batch import BatchOutcome, BatchStates, RowError
 from openenv_grpc.v1 import session_pb2 as pb
+from openenv_grpc.v1 import snapshot_pb2
 
 __all__ = [
     "fill_errors",
     "fill_result",
+    "fill_snapshots",
     "fill_states",
+    "read_errors",
     "read_outcome",
+    "read_restore",
+    "read_snapshots",
     "read_states",
     "reset_frame",
+    "restore_frame",
+    "snapshot_frame",
     "state_frame",
     "step_frame",
 ]
@@ -95,7 +109,7 @@ def read_outcome(result: pb.VectorResult, offset: int) -> BatchOutcome:
         else:
             out.final_observations = [payload.value for payload in result.final_observations]
         out.final_infos = {index + offset: info for index, info in result.final_infos.items()}
-    out.errors = _read_errors(result.errors, offset)
+    out.errors = read_errors(result.errors, offset)
     return out
 
 
@@ -121,7 +135,25 @@ def read_states(result: pb.VectorStates, offset: int) -> BatchStates:
     return BatchStates(
         rows=[index + offset for index in result.indices],
         states=[entry.state.value for entry in result.states],
-        errors=_read_errors(result.errors, offset),
+        errors=read_errors(result.errors, offset),
+    )
+
+
+def fill_snapshots(result: pb.VectorSnapshots, snapshots: BatchStates) -> None:
+    """An env process's answer to a snapshot frame: the envs' own bytes, unsealed."""
+    result.indices.extend(snapshots.rows)
+    add = result.snapshots.add
+    for data in snapshots.states:
+        add(snapshot=data)
+    fill_errors(result.errors, snapshots.errors)
+
+
+def read_snapshots(result: pb.VectorSnapshots, offset: int) -> BatchStates:
+    """A sub-batch's snapshot bytes from its env process, indices moved by ``offset``."""
+    return BatchStates(
+        rows=[index + offset for index in result.indices],
+        states=[entry.snapshot for entry in result.snapshots],
+        errors=read_errors(result.errors, offset),
     )
 
 
@@ -134,7 +166,8 @@ def fill_errors(target: Any, errors: dict[int, RowError]) -> None:
         entry.exception_type = error.exception_type
 
 
-def _read_errors(errors: Any, offset: int) -> dict[int, RowError]:
+def read_errors(errors: Any, offset: int) -> dict[int, RowError]:
+    """A wire map of Errors from an env process, indices moved by ``offset``."""
     return {
         index + offset: RowError(error.code, error.message, error.exception_type)
         for index, error in errors.items()
@@ -205,3 +238,32 @@ def state_frame(indices: Sequence[int]) -> bytes:
     request = pb.VectorSessionRequest(request_id=1)
     request.state.indices.extend(indices)
     return request.SerializeToString()
+
+
+def snapshot_frame(indices: Sequence[int]) -> bytes:
+    """A snapshot command for a sub-batch's local ``indices``."""
+    request = pb.VectorSessionRequest(request_id=1)
+    request.snapshot.indices.extend(indices)
+    return request.SerializeToString()
+
+
+def restore_frame(indices: Sequence[int], captured: Sequence[Captured]) -> bytes:
+    """A restore of a sub-batch: local ``indices`` and, for each, the authenticated part
+    of its snapshot as an unsigned ``SnapshotBody`` (env bytes and phase)."""
+    request = pb.VectorSessionRequest(request_id=1)
+    restore = request.restore
+    restore.indices.extend(indices)
+    for one in captured:
+        body = snapshot_pb2.SnapshotBody(phase=one.phase, env_state=one.env_state)  # type: ignore[arg-type]
+        restore.snapshots.append(body.SerializeToString())
+    return request.SerializeToString()
+
+
+def read_restore(restore: pb.VectorRestore) -> tuple[list[int], list[Captured]]:
+    """The env process's side of :func:`restore_frame`: local indices and what to restore
+    (only the env bytes and the phase are set)."""
+    captured = []
+    for data in restore.snapshots:
+        body = snapshot_pb2.SnapshotBody.FromString(data)
+        captured.append(Captured("", 0, body.phase, body.env_state))
+    return list(restore.indices), captured

@@ -145,7 +145,7 @@ class VectorSessions:
             held.owns_slot = False
             runner = await make()
             calls = LocalBatchCalls(runner, replacement, manager.call_timeout)
-        return VectorDriver(manager.spec, size, autoreset, calls)
+        return VectorDriver(manager.spec, size, autoreset, calls, manager.snapshots)
 
 
 class _VectorOpening:

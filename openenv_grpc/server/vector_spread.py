@@ -24,7 +24,7 @@ import asyncio
 import bisect
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,11 +35,15 @@ from openenv_grpc.server.backend import SessionLostError
 from openenv_grpc.server.env_process import Op, Status
 from openenv_grpc.server.env_process_pool import CallTimedOut, EnvProcessPool, Worker
 from openenv_grpc.server.vector_batch import BatchOutcome, BatchStates, RowError
-from openenv_grpc.server.vector_episode import BatchRefused, ResetArgs, StepArgs
+from openenv_grpc.server.vector_episode import BatchRefused, ResetArgs, RestoreArgs, StepArgs
 from openenv_grpc.server.vector_frames import (
+    read_errors,
     read_outcome,
+    read_snapshots,
     read_states,
     reset_frame,
+    restore_frame,
+    snapshot_frame,
     state_frame,
     step_frame,
 )
@@ -141,21 +145,59 @@ class SpreadBatchCalls:
         return await self._outcomes(args.indices, frame)
 
     async def state(self, indices: Sequence[int]) -> BatchStates:
+        return await self._gathered(
+            indices, state_frame, lambda r, offset: read_states(r.states, offset)
+        )
+
+    async def snapshot(self, indices: Sequence[int]) -> BatchStates:
+        # The env processes answer the envs' own bytes; the front seals them.
+        return await self._gathered(
+            indices, snapshot_frame, lambda r, offset: read_snapshots(r.snapshots, offset)
+        )
+
+    async def restore(self, args: RestoreArgs) -> dict[int, RowError]:
+        captured = args.captured
+
+        def frame(positions: list[int], local: list[int]) -> bytes:
+            return restore_frame(local, [captured[k] for k in positions])
+
+        parts = self._split(args.indices)
+        answers = await asyncio.gather(
+            *(self._call(part, frame(part[1], part[2])) for part in parts)
+        )
+        errors: dict[int, RowError] = {}
+        for part, (status, payload) in zip(parts, answers, strict=True):
+            if status is None:  # the block was lost: its envs are fresh ones now
+                errors.update(self._lost(part, args.indices, payload))
+                continue
+            response = pb.VectorSessionResponse.FromString(payload)
+            if status != Status.VECTOR_ANSWER:
+                raise _refusal(status, response)
+            errors.update(read_errors(response.restored.errors, part[0].start))
+        return errors
+
+    async def _gathered(
+        self,
+        indices: Sequence[int],
+        frame: Callable[[list[int]], bytes],
+        read: Callable[[pb.VectorSessionResponse, int], BatchStates],
+    ) -> BatchStates:
+        """A state or snapshot call: each block's part (``frame(local indices)``),
+        together, the answers (``read(response, block start)``) in index order."""
         parts = self._split(indices)
-        answers = await asyncio.gather(*(self._call(part, state_frame(part[2])) for part in parts))
+        answers = await asyncio.gather(*(self._call(part, frame(part[2])) for part in parts))
         out = BatchStates()
         for part, (status, payload) in zip(parts, answers, strict=True):
-            block = part[0]
             if status is None:  # the block was lost: its envs are fresh ones now
                 out.errors.update(self._lost(part, indices, payload))
                 continue
             response = pb.VectorSessionResponse.FromString(payload)
             if status != Status.VECTOR_ANSWER:
                 raise _refusal(status, response)
-            states = read_states(response.states, block.start)
-            out.rows.extend(states.rows)
-            out.states.extend(states.states)
-            out.errors.update(states.errors)
+            got = read(response, part[0].start)
+            out.rows.extend(got.rows)
+            out.states.extend(got.states)
+            out.errors.update(got.errors)
         return out
 
     async def close(self) -> None:
