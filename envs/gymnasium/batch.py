@@ -16,6 +16,10 @@ The backend comes from the reset options (``backend``), else from the server's
 ``GYM_VECTOR_BACKEND`` (``gymnasium``, ``envpool`` or ``auto``: EnvPool where it serves
 the id), else Gymnasium.
 
+Snapshots per index (``snapshot(i)`` / ``restore(i, data)``) use the one-env session's
+format, so an env of a vector and a session trade them; the Gymnasium backend serves them
+for the ids the session can snapshot, the EnvPool backend not at all (UNIMPLEMENTED).
+
 Errors: a batch action of the wrong structure, shape or dtype refuses the request
 (INVALID_ARGUMENT); a row outside the action space refuses that index only; an env that
 raises answers INTERNAL for its index; the neighbours' rows still come.
@@ -23,6 +27,7 @@ raises answers INTERNAL for its index; the neighbours' rows still come.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -44,6 +49,7 @@ from openenv_grpc_envs.gymnasium.configuration import Config, config_for
 from openenv_grpc_envs.gymnasium.convert import ConversionError, fill_tensor, fill_value, nbytes
 from openenv_grpc_envs.gymnasium.envpool_backend import EnvPoolEnvs, envpool_ids
 from openenv_grpc_envs.gymnasium.gymnasium_backend import GymnasiumEnvs
+from openenv_grpc_envs.gymnasium.snapshots import load_episode, restorer, snapshot_of
 from openenv_grpc_envs.gymnasium.v1.gymnasium_pb2 import (
     Backend,
     EnvDescription,
@@ -218,6 +224,71 @@ class GymnasiumBatch(
             fill_tensor(state.frame, frame)
         return state
 
+    def snapshot(self, index: int) -> bytes:
+        """Env ``index``'s episode, in ``GymnasiumEnvironment.snapshot``'s format.
+
+        Raises:
+            NotImplementedError: the EnvPool backend (EnvPool has no per-env state), or an
+                env id that cannot snapshot (the message says why).
+            InvalidAction: no env runs yet.
+        """
+        backend, config = self._require_backend(), self._config
+        assert config is not None
+        envs = _snapshot_backend(backend)
+        last = envs.last_observation(index)
+        shown = last if last is not None and nbytes(last) <= STATE_OBSERVATION_BYTES else None
+        counters = (
+            self._seeds[index], int(self._steps[index]), float(self._returns[index]),
+            bool(self._terminated[index]), bool(self._truncated[index]),
+        )  # fmt: skip
+        return snapshot_of(config, counters, shown, envs.env(index))
+
+    def restore(self, index: int, snapshot: bytes, *, ended: bool) -> None:
+        """Env ``index`` continues from a snapshot of a session or of another batch's env.
+        A batch that runs no env yet (a fork's fresh stream) takes the snapshot's
+        configuration; one that runs another configuration refuses it.
+
+        Raises:
+            InvalidAction: the bytes are malformed, or of another configuration than the
+                one the batch runs (the env is unchanged).
+            NotImplementedError: the EnvPool backend.
+        """
+        recorded = load_episode(snapshot)
+        episode = recorded.episode
+        current = self._config
+        config = config_for(episode.options, current, self._default_env_id)
+        made: BatchBackend | None = None
+        if current is None:
+            made = self._make_backend(config, [None] * self.size)
+        else:  # a snapshot records no render mode or backend: the running ones go on
+            config = dataclasses.replace(
+                config, render_mode=current.render_mode, backend=current.backend
+            )
+            if config != current:
+                raise InvalidAction(
+                    f"the snapshot runs {config.env_id} (step limit {config.max_episode_steps},"
+                    f" kwargs {config.kwargs}) and this stream's envs run {current.env_id} "
+                    f"(step limit {current.max_episode_steps}, kwargs {current.kwargs}): a "
+                    "vector stream's envs run one configuration"
+                )
+        backend = made or self._require_backend()
+        try:
+            envs = _snapshot_backend(backend)
+            restorer(envs.env(index), recorded.env)()
+        except BaseException:
+            if made is not None:
+                made.close()
+            raise
+        envs.restored(index, recorded.last_observation)
+        if made is not None:
+            self._backend, self._config = made, config
+        self._seeds[index] = episode.seed
+        self._steps[index] = episode.steps
+        self._returns[index] = episode.episode_return
+        self._terminated[index] = episode.terminated
+        self._truncated[index] = episode.truncated
+        self._ended[index] = ended
+
     def join_actions(self, actions: Sequence[GymnasiumAction]) -> GymnasiumAction:
         backend = self._require_backend()
         try:
@@ -331,6 +402,20 @@ class GymnasiumBatch(
             final_infos=rows.final_infos,
             errors=rows.errors or None,
         )
+
+
+def _snapshot_backend(backend: BatchBackend) -> GymnasiumEnvs:
+    """``backend`` when its envs can be captured one by one.
+
+    Raises:
+        NotImplementedError: the EnvPool backend (UNIMPLEMENTED, with the reason).
+    """
+    if not isinstance(backend, GymnasiumEnvs):
+        raise NotImplementedError(
+            "the EnvPool backend cannot snapshot or restore one env (EnvPool keeps no "
+            "per-env state it can hand out); reset with backend BACKEND_GYMNASIUM"
+        )
+    return backend
 
 
 def _take(batch: Any, keep: npt.NDArray[np.bool_]) -> Any:

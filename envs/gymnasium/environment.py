@@ -29,13 +29,7 @@ from openenv_grpc_envs.gymnasium.convert import (
     fill_value,
     nbytes,
 )
-from openenv_grpc_envs.gymnasium.snapshots import (
-    Episode,
-    NotSnapshotable,
-    dump_episode,
-    load_episode,
-    restorer,
-)
+from openenv_grpc_envs.gymnasium.snapshots import load_episode, restorer, snapshot_of
 from openenv_grpc_envs.gymnasium.v1.gymnasium_pb2 import (
     Backend,
     EnvDescription,
@@ -183,21 +177,10 @@ class GymnasiumEnvironment(
         env, config = self._env, self._config
         if env is None or config is None:  # the server never asks before a reset
             raise InvalidAction("no episode to snapshot: call reset first")
-        options = GymnasiumResetOptions(env_id=config.env_id)
-        if config.max_episode_steps is not None:
-            options.max_episode_steps = config.max_episode_steps
-        if config.kwargs:
-            options.kwargs.update(config.kwargs)
         last = self._last_observation
         shown = last if last is not None and nbytes(last) <= STATE_OBSERVATION_BYTES else None
-        episode = Episode(
-            options, self._seed, self._steps, self._return, self._terminated, self._truncated
-        )
-        try:
-            return dump_episode(episode, shown, env)
-        except NotSnapshotable as exc:
-            # UNIMPLEMENTED with the reason: this configuration cannot, others can.
-            raise NotImplementedError(f"{config.env_id} cannot snapshot: {exc}") from None
+        counters = (self._seed, self._steps, self._return, self._terminated, self._truncated)
+        return snapshot_of(config, counters, shown, env)
 
     def restore(self, snapshot: bytes) -> None:
         """Continue from :meth:`snapshot`'s bytes. The env is made from the recorded

@@ -113,6 +113,14 @@ class GymnasiumEnvs:
     def last_observation(self, index: int) -> Any:
         return self._last[index]
 
+    def env(self, index: int) -> gymnasium.Env[Any, Any]:
+        """Env ``index`` itself: snapshots capture it and put it back."""
+        return self._envs[index]
+
+    def restored(self, index: int, last_observation: Any) -> None:
+        """Env ``index`` was put back from a snapshot whose last observation this is."""
+        self._last[index] = last_observation
+
     def render(self, index: int) -> Any:
         env = self._envs[index]
         return env.render() if env.render_mode == "rgb_array" else None

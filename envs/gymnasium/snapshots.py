@@ -34,6 +34,7 @@ from gymnasium.wrappers import OrderEnforcing, PassiveEnvChecker, TimeLimit
 
 from openenv_grpc import InvalidAction
 from openenv_grpc_envs import snapshot_body
+from openenv_grpc_envs.gymnasium.configuration import Config
 from openenv_grpc_envs.gymnasium.v1.gymnasium_pb2 import GymnasiumResetOptions
 from openenv_grpc_envs.snapshot_body import Body, b64
 
@@ -49,6 +50,7 @@ __all__ = [
     "encode_value",
     "load_episode",
     "restorer",
+    "snapshot_of",
 ]
 
 #: The layout of the gymnasium env's snapshots.
@@ -136,6 +138,32 @@ def dump_episode(episode: Episode, last_observation: Any, env: gymnasium.Env[Any
             "env": capture(env),
         },
     )
+
+
+def snapshot_of(
+    config: Config,
+    counters: tuple[int | None, int, float, bool, bool],
+    shown: Any,
+    env: gymnasium.Env[Any, Any],
+) -> bytes:
+    """The snapshot of one env running ``config`` -- a session's env, or one env of a
+    vector batch: the same bytes either way, so each restores into the other.
+    ``counters`` are (seed, steps, return, terminated, truncated); ``shown`` the last
+    observation ``state()`` shows (None when it shows none).
+
+    Raises:
+        NotImplementedError: the env id cannot snapshot (the message says why).
+    """
+    options = GymnasiumResetOptions(env_id=config.env_id)
+    if config.max_episode_steps is not None:
+        options.max_episode_steps = config.max_episode_steps
+    if config.kwargs:
+        options.kwargs.update(config.kwargs)
+    try:
+        return dump_episode(Episode(options, *counters), shown, env)
+    except NotSnapshotable as exc:
+        # UNIMPLEMENTED with the reason: this configuration cannot, others can.
+        raise NotImplementedError(f"{config.env_id} cannot snapshot: {exc}") from None
 
 
 def load_episode(data: bytes) -> Recorded:
