@@ -17,6 +17,7 @@ from openenv_grpc.client.errors import (
     SessionRefused,
     SessionStateError,
     SessionTimeout,
+    VectorEnvError,
 )
 from openenv_grpc.client.info import fetch_info
 from openenv_grpc.client.notices import Draining
@@ -50,6 +51,7 @@ __all__ = [
     "SessionStateError",
     "SessionTimeout",
     "StepOutcome",
+    "VectorEnvError",
     "VectorOutcome",
     "VectorSession",
     "aio_channel",

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Generic
 import grpc
 
 from openenv_grpc.client.async_session import AsyncStream
+from openenv_grpc.client.outcome import Restored
 from openenv_grpc.client.session_core import ActionT, ObservationT, ResetOptionsT, StateT
 from openenv_grpc.client.vector_core import VectorBase
 from openenv_grpc.client.vector_outcome import VectorOutcome
@@ -21,7 +22,7 @@ from openenv_grpc.environment import AutoresetMode
 from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:  # only the type checker needs these
-    from typing_extensions import Unpack
+    from typing_extensions import Self, Unpack
 
     from openenv_grpc.client.session_core import SessionOptions
 
@@ -89,6 +90,43 @@ class AsyncVectorSession(
         answer = await self._roundtrip(protocol.state_request(indices), timeout)
         states: list[Any] = self._all_states(protocol.states(answer))
         return states
+
+    async def snapshot(
+        self, indices: Indices = None, *, timeout: float | None = None
+    ) -> list[bytes]:
+        """Snapshots of the envs named; see :meth:`VectorSession.snapshot`."""
+        protocol = self._core.protocol
+        answer = await self._roundtrip(protocol.snapshot_request(indices), timeout)
+        return protocol.snapshots(answer)
+
+    async def restore(
+        self, snapshots: Sequence[bytes], *, indices: Indices = None, timeout: float | None = None
+    ) -> list[Restored]:
+        """Continue the envs named from snapshots; see :meth:`VectorSession.restore`."""
+        protocol = self._core.protocol
+        answer = await self._roundtrip(protocol.restore_request(snapshots, indices), timeout)
+        return protocol.restored(answer)
+
+    @classmethod
+    async def forked(
+        cls,
+        target: str | grpc.aio.Channel | pb_grpc.EnvServiceAsyncStub | AsyncStream,
+        snapshots: Sequence[bytes],
+        *,
+        autoreset: str | AutoresetMode = "next_step",
+        timeout: float | None = None,
+        **options: Unpack[SessionOptions],
+    ) -> Self:
+        """An open vector stream of one env per snapshot; see :meth:`VectorSession.forked`
+        (``async with await AsyncVectorSession.forked(env, [data] * 8) as group:``)."""
+        fork = cls._unopened_fork(target, snapshots, autoreset, options)
+        try:
+            await fork.open()
+            await fork.restore(snapshots, timeout=timeout)
+        except BaseException:
+            await fork.abort()
+            raise
+        return fork
 
 
 AsyncVectorSession._generic_origin = AsyncVectorSession

@@ -22,6 +22,7 @@ __all__ = [
     "SessionRefused",
     "SessionStateError",
     "SessionTimeout",
+    "VectorEnvError",
 ]
 
 
@@ -71,6 +72,29 @@ class EnvError(OpenEnvError):
     def __init__(self, code: grpc.StatusCode, message: str, exception_type: str = "") -> None:
         super().__init__(code, message)
         self.exception_type = exception_type
+
+
+class VectorEnvError(EnvError):
+    """Some envs of a vector call failed in-band and the others answered (a vector
+    snapshot or restore, which returns nothing partial): ``errors`` holds each failed
+    env's own :class:`EnvError` by index, ``done`` the indices that succeeded (a restore
+    took effect for those). ``code`` and ``exception_type`` are the lowest failed index's;
+    the message names every failed index. The stream goes on.
+    """
+
+    def __init__(self, what: str, errors: dict[int, EnvError], done: list[int]) -> None:
+        first = errors[min(errors)]
+        described = "; ".join(
+            f"env {index}: {error.code.name}: {error.message}"
+            for index, error in sorted(errors.items())
+        )
+        super().__init__(
+            first.code, f"{what} failed for {len(errors)} env(s): {described}", first.exception_type
+        )
+        #: Each env that failed, by index: its own code, message and exception type.
+        self.errors = errors
+        #: The indices that succeeded, increasing.
+        self.done = done
 
 
 class SessionLost(OpenEnvError):

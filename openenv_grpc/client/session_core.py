@@ -464,14 +464,19 @@ class StreamBase:
         count = 1 if n is None else n
         if count < 1:
             raise ValueError(f"fork needs n >= 1, got {n}")
-        core = self._core
-        children = [type(self)(core.stub, **self._options) for _ in range(count)]
+        children = [type(self)(self._core.stub, **self._options) for _ in range(count)]
         for child in children:
-            child._home = self._home  # recovery makes fresh channels to the same target
-            child._core.dial = core.dial  # so does an open after close
-            if core.share is not None:
-                child._core.share = core.share.join()
+            self._share_with(child)
         return children
+
+    def _share_with(self, child: StreamBase) -> None:
+        """``child`` (made on this session's stub) uses this session's server and channel:
+        it keeps the channel alive while it runs, and reopens to the same target."""
+        core = self._core
+        child._home = self._home  # recovery makes fresh channels to the same target
+        child._core.dial = core.dial  # so does an open after close
+        if core.share is not None:
+            child._core.share = core.share.join()
 
     def _adopt(self, provider: SessionSource) -> Self:
         """Own ``provider``: the session stops it when it ends or fails to open."""

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Generic
 
 import grpc
 
+from openenv_grpc.client.outcome import Restored
 from openenv_grpc.client.session_core import ActionT, ObservationT, ResetOptionsT, StateT
 from openenv_grpc.client.sync_session import SyncStream
 from openenv_grpc.client.vector_core import VectorBase
@@ -23,7 +24,7 @@ from openenv_grpc.environment import AutoresetMode
 from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:  # only the type checker needs these
-    from typing_extensions import Unpack
+    from typing_extensions import Self, Unpack
 
     from openenv_grpc.client.session_core import SessionOptions
 
@@ -133,6 +134,73 @@ class VectorSession(SyncStream, VectorBase, Generic[ActionT, ObservationT, State
         answer = protocol.states(self._roundtrip(protocol.state_request(indices), timeout))
         states: list[Any] = self._all_states(answer)
         return states
+
+    def snapshot(self, indices: Indices = None, *, timeout: float | None = None) -> list[bytes]:
+        """Snapshots of the envs named (all by default), one per env in index order: the
+        same bytes a :class:`Session`'s ``snapshot`` makes, so each restores into any env
+        of a vector stream or into a ``Session`` (same env and version, a server holding
+        the key). No episode changes.
+
+        Raises:
+            VectorEnvError: some envs could not be captured (``errors`` by index:
+                UNIMPLEMENTED without snapshots, FAILED_PRECONDITION with no episode,
+                RESOURCE_EXHAUSTED over the snapshot limit); their episodes go on.
+            EnvError: the request was refused (bad indices; RESOURCE_EXHAUSTED: the whole
+                answer is over the message limit, ask for fewer envs at a time).
+            SessionLost: the stream ended. SessionTimeout: no answer within ``timeout``.
+        """
+        protocol = self._core.protocol
+        request = protocol.snapshot_request(indices)
+        return protocol.snapshots(self._roundtrip(request, timeout))
+
+    def restore(
+        self, snapshots: Sequence[bytes], *, indices: Indices = None, timeout: float | None = None
+    ) -> list[Restored]:
+        """Continue the envs named (all by default) from one snapshot each (a vector's
+        or a ``Session``'s); returns where each now is, in index order.
+
+        Raises:
+            VectorEnvError: some envs were not restored (``errors`` by index, ``done``:
+                those that were): INVALID_ARGUMENT (not one intact snapshot),
+                FAILED_PRECONDITION (another key, env or env version), UNIMPLEMENTED (no
+                snapshots) leave that env's episode as it was; INTERNAL: reset it.
+            InvalidRequest: not one snapshot per env named. TypeError: not bytes.
+            EnvError: the request was refused (bad indices; nothing was restored).
+            SessionLost: the stream ended. SessionTimeout: no answer within ``timeout``.
+        """
+        protocol = self._core.protocol
+        request = protocol.restore_request(snapshots, indices)
+        return protocol.restored(self._roundtrip(request, timeout))
+
+    @classmethod
+    def forked(
+        cls,
+        target: str | grpc.Channel | pb_grpc.EnvServiceStub | SyncStream,
+        snapshots: Sequence[bytes],
+        *,
+        autoreset: str | AutoresetMode = "next_step",
+        timeout: float | None = None,
+        **options: Unpack[SessionOptions],
+    ) -> Self:
+        """An open vector stream of one env per snapshot, each env continuing from its
+        snapshot: e.g. a GRPO group, ``VectorSession.forked(env, [env.snapshot()] * 8)``,
+        G branches of one prefix stepped together. ``target`` is where (a target, channel
+        or stub; or an open session: its server, channel and options). Admitted like any
+        vector open, all N slots or none; if any env cannot be restored the stream is
+        closed (every slot freed) and the error raised.
+
+        Raises:
+            ValueError: no snapshots. CapacityError, SessionRefused: as :meth:`open`.
+            VectorEnvError, EnvError, SessionLost, SessionTimeout: as :meth:`restore`.
+        """
+        fork = cls._unopened_fork(target, snapshots, autoreset, options)
+        try:
+            fork.open()
+            fork.restore(snapshots, timeout=timeout)
+        except BaseException:
+            fork.abort()
+            raise
+        return fork
 
 
 VectorSession._generic_origin = VectorSession

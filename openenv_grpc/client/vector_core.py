@@ -8,13 +8,16 @@ one-env session (the transport shells ``SyncStream`` and ``AsyncStream``, over
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from openenv_grpc.client.session_core import SessionCore, StreamBase
 from openenv_grpc.client.vector_protocol import VectorProtocol
 from openenv_grpc.environment import AutoresetMode
 from openenv_grpc.metadata import AUTORESET_KEY, AUTORESET_VALUES, BATCH_KEY, NUM_ENVS_KEY
+
+if TYPE_CHECKING:  # typing.Self is 3.11+; only the type checker needs it
+    from typing_extensions import Self
 
 __all__ = ["VectorBase"]
 
@@ -79,6 +82,40 @@ class VectorBase(StreamBase):
     def step_counts(self) -> list[int]:
         """Each env's step count, as the server last said."""
         return list(self._core.protocol.step_counts)
+
+    @classmethod
+    def _unopened_fork(
+        cls,
+        target: Any,
+        snapshots: Sequence[bytes],
+        autoreset: str | AutoresetMode,
+        options: Mapping[str, Any],
+    ) -> Self:
+        """The unopened vector stream of ``forked``: one env per snapshot, on ``target``
+        -- a target string, channel or stub, or an open session (then on its server and
+        channel, with its options unless ``options`` says otherwise).
+
+        Raises:
+            ValueError: no snapshots.
+            TypeError: a session of the other kind (blocking for asyncio, or back).
+        """
+        if isinstance(snapshots, bytes | bytearray | memoryview) or not snapshots:
+            raise ValueError("forked takes a non-empty list of snapshots, one per env")
+        make: Any = cls  # a shell: (target, num_envs, *, autoreset, **options)
+        if not isinstance(target, StreamBase):
+            fresh: Self = make(target, len(snapshots), autoreset=autoreset, **options)
+            return fresh
+        if target._channel_class is not cls._channel_class:
+            raise TypeError(
+                f"a {cls.__qualname__} cannot fork from a {type(target).__qualname__}: "
+                "blocking and asyncio sessions do not share channels"
+            )
+        inherited = {k: v for k, v in target._options.items() if k != "recovery"}
+        fork: Self = make(
+            target._core.stub, len(snapshots), autoreset=autoreset, **{**inherited, **options}
+        )
+        target._share_with(fork)
+        return fork
 
     def _single_state(self, index: int, answer: tuple[dict[int, Any], Any]) -> Any:
         """The state of env ``index`` from a state answer.

@@ -13,7 +13,8 @@ from typing import Any, Literal
 
 from google.protobuf.message import DecodeError, Message
 
-from openenv_grpc.client.errors import EnvError, InvalidRequest
+from openenv_grpc.client.errors import EnvError, InvalidRequest, VectorEnvError
+from openenv_grpc.client.outcome import Restored
 from openenv_grpc.client.protocol import SessionTypes, StreamProtocol, pack_typed, status_code
 from openenv_grpc.client.vector_outcome import VectorOutcome
 from openenv_grpc.codec import info_from_struct, type_url
@@ -126,6 +127,36 @@ class VectorProtocol(StreamProtocol):
             request.state.indices.extend(indices)
         return request
 
+    def snapshot_request(self, indices: Indices) -> pb.VectorSessionRequest:
+        request: pb.VectorSessionRequest = self._envelope()
+        request.snapshot.SetInParent()
+        self._named(indices, request.snapshot.indices)
+        return request
+
+    def restore_request(
+        self, snapshots: Sequence[bytes], indices: Indices
+    ) -> pb.VectorSessionRequest:
+        """A restore of the envs named (all by default), one snapshot each.
+
+        Raises:
+            InvalidRequest: not one snapshot per env named (nothing is sent).
+            TypeError: a snapshot is not bytes (nothing is sent).
+        """
+        request: pb.VectorSessionRequest = self._envelope()
+        restore = request.restore
+        restore.SetInParent()
+        named = self._named(indices, restore.indices)
+        if isinstance(snapshots, bytes | bytearray | memoryview) or len(snapshots) != len(named):
+            count = "one snapshot" if isinstance(snapshots, bytes) else f"{len(snapshots)}"
+            raise InvalidRequest(
+                f"{count} for {len(named)} envs: give a list of one snapshot per env named"
+            )
+        for data in snapshots:
+            if not isinstance(data, bytes | bytearray | memoryview):
+                raise TypeError(f"a snapshot is bytes, got {type(data).__qualname__}")
+            restore.snapshots.append(bytes(data))
+        return request
+
     def _named(self, indices: Indices, target: Any) -> Sequence[int]:
         if indices is None:
             return range(self.num_envs)
@@ -207,6 +238,39 @@ class VectorProtocol(StreamProtocol):
             for index, entry in zip(result.indices, result.states, strict=True)
         }
         return states, _errors(result.errors)
+
+    def snapshots(self, response: pb.VectorSessionResponse) -> list[bytes]:
+        """The answer to a snapshot command: one snapshot per env named, in index order.
+
+        Raises:
+            VectorEnvError: some envs could not be captured (the others' snapshots are
+                dropped: ask again for those).
+            EnvError: the request was refused.
+        """
+        result: pb.VectorSnapshots = self._outcome(response, "snapshots")
+        if result.errors:
+            raise VectorEnvError("snapshot", _errors(result.errors), list(result.indices))
+        return [bytes(entry.snapshot) for entry in result.snapshots]
+
+    def restored(self, response: pb.VectorSessionResponse) -> list[Restored]:
+        """The answer to a restore command: where each env named now is, in index order.
+
+        Raises:
+            VectorEnvError: some envs were not restored (``done``: those that were).
+            EnvError: the request was refused (nothing was restored).
+        """
+        result: pb.VectorRestored = self._outcome(response, "restored")
+        episode_ids, step_counts = self.episode_ids, self.step_counts
+        out = []
+        for index, entry in zip(result.indices, result.restored, strict=True):
+            episode_ids[index] = entry.episode_id
+            step_counts[index] = entry.step_count
+            out.append(
+                Restored(entry.episode_id, entry.step_count, entry.terminated, entry.truncated)
+            )
+        if result.errors:
+            raise VectorEnvError("restore", _errors(result.errors), list(result.indices))
+        return out
 
 
 def _per_env(values: Any, named: Sequence[int], what: str) -> Sequence[Any]:
