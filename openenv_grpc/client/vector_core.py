@@ -37,10 +37,10 @@ class VectorBase(StreamBase):
 
         Raises:
             ValueError: N is not a positive int, or the mode is not one of Gymnasium's.
-            TypeError: ``recovery`` was given (vector streams have no snapshots).
+            TypeError: ``recovery`` was given (vector streams do not recover).
         """
         if options.get("recovery") is not None:
-            raise TypeError("recovery is for one-env sessions: a vector stream cannot restore")
+            raise TypeError("recovery is for one-env sessions (a vector stream does not recover)")
         if isinstance(num_envs, bool) or not isinstance(num_envs, int) or num_envs < 1:
             raise ValueError(f"num_envs must be a positive int, got {num_envs!r}")
         mode = autoreset.value if isinstance(autoreset, AutoresetMode) else str(autoreset)
