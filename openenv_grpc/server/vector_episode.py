@@ -93,8 +93,8 @@ class _Phase(enum.IntEnum):
 
 _NEEDS_RESET = {
     _Phase.NO_EPISODE: "step before reset: reset it first",
-    _Phase.TERMINATED: "the episode has terminated (autoreset is disabled): reset it",
-    _Phase.TRUNCATED: "the episode was truncated (autoreset is disabled): reset it",
+    _Phase.TERMINATED: "the episode has terminated and no autoreset is due: reset it",
+    _Phase.TRUNCATED: "the episode was truncated and no autoreset is due: reset it",
     _Phase.BROKEN: "the environment failed during this episode: reset it",
 }
 
