@@ -188,6 +188,14 @@ def test_a_restored_ended_episode_autoresets_at_its_next_step(
         envs.restore(data[:1])  # an ended episode under DISABLED must be reset first
         blocked = envs.step(say("e"))
         assert blocked.errors[0].code is FAILED_PRECONDITION
+        assert "truncated and no autoreset is due: reset it" in blocked.errors[0].message
+    with EchoVectorEnv(server.target, 1, autoreset=AutoresetMode.SAME_STEP) as envs:
+        envs.restore(data[:1])  # SAME_STEP resets in the step that ends: none is due now
+        blocked = envs.step(say("f"))
+        assert blocked.errors[0].code is FAILED_PRECONDITION
+        assert "no autoreset is due" in blocked.errors[0].message
+        envs.reset(options=EchoResetOptions(max_steps=5))
+        assert not envs.step(say("g")).errors  # the stream goes on after a reset
     server.settled()
 
 
