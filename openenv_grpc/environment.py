@@ -139,7 +139,9 @@ class Environment(_EnvironmentBase[ActionT, ObservationT, StateT, ResetOptionsT]
     #:   blocked; time the OS gave other processes does not), and each move back doubles
     #:   the run of cheap calls the next move needs, so an env near the threshold settles
     #:   on the pool. Every move is logged (INFO to the loop; WARNING back, with how long
-    #:   the loop was blocked).
+    #:   the loop was blocked). A vector stream's batch calls of N envs are measured
+    #:   apart, per N, against N times the threshold, at most the interpreter's switch
+    #:   interval (5 ms): a pooled call that holds the GIL delays the loop that long anyway.
     #:   When a step timeout applies (the server's ``--step-timeout`` or
     #:   :attr:`step_timeout`), measured calls always run on the pool, where a call past
     #:   it can be given up on. The factory and :meth:`close` always run on the pool.

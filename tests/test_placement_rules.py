@@ -4,6 +4,7 @@ the test that tells an env's own time from time the OS gave other processes."""
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from time import thread_time
 
@@ -16,6 +17,7 @@ from openenv_grpc.server.placement import (
     STRIKE_WINDOW,
     CallPlacement,
     CostGroup,
+    batch_threshold,
     own_cost,
     switches,
 )
@@ -174,3 +176,11 @@ def test_the_calls_of_a_measured_env_are_counted_where_they_ran(group) -> None:
 
     group.call_inline(stall)
     assert not group.inline
+
+
+def test_a_batch_call_is_held_to_n_calls_up_to_the_switch_interval() -> None:
+    switch = sys.getswitchinterval()
+    assert batch_threshold(0.001, 1) == 0.001
+    assert batch_threshold(0.0001, 4) == pytest.approx(0.0004)
+    assert batch_threshold(0.001, 64) == switch  # capped: pooled, the GIL waits that long
+    assert batch_threshold(0.050, 64) == 0.050  # never below one call's threshold

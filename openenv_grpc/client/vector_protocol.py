@@ -173,32 +173,45 @@ class VectorProtocol(StreamProtocol):
             ProtocolError: the server answered something else.
         """
         result: pb.VectorResult = self._outcome(response, "result")
-        indices = list(result.indices)
-        ids, counts = list(result.episode_ids), list(result.step_counts)
-        episode_ids, step_counts = self.episode_ids, self.step_counts
-        for index, episode_id, count in zip(indices, ids, counts, strict=True):
-            episode_ids[index] = episode_id
-            step_counts[index] = count
+        # Slices, not list(): upb copies a repeated field into a list in one call.
+        indices = result.indices[:]
+        ids, counts = result.episode_ids[:], result.step_counts[:]
+        if len(indices) == self.num_envs == len(ids) == len(counts):
+            # Every env answered (rows in index order): the columns are the whole books.
+            self.episode_ids, self.step_counts = ids[:], counts[:]
+        else:
+            episode_ids, step_counts = self.episode_ids, self.step_counts
+            for index, episode_id, count in zip(indices, ids, counts, strict=True):
+                episode_ids[index] = episode_id
+                step_counts[index] = count
         decode = self._decode
-        observations = self._observations(result.observations)
-        autoreset = list(result.autoreset) or [False] * len(indices)
-        finals = [index for index, auto in zip(indices, autoreset, strict=True) if auto]
+        observations = self._observations(result.observations) if result.observations else []
+        marks = result.autoreset[:]
+        if marks:
+            autoreset = marks
+            finals = [index for index, auto in zip(indices, marks, strict=True) if auto]
+        else:
+            autoreset, finals = [False] * len(indices), []
         return VectorOutcome(
             indices=indices,
             observations=observations,
-            rewards=list(result.rewards),
-            terminated=list(result.terminated),
-            truncated=list(result.truncated),
+            rewards=result.rewards[:],
+            terminated=result.terminated[:],
+            truncated=result.truncated[:],
             episode_ids=ids,
             step_counts=counts,
-            infos={index: info_from_struct(info) for index, info in result.infos.items()},
+            infos={index: info_from_struct(info) for index, info in result.infos.items()}
+            if result.infos
+            else {},
             autoreset=autoreset,
             final_observations={
                 index: decode(o, "observation")
                 for index, o in zip(finals, result.final_observations, strict=False)
             },
-            final_infos={index: info_from_struct(i) for index, i in result.final_infos.items()},
-            errors=_errors(result.errors),
+            final_infos={index: info_from_struct(i) for index, i in result.final_infos.items()}
+            if result.final_infos
+            else {},
+            errors=_errors(result.errors) if result.errors else {},
             batch_payload=result.batch_observation
             if result.HasField("batch_observation")
             else None,

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import resource
+import sys
 from collections.abc import Callable
 from time import perf_counter, thread_time
 from typing import Any, Final
@@ -41,6 +42,7 @@ __all__ = [
     "CallPlacement",
     "CostGroup",
     "PooledCall",
+    "batch_threshold",
     "own_cost",
     "switches",
 ]
@@ -59,6 +61,20 @@ STALL_FACTOR: Final = 50
 MAX_GROUPS: Final = 1024
 
 _RUSAGE_THREAD: int | None = getattr(resource, "RUSAGE_THREAD", None)
+
+
+def batch_threshold(threshold: float, size: int) -> float:
+    """The inline threshold of a batch call over ``size`` envs: ``size`` times one env
+    call's ``threshold``, at most the interpreter's switch interval (5 ms), never less
+    than ``threshold``.
+
+    Why the switch interval: a pooled call that holds the GIL keeps the event loop waiting
+    up to that long anyway before the loop gets the GIL back, so a GIL-bound batch under it
+    blocks the loop no longer inline than pooled, and inline it saves the thread hop and
+    the loop's wake-up (for 64 CartPoles, ~0.6 ms of env work, a third of the server's CPU
+    per vector step).
+    """
+    return max(threshold, min(threshold * size, sys.getswitchinterval()))
 
 
 def switches() -> int:

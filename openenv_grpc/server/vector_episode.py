@@ -494,11 +494,15 @@ class VectorDriver:
                     for k, (index, action) in enumerate(zip(indices, actions, strict=True))
                 ]
             wire: Any = actions
-            for index in indices:
-                if phases[index] not in steppable:
-                    blocked[index] = RowError(
-                        _FAILED_PRECONDITION, f"env {index}: {_NEEDS_RESET[phases[index]]}"
-                    )
+            # The phases of the envs named, as a set: one pass in C for the common case
+            # where every one may step.
+            named = set(phases) if indices is self._all else {phases[i] for i in indices}
+            if not named <= steppable:
+                for index in indices:
+                    if phases[index] not in steppable:
+                        blocked[index] = RowError(
+                            _FAILED_PRECONDITION, f"env {index}: {_NEEDS_RESET[phases[index]]}"
+                        )
             if blocked:  # the others step; these answer their own errors
                 keep = [k for k, index in enumerate(indices) if index not in blocked]
                 indices = [indices[k] for k in keep]
@@ -679,6 +683,43 @@ class VectorDriver:
     def _book_step(self, outcome: BatchOutcome) -> int:
         """Advance each env's episode from a step's rows; returns the env steps taken
         (a NEXT_STEP autoreset row took none)."""
+        # Every env answered: the rows are 0 .. size - 1, booked as whole columns.
+        full = len(outcome.rows) == self._size
+        stepped = self._book_all(outcome) if full else self._book_rows(outcome)
+        self._book_errors(outcome.errors)
+        return stepped
+
+    def _book_all(self, outcome: BatchOutcome) -> int:
+        """:meth:`_book_step` when every env has a row: whole columns at once."""
+        terminated, truncated, marks = outcome.terminated, outcome.truncated, outcome.autoreset
+        running, ended, cut = _Phase.RUNNING, _Phase.TERMINATED, _Phase.TRUNCATED
+        if marks is None:
+            self.step_counts = [count + 1 for count in self.step_counts]
+            if True in terminated or True in truncated:
+                self.phases = [
+                    ended if term else cut if trunc else running
+                    for term, trunc in zip(terminated, truncated, strict=True)
+                ]
+            else:
+                self.phases = [running] * self._size
+            return self._size
+        self.step_counts = [
+            0 if auto else count + 1 for count, auto in zip(self.step_counts, marks, strict=True)
+        ]
+        self.phases = [
+            running if auto else ended if term else cut if trunc else running
+            for term, trunc, auto in zip(terminated, truncated, marks, strict=True)
+        ]
+        ids, new_ids = self.episode_ids, outcome.new_episode_ids
+        autoreset = [index for index, auto in enumerate(marks) if auto]
+        for index in autoreset:  # a new episode began: the row's observation is its first
+            ids[index] = new_ids.get(index) or uuid.uuid4().hex
+        if self._mode is AutoresetMode.SAME_STEP:
+            return self._size  # SAME_STEP's autoreset rows also took the ending step
+        return self._size - len(autoreset)
+
+    def _book_rows(self, outcome: BatchOutcome) -> int:
+        """:meth:`_book_step` for some envs' rows, one by one."""
         phases, ids, counts = self.phases, self.episode_ids, self.step_counts
         marks = outcome.autoreset
         stepped = 0
@@ -687,29 +728,22 @@ class VectorDriver:
                 outcome.rows, outcome.terminated, outcome.truncated, strict=True
             ):
                 counts[index] += 1
-                if terminated:
-                    phases[index] = _Phase.TERMINATED
-                elif truncated:
-                    phases[index] = _Phase.TRUNCATED
-                else:
-                    phases[index] = _Phase.RUNNING
-            stepped = len(outcome.rows)
-        else:
-            same_step = self._mode is AutoresetMode.SAME_STEP
-            new_ids = outcome.new_episode_ids
-            for index, terminated, truncated, auto in zip(
-                outcome.rows, outcome.terminated, outcome.truncated, marks, strict=True
-            ):
-                if auto:  # a new episode began: the row's observation is its first
-                    ids[index] = new_ids.get(index) or uuid.uuid4().hex
-                    counts[index] = 0
-                    phases[index] = _Phase.RUNNING
-                    stepped += same_step  # SAME_STEP's row also took the ending step
-                else:
-                    counts[index] += 1
-                    phases[index] = _ended_phase(terminated, truncated)
-                    stepped += 1
-        self._book_errors(outcome.errors)
+                phases[index] = _ended_phase(terminated, truncated)
+            return len(outcome.rows)
+        same_step = self._mode is AutoresetMode.SAME_STEP
+        new_ids = outcome.new_episode_ids
+        for index, terminated, truncated, auto in zip(
+            outcome.rows, outcome.terminated, outcome.truncated, marks, strict=True
+        ):
+            if auto:  # a new episode began: the row's observation is its first
+                ids[index] = new_ids.get(index) or uuid.uuid4().hex
+                counts[index] = 0
+                phases[index] = _Phase.RUNNING
+                stepped += same_step  # SAME_STEP's row also took the ending step
+            else:
+                counts[index] += 1
+                phases[index] = _ended_phase(terminated, truncated)
+                stepped += 1
         return stepped
 
     def _book_errors(self, errors: dict[int, RowError]) -> None:
@@ -741,9 +775,9 @@ class VectorDriver:
         """Copy a batch's outcome and the envs' bookkeeping into the wire's columns."""
         ids, counts = self.episode_ids, self.step_counts
         rows = outcome.rows
-        fill_result(
-            result, outcome, self._obs_url, [ids[i] for i in rows], [counts[i] for i in rows]
-        )
+        if len(rows) != self._size:  # else rows are every env in order: the lists as they are
+            ids, counts = [ids[i] for i in rows], [counts[i] for i in rows]
+        fill_result(result, outcome, self._obs_url, ids, counts)
 
     def _answer(
         self,

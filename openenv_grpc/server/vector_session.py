@@ -21,7 +21,7 @@ from openenv_grpc.environment import AutoresetMode
 from openenv_grpc.metadata import AUTORESET_KEY, AUTORESET_VALUES, BATCH_KEY, NUM_ENVS_KEY
 from openenv_grpc.server.backend import SessionBackend
 from openenv_grpc.server.env_process_pool import EnvProcessPool
-from openenv_grpc.server.placement import CallPlacement
+from openenv_grpc.server.placement import CallPlacement, batch_threshold
 from openenv_grpc.server.runner import EnvRunner
 from openenv_grpc.server.session import Held, SessionManager
 from openenv_grpc.server.vector_batch import batch_spec, natively_batched
@@ -96,14 +96,16 @@ class VectorSessions:
 
     def _placement(self, size: int) -> CallPlacement | None:
         """Where a measured env's batch calls of ``size`` envs run (None: the pool, also
-        beyond :data:`_MAX_PLACEMENTS` sizes; not a measured env: unused)."""
+        beyond :data:`_MAX_PLACEMENTS` sizes; not a measured env: unused), against the
+        threshold of a batch of that size (``placement.batch_threshold``)."""
         measured = self._manager.spec.placement
         if measured is None:
             return None
         found = self._placements.get(size)
         if found is None and len(self._placements) < _MAX_PLACEMENTS:
             name = f"{self._manager.spec.name} (vector of {size})"
-            found = self._placements[size] = CallPlacement(measured.threshold, name)
+            threshold = batch_threshold(measured.threshold, size)
+            found = self._placements[size] = CallPlacement(threshold, name)
         return found
 
     async def serve(self, context: _Context) -> None:

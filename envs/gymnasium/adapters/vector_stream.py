@@ -161,6 +161,8 @@ class VectorStream:
             finals = self._view(outcome.batch_final_payload, len(ended))
         final_row = {i: j for j, i in enumerate(ended)} if finals is not None else {}
         infos = outcome.infos
+        if not infos and not final_row:
+            return batch  # classic control: no row has an info
         for i in range(n):
             if i in final_row:  # SAME_STEP: the ended episode's last observation and info
                 final_info = dict(outcome.final_infos.get(i, {}))
