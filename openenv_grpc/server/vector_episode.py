@@ -81,6 +81,8 @@ _UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED.value[0]
 _REPLACED = {_UNAVAILABLE, _DEADLINE_EXCEEDED}
 _REQUEST_NAME = pb.VectorSessionRequest.DESCRIPTOR.full_name
 _ANSWER_MODES = {pb.VECTOR_ANSWER_MODE_UNSPECIFIED, pb.VECTOR_ANSWER_MODE_ALL}
+#: Envs whose states a large state command reads first, to measure their size.
+_STATE_PROBE = 16
 
 
 class _Phase(enum.IntEnum):
@@ -361,8 +363,9 @@ class VectorDriver:
     """The request handler of one vector stream of ``size`` envs (``backend.SessionBackend``)."""
 
     __slots__ = (
-        "_action_url", "_all", "_calling", "_calls", "_ends", "_mode", "_obs_url", "_seal",
-        "_size", "_spec", "_state_url", "_steppable", "episode_ids", "phases", "step_counts",
+        "_action_url", "_all", "_calling", "_calls", "_ends", "_max_response", "_mode",
+        "_obs_url", "_seal", "_size", "_spec", "_state_url", "_steppable", "episode_ids",
+        "phases", "step_counts",
     )  # fmt: skip
 
     def __init__(
@@ -372,10 +375,15 @@ class VectorDriver:
         autoreset: AutoresetMode,
         calls: BatchCalls,
         snapshots: SnapshotSeal | None = None,
+        *,
+        max_response: int | None = None,
     ) -> None:
         self._spec = spec
         #: Seals and opens the envs' snapshots (the server's key ring and size limit).
         self._seal = snapshots if snapshots is not None else default_seal(spec.name, spec.version)
+        #: The largest response the stream may send (--max-message-bytes); None: no check
+        #: here (the session still checks the serialized answer).
+        self._max_response = max_response
         self._size = size
         self._mode = autoreset
         self._calls = calls
@@ -515,6 +523,11 @@ class VectorDriver:
         seconds = time.perf_counter() - started
         outcome.errors.update(blocked)
         stepped = self._book_step(outcome)
+        too_large = self._too_large("step", _result_bytes(outcome))
+        if too_large is not None:
+            return self._oversize(
+                response, too_large, Outcome.STEPPED, outcome.errors, seconds, stepped
+            )
         self._fill(response.result, outcome)
         return self._answer(response, Outcome.STEPPED, outcome.errors, seconds, stepped)
 
@@ -573,12 +586,18 @@ class VectorDriver:
             counts[index] = 0
             phases[index] = _ended_phase(terminated, truncated)
         self._book_errors(outcome.errors)
+        too_large = self._too_large("reset", _result_bytes(outcome))
+        if too_large is not None:
+            return self._oversize(response, too_large, Outcome.RESET, outcome.errors)
         self._fill(response.result, outcome)
         return self._answer(response, Outcome.RESET, outcome.errors)
 
     async def _state(self, command: pb.VectorState, response: pb.VectorSessionResponse) -> Answer:
         indices = self._indices(command.indices)
-        states = await self._calls.state(indices)
+        states, payload = await self._states_within(indices)
+        too_large = self._too_large("state", payload)
+        if too_large is not None:
+            return self._oversize(response, too_large, Outcome.STATE, states.errors)
         fill_states(response.states, states, self._state_url, self.episode_ids, self.step_counts)
         return self._answer(response, Outcome.STATE, states.errors)
 
@@ -677,6 +696,33 @@ class VectorDriver:
             "implement snapshot() and restore()); the stream goes on",
         )
         return dict.fromkeys(indices, error)
+
+    async def _states_within(self, indices: Sequence[int]) -> tuple[BatchStates, int]:
+        """The states of ``indices`` and their bytes, read no further than the message
+        limit: a first call about a few envs measures a state's size, the next ones name
+        as many envs as fit in what is left of the limit (all the others, usually). Once
+        over the limit the envs not read yet are left alone, so one small request never
+        makes the envs build much more than one message of states (N envs' frames would
+        be N times a frame)."""
+        limit, count = self._max_response, len(indices)
+        if limit is None or count <= _STATE_PROBE:
+            states = await self._calls.state(indices)
+            return states, sum(map(len, states.states))
+        out = BatchStates()
+        payload = start = 0
+        chunk = _STATE_PROBE
+        while start < count:
+            part = await self._calls.state(indices[start : start + chunk])
+            out.rows.extend(part.rows)
+            out.states.extend(part.states)
+            out.errors.update(part.errors)
+            payload += sum(map(len, part.states))
+            start += chunk
+            if payload > limit:
+                break
+            per_env = payload / start
+            chunk = count if not per_env else int((limit - payload) / per_env) + 1
+        return out, payload
 
     # -- bookkeeping ----------------------------------------------------------------------
 
@@ -790,6 +836,45 @@ class VectorDriver:
         codes = tuple(_CODE_NAMES.get(e.code, str(e.code)) for e in errors.values())
         return Answer(response.SerializeToString(), outcome, seconds, steps=steps, env_errors=codes)
 
+    def _too_large(self, command: str, payload: int) -> str | None:
+        """The in-band message for a result whose payloads alone (``payload`` bytes: a lower
+        bound of its size) are over the message limit; None when they are not.
+
+        Checked before the columns are filled: an over-large answer would only be built
+        and serialized on the event loop to be thrown away (N frames of N envs' states
+        are hundreds of MB from one small request). The session checks the serialized
+        answer too, for what this bound does not see (infos, ids, framing)."""
+        limit = self._max_response
+        if limit is None or payload <= limit:
+            return None
+        return (
+            f"the {command} response is at least {payload} bytes, over the server's message "
+            f"limit of {limit} bytes (--max-message-bytes): the {command} took effect but "
+            "its result cannot be sent (name fewer envs per request, by indices); the "
+            "session goes on"
+        )
+
+    def _oversize(
+        self,
+        response: pb.VectorSessionResponse,
+        message: str,
+        outcome: Outcome,
+        errors: dict[int, RowError],
+        seconds: float = 0.0,
+        steps: int = 0,
+    ) -> Answer:
+        """The RESOURCE_EXHAUSTED answer of a call that took effect but whose result is
+        over the limit; counted as the session counts such an answer: the call's steps
+        and per-env errors, and one RESOURCE_EXHAUSTED."""
+        response.ClearField("outcome")
+        response.error.code = _RESOURCE_EXHAUSTED
+        response.error.message = message
+        codes = tuple(_CODE_NAMES.get(e.code, str(e.code)) for e in errors.values())
+        return Answer(
+            response.SerializeToString(), outcome, seconds, steps=steps,
+            env_errors=(*codes, grpc.StatusCode.RESOURCE_EXHAUSTED.name),
+        )  # fmt: skip
+
     def _refusal(
         self,
         response: pb.VectorSessionResponse,
@@ -861,6 +946,15 @@ def _bad_indices(indices: list[int], size: int) -> str:
         seen.add(index)
         previous = index
     return "bad indices"
+
+
+def _result_bytes(outcome: BatchOutcome) -> int:
+    """The bytes of a result's observations: a lower bound of its serialized size."""
+    size = sum(map(len, outcome.observations)) + sum(map(len, outcome.final_observations))
+    for batch in (outcome.batch_observation, outcome.batch_final_observation):
+        if batch is not None:
+            size += len(batch)
+    return size
 
 
 def _ended_phase(terminated: bool, truncated: bool) -> _Phase:

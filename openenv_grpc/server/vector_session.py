@@ -147,7 +147,10 @@ class VectorSessions:
             held.owns_slot = False
             runner = await make()
             calls = LocalBatchCalls(runner, replacement, manager.call_timeout)
-        return VectorDriver(manager.spec, size, autoreset, calls, manager.snapshots)
+        return VectorDriver(
+            manager.spec, size, autoreset, calls, manager.snapshots,
+            max_response=manager.config.max_message_bytes,
+        )  # fmt: skip
 
 
 class _VectorOpening:

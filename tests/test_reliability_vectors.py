@@ -1,0 +1,72 @@
+"""Attacks on VectorSession streams, each with the bound it must keep (real servers on
+loopback): what one small request may make the server build, and do on its event loop."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import grpc
+
+from openenv_grpc.v1 import session_pb2 as pb
+from support.big_states import STATE_CHARS
+from support.raw_vector import RawVector
+
+RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+LIMIT = 200_000
+
+
+def _state_calls(server) -> int:  # type: ignore[no-untyped-def]
+    path = Path(f"{server.ledger}.states")
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_a_state_of_all_over_the_limit_reads_no_more_than_a_message_of_states(
+    start_server,
+) -> None:
+    """A 2-byte ``VectorState{}`` of 256 envs with 10 kB states: 2.5 MB of states, over a
+    200 kB limit. Refused in-band (RESOURCE_EXHAUSTED, naming the limit) once a message's
+    worth is read: the other envs' ``state()`` never runs. (Before: all 256 ran and the
+    answer was built and serialized on the event loop, to be thrown away: with 256
+    CartPole frames, 1.3 GB of server memory and health stalled 1.2 s per request.)"""
+    server = start_server(
+        "support.big_states:BigStateEchoEnv", "--max-message-bytes", str(LIMIT),
+        "--max-concurrent-envs", "256",
+    )  # fmt: skip
+    stream = RawVector(server.target, 256)
+    stream.reset()
+    request = pb.VectorSessionRequest(state=pb.VectorState())
+    assert request.ByteSize() <= 2
+    refused = stream.send(request)
+    assert refused.error.code == RESOURCE_EXHAUSTED
+    message = refused.error.message
+    assert f"{LIMIT} bytes (--max-message-bytes)" in message and "fewer envs" in message
+    # A probe of 16, then as many as fit in what is left, then one more: ~20, not 256.
+    read = _state_calls(server)
+    assert LIMIT // (STATE_CHARS + 16) <= read <= 16 + LIMIT // STATE_CHARS + 2
+    # The stream goes on; a state that fits is read in pieces and answered whole, in order.
+    indices = list(range(3, 21))  # 18 envs, 180 kB: the probe of 16, then 2
+    states = stream.send(pb.VectorSessionRequest(state=pb.VectorState(indices=indices))).states
+    assert list(states.indices) == indices and len(states.states) == 18
+    assert all(entry.episode_id and entry.step_count == 0 for entry in states.states)
+    small = stream.send(pb.VectorSessionRequest(state=pb.VectorState(indices=[0, 255])))
+    assert list(small.states.indices) == [0, 255]
+    stream.end()
+    server.wait_until(lambda: server.active() == 0 and server.closed_envs() == 256)
+
+
+def test_an_oversize_vector_answer_keeps_the_event_loop_free(start_server) -> None:
+    """Repeated over-limit state commands of 256 envs: health keeps answering promptly."""
+    server = start_server(
+        "support.big_states:BigStateEchoEnv", "--max-message-bytes", str(LIMIT),
+        "--max-concurrent-envs", "256",
+    )  # fmt: skip
+    stream = RawVector(server.target, 256)
+    stream.reset()
+    started = time.monotonic()
+    for _ in range(5):
+        answer = stream.send(pb.VectorSessionRequest(state=pb.VectorState()))
+        assert answer.error.code == RESOURCE_EXHAUSTED
+    assert time.monotonic() - started < 5.0
+    assert _state_calls(server) <= 5 * (16 + LIMIT // STATE_CHARS + 2)
+    stream.end()
