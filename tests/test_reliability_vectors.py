@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import grpc
+import pytest
 
 from openenv_grpc.v1 import session_pb2 as pb
 from support.big_states import STATE_CHARS
@@ -70,3 +71,49 @@ def test_an_oversize_vector_answer_keeps_the_event_loop_free(start_server) -> No
     assert time.monotonic() - started < 5.0
     assert _state_calls(server) <= 5 * (16 + LIMIT // STATE_CHARS + 2)
     stream.end()
+
+
+#: EnvPool kwargs that, passed through, end the whole server process (exit 1: a missing
+#: ROM; SIGSEGV: stack_num or noop_max 0; SIGABRT: num_threads -1, an image size 0), or
+#: make it hold a lot for a few bytes (3,000 threads; 1.6 GB for 4 envs of 2000x2000).
+HOSTILE_ENVPOOL_KWARGS = [
+    {"task": "nope"},
+    {"base_path": "/nonexistent"},
+    {"stack_num": 0},
+    {"noop_max": 0},
+    {"num_threads": -1},
+    {"num_threads": 3000},
+    {"thread_affinity_offset": 0},
+    {"img_height": 0},
+    {"img_height": 2000, "img_width": 2000},
+    {"frame_skip": 1_000_000},
+    {"gray_scale": "no"},
+    {"no_such_setting": 1},
+]
+
+
+def test_envpool_kwargs_cannot_end_or_swell_the_server(start_server) -> None:
+    pytest.importorskip("envpool")
+    from openenv_grpc.codec import pack
+    from openenv_grpc_envs.gymnasium.v1.gymnasium_pb2 import Backend, GymnasiumResetOptions
+
+    server = start_server("gymnasium")
+    neighbour = RawVector(server.target, 2)
+    cartpole = pack(GymnasiumResetOptions(env_id="CartPole-v1"))
+    assert neighbour.reset([pb.ResetCommand(options=cartpole)] * 2).HasField("result")
+    threads = len(list(Path(f"/proc/{server.proc.pid}/task").iterdir()))
+    stream = RawVector(server.target, 2)
+    for kwargs in HOSTILE_ENVPOOL_KWARGS:
+        options = GymnasiumResetOptions(env_id="Pong-v5", backend=Backend.BACKEND_ENVPOOL)
+        options.kwargs.update(kwargs)
+        answer = stream.reset([pb.ResetCommand(options=pack(options))] * 2)
+        assert answer.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0], kwargs
+        assert "EnvPool kwarg" in answer.error.message, answer.error.message
+        assert server.proc.poll() is None, f"{kwargs} ended the server"
+    assert len(list(Path(f"/proc/{server.proc.pid}/task").iterdir())) <= threads + 4
+    assert neighbour.send(pb.VectorSessionRequest(state=pb.VectorState())).HasField("states")
+    # The id's own settings within bounds still work.
+    options = GymnasiumResetOptions(env_id="Pong-v5", backend=Backend.BACKEND_ENVPOOL)
+    options.kwargs.update({"frame_skip": 2, "stack_num": 2, "gray_scale": False})
+    result = stream.reset([pb.ResetCommand(seed=1, options=pack(options))] * 2).result
+    assert list(result.indices) == [0, 1]
