@@ -88,6 +88,7 @@ HOSTILE_ENVPOOL_KWARGS = [
     {"img_height": 2000, "img_width": 2000},
     {"frame_skip": 1_000_000},
     {"gray_scale": "no"},
+    {"repeat_action_probability": 2.0},
     {"no_such_setting": 1},
 ]
 
@@ -109,6 +110,17 @@ def test_envpool_kwargs_cannot_end_or_swell_the_server(start_server) -> None:
         answer = stream.reset([pb.ResetCommand(options=pack(options))] * 2)
         assert answer.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0], kwargs
         assert "EnvPool kwarg" in answer.error.message, answer.error.message
+        assert server.proc.poll() is None, f"{kwargs} ended the server"
+    # Other families' settings are not served at all (MiniGrid's size=2 or
+    # mission_bytes=1 abort the process or corrupt its heap).
+    for kwargs in ({"size": 2}, {"mission_bytes": 1}):
+        options = GymnasiumResetOptions(
+            env_id="MiniGrid-Empty-5x5-v0", backend=Backend.BACKEND_ENVPOOL
+        )
+        options.kwargs.update(kwargs)
+        answer = stream.reset([pb.ResetCommand(options=pack(options))] * 2)
+        assert answer.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0], kwargs
+        assert "is not served" in answer.error.message
         assert server.proc.poll() is None, f"{kwargs} ended the server"
     assert len(list(Path(f"/proc/{server.proc.pid}/task").iterdir())) <= threads + 4
     assert neighbour.send(pb.VectorSessionRequest(state=pb.VectorState())).HasField("states")

@@ -21,10 +21,10 @@ Where EnvPool differs from Gymnasium (pinned by ``tests/test_batch_envpool.py``)
 * No rendering, and ``kwargs`` go to ``envpool.make_gymnasium`` (its own names), checked
   first (:func:`checked_kwargs`): EnvPool's C++ ends the whole process on many values a
   client could send (a missing ROM exits, ``stack_num=0`` or ``noop_max=0`` segfault,
-  ``num_threads=-1`` or an image size 0 abort), so only the id's own settings are taken,
-  never the server's (threads, affinity, asset path, task, seeds, sizes), each of its
-  default's type, the counts at least 1, the per-step work bounded and one env's
-  observation at most :data:`MAX_OBSERVATION_BYTES`.
+  ``num_threads=-1`` or an image size 0 abort, MiniGrid corrupts its heap), so only
+  Atari's preprocessing settings are taken (:data:`ALLOWED_KWARGS`, each within bounds,
+  at most :data:`MAX_OBSERVATION_BYTES` of observation per env); never the server's
+  (threads, affinity, asset path, task, seeds, sizes).
 """
 
 from __future__ import annotations
@@ -48,16 +48,26 @@ __all__ = ["EnvPoolEnvs", "envpool_ids", "envpool_installed"]
 BOOKKEEPING_KEYS = frozenset({"env_id", "players", "elapsed_step"})
 #: EnvPool takes seeds as C++ ints.
 MAX_SEED = 2**31 - 1
-#: EnvPool settings a client may not set: the server's resources and the pool's shape
-#: (threads, CPU affinity, the asset directory and the task it loads, sizes, seeds).
-SERVER_KWARGS = frozenset(
-    {
-        "num_envs", "batch_size", "num_threads", "max_num_players", "thread_affinity_offset",
-        "base_path", "task", "seed", "env_seed", "gym_reset_return_info", "max_episode_steps",
-    }
-)  # fmt: skip
-#: Upper bounds of settings that multiply the work of one step or reset.
-KWARG_MAXIMA = {"frame_skip": 64, "noop_max": 1000, "stack_num": 64}
+#: The EnvPool settings a client may set, with their bounds (inclusive; None: a bool).
+#: Only Atari's preprocessing: EnvPool's C++ ends the process (exit, SIGSEGV, SIGABRT,
+#: heap corruption) on many values of the others -- a missing ROM for ``task`` or
+#: ``base_path``, ``num_threads=-1``, MiniGrid's ``size=2`` or ``mission_bytes=1`` -- and
+#: the rest are the server's (threads, CPU affinity, sizes, seeds).
+ALLOWED_KWARGS: dict[str, tuple[float, float] | None] = {
+    "stack_num": (1, 64),
+    "frame_skip": (1, 64),
+    "noop_max": (1, 1000),
+    "img_height": (1, 1024),
+    "img_width": (1, 1024),
+    "repeat_action_probability": (0.0, 1.0),
+    "episodic_life": None,
+    "reward_clip": None,
+    "zero_discount_on_life_loss": None,
+    "use_fire_reset": None,
+    "full_action_space": None,
+    "use_inter_area_resize": None,
+    "gray_scale": None,
+}
 #: Largest observation of one env a client may configure (ALE's full 210x160 RGB screen,
 #: four stacked, is 403 kB; EnvPool keeps several batches of them).
 MAX_OBSERVATION_BYTES = 1 << 20
@@ -230,57 +240,44 @@ def checked_kwargs(env_id: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """A client's EnvPool kwargs for ``env_id``, checked before EnvPool sees them.
 
     Raises:
-        InvalidAction: a key that is not one of the id's settings or is the server's, a
-            value of another type than the setting's default, a count below 1 or over
-            its bound, or an observation over :data:`MAX_OBSERVATION_BYTES` per env.
+        InvalidAction: a key not in :data:`ALLOWED_KWARGS` or not a setting of the id, a
+            value of another type or out of its bounds, or an observation over
+            :data:`MAX_OBSERVATION_BYTES` per env.
     """
     import envpool
 
     if not kwargs:
         return {}
-    defaults = envpool.make_spec(env_id).config
-    known = set(defaults._fields) - SERVER_KWARGS
+    settings = set(envpool.make_spec(env_id).config._fields)
+    served = sorted(key for key in ALLOWED_KWARGS if key in settings)
     for key, value in kwargs.items():
-        if key not in known:
-            why = "is the server's" if key in SERVER_KWARGS else f"is not a setting of {env_id}"
+        if key not in served:
             raise InvalidAction(
-                f"EnvPool kwarg {key!r} {why}; {env_id} takes {', '.join(sorted(known))}"
+                f"EnvPool kwarg {key!r} is not served for {env_id} (this server takes "
+                f"{', '.join(served) or 'none'}; the Gymnasium backend takes make()'s kwargs)"
             )
-        default = getattr(defaults, key)
-        if not _same_kind(value, default):
-            raise InvalidAction(
-                f"EnvPool kwarg {key}={value!r}: {env_id} takes a {type(default).__name__} "
-                f"(default {default!r})"
-            )
-        if isinstance(default, int) and not isinstance(default, bool):
-            low = 1 if default >= 1 else -1
-            high = KWARG_MAXIMA.get(key, 2**31 - 1)
-            if not low <= value <= high:
-                raise InvalidAction(f"EnvPool kwarg {key}={value} must be in {low}..{high}")
+        bounds = ALLOWED_KWARGS[key]
+        if bounds is None:
+            if not isinstance(value, bool):
+                raise InvalidAction(f"EnvPool kwarg {key}={value!r} must be true or false")
+            continue
+        low, high = bounds
+        integral = isinstance(low, int)
+        number = (int,) if integral else (int, float)
+        if isinstance(value, bool) or not isinstance(value, number) or not low <= value <= high:
+            kind = "a whole number" if integral else "a number"
+            raise InvalidAction(f"EnvPool kwarg {key}={value!r} must be {kind} in {low}..{high}")
     try:
         space = envpool.make_spec(env_id, **kwargs).observation_space
-        size = int(np.prod(space.shape or ())) * np.dtype(space.dtype).itemsize
     except (TypeError, ValueError, RuntimeError, KeyError) as exc:
         raise InvalidAction(f"envpool refuses kwargs {dict(kwargs)}: {exc}") from None
+    size = int(np.prod(space.shape or ())) * np.dtype(space.dtype).itemsize
     if size > MAX_OBSERVATION_BYTES:
         raise InvalidAction(
             f"EnvPool kwargs {dict(kwargs)} make {size} bytes of observation per env; at "
             f"most {MAX_OBSERVATION_BYTES} are served"
         )
     return dict(kwargs)
-
-
-def _same_kind(value: Any, default: Any) -> bool:
-    """Whether a kwarg's value has the type of the setting's default."""
-    if isinstance(default, bool) or isinstance(value, bool):
-        return isinstance(value, bool) and isinstance(default, bool)
-    if isinstance(default, int):
-        return isinstance(value, int)
-    if isinstance(default, float):
-        return isinstance(value, (int, float)) and np.isfinite(value)
-    if isinstance(default, str):
-        return isinstance(value, str) and len(value) <= 64
-    return False
 
 
 def _seed(seed: int | None) -> int:
