@@ -129,3 +129,17 @@ def test_envpool_kwargs_cannot_end_or_swell_the_server(start_server) -> None:
     options.kwargs.update({"frame_skip": 2, "stack_num": 2, "gray_scale": False})
     result = stream.reset([pb.ResetCommand(seed=1, options=pack(options))] * 2).result
     assert list(result.indices) == [0, 1]
+
+
+def test_more_indices_than_envs_are_refused_before_they_are_copied(server) -> None:
+    """4 MB of indices for a stream of 4 envs: refused at once by their count (not after
+    copying 4 million of them on the event loop, 0.44 s per request before)."""
+    stream = RawVector(server.target, 4, options=[("grpc.max_send_message_length", 1 << 24)])
+    stream.reset()
+    flood = pb.VectorSessionRequest(state=pb.VectorState(indices=[0] * 4_000_000))
+    refused = stream.send(flood)
+    assert refused.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "4000000 indices for a stream of 4 envs" in refused.error.message
+    assert list(stream.send(pb.VectorSessionRequest(state=pb.VectorState())).states.indices) == [
+        0, 1, 2, 3,
+    ]  # fmt: skip

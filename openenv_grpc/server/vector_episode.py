@@ -908,8 +908,14 @@ class VectorDriver:
         """
         if not given:
             return self._all
-        indices = list(given)
         size = self._size
+        if len(given) > size:  # before copying: a few MB of indices would hold the loop
+            raise _Refused(
+                _INVALID_ARGUMENT,
+                f"{len(given)} indices for a stream of {size} envs: each env at most once, "
+                "strictly increasing; nothing was done",
+            )
+        indices = list(given)
         previous = -1
         for index in indices:
             if index <= previous or index >= size:
