@@ -9,7 +9,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from openenv_grpc.codec import pack
 from openenv_grpc.v1 import session_pb2 as pb
+from openenv_grpc_envs.echo import EchoAction
 from support.big_states import STATE_CHARS
 from support.raw_vector import RawVector
 
@@ -42,11 +44,11 @@ def test_a_state_of_all_over_the_limit_reads_no_more_than_a_message_of_states(
     assert refused.error.code == RESOURCE_EXHAUSTED
     message = refused.error.message
     assert f"{LIMIT} bytes (--max-message-bytes)" in message and "fewer envs" in message
-    # A probe of 16, then as many as fit in what is left, then one more: ~20, not 256.
+    # A probe of 4, then as many as fit in what is left, then one more: ~20, not 256.
     read = _state_calls(server)
-    assert LIMIT // (STATE_CHARS + 16) <= read <= 16 + LIMIT // STATE_CHARS + 2
+    assert LIMIT // (STATE_CHARS + 16) <= read <= 4 + LIMIT // STATE_CHARS + 2
     # The stream goes on; a state that fits is read in pieces and answered whole, in order.
-    indices = list(range(3, 21))  # 18 envs, 180 kB: the probe of 16, then 2
+    indices = list(range(3, 21))  # 18 envs, 180 kB: the probe of 4, then the 14 others
     states = stream.send(pb.VectorSessionRequest(state=pb.VectorState(indices=indices))).states
     assert list(states.indices) == indices and len(states.states) == 18
     assert all(entry.episode_id and entry.step_count == 0 for entry in states.states)
@@ -69,7 +71,7 @@ def test_an_oversize_vector_answer_keeps_the_event_loop_free(start_server) -> No
         answer = stream.send(pb.VectorSessionRequest(state=pb.VectorState()))
         assert answer.error.code == RESOURCE_EXHAUSTED
     assert time.monotonic() - started < 5.0
-    assert _state_calls(server) <= 5 * (16 + LIMIT // STATE_CHARS + 2)
+    assert _state_calls(server) <= 5 * (4 + LIMIT // STATE_CHARS + 2)
     stream.end()
 
 
@@ -143,3 +145,29 @@ def test_more_indices_than_envs_are_refused_before_they_are_copied(server) -> No
     assert list(stream.send(pb.VectorSessionRequest(state=pb.VectorState())).states.indices) == [
         0, 1, 2, 3,
     ]  # fmt: skip
+
+
+def test_a_snapshot_of_all_over_the_limit_captures_no_more_than_a_message(start_server) -> None:
+    """A 2-byte ``VectorSnapshot{}`` of 64 echo envs with 10 kB histories (640 kB of
+    snapshots, over a 200 kB limit): refused in-band once about a message's worth is
+    captured. (Before: all 64 captured and sealed, then thrown away; with 6 MB histories
+    a 384 MB answer, 3 s per request, RSS 1.6 GB, health stalled 2.4 s.)"""
+    server = start_server("echo", "--max-message-bytes", str(LIMIT))
+    stream = RawVector(server.target, 64)
+    stream.reset()
+    message = pack(EchoAction(message="h" * 10_000))
+    for start in range(0, 64, 16):
+        stream.step([message] * 16, indices=list(range(start, start + 16)))
+    refused = stream.send(pb.VectorSessionRequest(snapshot=pb.VectorSnapshot()))
+    assert refused.error.code == RESOURCE_EXHAUSTED
+    text = refused.error.message
+    assert f"{LIMIT} bytes (--max-message-bytes)" in text and "at least" in text
+    captured = int(text.split("at least ")[1].split()[0])
+    assert LIMIT < captured < 2 * LIMIT  # not 640 kB: the other envs were never captured
+    # The stream goes on: a snapshot that fits is taken whole, and restores.
+    taken = stream.send(pb.VectorSessionRequest(snapshot=pb.VectorSnapshot(indices=[2, 3])))
+    assert list(taken.snapshots.indices) == [2, 3]
+    data = [entry.snapshot for entry in taken.snapshots.snapshots]
+    restore = pb.VectorRestore(indices=[5, 6], snapshots=data)
+    restored = stream.send(pb.VectorSessionRequest(restore=restore)).restored
+    assert list(restored.indices) == [5, 6]

@@ -81,8 +81,8 @@ _UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED.value[0]
 _REPLACED = {_UNAVAILABLE, _DEADLINE_EXCEEDED}
 _REQUEST_NAME = pb.VectorSessionRequest.DESCRIPTOR.full_name
 _ANSWER_MODES = {pb.VECTOR_ANSWER_MODE_UNSPECIFIED, pb.VECTOR_ANSWER_MODE_ALL}
-#: Envs whose states a large state command reads first, to measure their size.
-_STATE_PROBE = 16
+#: Envs whose states (or snapshots) a large command reads first, to measure their size.
+_STATE_PROBE = 4
 
 
 class _Phase(enum.IntEnum):
@@ -619,7 +619,15 @@ class VectorDriver:
                         _FAILED_PRECONDITION, f"env {index}: {_NOTHING_TO_CAPTURE[phases[index]]}"
                     )
             self._calling = capture
-            got = await self._calls.snapshot(capture) if capture else BatchStates()
+            got, payload = (
+                await self._states_within(capture, self._calls.snapshot)
+                if capture
+                else (BatchStates(), 0)
+            )
+            too_large = self._too_large("snapshot", payload)
+            if too_large is not None:
+                errors.update(got.errors)
+                return self._oversize(response, too_large, Outcome.SNAPSHOT, errors)
             errors.update(got.errors)
             ids, counts = self.episode_ids, self.step_counts
             captured = [
@@ -697,22 +705,27 @@ class VectorDriver:
         )
         return dict.fromkeys(indices, error)
 
-    async def _states_within(self, indices: Sequence[int]) -> tuple[BatchStates, int]:
-        """The states of ``indices`` and their bytes, read no further than the message
-        limit: a first call about a few envs measures a state's size, the next ones name
-        as many envs as fit in what is left of the limit (all the others, usually). Once
-        over the limit the envs not read yet are left alone, so one small request never
-        makes the envs build much more than one message of states (N envs' frames would
-        be N times a frame)."""
+    async def _states_within(
+        self,
+        indices: Sequence[int],
+        read: Callable[[Sequence[int]], Awaitable[BatchStates]] | None = None,
+    ) -> tuple[BatchStates, int]:
+        """The states (or, with ``read=self._calls.snapshot``, the snapshots) of
+        ``indices`` and their bytes, read no further than the message limit: a first call
+        about a few envs measures one's size, the next ones name as many envs as fit in
+        what is left of the limit (all the others, usually). Once over the limit the envs
+        not read yet are left alone, so one small request never makes the envs build much
+        more than one message of them (N envs' frames or snapshots would be N times one)."""
+        read = read or self._calls.state
         limit, count = self._max_response, len(indices)
         if limit is None or count <= _STATE_PROBE:
-            states = await self._calls.state(indices)
+            states = await read(indices)
             return states, sum(map(len, states.states))
         out = BatchStates()
         payload = start = 0
         chunk = _STATE_PROBE
         while start < count:
-            part = await self._calls.state(indices[start : start + chunk])
+            part = await read(indices[start : start + chunk])
             out.rows.extend(part.rows)
             out.states.extend(part.states)
             out.errors.update(part.errors)
