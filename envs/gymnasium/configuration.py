@@ -41,6 +41,11 @@ ENV_ID_VARIABLE = "GYM_ENV_ID"
 RESERVED_KWARGS = frozenset(
     {"render_mode", "max_episode_steps", "autoreset", "apply_api_compatibility"}
 )
+#: make() arguments that multiply the work of one step (ALE's ``frameskip``, MuJoCo's
+#: ``frame_skip``), with the largest value a client may set: an env step cannot be
+#: interrupted once running, so ``frameskip=1e9`` would hold a server thread for good.
+STEP_WORK_KWARGS = {"frameskip": 64, "frame_skip": 64}
+
 #: The render modes a client may ask for ("" = none): the server has no display, so only
 #: frames it can hand back (GymnasiumState.frame).
 RENDER_MODES = ("", "rgb_array")
@@ -113,6 +118,7 @@ def config_for(
         raise InvalidAction(
             f"kwargs {reserved} are not allowed (use the render_mode and max_episode_steps fields)"
         )
+    _check_step_work(kwargs)
     if options.render_mode not in RENDER_MODES:
         raise InvalidAction(
             f"render_mode {options.render_mode!r} is not served (the server has no display): "
@@ -196,6 +202,23 @@ def describe(
     except ConversionError as exc:
         raise InvalidAction(f"env_id {config.env_id!r} cannot be served: {exc}") from None
     return description
+
+
+def _check_step_work(kwargs: dict[str, Any]) -> None:
+    """Refuse kwargs that would make one step cost without bound (see STEP_WORK_KWARGS).
+
+    Raises:
+        InvalidAction: such a kwarg is not a whole number from 1 to its bound.
+    """
+    for key, bound in STEP_WORK_KWARGS.items():
+        if key not in kwargs:
+            continue
+        value = kwargs[key]
+        if not (type(value) is int and 1 <= value <= bound):
+            raise InvalidAction(
+                f"kwargs {key}={value!r}: must be a whole number from 1 to {bound}: "
+                "it multiplies the work of every step"
+            )
 
 
 def _plain(obj: Any) -> Any:

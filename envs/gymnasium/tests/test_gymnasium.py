@@ -172,6 +172,18 @@ def test_pong_frames_match_a_local_run(env: GymnasiumEnv) -> None:
     assert not env.state().HasField("last_observation")  # too big for the state
 
 
+def test_frameskip_within_its_bound_is_made_as_asked(env: GymnasiumEnv) -> None:
+    """The step-work bound refuses 0, > 64 and non-counts (above); 64 reaches ALE, which
+    plays the same frames as a local env made alike."""
+    result = env.reset(seed=3, options=options("ALE/Pong-v5", frameskip=64))
+    local = gymnasium.make("ALE/Pong-v5", frameskip=64)
+    expected, _ = local.reset(seed=3)
+    assert np.array_equal(convert.decode(result.observation.value), expected)
+    stepped = env.step(act(discrete=2))
+    assert np.array_equal(convert.decode(stepped.observation.value), local.step(2)[0])
+    local.close()
+
+
 def test_lunar_lander_runs(env: GymnasiumEnv) -> None:
     # box2d comes with the gymnasium extra (gymnasium[box2d]); CI installs it.
     result = env.reset(seed=2, options=options("LunarLander-v3"))
@@ -283,6 +295,21 @@ def _valid(env_id: str) -> Value:
             options("CartPole-v1", render_mode="human"),
             "kwargs ['render_mode'] are not allowed (use the render_mode and "
             "max_episode_steps fields)",
+        ),
+        (
+            options("ALE/Pong-v5", frameskip=1e9),
+            "kwargs frameskip=1000000000: must be a whole number from 1 to 64: it multiplies "
+            "the work of every step",
+        ),
+        (
+            options("ALE/Pong-v5", frameskip=[2, 5]),
+            "kwargs frameskip=[2, 5]: must be a whole number from 1 to 64: it multiplies the "
+            "work of every step",
+        ),
+        (
+            options("ALE/Pong-v5", frameskip=0),
+            "kwargs frameskip=0: must be a whole number from 1 to 64: it multiplies the work "
+            "of every step",
         ),
         (
             options("FrozenLake-v1", map_name="9x9"),
