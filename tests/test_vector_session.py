@@ -42,7 +42,10 @@ def test_admission_is_all_or_nothing_before_any_env_exists(start_server) -> None
     assert ("grpc-retry-pushback-ms", "150") in tuple(refused.trailing_metadata() or ())
     never = RawVector(server.target, 5).refusal()
     assert never.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "more than its capacity of 4" in never.details()
+    assert never.details() == (
+        "5 envs asked, more than this server's capacity of 4 (1 in use now): this never fits "
+        "here; ask for fewer"
+    )
     assert not any(k == "grpc-retry-pushback-ms" for k, _ in never.trailing_metadata() or ())
     assert server.created() == 1  # no env was made for the refused opens
     three = RawVector(server.target, 3)

@@ -443,8 +443,8 @@ class SessionManager:
         elif limiter.capacity and asked > limiter.capacity:
             # Waiting never helps: no pushback, so that a retrying client gives up.
             message = (
-                f"server at {limiter.describe()}: {asked} envs asked, more than its capacity "
-                f"of {limiter.capacity}: this never fits here; ask for fewer"
+                f"{asked} envs asked, more than this server's capacity of {limiter.capacity} "
+                f"({limiter.active} in use now): this never fits here; ask for fewer"
             )
             pushback = ()
         else:
