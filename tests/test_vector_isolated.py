@@ -4,12 +4,17 @@ lived there (fresh ones take their place, to be reset) while the others answer o
 
 from __future__ import annotations
 
+import glob
+import os
+import signal
+import threading
 import time
 
 import grpc
 
 from openenv_grpc import VectorSession
 from openenv_grpc_envs.echo import EchoAction, EchoVectorEnv
+from support.raw_vector import RawVector
 
 
 def _say(*messages: str) -> list[EchoAction]:
@@ -88,3 +93,46 @@ def test_a_native_batch_lives_in_one_env_process(start_server) -> None:
         assert out.batch_observation.echoed_message == "a\nb\nc"
         assert envs.step(_say("x", "y", "z"), indices=None).step_counts == [2, 2, 2]
     server.wait_until(lambda: server.closed_envs() == 3 and server.active() == 0)
+
+
+def _env_processes(server_pid: int) -> list[int]:
+    """The server's env processes (its multiprocessing children, not the resource tracker)."""
+    children: list[str] = []
+    for path in glob.glob(f"/proc/{server_pid}/task/*/children"):
+        with open(path) as listing:
+            children += listing.read().split()
+    found = []
+    for pid in children:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            if b"spawn_main" in cmdline.read():
+                found.append(int(pid))
+    return found
+
+
+def test_an_env_process_dying_during_the_open_is_unavailable_and_leaves_nothing(
+    start_server,
+) -> None:
+    """UNAVAILABLE (not INTERNAL): nothing was made and another open may succeed, as the
+    next one here does once the pool has replaced the process."""
+    server = start_server(
+        "support.envs:SlowFactoryEnv",
+        *("--isolated", "1"),
+        extra_env={"OPENENV_TEST_FACTORY_SECONDS": "2"},
+    )
+    [victim] = _env_processes(server.proc.pid)
+    refusal: list[grpc.RpcError] = []
+    opening = threading.Thread(target=lambda: refusal.append(RawVector(server.target, 2).refusal()))
+    opening.start()
+    server.wait_until(lambda: server.active() == 2, what="the open admitted")
+    time.sleep(0.5)  # the factories are running in the env process now
+    os.kill(victim, signal.SIGKILL)
+    opening.join(30)
+    [call] = refusal
+    assert call.code() is grpc.StatusCode.UNAVAILABLE
+    assert "could not create the environment" in call.details()
+    assert "open again" in call.details()
+    server.wait_until(lambda: server.active() == 0, what="both slots freed")
+    with VectorSession(server.target, 2) as envs:  # a fresh env process serves the next open
+        envs.reset()
+        assert envs.step(_say("a", "b")).step_counts == [1, 1]
+    server.wait_until(lambda: server.active() == 0)

@@ -297,6 +297,12 @@ class SessionManager:
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT, f"the environment refused the open: {exc}"
                 )
+            except SessionLostError as exc:  # an env process died while making the env(s)
+                held.reason = "factory_error"
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"could not create the environment: {exc}; nothing was made, open again",
+                )
             except Exception as exc:
                 held.reason = "factory_error"
                 log.exception("environment factory raised")
