@@ -31,11 +31,11 @@ from openenv_grpc.server.backend import Answer, Outcome, UndecodableRequest
 from openenv_grpc.server.limiter import NoSlot
 from openenv_grpc.server.runner import EnvRunner, PoolSaturated
 from openenv_grpc.server.snapshots import (
-    CAPTURED_PHASES,
     Captured,
     SnapshotRefused,
     SnapshotSeal,
     default_seal,
+    phase_codes,
     sealing,
 )
 from openenv_grpc.server.spec import EnvSpec
@@ -86,8 +86,7 @@ _NEEDS_RESET = {
     _Phase.BROKEN: "the environment failed during this episode: call reset",
 }
 
-_CAPTURED_PHASE = {p: CAPTURED_PHASES[p.name] for p in _Phase if p.name in CAPTURED_PHASES}
-_RESTORED_PHASE: dict[int, _Phase] = {value: phase for phase, value in _CAPTURED_PHASE.items()}
+_CAPTURED_PHASE, _RESTORED_PHASE = phase_codes(_Phase)
 _NOTHING_TO_CAPTURE = {
     _Phase.NO_EPISODE: "snapshot before reset: there is no episode to capture; call reset",
     _Phase.BROKEN: "the environment failed during this episode: there is nothing "

@@ -28,6 +28,7 @@ processes: such snapshots restore on this server only, until it exits.
 from __future__ import annotations
 
 import asyncio
+import enum
 import hashlib
 import hmac
 import logging
@@ -60,6 +61,7 @@ __all__ = [
     "SnapshotSeal",
     "default_seal",
     "ephemeral_ring",
+    "phase_codes",
     "sealing",
 ]
 
@@ -97,6 +99,15 @@ CAPTURED_PHASES: dict[str, int] = {
     "TRUNCATED": snapshot_pb2.SNAPSHOT_PHASE_TRUNCATED,
 }
 _PHASES = frozenset(CAPTURED_PHASES.values())
+
+_PhaseT = TypeVar("_PhaseT", bound=enum.Enum)
+
+
+def phase_codes(phases: type[_PhaseT]) -> tuple[dict[_PhaseT, int], dict[int, _PhaseT]]:
+    """An episode driver's phase enum to the snapshot's phase codes and back, matched by
+    name (the phases a snapshot can carry: an episode that is running or has ended)."""
+    captured = {p: CAPTURED_PHASES[p.name] for p in phases if p.name in CAPTURED_PHASES}
+    return captured, {code: phase for phase, code in captured.items()}
 
 
 class SnapshotRefused(Exception):
