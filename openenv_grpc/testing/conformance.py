@@ -384,34 +384,36 @@ class EnvConformance:
         return supported
 
     def _branch(self, env: Session[Any, Any, Any, Any]) -> _Branch:
-        """Play a seeded episode to its middle, snapshot it, and play on."""
+        """Play a seeded episode, snapshot it at its middle (or at its last step before the
+        end, if it ends sooner), and record what the actions after the snapshot gave. The
+        branch always holds at least one action: a replay that compares nothing proves
+        nothing."""
         rng = random.Random(self.seed)
         result = env.reset(
             seed=self.seed, episode_id="conformance-snapshot", options=self.reset_options()
         )
+        assert not result.done, "the reset ended the episode: there is nothing to snapshot"
         middle = max(1, self.steps // 2)
-        for step in range(middle):
-            if result.done:
-                break
-            result = env.step(self.make_action(result.observation, step, rng))
-        snapshot = env.snapshot()
-        at = (result.episode_id, result.step_count)
         actions: list[Message] = []
         trace: _Trace = []
         books: _Books = []
-        for step in range(middle, self.steps):
+        snapshot, at, taken = env.snapshot(), (result.episode_id, result.step_count), 0
+        for step in range(self.steps):
             if result.done:
                 break
+            if 0 < step <= middle:  # the latest live state up to the middle
+                snapshot, at, taken = env.snapshot(), (result.episode_id, result.step_count), step
             action = self.make_action(result.observation, step, rng)
             result = env.step(action)
             actions.append(action)
             trace.append(self._entry(result))
             books.append(_books(result))
-        return _Branch(snapshot, at, actions, trace, books)
+        return _Branch(snapshot, at, actions[taken:], trace[taken:], books[taken:])
 
     def _check_replay(self, env: Session[Any, Any, Any, Any], branch: _Branch) -> None:
         """``env`` holds ``branch``'s snapshot: its actions must give what they gave."""
         assert (env.episode_id, env.step_count) == branch.at, "restore lost the bookkeeping"
+        assert branch.actions, "the branch recorded no action after its snapshot"
         trace: _Trace = []
         books: _Books = []
         for action in branch.actions:
@@ -420,10 +422,15 @@ class EnvConformance:
             books.append(_books(result))
             if result.done:
                 break
-        if self._compares:
+        if self._compares:  # a deterministic env replays the whole branch, step for step
+            assert len(books) == len(branch.books), (
+                f"the replay took {len(books)} steps, the original {len(branch.books)}"
+            )
             assert trace == branch.trace, "the same actions after a restore gave another trajectory"
-        shared = min(len(books), len(branch.books))
-        assert books[:shared] == branch.books[:shared], f"step counts {books} vs {branch.books}"
+            assert books == branch.books, f"step counts {books} vs {branch.books}"
+        else:  # another may end elsewhere; the bookkeeping of the shared steps still holds
+            shared = min(len(books), len(branch.books))
+            assert books[:shared] == branch.books[:shared], f"step counts {books} vs {branch.books}"
 
     def test_snapshots_are_supported_or_unimplemented(
         self, conformance_server: ServerProcess
