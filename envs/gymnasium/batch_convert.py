@@ -34,6 +34,7 @@ from openenv_grpc_envs.gymnasium.convert import (
     _outside,
     _unsupported,
     array_of,
+    check_tensor,
     fill_tensor,
     to_numpy,
 )
@@ -378,9 +379,11 @@ def view_batch(value: Value, space: spaces.Space[Any], rows: int, path: str = "o
         )
     if isinstance(space, (spaces.Discrete, *_ARRAY_SPACES)):
         _expect(kind, ("tensor",), space, path)
-        array = to_numpy(value.tensor, what=path)
         shape = (rows, *_leaf_shape(space))
-        if array.shape != shape or array.dtype != _leaf_dtype(space):
+        array = to_numpy(
+            value.tensor, what=path, shape=shape, accepts=f"{rows} rows of {_label(space)}"
+        )
+        if array.dtype != _leaf_dtype(space):
             raise ConversionError(
                 f"{path}: {array.dtype} {list(array.shape)} for {rows} rows of "
                 f"{_label(space)} (expected {_leaf_dtype(space)} {list(shape)})"
@@ -422,15 +425,13 @@ def view_observation_bytes(data: bytes) -> Array | None:
         elif number == 3 and end >= 0:
             dtype = data[start:end].decode("ascii", "replace")
     if dtype not in _DTYPE_NAMES:  # to_numpy raises, naming the dtype
-        return to_numpy(Tensor(dtype=dtype, shape=shape), what="observation")
+        return to_numpy(Tensor(dtype=dtype), what="observation")
+    # The shape is int64 on the wire: a varint of 2**63 or more is a negative dimension.
+    shape = [dim - (1 << 64) if dim >> 63 else dim for dim in shape]
     view = memoryview(data)[body[0] : body[1]]
     dt = np.dtype(dtype).newbyteorder("<")
-    if len(view) != math.prod(shape) * dt.itemsize:
-        raise ConversionError(
-            f"observation: {len(view)} bytes of data for shape {shape} {dtype} "
-            f"(expected {math.prod(shape) * dt.itemsize})"
-        )
-    return np.frombuffer(view, dtype=dt).reshape(shape)
+    dims = check_tensor(shape, dt, len(view), "observation")  # before numpy sees it
+    return np.frombuffer(view, dtype=dt).reshape(dims)
 
 
 _DTYPE_NAMES = frozenset(

@@ -37,6 +37,7 @@ from openenv_grpc_envs.gymnasium.v1.gymnasium_pb2 import (
 
 __all__ = [
     "DTYPES",
+    "MAX_RANK",
     "ConversionError",
     "build_space",
     "decode",
@@ -110,30 +111,92 @@ def to_tensor(array: npt.ArrayLike) -> Tensor:
     return tensor
 
 
-def to_numpy(tensor: Tensor, *, writable: bool = False, what: str = "tensor") -> Array:
-    """The array a ``Tensor`` holds: a read-only view of its bytes unless ``writable``.
+#: Most dimensions a Tensor may have (numpy's own limit is 64 in numpy 2, 32 before).
+MAX_RANK = 32
+#: Most elements an empty Tensor's non-zero dimensions may describe: a zero-size array
+#: of shape ``[0, 2**62]`` is 0 bytes on the wire but too big for numpy.
+MAX_EMPTY_ELEMENTS = 2**31
+
+
+def show_shape(shape: Sequence[int]) -> str:
+    """A shape for a message, short however long the hostile one is."""
+    if len(shape) <= 8:
+        return str(list(shape))
+    return f"[{', '.join(map(str, list(shape[:8])))}, ...] (rank {len(shape)})"
+
+
+def check_tensor(
+    shape: Sequence[int],
+    dtype: np.dtype[Any],
+    size: int,
+    what: str,
+    expected: tuple[int, ...] | None = None,
+    accepts: str = "",
+) -> tuple[int, ...]:
+    """The shape of a Tensor whose ``size`` bytes hold ``dtype`` elements, checked before
+    numpy sees it: its rank, each dimension, the byte count, and ``expected`` (the
+    declared space's shape, whose ``accepts`` names it) when given.
 
     Raises:
-        ConversionError: unknown dtype, negative dimension, or a byte count that does
-            not match the shape (``what`` names the tensor in the message).
+        ConversionError: what is wrong, naming ``what`` and what it accepts.
+    """
+    rank = len(shape)  # before touching the dims: a shape may hold a million of them
+    if expected is not None:
+        dims = tuple(shape) if rank == len(expected) else None
+        if dims != expected:
+            raise ConversionError(
+                f"{what}: shape {show_shape(shape)} does not match {accepts or 'the space'} "
+                f"(shape {list(expected)})"
+            )
+    elif rank > MAX_RANK:
+        raise ConversionError(
+            f"{what}: rank {rank} is over the limit of {MAX_RANK} dimensions a tensor may have"
+        )
+    dims = tuple(shape)
+    if any(dim < 0 for dim in dims):
+        raise ConversionError(f"{what}: negative dimension in shape {show_shape(dims)}")
+    count = math.prod(dims)
+    if count == 0 and math.prod(d for d in dims if d) > MAX_EMPTY_ELEMENTS:
+        raise ConversionError(
+            f"{what}: shape {show_shape(dims)} describes an empty tensor with dimensions "
+            f"too large (their product is over {MAX_EMPTY_ELEMENTS})"
+        )
+    if size != count * dtype.itemsize:
+        raise ConversionError(
+            f"{what}: {size} bytes of data for shape {show_shape(dims)} {dtype.name} "
+            f"(expected {count * dtype.itemsize})"
+        )
+    return dims
+
+
+def to_numpy(
+    tensor: Tensor,
+    *,
+    writable: bool = False,
+    what: str = "tensor",
+    shape: tuple[int, ...] | None = None,
+    accepts: str = "",
+) -> Array:
+    """The array a ``Tensor`` holds: a read-only view of its bytes unless ``writable``.
+
+    With ``shape`` (the declared space's), any other shape is refused before numpy sees
+    it (``accepts`` names what takes it); without, the rank and the dimensions are
+    bounded (:data:`MAX_RANK`, :data:`MAX_EMPTY_ELEMENTS`) and must match the bytes.
+
+    Raises:
+        ConversionError: unknown dtype, a shape that is not the expected one, too many
+            dimensions, a negative or huge dimension, or a byte count that does not match
+            the shape (``what`` names the tensor in the message).
     """
     name = tensor.dtype
     if name not in DTYPES:
         raise ConversionError(
-            f"{what}: unknown dtype {name!r}; expected one of {', '.join(sorted(DTYPES))}"
+            f"{what}: unknown dtype {name[:64]!r}; expected one of {', '.join(sorted(DTYPES))}"
         )
-    shape = tuple(tensor.shape)
-    if any(dim < 0 for dim in shape):
-        raise ConversionError(f"{what}: negative dimension in shape {list(shape)}")
     dtype = _LITTLE[name]
     data = tensor.data  # one copy out of the message; the array views it
-    expected = math.prod(shape) * dtype.itemsize
-    if len(data) != expected:
-        raise ConversionError(
-            f"{what}: {len(data)} bytes of data for shape {list(shape)} {name} "
-            f"(expected {expected})"
-        )
-    array = np.frombuffer(data, dtype=dtype).reshape(shape)
+    dims = check_tensor(tensor.shape, dtype, len(data), what, shape, accepts)
+    array = np.frombuffer(data, dtype=dtype).reshape(dims)
     return array.copy() if writable else array
 
 
@@ -393,11 +456,8 @@ def array_of(
                 f"{path}: {ints.size} ints for {label} (expected {math.prod(shape)})"
             )
         return _cast(ints, target, path).reshape(shape)
-    array = to_numpy(value.tensor, what=path)
-    if array.shape != shape:
-        raise ConversionError(
-            f"{path}: shape {list(array.shape)} does not match {label} (shape {list(shape)})"
-        )
+    # The declared shape is checked before numpy sees the tensor (rank, dims, bytes).
+    array = to_numpy(value.tensor, what=path, shape=shape, accepts=label)
     return _cast(array, target, path)
 
 

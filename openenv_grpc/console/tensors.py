@@ -12,22 +12,30 @@ import array
 import base64
 import math
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from google.protobuf.descriptor import FieldDescriptor
 
 __all__ = [
     "DTYPES",
+    "MAX_DIMENSION",
+    "MAX_RANK",
     "MAX_TENSOR_VALUES",
     "TensorInputError",
     "decode",
     "encode",
     "expand",
+    "fits",
     "is_tensor",
 ]
 
 #: Tensors with more elements than this show their shape and dtype only.
 MAX_TENSOR_VALUES = 4096
+#: Most dimensions a tensor may have (numpy's limit is 64; servers refuse more than 32).
+MAX_RANK = 32
+#: Largest size one dimension typed on the page may have.
+MAX_DIMENSION = 2**31 - 1
 #: numpy dtype names -> array typecodes (bool is one byte, 0 or 1).
 DTYPES = {
     "float32": "f", "float64": "d", "int8": "b", "uint8": "B", "int16": "h", "uint16": "H",
@@ -56,11 +64,24 @@ def is_tensor(descriptor: Any) -> bool:
     )
 
 
-def decode(raw: bytes, dtype: str) -> list[Any] | None:
-    """The elements of ``raw``, flat (non-finite floats as strings); None for an unknown
-    dtype, a size that does not divide, or more than :data:`MAX_TENSOR_VALUES` elements."""
+def fits(raw: bytes, shape: Sequence[int], dtype: str) -> bool:
+    """``shape`` (at most :data:`MAX_RANK` dimensions, none negative) holds exactly the
+    elements ``raw`` has of ``dtype``: checked before the bytes are read as values."""
     typecode = DTYPES.get(dtype)
-    if typecode is None:
+    if typecode is None or len(shape) > MAX_RANK:  # the rank first: a shape may be huge
+        return False
+    dims = list(shape)
+    if any(d < 0 for d in dims):
+        return False
+    return math.prod(dims) * array.array(typecode).itemsize == len(raw)
+
+
+def decode(raw: bytes, dtype: str, shape: Sequence[int] | None = None) -> list[Any] | None:
+    """The elements of ``raw``, flat (non-finite floats as strings); None for an unknown
+    dtype, a size that does not divide, a ``shape`` (when given) that does not hold the
+    bytes (see :func:`fits`), or more than :data:`MAX_TENSOR_VALUES` elements."""
+    typecode = DTYPES.get(dtype)
+    if typecode is None or (shape is not None and not fits(raw, shape, dtype)):
         return None
     items = array.array(typecode)
     if len(raw) % items.itemsize or len(raw) // items.itemsize > MAX_TENSOR_VALUES:
@@ -96,9 +117,13 @@ def encode(spec: object) -> dict[str, Any]:
     if shape is None:
         shape = [len(values)]
     if not isinstance(shape, list) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_DIMENSION for d in shape
     ):
-        raise TensorInputError(f"shape must be a list of sizes >= 0, got {shape!r}")
+        raise TensorInputError(
+            f"shape must be a list of sizes from 0 to {MAX_DIMENSION}, got {repr(shape)[:200]}"
+        )
+    if len(shape) > MAX_RANK:
+        raise TensorInputError(f"shape has {len(shape)} dimensions; at most {MAX_RANK}")
     count = math.prod(shape)
     if count != len(values):
         raise TensorInputError(f"shape {shape} holds {count} values, got {len(values)}")

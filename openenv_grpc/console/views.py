@@ -123,7 +123,7 @@ def _tensor(message: Message, descriptor: Any) -> dict[str, Any] | None:
         encoded = base64.b64encode(png).decode()
         return {"$image": {"shape": dims, "dtype": kind, "png": encoded}}
     view: dict[str, Any] = {"shape": dims, "dtype": kind, "size": len(raw)}
-    values = decode(raw, kind)
+    values = decode(raw, kind, dims)  # None unless the shape holds the bytes
     if values is not None:
         view["values"] = values
     return {"$tensor": view}
