@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import grpc
@@ -10,10 +11,14 @@ from google.protobuf.message import Message
 
 from openenv_grpc.client.channel import auth_metadata, sync_channel
 from openenv_grpc.client.errors import InfoUnavailable
+from openenv_grpc.client.protocol import nothing_listening
 from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
 
 __all__ = ["fetch_info", "info_pool", "message_classes"]
+
+#: Seconds the first Info try waits before the call waits for a connection.
+_PROBE = 1.0
 
 
 def fetch_info(
@@ -26,15 +31,34 @@ def fetch_info(
     """Call Info on ``target`` ("host:port", over TLS with ``credentials``, or a blocking
     channel), with ``token`` as bearer token if the server wants one.
 
+    A target where nothing listens fails at once ("nothing is listening on HOST:PORT"),
+    not after ``timeout``: a first try does not wait for the connection; only a server
+    that accepts the connection but is slow to answer gets the whole ``timeout``.
+
     Raises:
         InfoUnavailable: the server could not be reached in ``timeout`` seconds, or refused
             the call (``code`` and ``message`` say which).
     """
     channel = sync_channel(target, credentials) if isinstance(target, str) else target
+    stub: Any = pb_grpc.EnvServiceStub(channel)
+    metadata = auth_metadata(token)
+    deadline = time.monotonic() + timeout
     try:
-        stub: Any = pb_grpc.EnvServiceStub(channel)
+        try:  # fails fast where the connection is refused
+            return stub.Info(  # type: ignore[no-any-return]
+                pb.InfoRequest(), timeout=min(timeout, _PROBE), metadata=metadata
+            )
+        except grpc.RpcError as exc:
+            refused = nothing_listening(exc.code(), exc.details())
+            if refused is not None:
+                raise InfoUnavailable(exc.code(), refused) from None
+            if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise
         return stub.Info(  # type: ignore[no-any-return]
-            pb.InfoRequest(), timeout=timeout, wait_for_ready=True, metadata=auth_metadata(token)
+            pb.InfoRequest(),
+            timeout=max(0.0, deadline - time.monotonic()),
+            wait_for_ready=True,
+            metadata=metadata,
         )
     except grpc.RpcError as exc:
         raise InfoUnavailable(exc.code(), exc.details() or "") from None

@@ -10,6 +10,7 @@ Session and a VectorSession stream share (ids, notices, errors, decoding);
 
 from __future__ import annotations
 
+import re
 import typing
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from google.protobuf.message import Message
 from openenv_grpc.client.errors import (
     CapacityError,
     EnvError,
+    InvalidRequest,
     PayloadTypeError,
     ProtocolError,
     SessionLost,
@@ -39,7 +41,9 @@ __all__ = [
     "SessionTypes",
     "StreamProtocol",
     "admitted_session_id",
+    "checked_seed",
     "lost",
+    "nothing_listening",
     "pack_typed",
     "refusal",
     "status_code",
@@ -158,11 +162,15 @@ class SessionProtocol(StreamProtocol):
         reset = request.reset
         reset.SetInParent()
         if seed is not None:
-            reset.seed = seed
+            reset.seed = checked_seed(seed)
         if episode_id is not None:
+            if not isinstance(episode_id, str):
+                raise PayloadTypeError(
+                    f"episode_id must be a str or None, got {type(episode_id).__qualname__}"
+                )
             reset.episode_id = episode_id
         if options is not None:
-            pack_typed(reset.options, options, self._types.reset_options, "reset options")
+            pack_typed(reset.options, options, self._types.reset_options, "options")
         return request
 
     def step_request(self, action: Message) -> pb.SessionRequest:
@@ -237,13 +245,45 @@ def pack_typed(
     """Pack ``message`` into ``target``, checking it against the type a typed client pins.
 
     Raises:
-        PayloadTypeError: ``message`` is not of the ``pinned`` type (nothing is sent).
+        PayloadTypeError: ``message`` is not a protobuf message, or not of the ``pinned``
+            type (nothing is sent); the error names ``what`` and the type it accepts.
     """
     if pinned is not None and not isinstance(message, pinned):
         raise PayloadTypeError(
-            f"{what} must be {pinned.DESCRIPTOR.full_name}, got {type(message).__qualname__}"
+            f"{what} must be a {pinned.DESCRIPTOR.full_name} message, got {_kind(message)}"
         )
+    if not isinstance(message, Message):
+        raise PayloadTypeError(f"{what} must be a protobuf message, got {_kind(message)}")
     pack(message, target)
+
+
+#: The seed field is a uint64 (session.proto): what a seed may be.
+SEED_MAX = 2**64 - 1
+
+
+def checked_seed(seed: Any, what: str = "seed") -> int:
+    """``seed`` as the int the wire carries (a Python or numpy integer).
+
+    Raises:
+        PayloadTypeError: ``seed`` is not an integer (a str, a float, a bool).
+        InvalidRequest: ``seed`` is outside 0..2**64-1.
+    """
+    if isinstance(seed, bool) or not hasattr(seed, "__index__"):
+        raise PayloadTypeError(
+            f"{what} must be an int from 0 to 2**64-1 or None, got {_kind(seed)}"
+        )
+    value = seed.__index__()
+    if not 0 <= value <= SEED_MAX:
+        raise InvalidRequest(f"{what} must be an int from 0 to 2**64-1 or None, got {value}")
+    return int(value)
+
+
+def _kind(value: Any) -> str:
+    """How an error names a wrong argument: its type, and a short repr."""
+    shown = repr(value)
+    if len(shown) > 40:
+        shown = shown[:37] + "..."
+    return f"{type(value).__qualname__} {shown}"
 
 
 def _registered_class(url: str) -> type[Message] | None:
@@ -266,7 +306,23 @@ def refusal(code: grpc.StatusCode, details: str, trailers: Metadata | None) -> S
     """The exception for a Session call that ended before it was admitted."""
     if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
         return CapacityError(code, details, _pushback(trailers))
-    return SessionRefused(code, details)
+    return SessionRefused(code, nothing_listening(code, details) or details)
+
+
+#: gRPC's words for a refused TCP connection, and the address it names.
+_REFUSED = re.compile(r"(?:ipv4|ipv6):(\S+?): [^;]*Connection refused")
+
+
+def nothing_listening(code: grpc.StatusCode | None, details: str | None) -> str | None:
+    """ "nothing is listening on HOST:PORT ..." when a call failed because the connection
+    was refused (gRPC's own words bury it in "failed to connect to all addresses"), else
+    None."""
+    if code is not grpc.StatusCode.UNAVAILABLE or not details:
+        return None
+    match = _REFUSED.search(details)
+    if match is None:
+        return None
+    return f"nothing is listening on {match.group(1)} (connection refused): is the server up?"
 
 
 def lost(code: grpc.StatusCode | None, details: str | None) -> SessionLost:

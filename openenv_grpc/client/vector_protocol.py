@@ -8,14 +8,20 @@ one-env sessions); ids, notices, errors and payload decoding come from
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from google.protobuf.message import DecodeError, Message
 
-from openenv_grpc.client.errors import EnvError, InvalidRequest, VectorEnvError
+from openenv_grpc.client.errors import EnvError, InvalidRequest, PayloadTypeError, VectorEnvError
 from openenv_grpc.client.outcome import Restored
-from openenv_grpc.client.protocol import SessionTypes, StreamProtocol, pack_typed, status_code
+from openenv_grpc.client.protocol import (
+    SessionTypes,
+    StreamProtocol,
+    checked_seed,
+    pack_typed,
+    status_code,
+)
 from openenv_grpc.client.vector_outcome import VectorOutcome
 from openenv_grpc.codec import info_from_struct, type_url
 from openenv_grpc.v1 import session_pb2 as pb
@@ -72,11 +78,20 @@ class VectorProtocol(StreamProtocol):
         reset.batch_observation = batch
         if seeds is None and options is None and episode_ids is None:
             return request  # the server resets each env unseeded, with a fresh id
-        per_seed = _per_env(seeds, named, "seeds")
-        per_id = _per_env(episode_ids, named, "episode_ids")
-        per_options = _per_env(options, named, "options")
-        if isinstance(seeds, int):
-            per_seed = [seeds + index for index in named]
+        per_seed = _per_env(seeds, named, "seeds", "an int, one int or None per env, or None")
+        per_id = _per_env(episode_ids, named, "episode_ids", "one str or None per env, or None")
+        per_options = _per_env(
+            options, named, "options", "a message, one message or None per env, or None"
+        )
+        if seeds is not None and hasattr(seeds, "__index__"):
+            first = checked_seed(seeds, "seeds")  # env i gets seeds + i: all must fit
+            checked_seed(first + max(named, default=0), f"seeds + {max(named, default=0)}")
+            per_seed = [first + index for index in named]
+        else:
+            per_seed = [
+                None if seed is None else checked_seed(seed, f"seeds[{i}]")
+                for i, seed in enumerate(per_seed)
+            ]
         if isinstance(options, Message):
             per_options = [options] * len(named)
         pinned = self._types.reset_options
@@ -87,7 +102,7 @@ class VectorProtocol(StreamProtocol):
             if episode_id is not None:
                 command.episode_id = episode_id
             if option is not None:
-                pack_typed(command.options, option, pinned, "reset options")
+                pack_typed(command.options, option, pinned, "options")
         return request
 
     def step_request(self, actions: Sequence[Message], indices: Indices) -> pb.VectorSessionRequest:
@@ -96,6 +111,11 @@ class VectorProtocol(StreamProtocol):
         Raises:
             PayloadTypeError: an action is not of the pinned type (nothing is sent).
         """
+        if isinstance(actions, Message) or not hasattr(actions, "__len__"):
+            raise PayloadTypeError(
+                "actions must be a sequence of messages, one per env named, got "
+                f"{type(actions).__qualname__}"
+            )
         request: pb.VectorSessionRequest = self._envelope()
         step = request.step
         step.SetInParent()
@@ -286,10 +306,17 @@ class VectorProtocol(StreamProtocol):
         return out
 
 
-def _per_env(values: Any, named: Sequence[int], what: str) -> Sequence[Any]:
-    """``values`` as one entry per env named; a single value or None is spread later."""
-    if values is None or isinstance(values, (int, Message)):
+def _per_env(values: Any, named: Sequence[int], what: str, accepts: str) -> Sequence[Any]:
+    """``values`` as one entry per env named; a single value or None is spread later.
+
+    Raises:
+        PayloadTypeError: ``values`` is neither a single value nor a sequence.
+        InvalidRequest: the sequence does not have one entry per env named.
+    """
+    if values is None or isinstance(values, Message) or hasattr(values, "__index__"):
         return [None] * len(named)
+    if isinstance(values, (str, bytes, Mapping)) or not hasattr(values, "__len__"):
+        raise PayloadTypeError(f"{what} must be {accepts}, got {type(values).__qualname__}")
     if len(values) != len(named):
         raise InvalidRequest(
             f"{len(values)} {what} for {len(named)} envs: give one per env named, or one for all"
