@@ -9,7 +9,7 @@ thread its step ran on (``MainThread`` is the event loop).
 from __future__ import annotations
 
 import threading
-import time
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -51,7 +51,9 @@ def test_a_cheap_measured_env_moves_to_the_event_loop(start_server) -> None:
     assert "(under half of the 1.0 ms threshold)" in line
 
 
-def test_a_slow_call_moves_it_back_and_the_loop_stays_responsive(start_server) -> None:
+def test_a_slow_call_moves_it_back_and_the_loop_stays_responsive(
+    start_server, tmp_path: Path
+) -> None:
     server = start_server(MEASURED)
     with Session(server.target) as env, Session(server.target) as neighbour:
         env.reset()
@@ -67,24 +69,21 @@ def test_a_slow_call_moves_it_back_and_the_loop_stays_responsive(start_server) -
         assert f"back on the loop after {2 * PROBATION} calls in a row" in warning
         assert thread_of(env).startswith("openenv-env-")
 
-        # From now on a slow call runs on the pool: health, Info and the neighbour answer.
-        slow = threading.Thread(target=env.step, args=(EchoAction(message="sleep:3"),))
-        started = time.monotonic()
+        # From now on a slow call runs on the pool: while it is blocked in env code, health,
+        # Info and the neighbour answer (a blocked loop could not answer any of them).
+        gate = tmp_path / "gate"
+        slow = threading.Thread(target=env.step, args=(EchoAction(message=f"gate:{gate}"),))
         slow.start()
-        time.sleep(0.2)  # the slow step is running
-        answered = 0
+        server.wait_until(lambda: Path(f"{gate}.entered").exists(), what="the slow step runs")
         with grpc.insecure_channel(server.target) as channel:
-            while slow.is_alive() and time.monotonic() - started < 2.5:
-                asked = time.monotonic()
+            for _ in range(3):
                 assert server.health() == health_pb2.HealthCheckResponse.SERVING
                 assert fetch_info(channel, timeout=5).env_name == "faulty"
                 assert neighbour.step(EchoAction(message="hi")).observation.echoed_message == "hi"
-                # 0.5 s: a loaded 2-core machine's margin on a sub-millisecond answer; a
-                # blocked loop would hold all three for the rest of the 3 s step.
-                assert time.monotonic() - asked < 0.5
-                answered += 1
+                assert slow.is_alive()  # answered while the slow step was still blocked
+        gate.touch()
         slow.join(10)
-        assert answered >= 3
+        assert not slow.is_alive()
 
 
 def test_a_step_timeout_keeps_measured_calls_on_the_pool(start_server) -> None:
@@ -95,15 +94,13 @@ def test_a_step_timeout_keeps_measured_calls_on_the_pool(start_server) -> None:
         env.reset()
         threads = {thread_of(env) for _ in range(3 * PROBATION)}
         assert all(name.startswith("openenv-env-") for name in threads), threads
-        started = time.monotonic()
         with pytest.raises(EnvError) as failed:
             env.step(EchoAction(message="sleep:5"))
         assert failed.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
-        assert time.monotonic() - started < 4
     assert ON_LOOP not in server.stderr()
 
 
-def test_each_cost_class_is_placed_apart(start_server) -> None:
+def test_each_cost_class_is_placed_apart(start_server, tmp_path: Path) -> None:
     server = start_server(MEASURED)
     with Session(server.target) as fast, Session(server.target) as heavy:
         fast.reset()
@@ -114,13 +111,14 @@ def test_each_cost_class_is_placed_apart(start_server) -> None:
         # never move the cheap class off the loop.
         heavy.step(EchoAction(message="class:heavy"))
         assert thread_of(heavy).startswith("openenv-env-")
-        slow = threading.Thread(target=heavy.step, args=(EchoAction(message="sleep:1.5"),))
+        gate = tmp_path / "gate"
+        slow = threading.Thread(target=heavy.step, args=(EchoAction(message=f"gate:{gate}"),))
         slow.start()
-        time.sleep(0.2)
-        while slow.is_alive():
-            asked = time.monotonic()
+        server.wait_until(lambda: Path(f"{gate}.entered").exists(), what="the slow step runs")
+        for _ in range(5):  # the cheap class stays on the loop while the heavy one blocks
             assert thread_of(fast) == "MainThread"
-            assert time.monotonic() - asked < 0.5
+            assert slow.is_alive()
+        gate.touch()
         slow.join(10)
         assert thread_of(fast) == "MainThread"
     log = server.stderr()

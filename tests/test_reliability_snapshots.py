@@ -70,33 +70,37 @@ def test_every_forgery_of_a_real_snapshot_is_refused_before_the_env_sees_it(
 
 def test_a_neighbour_keeps_stepping_while_big_forgeries_arrive(server: ServerProcess) -> None:
     """A session restoring altered 7.9 MB snapshots back to back (each hashed in full,
-    then refused) does not hold up another session's steps: each answered within 1 s."""
+    then refused) does not hold up another session: the neighbour's steps are answered
+    *while* those restores are being worked on (inside their windows). How long its steps
+    take meanwhile is measured in bench.attack_snapshots, not asserted here."""
     with EchoEnv(server.target) as attacker, EchoEnv(server.target) as neighbour:
         attacker.reset(seed=1, options=EchoResetOptions(max_steps=100))
         attacker.step(EchoAction(message="snapshot:big:7900000"))
         altered = bytearray(attacker.snapshot())
         altered[len(altered) // 2] ^= 1
         neighbour.reset(seed=2, options=EchoResetOptions(max_steps=10**6))
-        stop = time.monotonic() + 3.0
+        done = threading.Event()
         codes: Counter[grpc.StatusCode] = Counter()
+        windows: list[tuple[float, float]] = []
 
         def attack() -> None:
-            while time.monotonic() < stop:
+            for _ in range(8):
+                began = time.monotonic()
                 try:
                     attacker.restore(bytes(altered))
                 except EnvError as error:
                     codes[error.code] += 1
+                windows.append((began, time.monotonic()))
+            done.set()
 
         attacking = threading.Thread(target=attack)
         attacking.start()
-        slowest, steps = 0.0, 0
-        while time.monotonic() < stop:
-            started = time.monotonic()
+        answered: list[float] = []
+        while not done.is_set():
             neighbour.step(EchoAction(message="hi"))
-            slowest = max(slowest, time.monotonic() - started)
-            steps += 1
+            answered.append(time.monotonic())
         attacking.join(30)
-        assert set(codes) == {grpc.StatusCode.INVALID_ARGUMENT} and sum(codes.values()) >= 3
-        assert slowest < 1.0, f"a neighbour's step took {slowest:.3f}s"
-        assert steps >= 10
+        assert codes == {grpc.StatusCode.INVALID_ARGUMENT: 8}, codes
+        inside = {i for i, (a, b) in enumerate(windows) for t in answered if a < t < b}
+        assert len(inside) >= 4, f"neighbour steps inside {len(inside)} of 8 restores"
         assert attacker.step(EchoAction(message="after")).step_count == 2

@@ -116,6 +116,28 @@ class AsyncEchoEnv(AsyncEnvironment[EchoAction, EchoObservation, EchoState, Empt
         self._ledger.closed()
 
 
+def _meet(directory: str, count: str) -> None:
+    """Mark this call in ``directory`` and wait until ``count`` calls have (see FaultyEnv)."""
+    with open(os.path.join(directory, f"{os.getpid()}-{threading.get_ident()}"), "w"):
+        pass
+    deadline = time.monotonic() + 30
+    while len(os.listdir(directory)) < int(count):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"only {len(os.listdir(directory))} of {count} calls met")
+        time.sleep(0.005)
+
+
+def _wait_at_gate(path: str) -> None:
+    """Say this call has started, then block until ``path`` exists (see FaultyEnv)."""
+    with open(f"{path}.entered", "w"):
+        pass
+    deadline = time.monotonic() + 30
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the gate {path} never opened")
+        time.sleep(0.005)
+
+
 class FaultyEnv(Environment[EchoAction, EchoObservation, EchoState, Empty]):
     """Misbehaves on command: the action's message says how.
 
@@ -124,6 +146,10 @@ class FaultyEnv(Environment[EchoAction, EchoObservation, EchoState, Empty]):
     ``sleep:S`` blocks S seconds; ``info`` returns a rich info map; ``big:N`` returns an
     observation of N bytes; ``exit`` and ``segfault`` kill the process; ``pid`` echoes the
     id of the process the env lives in; ``slow-close:S`` makes ``close`` block S seconds;
+    ``meet:DIR:N`` leaves a mark in DIR and waits (at most 30 s, then raises) until N envs
+    have, so a test proves N steps ran at the same time by their meeting, not by a clock;
+    ``gate:PATH`` creates ``PATH.entered`` and blocks until PATH exists (at most 30 s, then
+    raises), so a test knows a call is running and ends it when it chooses;
     anything else echoes.
     ``state`` raises after a ``break-state`` step.
     """
@@ -154,6 +180,10 @@ class FaultyEnv(Environment[EchoAction, EchoObservation, EchoState, Empty]):
             return EchoObservation(echoed_message="bare")  # type: ignore[return-value]
         if command.startswith("sleep:"):
             time.sleep(float(command.split(":", 1)[1]))
+        if command.startswith("meet:"):
+            _meet(*command[5:].rsplit(":", 1))
+        if command.startswith("gate:"):
+            _wait_at_gate(command[5:])
         if command == "exit":
             os._exit(3)  # what a crashing native extension looks like from outside
         if command == "segfault":
