@@ -207,7 +207,10 @@ def test_a_session_the_server_ends_is_reported_lost_and_can_be_reopened(
         p = await page(console)
         await p.send({"op": "open"})
         await p.send({"op": "reset"})
-        await asyncio.sleep(2.5)  # the server's idle reaper ends the session
+        # The server's idle reaper ends the session: wait until its env is closed.
+        await asyncio.to_thread(
+            server.wait_until, lambda: server.closed_envs() == 1, what="the idle session reaped"
+        )
         lost = await p.send({"op": "step", "action": {"message": "late"}})
         reopened = await p.send({"op": "open"})
         await leave(p)

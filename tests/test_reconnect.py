@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import time
 
 import grpc
 import pytest
@@ -19,7 +18,7 @@ def test_sync_reconnects_after_an_idle_timeout(start_server) -> None:
     with Session(server.target, reconnect=True) as env:
         env.reset()
         first_id = env.session_id
-        time.sleep(1.0)  # the server reaps the idle session
+        server.wait_until(lambda: server.closed_envs() == 1, what="the idle session reaped")
         with pytest.raises(SessionLost) as lost:
             env.step(EchoAction(message="too late"))
         assert lost.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
@@ -37,7 +36,7 @@ def test_without_reconnect_a_lost_session_stays_lost(start_server) -> None:
     server = start_server("support.envs:CountingEchoEnv", "--idle-timeout", "0.3")
     with Session(server.target) as env:
         env.reset()
-        time.sleep(1.0)
+        server.wait_until(lambda: server.closed_envs() == 1, what="the idle session reaped")
         with pytest.raises(SessionLost):
             env.step(EchoAction(message="too late"))
         with pytest.raises(RuntimeError, match="session is not open"):
