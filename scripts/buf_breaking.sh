@@ -6,8 +6,8 @@
 #   scripts/buf_breaking.sh main       # against another git ref
 #
 # On a clean checkout this checks the last commit; with local edits, the edits too.
-# The one allowed skip: a clone without the previous commit (a shallow or first commit)
-# has nothing to compare with, so the script says so and exits 0.
+# A shallow clone fetches the commit it needs first; only the repository's very first
+# commit has nothing to compare with (the script says so and exits 0).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,10 +22,25 @@ if ! git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
   echo "buf_breaking: not a git checkout: cannot compare with $ref" >&2
   exit 1
 fi
+if ! git rev-parse --verify --quiet "$ref^{commit}" >/dev/null \
+   && [[ "$(git rev-parse --is-shallow-repository)" == "true" ]]; then
+  remote="$(git remote | head -n1)"
+  if [[ -z "$remote" ]]; then
+    echo "buf_breaking: $ref is not in this shallow clone and it has no remote to fetch" \
+      "it from: clone with more history" >&2
+    exit 1
+  fi
+  echo "buf_breaking: shallow clone: fetching the history $ref needs from $remote"
+  git fetch --quiet --deepen=50 "$remote" || git fetch --quiet --unshallow "$remote"
+fi
 if ! git rev-parse --verify --quiet "$ref^{commit}" >/dev/null; then
-  echo "buf_breaking: SKIPPED: $ref does not exist in this clone (shallow clone or first" \
-    "commit); nothing to compare proto/ with" >&2
-  exit 0
+  if [[ "$ref" == "HEAD~1" && -z "$(git rev-parse --verify --quiet HEAD^ 2>/dev/null)" \
+        && "$(git rev-parse --is-shallow-repository)" == "false" ]]; then
+    echo "buf_breaking: HEAD is the repository's first commit: nothing to compare with"
+    exit 0
+  fi
+  echo "buf_breaking: $ref does not exist in this clone: cannot compare proto/ with it" >&2
+  exit 1
 fi
 
 echo "buf_breaking: proto/ against $ref ($(git rev-parse --short "$ref^{commit}"))"
