@@ -102,7 +102,7 @@ lint: install
 	MYPYPATH=build/mypy $(VENV)/bin/mypy --strict --exclude '_pb2' --exclude '/tests/' -p openenv_grpc_envs
 	$(BUF) lint
 
-## settings-table: rewrite the README's server settings table from server/config.py
+## settings-table: rewrite docs/settings.md's server settings table from server/config.py
 settings-table: $(VENV)/.installed
 	$(PY) scripts/settings_table.py
 

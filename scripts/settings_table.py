@@ -1,5 +1,5 @@
-"""Write the README's server settings table from openenv_grpc/server/config.py, where each
-setting is defined once (``--check``: fail if the README differs, write nothing)."""
+"""Write the server settings table (docs/settings.md) from openenv_grpc/server/config.py, where each
+setting is defined once (``--check``: fail if the page differs, write nothing)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from openenv_grpc.server.config import settings_table
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parent.parent / "docs" / "settings.md"
 START = "<!-- settings table: made by scripts/settings_table.py from server/config.py -->"
 END = "<!-- end of settings table -->"
 
@@ -31,7 +31,7 @@ def main() -> int:
     wanted = render(current)
     if args.check:
         if current != wanted:
-            print("README.md's settings table is out of date: run make settings-table")
+            print("docs/settings.md's settings table is out of date: run make settings-table")
             return 1
         return 0
     README.write_text(wanted, encoding="utf-8")

@@ -334,8 +334,8 @@ def test_unannotated_module_factory_fails_with_clear_error(factory_dir: Path) ->
 # -- each setting is defined once ----------------------------------------------------------
 
 
-def test_readme_settings_table_is_made_from_the_settings() -> None:
-    """The README's table is exactly what server/config.py renders (make settings-table)."""
+def test_settings_table_is_made_from_the_settings() -> None:
+    """docs/settings.md's table is exactly what server/config.py renders (make settings-table)."""
     done = subprocess.run(
         [sys.executable, str(TESTS.parent / "scripts" / "settings_table.py"), "--check"],
         capture_output=True, text=True, timeout=60,
