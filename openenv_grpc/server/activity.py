@@ -45,9 +45,11 @@ class Activity:
         pass
 
     def fill(self, target: pb.Activity, limiter: SessionLimiter) -> None:
-        """Write the counters into an Info response's ``activity``; sessions open now
-        (held by ``limiter``) count as opened."""
+        """Write the counters into an Info response's ``activity``. Sessions opened are
+        the slots ``limiter`` ever admitted, counted once at admission: not ended + active,
+        which counts twice an env still held after its session ended (abandoned in a hung
+        call, its client gone), and so went down once that env was closed."""
         target.steps = self.steps
-        target.sessions_opened = self.sessions_ended + limiter.active
+        target.sessions_opened = limiter.admitted
         target.sessions_refused = self.sessions_refused
         target.uptime_seconds = time.monotonic() - self._started

@@ -37,6 +37,9 @@ class SessionLimiter:
     def __init__(self, capacity: int) -> None:
         self.capacity = max(capacity, 0)
         self.active = 0
+        #: Slots ever admitted (a vector stream of N counts N); only grows. Replacement
+        #: envs are not counted: they belong to a session already admitted.
+        self.admitted = 0
         self.draining = False
         self._idle = asyncio.Event()
         self._idle.set()
@@ -54,6 +57,7 @@ class SessionLimiter:
         if self.capacity and self.active + count > self.capacity:
             return Admission.FULL
         self.active += count
+        self.admitted += count
         self._idle.clear()
         return Admission.ADMITTED
 
