@@ -8,6 +8,8 @@ the way an outsider who can reach the port would:
 * :class:`StalledReader`: opens Session streams on one connection, sends requests and
   never takes the answers (never grants the server any flow-control window), so every
   answer waits on the server and the streams pile up what the client sends.
+* :class:`SlowSender`: Session streams that each send all of a large request but its
+  last KiB, then go quiet (gRPC holds what it let in until the message is complete).
 * :func:`half_open_http`: TCP connections to an HTTP port that send part of a request
   and then nothing (slowloris).
 
@@ -271,6 +273,86 @@ class StalledReader:
             else:
                 time.sleep(0.05)
         return self.sent
+
+    def close(self) -> None:
+        self.peer.close()
+
+
+# -- a client that sends all of a message but its last bytes ----------------------------------
+
+
+class SlowSender:
+    """Session streams on one connection, each announcing one gRPC message of
+    ``message_bytes`` and sending all of it but the last ``tail`` bytes, as fast as the
+    server's windows let it; then nothing more (the client keeps answering PINGs).
+
+    gRPC buffers a message until it is complete, so whatever the server lets in, it holds.
+    """
+
+    def __init__(
+        self, target: str, streams: int, message_bytes: int, tail: int = 1024,
+        token: str | None = None,
+    ) -> None:  # fmt: skip
+        self.peer = H2Peer(target)
+        self.sent = 0
+        #: Streams the server ended (a status, or RST_STREAM) and how.
+        self.ended: dict[int, str] = {}
+        headers = grpc_headers(target, token=token)
+        conn = self.peer.conn
+        self._outbox: dict[int, bytearray] = {}
+        prefix = b"\x00" + message_bytes.to_bytes(4, "big")
+        for _ in range(streams):
+            stream = conn.get_next_available_stream_id()
+            conn.send_headers(stream, headers)
+            self._outbox[stream] = bytearray(prefix + bytes(message_bytes - tail))
+        self.peer.flush()
+
+    def _note(self, events: list[h2.events.Event]) -> None:
+        for event in events:
+            if isinstance(event, h2.events.TrailersReceived):
+                fields = dict(event.headers)
+                status = fields.get(b"grpc-status", b"?").decode()
+                message = fields.get(b"grpc-message", b"").decode()
+                self.ended.setdefault(event.stream_id, f"status {status}: {message}")
+            elif isinstance(event, h2.events.StreamReset):
+                self.ended.setdefault(event.stream_id, f"reset {int(event.error_code)}")
+            stream = getattr(event, "stream_id", None)
+            if stream in self.ended:
+                self._outbox.get(stream, bytearray()).clear()
+
+    def push(self, seconds: float) -> int:
+        """Send what the server's windows allow until every stream has sent all it will
+        (or ``seconds`` pass); returns the bytes sent."""
+        conn = self.peer.conn
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not self.peer.closed:
+            moved = False
+            for stream, outbox in self._outbox.items():
+                if not outbox:
+                    continue
+                room = min(len(outbox), conn.local_flow_control_window(stream))
+                while room > 0:
+                    size = min(room, conn.max_outbound_frame_size)
+                    conn.send_data(stream, bytes(outbox[:size]))
+                    del outbox[:size]
+                    self.sent += size
+                    room -= size
+                    moved = True
+            try:
+                self.peer.flush()
+            except OSError:
+                self.peer.closed = True
+            if not any(self._outbox.values()):
+                break
+            self._note(self.peer.pump(0.0 if moved else 0.05))
+        self._note(self.peer.pump(0.2))
+        return self.sent
+
+    def idle(self, seconds: float) -> None:
+        """Stay connected and quiet for ``seconds``, answering the server's PINGs."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not self.peer.closed:
+            self._note(self.peer.pump(min(0.2, max(0.0, deadline - time.monotonic()))))
 
     def close(self) -> None:
         self.peer.close()

@@ -2,6 +2,7 @@
 
     python -m bench.hostile rapid-reset --seconds 30 --connections 4 [--auth]
     python -m bench.hostile stalled-readers --streams 64
+    python -m bench.hostile slow-senders --streams 48 [--message-bytes 15728640]
     python -m bench.hostile admission-burst --sessions 16384 --channels 64
     python -m bench.hostile metrics-slowloris --connections 200
 
@@ -31,7 +32,7 @@ from typing import Any
 
 import grpc
 
-from bench.h2_attacks import StalledReader, closed_by_peer, half_open_http
+from bench.h2_attacks import SlowSender, StalledReader, closed_by_peer, half_open_http
 from openenv_grpc import CapacityError, SessionRefused
 from openenv_grpc.client.channel import channel_options
 from openenv_grpc.testing import ServerProcess
@@ -237,6 +238,59 @@ def stalled_readers_run(
     }
 
 
+def slow_senders_run(
+    server: ServerProcess,
+    streams: int,
+    message_bytes: int,
+    hold: float = 3.0,
+    settle: float = 30.0,
+    token: str | None = None,
+) -> dict[str, Any]:
+    """``streams`` Session streams on one connection each send all of a
+    ``message_bytes`` request but its last KiB (:class:`SlowSender`), then stay quiet
+    for ``hold`` seconds while an honest session steps; then the socket closes and the
+    server gets up to ``settle`` seconds to give the memory back.
+
+    Returns:
+        RSS baseline, growth while held (in all and per stream), how the server ended
+        the streams, and the growth left after the close (with the seconds it took).
+    """
+    pid = server.proc.pid
+    asyncio.run(_step_for(server.target, 1, 0.2, token))  # warm-up
+    baseline = rss_mib(pid)
+    sender = SlowSender(server.target, streams, message_bytes, token=token)
+    try:
+        sent = sender.push(60.0)
+        sender.idle(hold / 2)
+        held = rss_mib(pid)
+        honest = asyncio.run(_step_for(server.target, 1, hold / 2, token))
+        sender.idle(0.1)
+        ended = Counter(sender.ended.values())
+    finally:
+        sender.close()
+    closed = time.monotonic()
+    after = rss_mib(pid)
+    while after - baseline > 16 and time.monotonic() - closed < settle:
+        time.sleep(0.2)
+        after = rss_mib(pid)
+    growth = held - baseline
+    return {
+        "attack": "slow-senders",
+        "streams": streams,
+        "message_bytes": message_bytes,
+        "client_sent_mib": round(sent / 2**20, 1),
+        "ended_by_server": dict(ended),
+        "rss_baseline_mib": round(baseline, 1),
+        "rss_held_mib": round(held, 1),
+        "rss_growth_mib": round(growth, 1),
+        "growth_per_stream_kib": round(growth * 1024 / streams, 1),
+        "rss_growth_after_close_mib": round(after - baseline, 1),
+        "given_back_after_s": round(time.monotonic() - closed, 1),
+        "honest": honest,
+        "server_alive": server.proc.poll() is None,
+    }
+
+
 async def _burst(target: str, sessions: int, channels: int) -> Counter[str]:
     options = [*channel_options(), ("grpc.use_local_subchannel_pool", 1)]
     pool = [grpc.aio.insecure_channel(target, options=options) for _ in range(channels)]
@@ -331,7 +385,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "command",
-        choices=["rapid-reset", "stalled-readers", "admission-burst", "metrics-slowloris"],
+        choices=[
+            "rapid-reset", "stalled-readers", "slow-senders", "admission-burst",
+            "metrics-slowloris",
+        ],
     )
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--connections", type=int, default=4)
@@ -342,6 +399,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument(
         "--no-read", action="store_true", help="stalled readers: never read the socket at all"
+    )
+    parser.add_argument(
+        "--message-bytes", type=int, default=15 * 2**20,
+        help="slow senders: the request each stream announces (all but 1 KiB is sent)",
     )
     parser.add_argument("--sessions", type=int, default=16384)
     parser.add_argument("--channels", type=int, default=64)
@@ -368,6 +429,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 server, args.streams, min(args.seconds, 10.0), token=token,
                 read_socket=not args.no_read,
             )  # fmt: skip
+        elif args.command == "slow-senders":
+            result = slow_senders_run(server, args.streams, args.message_bytes, token=token)
         elif args.command == "admission-burst":
             result = admission_burst_run(server, args.sessions, args.channels)
         else:

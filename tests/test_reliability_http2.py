@@ -19,8 +19,14 @@ import time
 import pytest
 
 from bench.h2_attacks import grpc_headers
-from bench.hostile import admission_burst_run, rapid_reset_run, stalled_readers_run
+from bench.hostile import (
+    admission_burst_run,
+    rapid_reset_run,
+    slow_senders_run,
+    stalled_readers_run,
+)
 from openenv_grpc.client.info import fetch_info
+from openenv_grpc.server.config import ServerConfig
 
 #: The promise: a flood from one client (4 connections) grows the server by at most this.
 RAPID_RESET_BOUND_MIB = 150
@@ -238,3 +244,39 @@ def test_a_stopped_client_loses_its_sessions_within_keepalive_time_plus_timeout(
     finally:
         client.kill()
         client.wait()
+
+
+#: What a stalled sender may pin per stream beyond its request: the 64 KiB window and
+#: the bookkeeping, with room to spare.
+SLOW_SENDER_SLACK_KIB = 512
+
+
+@pytest.mark.timeout(240)
+def test_slow_senders_hold_at_most_the_request_limit_and_give_it_back(start_server) -> None:
+    """The issue's attack: 48 Session streams on one connection each announce a 15 MiB
+    request, send all but its last KiB and go quiet. It pinned 15.1 MiB a stream (+725 MiB)
+    and +578 MiB stayed after the socket closed, until the 600 s idle timeout."""
+    server = start_server("support.envs:CountingEchoEnv")
+    limit = ServerConfig().request_limit  # the default: 8 MiB + 1 KiB
+    over = slow_senders_run(server, streams=48, message_bytes=15 * 2**20, hold=2.0)
+    _print(over)
+    # Past the request limit: refused at the length prefix, before its bytes are taken.
+    refusal = f"status 8: SERVER: Received message larger than max (15728640 vs. {limit})"
+    assert over["ended_by_server"] == {refusal: 48}
+    assert over["client_sent_mib"] <= 48 * 0.125  # at most each stream's first window
+    assert over["rss_growth_mib"] <= 16
+    assert over["honest"]["steps_min"] >= 1
+    server.wait_until(lambda: server.active() == 0, what="the refused streams gone")
+    # Within the limit: held while the connection lives (gRPC buffers a request until it
+    # is complete), at most the request and its window per stream; given back on close.
+    under = slow_senders_run(server, streams=16, message_bytes=limit - 1024, hold=2.0)
+    _print(under)
+    assert under["ended_by_server"] == {}
+    assert under["client_sent_mib"] >= 16 * (limit - 2048) / 2**20  # it did get them in
+    assert under["growth_per_stream_kib"] <= limit / 1024 + SLOW_SENDER_SLACK_KIB
+    assert under["honest"]["steps_min"] >= 1
+    # The heap trimmer returns the freed buffers (they stayed until the idle timeout).
+    assert under["rss_growth_after_close_mib"] <= 16
+    server.wait_until(
+        lambda: server.active() == 0 and every_env_closed(server), 30, "the senders' sessions"
+    )

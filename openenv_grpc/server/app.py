@@ -25,6 +25,7 @@ from openenv_grpc.server.auth import TokenAuthInterceptor
 from openenv_grpc.server.config import ENV_VARS, ServerConfig
 from openenv_grpc.server.env_process_pool import EnvProcessPool
 from openenv_grpc.server.env_threads import EnvThreadPool
+from openenv_grpc.server.heap import start_heap_trimmer
 from openenv_grpc.server.limiter import SessionLimiter
 from openenv_grpc.server.metrics import PrometheusMetrics
 from openenv_grpc.server.metrics_endpoint import MetricsEndpoint
@@ -51,7 +52,11 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, Any]]:
     "Hostile HTTP/2", has the measurements behind each number)."""
     keepalive_timeout_ms = int(config.keepalive_timeout * 1000)
     options: list[tuple[str, Any]] = [
-        ("grpc.max_receive_message_length", config.max_message_bytes),
+        # Requests get a tighter limit than answers: grpc-core grants a stream the window
+        # for the whole message its length prefix announces and buffers it until it is
+        # complete, so this is what one stalled sender can pin per stream. A longer
+        # prefix is refused (RESOURCE_EXHAUSTED) before any of its bytes are taken.
+        ("grpc.max_receive_message_length", config.request_limit),
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.keepalive_time_ms", int(config.keepalive_time * 1000)),
         ("grpc.keepalive_timeout_ms", keepalive_timeout_ms),
@@ -188,6 +193,7 @@ class EnvServer:
         except RuntimeError as exc:
             raise RuntimeError(f"cannot listen on {self.config.address}: {exc}") from exc
         await server.start()
+        start_heap_trimmer()  # what hostile or finished streams freed goes back (heap.py)
         self._server = server
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)

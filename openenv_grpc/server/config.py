@@ -29,6 +29,9 @@ STREAM_HEADROOM = 32
 #: Bytes of a message's room a snapshot leaves for the envelope around it (request id,
 #: episode id, field tags).
 SNAPSHOT_MARGIN = 1024
+#: The request limit when none is set (and snapshots need no more): gRPC's own default
+#: receive limit, as in grpc-go and grpc-java.
+DEFAULT_REQUEST_BYTES = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,10 +133,19 @@ class ServerConfig:
     )  # fmt: skip
     max_message_bytes: int = setting(
         16 * 1024 * 1024, variable="MAX_MESSAGE_BYTES", flag="--max-message-bytes", minimum=1,
-        help="largest message in or out",
-        details="a larger request ends its stream (`RESOURCE_EXHAUSTED`), a larger response "
-        "(a huge observation, info or state) is replaced by an in-band `RESOURCE_EXHAUSTED` "
-        "error naming the limit and the session goes on",
+        help="largest message out, and the ceiling of `--max-request-bytes`",
+        details="a larger response (a huge observation, info or state) is replaced by an "
+        "in-band `RESOURCE_EXHAUSTED` error naming the limit and the session goes on",
+    )  # fmt: skip
+    max_request_bytes: int = setting(
+        0, variable="MAX_REQUEST_BYTES", flag="--max-request-bytes", minimum=0,
+        shown_default="`0` (4 MiB, or the snapshot limit + 1 KiB if larger: 8 MiB + 1 KiB)",
+        help="largest request a client may send; never above `--max-message-bytes`",
+        details="a larger request ends its stream (`RESOURCE_EXHAUSTED`) as soon as its "
+        "length prefix arrives. gRPC buffers a request until it is complete, so a client "
+        "that sends all of one but the last bytes pins up to this much per stream (until "
+        "the idle timeout or the connection ends); the snapshot limit in force is kept "
+        "1 KiB below it, so a restore always fits",
     )  # fmt: skip
     max_snapshot_bytes: int = setting(
         8 * 1024 * 1024, variable="MAX_SNAPSHOT_BYTES", flag="--max-snapshot-bytes",
@@ -331,10 +343,20 @@ class ServerConfig:
         return f"{host}:{self.port}"
 
     @property
+    def request_limit(self) -> int:
+        """The largest request in force: ``max_request_bytes``, else gRPC's usual 4 MiB
+        raised to fit a restore of the largest snapshot; never above the message limit."""
+        wanted = self.max_request_bytes or max(
+            DEFAULT_REQUEST_BYTES, self.max_snapshot_bytes + SNAPSHOT_MARGIN
+        )
+        return min(wanted, self.max_message_bytes)
+
+    @property
     def snapshot_limit(self) -> int:
         """The largest snapshot in force: ``max_snapshot_bytes``, kept 1 KiB below the
-        message limit so a snapshot always fits a request or a response."""
-        return max(1, min(self.max_snapshot_bytes, self.max_message_bytes - SNAPSHOT_MARGIN))
+        request limit (itself never above the message limit) so a snapshot always fits a
+        request or a response."""
+        return max(1, min(self.max_snapshot_bytes, self.request_limit - SNAPSHOT_MARGIN))
 
     def call_timeout(self, env_default: float | None) -> float | None:
         """Longest an env call may take: this server's ``step_timeout`` if set, else the
