@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -9,13 +10,16 @@ from typing import Any, Protocol, TypeVar
 import grpc
 
 from openenv_grpc.client.errors import CapacityError
+from openenv_grpc.metadata import SERVICE_NAME
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
     "AioChannelPool",
     "aio_channel",
     "auth_metadata",
+    "balancing_options",
     "channel_options",
+    "round_robin_options",
     "sync_channel",
     "tls_credentials",
 ]
@@ -42,12 +46,36 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
     ]
 
 
+#: A fleet's service config: each new stream goes to the next READY address, and an
+#: address is READY only while its env service answers SERVING (a draining node drops out).
+_ROUND_ROBIN = json.dumps(
+    {
+        "loadBalancingConfig": [{"round_robin": {}}],
+        "healthCheckConfig": {"serviceName": SERVICE_NAME},
+    }
+)
+
+
+def round_robin_options() -> list[tuple[str, Any]]:
+    """Channel arguments for round robin per stream over the healthy addresses."""
+    return [("grpc.service_config", _ROUND_ROBIN)]
+
+
+def balancing_options(target: str) -> list[tuple[str, Any]]:
+    """:func:`round_robin_options` when ``target`` lists several addresses
+    (``ipv4:a:p1,b:p2``, as :class:`~openenv_grpc.client.fleet.Fleet` makes); else none
+    (gRPC's default, pick_first)."""
+    if target.startswith(("ipv4:", "ipv6:")) and "," in target:
+        return round_robin_options()
+    return []
+
+
 def aio_channel(
     target: str, credentials: grpc.ChannelCredentials | None = None, **kwargs: Any
 ) -> grpc.aio.Channel:
     """An asyncio channel to ``target`` ("host:port"): TLS with ``credentials``, else
     plaintext."""
-    options = channel_options(**kwargs)
+    options = [*channel_options(**kwargs), *balancing_options(target)]
     if credentials is None:
         return grpc.aio.insecure_channel(target, options=options)
     return grpc.aio.secure_channel(target, credentials, options=options)
@@ -57,7 +85,7 @@ def sync_channel(
     target: str, credentials: grpc.ChannelCredentials | None = None, **kwargs: Any
 ) -> grpc.Channel:
     """A blocking channel to ``target``: TLS with ``credentials``, else plaintext."""
-    options = channel_options(**kwargs)
+    options = [*channel_options(**kwargs), *balancing_options(target)]
     if credentials is None:
         return grpc.insecure_channel(target, options=options)
     return grpc.secure_channel(target, credentials, options=options)

@@ -1,0 +1,319 @@
+"""``Fleet``: many servers of one environment behind one client-side target, balanced
+per new stream, with unhealthy servers skipped.
+
+``with Fleet(provider) as fleet, fleet.session(EchoEnv, recovery=fleet.recovery(every=8))
+as env: env.reset(seed=1)``
+
+The nodes (``host:port`` each, from a plain list or a provider's ``targets``) become one
+gRPC target listing every address (``ipv4:10.0.0.1:5000,10.0.0.2:5000``) and one channel
+with gRPC's ``round_robin`` policy and client-side health checking: each new stream
+(a Session or VectorSession open) goes to the next address whose env service answers
+SERVING, and stays there for its life. A node that dies (its connection drops) or drains
+(NOT_SERVING) leaves the rotation at once and comes back when it serves again. Balance
+is per stream, not per connection: every node shares one channel, so no proxy and no
+pool of channels is needed.
+
+With ``recovery=fleet.recovery(every=K)`` an episode whose node dies reopens on the
+fleet -- the surviving nodes -- restores its last snapshot and goes on (see
+:mod:`openenv_grpc.client.recovery`). Every node must serve the same env and version
+with the same ``SNAPSHOT_KEYS``.
+
+Blocking sessions share the fleet's channel (an exact rotation over the nodes).
+Asyncio sessions get :attr:`Fleet.target` and make a channel of their own (a channel
+belongs to one event loop); gRPC starts each channel's rotation at a random node, so
+they spread evenly only on average.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import time
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from openenv_grpc.client.channel import auth_metadata, channel_options, round_robin_options
+from openenv_grpc.client.errors import InfoUnavailable
+from openenv_grpc.client.info import fetch_info
+from openenv_grpc.client.recovery import Recovery
+from openenv_grpc.client.sync_session import SyncStream
+from openenv_grpc.metadata import SERVICE_NAME
+from openenv_grpc.v1 import session_pb2 as pb
+from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+__all__ = ["Fleet", "HasTargets", "fleet_target"]
+
+ClientT = TypeVar("ClientT")
+
+#: Reconnect backoff cap for a fleet's channels: a restarted node rejoins within this.
+_MAX_RECONNECT_MS = 2_000
+
+
+class HasTargets(Protocol):
+    """Anything that lists its servers (``RayProvider``, ``SlurmProvider``, ...)."""
+
+    @property
+    def targets(self) -> Sequence[str]:
+        """``host:port`` of every server."""
+        ...
+
+
+def _address(node: str) -> tuple[int, str]:
+    """(IP version, ``addr:port`` as a gRPC ipv4/ipv6 URI writes it) of ``host:port``;
+    a host name is resolved now.
+
+    Raises:
+        ValueError: not ``host:port``, or the host does not resolve.
+    """
+    host, sep, port = node.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ValueError(f"a fleet node must be host:port, got {node!r}")
+    host = host.strip("[]")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        try:
+            infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        except OSError as exc:
+            raise ValueError(f"fleet node {node!r} does not resolve: {exc}") from None
+        ip = ipaddress.ip_address(str(infos[0][4][0]))
+    if ip.version == 6:
+        return 6, f"[{ip}]:{port}"
+    return 4, f"{ip}:{port}"
+
+
+def fleet_target(nodes: Sequence[str]) -> str:
+    """The one gRPC target of ``nodes`` (``ipv4:a:p,b:q``); any session, vector session
+    or channel made from it balances per stream over the healthy ones.
+
+    Raises:
+        ValueError: no nodes, a node is not ``host:port``, or IPv4 and IPv6 are mixed.
+    """
+    if not nodes:
+        raise ValueError("a fleet needs at least one node")
+    addresses = [_address(node) for node in nodes]
+    versions = {version for version, _ in addresses}
+    if len(versions) != 1:
+        raise ValueError(f"a fleet's nodes must all be IPv4 or all IPv6: {list(nodes)}")
+    scheme = "ipv6" if versions == {6} else "ipv4"
+    return f"{scheme}:{','.join(address for _, address in addresses)}"
+
+
+class Fleet:
+    """Servers of one environment as one target (see the module's docstring).
+
+    Args:
+        nodes: ``host:port`` of each server, or something with ``targets`` (a provider):
+            its targets are read now and again on :meth:`refresh`.
+        credentials: TLS to the servers (None: plaintext).
+        token: Bearer token for the fleet's own Info calls.
+        health_service: The health service whose SERVING puts a node in the rotation.
+
+    Raises:
+        ValueError: as :func:`fleet_target`.
+    """
+
+    def __init__(
+        self,
+        nodes: Sequence[str] | HasTargets,
+        *,
+        credentials: grpc.ChannelCredentials | None = None,
+        token: str | None = None,
+        health_service: str = SERVICE_NAME,
+    ) -> None:
+        self._source = None if isinstance(nodes, Sequence) else nodes
+        self.credentials = credentials
+        self.token = token
+        self.health_service = health_service
+        self._nodes: tuple[str, ...] = ()
+        self._target = ""
+        self._channel: grpc.Channel | None = None
+        #: Channels of earlier node lists: sessions may still run on them.
+        self._retired: list[grpc.Channel] = []
+        self._set_nodes(list(nodes) if isinstance(nodes, Sequence) else list(nodes.targets))
+
+    def _set_nodes(self, nodes: list[str]) -> None:
+        target = fleet_target(nodes)
+        self._nodes = tuple(nodes)
+        if target != self._target and self._channel is not None:
+            self._retired.append(self._channel)
+            self._channel = None
+        self._target = target
+
+    # -- where the nodes are -------------------------------------------------------------
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """``host:port`` of every node, healthy or not."""
+        return self._nodes
+
+    @property
+    def target(self) -> str:
+        """The fleet as one gRPC target string (``ipv4:a:p,b:q``): a session made from it
+        makes its own balanced channel."""
+        return self._target
+
+    def refresh(self) -> None:
+        """Read the provider's targets again (a restarted server may have a new port);
+        sessions opened from now on use the new list. No-op for a plain list."""
+        if self._source is not None:
+            self._set_nodes(list(self._source.targets))
+
+    def channel(self) -> grpc.Channel:
+        """The fleet's blocking channel, owned by the fleet (:meth:`close` closes it):
+        every stream opened on it goes to the next healthy node."""
+        if self._channel is None:
+            options = [*channel_options(), *fleet_options()]
+            self._channel = (
+                grpc.insecure_channel(self._target, options=options)
+                if self.credentials is None
+                else grpc.secure_channel(self._target, self.credentials, options=options)
+            )
+        return self._channel
+
+    # -- health --------------------------------------------------------------------------
+
+    def healthy(self, timeout: float = 2.0) -> list[str]:
+        """The nodes whose health service answers SERVING now (each asked once)."""
+        return [node for node in self._nodes if self._serving(node, timeout)]
+
+    def _serving(self, node: str, timeout: float) -> bool:
+        with self._node_channel(node) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            try:
+                answer = stub.Check(
+                    health_pb2.HealthCheckRequest(service=self.health_service), timeout=timeout
+                )
+            except grpc.RpcError:
+                return False
+        return bool(answer.status == health_pb2.HealthCheckResponse.SERVING)
+
+    def _node_channel(self, node: str) -> grpc.Channel:
+        if self.credentials is None:
+            return grpc.insecure_channel(node)
+        return grpc.secure_channel(node, self.credentials)
+
+    def loads(self, timeout: float = 5.0) -> dict[str, int | None]:
+        """Sessions each node holds now (its Info's ``active_sessions``; None: no answer)."""
+        loads: dict[str, int | None] = {}
+        for node in self._nodes:
+            try:
+                info = fetch_info(node, timeout, credentials=self.credentials, token=self.token)
+            except InfoUnavailable:
+                loads[node] = None
+                continue
+            loads[node] = info.capacity.active_sessions
+        return loads
+
+    def wait_ready(self, timeout: float = 30.0, nodes: int | None = None) -> list[str]:
+        """Wait until ``nodes`` nodes (default: all) are SERVING and the fleet's channel
+        reaches every one of them, so that the next streams spread over all; returns the
+        healthy nodes.
+
+        Raises:
+            TimeoutError: fewer were healthy, or the channel did not reach them all,
+                within ``timeout`` seconds.
+        """
+        want = len(self._nodes) if nodes is None else nodes
+        deadline = time.monotonic() + timeout
+        while len(healthy := self.healthy()) < want:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{len(healthy)} of {len(self._nodes)} fleet nodes SERVING after "
+                    f"{timeout}s (wanted {want}): {healthy}"
+                )
+            time.sleep(0.1)
+        # round_robin starts picking as soon as one address is READY: until every healthy
+        # one is, new streams would crowd onto the first. Successive Info calls go to
+        # successive READY addresses; once a round of them meets as many server processes
+        # as there are healthy nodes, the rotation is complete.
+        stub = pb_grpc.EnvServiceStub(self.channel())
+        metadata = auth_metadata(self.token)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"the fleet's channel did not reach all of {healthy}")
+            try:
+                seen = {
+                    stub.Info(
+                        pb.InfoRequest(), timeout=remaining, wait_for_ready=True,
+                        metadata=metadata,
+                    ).server_pid
+                    for _ in healthy
+                }  # fmt: skip
+            except grpc.RpcError:
+                seen = set()
+            if len(seen) >= len(healthy):
+                return healthy
+            time.sleep(0.02)
+
+    # -- sessions ----------------------------------------------------------------------
+
+    def recovery(self, every: int = 1, within: float = 30.0) -> Recovery:
+        """A :class:`Recovery` whose fallback is the fleet: a lost episode reopens on the
+        next healthy node, restores its last snapshot (taken every ``every`` steps) and
+        goes on. Share it among the fleet's sessions.
+
+        Raises:
+            ValueError: as :class:`Recovery`.
+        """
+        return Recovery(every=every, targets=[self._target], within=within)
+
+    def session(self, client_class: type[ClientT], **kwargs: Any) -> ClientT:
+        """An unopened session of ``client_class`` on the fleet: blocking ones (Session,
+        VectorSession) share :meth:`channel`; asyncio ones get :attr:`target` and the
+        fleet's ``credentials`` (unless ``kwargs`` give others).
+
+        Returns:
+            ``client_class(channel_or_target, **kwargs)``.
+        """
+        make: Callable[..., ClientT] = client_class
+        if isinstance(client_class, type) and issubclass(client_class, SyncStream):
+            return make(self.channel(), **kwargs)
+        if self.credentials is not None:
+            kwargs.setdefault("credentials", self.credentials)
+        return make(self._target, **kwargs)
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Wait for every node (see :meth:`wait_ready`); the fleet starts no server.
+
+        Raises:
+            TimeoutError: as :meth:`wait_ready`.
+        """
+        self.wait_ready()
+
+    def stop(self) -> None:
+        """Close the fleet's channels (their streams end). Safe to call twice."""
+        channels = [*self._retired, *([self._channel] if self._channel else [])]
+        self._retired, self._channel = [], None
+        for channel in channels:
+            channel.close()
+
+    close = stop
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def fleet_options() -> list[tuple[str, Any]]:
+    """Channel arguments of a fleet's channel: round robin over the healthy addresses
+    (also for a fleet of one), and a short reconnect backoff so a node that comes back
+    rejoins soon."""
+    return [*round_robin_options(), ("grpc.max_reconnect_backoff_ms", _MAX_RECONNECT_MS)]
