@@ -46,10 +46,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--openenv",
-        metavar="MODULE:CLASS",
-        help="serve this OpenEnv Environment subclass unchanged instead of ENV "
-        "(needs the openenv extra)",
+        metavar="MODULE:APP_OR_CLASS",
+        help="serve an OpenEnv env unchanged instead of ENV (needs the openenv extra): "
+        "its create_app module as uvicorn takes it (pkg.server.app:app: the env and models "
+        "that call was given), or its Environment class or factory "
+        "(server.my_environment:MyEnvironment); the current directory is importable",
     )
+    for role in ("action", "observation", "state"):
+        run.add_argument(
+            f"--{role}",
+            metavar="MODULE:MODEL",
+            help=f"with --openenv: the env's {role.capitalize()} model (pydantic), where "
+            "neither its app nor its class says it",
+        )
     for name, kind, meta, default in settings():
         if meta.flag is None:
             continue  # secrets stay off the command line
@@ -132,7 +141,11 @@ def _serve(args: argparse.Namespace) -> int:
         config = ServerConfig.from_env(**{name: getattr(args, name) for name in fields})
         configure_logging(config.log_level, config.log_format)
         if args.openenv is not None:
-            factory, config = _openenv_factory(args.openenv, config)
+            factory, config = _openenv_factory(
+                args.openenv, config, args.action, args.observation, args.state
+            )
+        elif args.action or args.observation or args.state:
+            raise ValueError("--action, --observation and --state go with --openenv")
         else:
             factory = load_factory(args.env)
     except (ValueError, LookupError, TypeError, ImportError) as exc:
@@ -155,7 +168,13 @@ def _serve(args: argparse.Namespace) -> int:
         return 1
 
 
-def _openenv_factory(ref: str, config: ServerConfig) -> tuple[Callable[[], Any], ServerConfig]:
+def _openenv_factory(
+    ref: str,
+    config: ServerConfig,
+    action: str | None = None,
+    observation: str | None = None,
+    state: str | None = None,
+) -> tuple[Callable[[], Any], ServerConfig]:
     """The adapter class serving the OpenEnv env ``ref``, and ``config`` sized for it.
 
     Raises:
@@ -164,16 +183,12 @@ def _openenv_factory(ref: str, config: ServerConfig) -> tuple[Callable[[], Any],
         ValueError: a non-concurrent env with several workers.
     """
     try:
-        from openenv_grpc.integrations.openenv import (
-            load_openenv_class,
-            openenv_environment,
-            serve_config,
-        )
+        from openenv_grpc.integrations.openenv.serving import adapter_for, serve_config
     except ImportError as exc:
         raise ImportError(
             f"--openenv needs its extra: pip install 'openenv-grpc[openenv]' ({exc})"
         ) from exc
-    adapter = openenv_environment(load_openenv_class(ref))
+    adapter = adapter_for(ref, action, observation, state)
     return adapter, serve_config(adapter, config)
 
 

@@ -91,6 +91,12 @@ class _EnvironmentBase(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
     #: Seconds reset, step or state may take before the session gets DEADLINE_EXCEEDED and
     #: a fresh instance (None: no limit; the server's ``--step-timeout`` overrides it).
     step_timeout: ClassVar[float | None] = None
+    #: False: an exception raised by ``step`` is an in-band INTERNAL error and the episode
+    #: goes on (OpenEnv's rule); True: the episode is over and only a reset may follow.
+    step_errors_end_episode: ClassVar[bool] = True
+    #: The most sessions one server process may hold at once (None: the server's setting);
+    #: the server's capacity is never above it.
+    max_sessions: ClassVar[int | None] = None
 
     @classmethod
     def check_settings(cls) -> None:

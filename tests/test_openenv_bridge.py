@@ -9,6 +9,7 @@ observations."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import subprocess
@@ -23,17 +24,13 @@ from google.protobuf import descriptor_pool, json_format, message_factory
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
-from openenv.core.generic_client import GenericEnvClient
 
 from openenv_grpc import CapacityError, EnvError
 from openenv_grpc.cli import main
 from openenv_grpc.client.info import message_classes
-from openenv_grpc.integrations.openenv import (
-    described_session,
-    load_openenv_class,
-    openenv_environment,
-)
-from openenv_grpc.integrations.openenv.convert import to_python
+from openenv_grpc.integrations.openenv import described_session
+from openenv_grpc.integrations.openenv.parity import differences, grpc_episode, openenv_episode
+from openenv_grpc.integrations.openenv.serving import adapter_for
 from openenv_grpc.testing import ServerProcess
 
 TESTS = Path(__file__).resolve().parent
@@ -91,10 +88,12 @@ def test_template_env_through_info_alone() -> None:
         assert info.observation_type.endswith(".EchoObservation")
         assert info.state_type.endswith(".State")
         assert info.capacity.max_sessions == 1024  # SUPPORTS_CONCURRENT_SESSIONS = True
-        # The observation message holds the env's fields; reward, done and metadata go
-        # in the result's own fields.
+        # The observation message holds the env's fields and its metadata (JSON text, as
+        # OpenEnv's JSON has it); reward and done go in the result's own fields, and the
+        # metadata in info too.
         observation = message_classes(info)["observation"].DESCRIPTOR
-        assert [f.name for f in observation.fields] == ["echoed_message", "message_length"]
+        names = [f.name for f in observation.fields]
+        assert names == ["metadata", "echoed_message", "message_length"]
         EchoEnv = described_session(info)
         with EchoEnv(server.target) as env:
             first = env.reset(seed=5, episode_id="ep-1")
@@ -104,7 +103,10 @@ def test_template_env_through_info_alone() -> None:
             assert result.observation.echoed_message == "hello"
             assert result.observation.message_length == 5
             assert result.reward == pytest.approx(0.5)
-            assert result.info == {"original_message": "hello", "step": 1.0}
+            assert result.info == {"original_message": "hello", "step": 1.0}  # a Struct
+            metadata = json.loads(result.observation.metadata.json)
+            assert metadata == {"original_message": "hello", "step": 1}
+            assert type(metadata["step"]) is int  # the observation's copy keeps the int
             state = env.state()
             assert (state.episode_id, state.step_count) == ("ep-1", 1)  # our episode id
             # A required field left unset is pydantic's "Field required", in-band.
@@ -147,7 +149,9 @@ def test_nested_list_enum_fields_and_typed_reset_options() -> None:
             ]  # fmt: skip
             assert observation["counts"] == {"bolt": "2"}
             assert observation["last_note"] == "fragile" and observation["weights"] == [1.0]
-            assert observation["extra"] == {"order_size": 7.0, "skus": ["apple", "bolt", "cable"]}
+            extra = json.loads(result.observation.extra.json)
+            assert extra == {"order_size": 7, "skus": ["apple", "bolt", "cable"]}
+            assert type(extra["order_size"]) is int
             assert result.reward == pytest.approx(-0.1) and not result.terminated
             state = env.state()
             assert dict(state.order) == {"apple": 2, "bolt": 2, "cable": 3}
@@ -180,71 +184,23 @@ def test_mcp_env_tools_through_the_bridge() -> None:
             listing = Mcp.Action()
             listing.list_tools_action.SetInParent()
             tools = env.step(listing).observation.list_tools_observation.tools
-            assert sorted(tool.name for tool in tools) == ["echo_message", "echo_with_length"]
+            names = sorted(tool.name for tool in tools)
+            assert names == ["echo_message", "echo_with_length", "repeat"]
             call = Mcp.Action()
             call.call_tool_action.tool_name = "echo_with_length"
-            call.call_tool_action.arguments.update({"message": "hi"})
+            call.call_tool_action.arguments.json = json.dumps({"message": "hi"})
             answer = env.step(call).observation.call_tool_observation
             assert answer.tool_name == "echo_with_length"
-            result = message_fields(answer)["result"]
-            assert result["data"] == {"message": "hi", "length": 2.0}
-            assert not result["is_error"]
-            assert env.state().step_count == 2
-
-
-def _openenv_steps(
-    base_url: str, reset: dict[str, Any], actions: list[dict[str, Any]]
-) -> list[Any]:
-    with GenericEnvClient(base_url=base_url).sync() as client:
-        results = [client.reset(**reset)]
-        results += [client.step(action) for action in actions]
-        return [(r.observation, r.reward, r.done) for r in results]
-
-
-def _our_steps(
-    ref: str, server: ServerProcess, reset: dict[str, Any], actions: list[dict[str, Any]]
-) -> list[Any]:
-    """The same episode through the bridge, read back into the env's own Observation
-    model and dumped as OpenEnv's server dumps it."""
-    sys.path.insert(0, str(TESTS))
-    try:
-        plan = openenv_environment(load_openenv_class(ref))._bridge.observation
-    finally:
-        sys.path.remove(str(TESTS))
-    Env = described_session(server.target)
-    out = []
-    with Env(server.target) as env:
-        extra = {k: v for k, v in reset.items() if k != "seed"}
-        options = Env.ResetOptions(**extra) if extra else None
-        results = [env.reset(seed=reset.get("seed"), options=options)]
-        for action in actions:
-            results.append(env.step(json_format.ParseDict(_proto_json(action), Env.Action())))
-        for result in results:
-            model, data = to_python(plan, result.observation)
-            shown = model.model_validate(data).model_dump(exclude={"reward", "done"})
-            shown["metadata"] = _ints(result.info)
-            out.append((shown, result.reward, result.terminated))
-    return out
-
-
-def _ints(value: Any) -> Any:
-    """JSON numbers arrive as doubles (Struct); OpenEnv's JSON keeps 1 as 1."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, dict):
-        return {k: _ints(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_ints(v) for v in value]
-    return value
-
-
-def _proto_json(action: dict[str, Any]) -> dict[str, Any]:
-    """OpenEnv's action JSON in protobuf JSON: enum values by their protobuf names."""
-    data = dict(action)
-    for line in data.get("lines", []):
-        if "size" in line.get("item", {}):
-            line["item"] = {**line["item"], "size": f"SIZE_{line['item']['size'].upper()}"}
-    return data
+            result = json.loads(answer.result.json)
+            assert result["data"] == {"message": "hi", "length": 2}
+            assert not result["is_error"] and "meta" in result and "_meta" not in result
+            # An int argument reaches the tool as an int (it was 5.0 as a protobuf Value).
+            call.call_tool_action.tool_name = "repeat"
+            call.call_tool_action.arguments.json = json.dumps({"message": "ab", "times": 3})
+            answer = env.step(call).observation.call_tool_observation
+            data = json.loads(answer.result.json)["data"]
+            assert data == {"text": "ababab", "input_type": "int"}
+            assert env.state().step_count == 3
 
 
 @pytest.mark.parametrize(
@@ -260,28 +216,66 @@ def _proto_json(action: dict[str, Any]) -> dict[str, Any]:
                             "quantity": 2}],
                  "note": "hi", "hints": {"a": 1.5}},
                 {"lines": [{"item": {"sku": "bolt"}, "quantity": 1}], "mode": "remove"},
+                {"lines": [{"item": {"sku": "nail"}}], "mode": "steal"},  # refused
                 {"lines": [{"item": {"sku": "apple"}, "quantity": 2},
                            {"item": {"sku": "bolt"}, "quantity": 1},
                            {"item": {"sku": "cable"}, "quantity": 3}]},
             ],
         ),
+        (
+            # The env's own app (create_app names the types its step does not), served
+            # with the same one command uvicorn takes.
+            "support.openenv_envs.apps:board_app",
+            "board_app",
+            {"seed": 1, "preset": 2, "note": {"i": 1, "f": 1.0}},
+            [
+                {"column": 1}, {"column": 1},
+                {"column": 1},  # illegal (full): an error on both servers, the game goes on
+                {"column": 9},  # illegal (off the board)
+                {"column": 0}, {"column": 2}, {"column": 3}, {"column": 0}, {"column": 2},
+                {"column": 3}, {"column": 0}, {"column": 2}, {"column": 3},
+            ],
+        ),
+        (
+            MCP_ECHO,
+            "mcp_echo_app",
+            {},
+            [
+                {"type": "list_tools"},
+                {"type": "call_tool", "tool_name": "repeat",
+                 "arguments": {"message": "ab", "times": 2}},
+                {"type": "call_tool", "tool_name": "echo_with_length",
+                 "arguments": {"message": "hi"}},
+                {"type": "call_tool", "tool_name": "no_such_tool", "arguments": {}},
+            ],
+        ),
     ],
 )  # fmt: skip
-def test_same_observations_as_openenvs_own_server(
+def test_same_answers_as_openenvs_own_server(
     ref: str, app: str, reset: dict[str, Any], actions: list[dict[str, Any]]
 ) -> None:
+    """Seed for seed, action for action, compared as JSON text (1 and 1.0 differ):
+    observations (metadata included), rewards, done, and which steps were errors."""
     with openenv_server(app) as base_url:
-        theirs = _openenv_steps(base_url, reset, actions)
+        theirs = openenv_episode(base_url, reset, actions)
+    sys.path.insert(0, str(TESTS))
+    try:
+        adapter = adapter_for(ref)
+    finally:
+        sys.path.remove(str(TESTS))
     with serving(ref) as server:
-        ours = _our_steps(ref, server, reset, actions)
-    assert len(ours) == len(theirs) == len(actions) + 1
-    for (our_obs, our_reward, our_done), (their_obs, their_reward, their_done) in zip(
-        ours, theirs, strict=True
-    ):
-        assert our_obs == their_obs
-        assert our_reward == pytest.approx(their_reward or 0.0)
-        assert our_done == their_done
-    assert theirs[-1][2] is (ref == WAREHOUSE)  # the warehouse order was completed
+        ours = grpc_episode(adapter, server.target, reset, actions)
+    assert len(ours) == len(actions) + 1
+    assert differences(ours, theirs) == []
+    if ref == WAREHOUSE:
+        assert "error" in ours[3] and ours[-1]["done"]  # refused, then the order completed
+    if ref.endswith("board_app"):
+        assert [i for i, a in enumerate(ours) if "error" in a] == [3, 4]
+        assert "illegal move: column 1 is full" in ours[3]["error"]
+        assert ours[-1]["done"] and ours[-1]["reward"] == 0.5  # the game went on to the end
+        first = ours[0]["observation"]
+        assert first["seen_options"] == {"preset": 2, "note": {"i": 1, "f": 1.0}, "seed": 1}
+        assert first["info"] == {} and first["stats"]["big"] == 2**60 + 1
 
 
 def test_isolated_workers_rebuild_the_types() -> None:

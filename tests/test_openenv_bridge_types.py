@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import enum
+import json
 import pickle
 import threading
 from typing import Any, ClassVar, Literal
@@ -20,6 +21,7 @@ from pydantic import BaseModel, Field
 from openenv_grpc import InvalidAction
 from openenv_grpc.environment import message_types
 from openenv_grpc.integrations.openenv import openenv_environment
+from openenv_grpc.integrations.openenv.schema import JSON_TYPE
 from openenv_grpc.server.spec import EnvSpec, ExecutionMode
 
 
@@ -98,7 +100,7 @@ def test_every_type_maps_to_its_field() -> None:
     action = message_types(adapter).action
     f = FieldDescriptor
     assert fields(action) == {
-        "metadata": ("optional", "Struct"),
+        "metadata": ("optional", "Json"),
         "text": ("optional", str(f.TYPE_STRING)),
         "count": ("optional", str(f.TYPE_INT64)),
         "ratio": ("optional", str(f.TYPE_DOUBLE)),
@@ -111,22 +113,26 @@ def test_every_type_maps_to_its_field() -> None:
         "tags": ("repeated", str(f.TYPE_STRING)),
         "scores": ("map", str(f.TYPE_DOUBLE)),
         "named": ("map", "Point"),
-        "loose": ("optional", "Struct"),
-        "anything": ("optional", "Value"),  # JSON: nothing to type it with
-        "either": ("optional", "Value"),  # JSON: a union protobuf cannot tell apart
-        "grid": ("optional", "Value"),  # JSON: repeated fields cannot nest
-        "pair": ("optional", "Value"),  # JSON: a fixed-length tuple
-        "when": ("optional", "Value"),  # JSON: pydantic's ISO date
+        "loose": ("optional", "Json"),  # JSON text: ints stay ints
+        "anything": ("optional", "Json"),  # JSON: nothing to type it with
+        "either": ("optional", "Json"),  # JSON: a union protobuf cannot tell apart
+        "grid": ("optional", "Json"),  # JSON: repeated fields cannot nest
+        "pair": ("optional", "Json"),  # JSON: a fixed-length tuple
+        "when": ("optional", "Json"),  # JSON: pydantic's ISO date
     }
+    json_field = action.DESCRIPTOR.fields_by_name["loose"].message_type
+    assert json_field.full_name == JSON_TYPE == "openenv_grpc.openenv.v1.Json"
+    assert [f.name for f in json_field.fields] == ["json"]
     color = action.DESCRIPTOR.fields_by_name["color"].enum_type
     assert [v.name for v in color.values] == ["COLOR_UNSPECIFIED", "COLOR_RED", "COLOR_DARK_BLUE"]
     options = message_types(adapter).reset_options
     assert fields(options) == {
         "level": ("optional", str(f.TYPE_INT64)),
-        "kwargs": ("optional", "Struct"),
+        "kwargs": ("optional", "Json"),
     }
-    # The observation keeps its own fields; reward, done and metadata go in the result.
-    assert list(fields(message_types(adapter).observation)) == ["echo"]
+    # The observation keeps its own fields and metadata (as OpenEnv's JSON does); reward
+    # and done go in the result.
+    assert list(fields(message_types(adapter).observation)) == ["metadata", "echo"]
 
 
 def test_values_round_trip_through_the_messages() -> None:
@@ -134,30 +140,36 @@ def test_values_round_trip_through_the_messages() -> None:
     types = message_types(adapter)
     env = adapter()
     options = types.reset_options(level=4)
-    options.kwargs.update({"mode": "hard"})
+    options.kwargs.json = json.dumps({"mode": "hard", "i": 1, "big": 2**70})
     first = env.reset(seed=7, episode_id="e", options=options)
     assert first.reward == 0.0  # None
-    assert first.info == {"seen": {"seed": 7, "episode_id": "e", "level": 4, "mode": "hard"}}
+    seen = {"seed": 7, "episode_id": "e", "level": 4, "mode": "hard", "i": 1, "big": 2**70}
+    assert env._env.seen == seen and type(env._env.seen["i"]) is int  # ints stay ints
+    assert json.loads(first.observation.metadata.json) == {"seen": seen}
     action = types.action(text="hi", raw=b"\x00\xff", kind="b", color=3 - 1)
     action.point.x = 1.5
     action.points.add(x=2)
     action.tags.extend(["t"])
     action.scores["s"] = 0.5
     action.named["n"].x = 3
-    action.loose.update({"k": [1, "two"]})
-    action.anything.string_value = "free"
-    action.either.number_value = 5
-    action.grid.list_value.values.add().list_value.values.add(number_value=1)
-    action.when.string_value = "2026-12-01"
+    action.loose.json = '{"k": [1, "two", 1.0, null, true, 9007199254740993]}'
+    action.anything.json = '"free"'
+    action.either.json = "5"
+    action.grid.json = "[[1, 2], [3]]"
+    action.when.json = '"2026-12-01"'
     result = env.step(action)
     assert (result.reward, result.terminated) == (1.0, True)  # reward True, done True
     echo = result.observation.echo
     assert (echo.text, echo.raw, echo.kind, echo.color) == ("hi", b"\x00\xff", "b", 2)
     assert echo.point.x == 1.5 and echo.points[0].x == 2 and list(echo.tags) == ["t"]
     assert dict(echo.scores) == {"s": 0.5} and echo.named["n"].x == 3
-    assert echo.either.number_value == 5 and echo.when.string_value == "2026-12-01"
-    assert echo.grid.list_value.values[0].list_value.values[0].number_value == 1
+    assert echo.either.json == "5" and echo.when.json == '"2026-12-01"'
+    assert json.loads(echo.grid.json) == [[1, 2], [3]]
+    loose = json.loads(echo.loose.json)["k"]
+    assert loose == [1, "two", 1.0, None, True, 9007199254740993]  # 2**53 + 1: exact
+    assert [type(v) for v in loose[:3]] == [int, str, float]
     assert not echo.HasField("flag")  # None stays unset
+    assert echo.metadata.json == "{}"  # an empty dict arrives as {}, not unset
     assert env.state().step_count == 3
 
 
@@ -170,6 +182,14 @@ def test_refusals_are_invalid_action() -> None:
         env.step(types.action())
     with pytest.raises(InvalidAction, match="kind: Input should be 'a' or 'b'"):
         env.step(types.action(text="x", kind="c"))
+    bad = types.action(text="x")
+    bad.grid.json = "[[1, 2"
+    with pytest.raises(InvalidAction, match=r"grid: not JSON text \(Expecting"):
+        env.step(bad)
+    options = types.reset_options()
+    options.kwargs.json = "[1]"
+    with pytest.raises(InvalidAction, match="kwargs: a JSON object of keyword arguments"):
+        env.reset(seed=None, episode_id="e", options=options)
 
 
 class Bare(Environment):
@@ -187,6 +207,10 @@ class Bare(Environment):
 def test_missing_types_and_wrong_returns_are_reported() -> None:
     with pytest.raises(TypeError, match="cannot find its action and observation model"):
         openenv_environment(Bare)
+    with pytest.raises(TypeError, match="neither an OpenEnv Environment class nor a factory"):
+        openenv_environment(5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="returned a str, not an openenv Environment"):
+        openenv_environment(lambda: "env")  # type: ignore[arg-type,return-value]
     with pytest.raises(TypeError, match="is not a subclass of openenv's Environment"):
         openenv_environment(AllAction)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="is not a pydantic model"):
@@ -247,3 +271,84 @@ def test_adapters_pickle_as_their_recipe() -> None:
     named = openenv_environment(AllEnv, name="all")
     assert named is not adapter and named.name == "all"
     assert pickle.loads(pickle.dumps(named)) is named
+
+
+class BaseAnnotated(Environment):
+    """As OpenEnv's coding_env writes it: step annotated with the base classes."""
+
+    def reset(self, seed=None, episode_id=None, **kwargs) -> Observation:  # type: ignore[no-untyped-def]
+        return AllObservation()
+
+    def step(self, action: Action) -> Observation:  # type: ignore[override]
+        return AllObservation(echo=action)  # type: ignore[arg-type]
+
+    @property
+    def state(self) -> State:
+        return State()
+
+
+def test_bare_base_classes_are_refused_naming_the_fix() -> None:
+    with pytest.raises(TypeError) as refused:
+        openenv_environment(BaseAnnotated)
+    message = str(refused.value)
+    assert "its action is openenv's base Action (no fields of its own) and its " in message
+    assert "observation is openenv's base Observation" in message
+    assert "--openenv pkg.server.app:app" in message and "--action MODULE:ACTION" in message
+    adapter = openenv_environment(BaseAnnotated, action=AllAction, observation=AllObservation)
+    assert "text" in message_types(adapter).action.DESCRIPTOR.fields_by_name
+
+
+def make_all_env() -> AllEnv:
+    return AllEnv()
+
+
+def make_unannotated():  # type: ignore[no-untyped-def]
+    return AllEnv()
+
+
+def test_a_factory_serves_like_its_class() -> None:
+    for factory in (make_all_env, make_unannotated):  # its return annotation, or a probe
+        adapter = openenv_environment(factory)
+        assert adapter.openenv_class is AllEnv and adapter.max_sessions is None
+        env = adapter()
+        env.reset(seed=None, episode_id="e", options=None)
+        assert env.step(message_types(adapter).action(text="x")).terminated
+        assert pickle.loads(pickle.dumps(adapter)) is adapter
+
+
+class Clashing(Action):
+    """Fields named like protobuf message methods and attributes."""
+
+    SerializeToString: str = "s"  # the attack: a method's name
+    DESCRIPTOR: int = 1
+    Clear_: int = 2  # already the renamed form of the next one
+    Clear: int = 3
+    plain: str = ""
+
+
+class ClashingEnv(Environment):
+    def reset(self, seed=None, episode_id=None, **kwargs) -> AllObservation:  # type: ignore[no-untyped-def]
+        return AllObservation()
+
+    def step(self, action: Clashing) -> AllObservation:  # type: ignore[override]
+        self.seen = action.model_dump(exclude={"metadata"})
+        return AllObservation(metadata={"seen": self.seen})
+
+    @property
+    def state(self) -> State:
+        return State()
+
+
+def test_fields_named_like_message_methods_are_renamed_and_mapped_back() -> None:
+    adapter = openenv_environment(ClashingEnv)
+    action_class = message_types(adapter).action
+    names = [f.name for f in action_class.DESCRIPTOR.fields]
+    assert names == ["metadata", "SerializeToString_", "DESCRIPTOR_", "Clear_", "Clear__", "plain"]
+    action = action_class(SerializeToString_="x", DESCRIPTOR_=7, Clear_=8, Clear__=9)
+    raw = action.SerializeToString()  # the class's own method still works
+    env = adapter()
+    env.reset(seed=None, episode_id="e", options=None)
+    result = env.step(action_class.FromString(raw))
+    seen = {"SerializeToString": "x", "DESCRIPTOR": 7, "Clear_": 8, "Clear": 9, "plain": ""}
+    assert env._env.seen == seen
+    assert json.loads(result.observation.metadata.json) == {"seen": seen}

@@ -7,6 +7,7 @@ server for embedding in an asyncio program or a test.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -24,7 +25,7 @@ from openenv_grpc.server.activity import Activity
 from openenv_grpc.server.auth import TokenAuthInterceptor
 from openenv_grpc.server.config import ENV_VARS, ServerConfig
 from openenv_grpc.server.env_process_pool import EnvProcessPool
-from openenv_grpc.server.env_threads import EnvThreadPool
+from openenv_grpc.server.env_threads import EnvThreadPool, Lifecycle
 from openenv_grpc.server.heap import start_heap_trimmer
 from openenv_grpc.server.limiter import SessionLimiter
 from openenv_grpc.server.metrics import PrometheusMetrics
@@ -113,6 +114,10 @@ class EnvServer:
         self.spec = EnvSpec.from_factory(
             factory, inline_threshold=self.config.inline_threshold_ms / 1000
         )
+        limit = getattr(self.spec.env_class, "max_sessions", None)
+        if limit is not None and not 0 < self.config.capacity <= limit:
+            # The env's own bound (an OpenEnv env that is not concurrency-safe: 1).
+            self.config = dataclasses.replace(self.config, max_concurrent_envs=limit)
         keys = keys if keys is not None else KeyRing.from_config(self.config)
         #: Seals and opens this server's snapshots.
         self.snapshots = SnapshotSeal(
@@ -120,9 +125,15 @@ class EnvServer:
         )
         # Daemon threads (see env_threads.py): a hung env call cannot hold up the exit.
         self._pool = EnvThreadPool(self.config.env_threads, "openenv-env")
-        # Factories and closes of pooled envs: a replacement env or a close never waits
-        # behind env calls that hang on the pool above.
-        self._lifecycle = EnvThreadPool(self.config.env_threads, "openenv-env-lifecycle")
+        # Factories and closes of pooled envs, on pools of their own: a fresh env never
+        # waits behind env calls that hang on the pool above, nor behind hung closes; an
+        # abandoned call's thread is replaced, up to as many again (then calls queue).
+        threads = self.config.env_threads
+        self._lifecycle = Lifecycle(
+            EnvThreadPool(threads, "openenv-env-create", spare=threads),
+            EnvThreadPool(threads, "openenv-env-close", spare=threads),
+            self.config.lifecycle_timeout or None,
+        )
         self._server: grpc.aio.Server | None = None
         self._health: health_aio.HealthServicer | None = None
         self._sessions: SessionManager | None = None
@@ -203,7 +214,7 @@ class EnvServer:
     async def drain(self, grace: float | None = None) -> int:
         """Report NOT_SERVING, tell running sessions and let them finish within ``grace``
         seconds (default: the config's), close every env, stop the server. Takes at most
-        ``grace`` + :data:`~openenv_grpc.server.session.CLOSE_BUDGET` + 1 s (plus the
+        ``grace`` + :data:`~openenv_grpc.server.session.CLOSE_BUDGET` + 0.5 s (plus the
         env processes' stop).
 
         Returns the number of envs that could not be closed (stuck in env code); their
@@ -216,7 +227,9 @@ class EnvServer:
         if self._processes is not None:
             self._processes.start_draining(grace)  # hung calls cannot outlast the grace
         stuck = await self._sessions.drain(grace)
-        await self._server.stop(grace=1.0)
+        # Every stream has ended by now (a hung close no longer holds its handler): this
+        # only bounds what is still being sent.
+        await self._server.stop(grace=0.5)
         self._server = None
         if self._processes is not None:
             self._processes.stop()

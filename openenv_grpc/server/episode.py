@@ -355,6 +355,9 @@ class EpisodeDriver:
         """The INTERNAL error for an exception the env raised (logged); unless
         ``keep_phase``, the episode is broken (only a reset may follow)."""
         log.exception("environment %s() raised", what, exc_info=exc)
+        keep_phase |= what == "step" and not getattr(
+            self._spec.env_class, "step_errors_end_episode", True
+        )
         if not keep_phase:
             self._phase = _Phase.BROKEN
         return _RequestError(_INTERNAL, f"{what} failed: {_describe(exc)}", _qualname(exc))

@@ -4,6 +4,7 @@ keyword arguments, actions, observations as transitions, state)."""
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 from google.protobuf.message import Message
@@ -11,7 +12,7 @@ from pydantic import BaseModel, ValidationError
 
 from openenv_grpc.environment import InvalidAction, Transition
 from openenv_grpc.integrations.openenv.convert import jsonable, to_message, to_python
-from openenv_grpc.integrations.openenv.schema import ModelPlan, UnionPlan
+from openenv_grpc.integrations.openenv.schema import JSON, ModelPlan, UnionPlan
 from openenv_grpc.integrations.openenv.signatures import reset_method
 
 __all__ = ["Bridge"]
@@ -28,8 +29,11 @@ class Bridge:
         observation: ModelPlan | UnionPlan,
         state: ModelPlan,
         options: ModelPlan,
+        factory: Callable[[], Any] | None = None,
     ) -> None:
         self.env_class = env_class
+        #: What makes one env: the class, or the factory the env's app was given.
+        self.factory: Callable[[], Any] = factory or env_class
         self.found = found
         self.action = action
         self.observation = observation
@@ -43,7 +47,7 @@ class Bridge:
             (
                 f.name
                 for f in options.fields
-                if f.name in ("kwargs", "extra_kwargs") and f.kind == "Struct"
+                if f.name in ("kwargs", "extra_kwargs") and f.kind == JSON
             ),
             None,
         )
@@ -51,11 +55,21 @@ class Bridge:
     def reset_kwargs(
         self, seed: int | None, episode_id: str, options: Message | None
     ) -> dict[str, Any]:
+        """Raises InvalidAction: a JSON option is not JSON, or ``kwargs`` no object."""
         kwargs: dict[str, Any] = {}
         if options is not None:
-            _, kwargs = to_python(self.options, options)
-            if self.kwargs_field is not None:  # **kwargs: its Struct's keys, as they are
-                kwargs.update(kwargs.pop(self.kwargs_field, None) or {})
+            try:
+                _, kwargs = to_python(self.options, options)
+            except ValueError as exc:
+                raise InvalidAction(f"invalid reset options: {exc}") from None
+            if self.kwargs_field is not None:  # **kwargs: its JSON object's keys, as they are
+                extra = kwargs.pop(self.kwargs_field, None)
+                if extra is not None and not isinstance(extra, dict):
+                    raise InvalidAction(
+                        f"invalid reset options: {self.kwargs_field}: a JSON object of "
+                        f"keyword arguments, got {type(extra).__name__}"
+                    )
+                kwargs.update(extra or {})
         if seed is not None and self.takes_seed:
             kwargs["seed"] = seed
         if self.takes_episode_id:

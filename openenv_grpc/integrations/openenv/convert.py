@@ -3,22 +3,24 @@
 ``to_message`` reads the model's attributes (so enums, nested models and bytes keep
 their types); ``to_python`` returns plain data for ``Model.model_validate``, leaving out
 what the client did not set so that pydantic's defaults and required checks apply.
+JSON fields (see :mod:`.schema`) hold ``json.dumps`` of the value as pydantic serializes
+it by field name, as OpenEnv's ``model_dump()`` does; they are read back with
+``json.loads``, so ints stay ints (of any size) and floats floats.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
 import pydantic_core
-from google.protobuf import struct_pb2
 from google.protobuf.message import Message
 from pydantic import BaseModel
 
-from openenv_grpc.codec import info_from_struct, info_to_struct, value_to_python
-from openenv_grpc.integrations.openenv.schema import STRUCT, VALUE, FieldPlan, ModelPlan, UnionPlan
+from openenv_grpc.integrations.openenv.schema import JSON, FieldPlan, ModelPlan, UnionPlan
 
-__all__ = ["jsonable", "to_message", "to_python"]
+__all__ = ["dumps", "from_data", "jsonable", "loads", "to_message", "to_python"]
 
 
 def to_message(plan: ModelPlan | UnionPlan, value: BaseModel) -> Message:
@@ -37,6 +39,14 @@ def to_message(plan: ModelPlan | UnionPlan, value: BaseModel) -> Message:
         if not isinstance(value, plan.python):
             raise TypeError(f"expected a {plan.python.__name__}, got {type(value).__name__}")
         _fill(message, plan, value)
+    return message
+
+
+def from_data(plan: ModelPlan, data: Mapping[str, Any]) -> Message:
+    """A new message of ``plan``'s class holding plain ``data`` (reset keyword arguments)."""
+    assert plan.message_class is not None
+    message = plan.message_class()
+    _fill(message, plan, data)
     return message
 
 
@@ -59,9 +69,27 @@ def to_python(
 
 
 def jsonable(value: Any) -> Any:
-    """``value`` as JSON data, as pydantic serializes it (models, dataclasses, enums,
-    datetimes...); what pydantic cannot serialize becomes its ``tolist()`` or ``repr``."""
-    return pydantic_core.to_jsonable_python(value, fallback=_fallback)
+    """``value`` as JSON data, as pydantic's ``model_dump(mode="json")`` serializes it:
+    models by field name (``meta``, not its alias ``_meta``), dataclasses, enums,
+    datetimes...; what pydantic cannot serialize becomes its ``tolist()`` or ``repr``."""
+    return pydantic_core.to_jsonable_python(value, by_alias=False, fallback=_fallback)
+
+
+def dumps(value: Any) -> str:
+    """``value`` as JSON text (compact; NaN and infinities as Python writes them)."""
+    return json.dumps(jsonable(value), ensure_ascii=False, separators=(",", ":"))
+
+
+def loads(text: str, name: str) -> Any:
+    """The JSON text of field ``name``.
+
+    Raises:
+        ValueError: it is not JSON (the message names the field).
+    """
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"{name}: not JSON text ({exc})") from None
 
 
 def _fallback(value: Any) -> Any:
@@ -90,11 +118,9 @@ def _fill(message: Message, plan: ModelPlan, value: Any) -> None:
 
 
 def _set(message: Message, field: FieldPlan, value: Any) -> None:
-    target = getattr(message, field.name)
-    if field.kind == STRUCT:
-        info_to_struct({str(k): v for k, v in jsonable(value).items()}, target)
-    elif field.kind == VALUE:
-        target.CopyFrom(_value(jsonable(value)))
+    target = getattr(message, field.proto)
+    if field.kind == JSON:
+        target.json = dumps(value)  # set even when empty: {} arrives as {}, not unset
     elif field.map:
         for key, item in value.items():
             if field.kind == "message":
@@ -115,7 +141,7 @@ def _set(message: Message, field: FieldPlan, value: Any) -> None:
         target.SetInParent()
         _fill(target, field.model, value)
     else:
-        setattr(message, field.name, _scalar_out(field, value))
+        setattr(message, field.proto, _scalar_out(field, value))
 
 
 def _scalar_out(field: FieldPlan, value: Any) -> Any:
@@ -124,19 +150,13 @@ def _scalar_out(field: FieldPlan, value: Any) -> Any:
     return value
 
 
-def _value(data: Any) -> struct_pb2.Value:
-    holder = struct_pb2.Struct()
-    info_to_struct({"v": data}, holder)  # the codec's conversion: nothing dropped
-    return holder.fields["v"]
-
-
 # -- message -> python -------------------------------------------------------------------
 
 
 def _read(message: Message, plan: ModelPlan) -> dict[str, Any]:
     data: dict[str, Any] = {}
     for field in plan.fields:
-        target = getattr(message, field.name)
+        target = getattr(message, field.proto)
         if field.map:
             mapping = {key: _item_in(field, item) for key, item in target.items()}
             if mapping or field.required:
@@ -145,7 +165,10 @@ def _read(message: Message, plan: ModelPlan) -> dict[str, Any]:
             items = [_item_in(field, item) for item in target]
             if items or field.required:
                 data[field.name] = items
-        elif message.HasField(field.name):
+        elif field.kind == JSON:
+            if target.json:  # "" (or unset): absent; the text "null" is None
+                data[field.name] = _item_in(field, target)
+        elif message.HasField(field.proto):
             item = _item_in(field, target)
             if item is not None:  # enum 0 ("unspecified"): as if unset
                 data[field.name] = item
@@ -153,10 +176,8 @@ def _read(message: Message, plan: ModelPlan) -> dict[str, Any]:
 
 
 def _item_in(field: FieldPlan, item: Any) -> Any:
-    if field.kind == STRUCT:
-        return info_from_struct(item)
-    if field.kind == VALUE:
-        return value_to_python(item)
+    if field.kind == JSON:
+        return loads(item.json, field.proto)
     if field.kind == "message":
         assert field.model is not None
         return _read(item, field.model)

@@ -14,22 +14,31 @@ the console and every client treat it like a native env:
   from its annotations) plus ``kwargs`` (a Struct) when it takes ``**kwargs``;
 - **step**: the action message is validated by the env's own Action model; a
   ``ValidationError`` is an in-band ``INVALID_ARGUMENT`` and the episode goes on;
-- **results**: ``reward`` (None: 0), ``done`` (-> ``terminated``; OpenEnv has no
-  truncation) and ``metadata`` (-> ``info``) land in the result's own fields; the
-  observation message holds the other fields;
+- **results**: ``reward`` (None: 0) and ``done`` (-> ``terminated``; OpenEnv has no
+  truncation) land in the result's own fields, ``metadata`` in ``info`` *and* in the
+  observation message (as OpenEnv's own ``serialize_observation`` puts it at both
+  places: ``info`` is the protocol's Struct, whose numbers are doubles; the observation's
+  copy is JSON text with ints intact); the observation message holds the other fields;
+- **errors**: an exception in ``step`` is an in-band ``INTERNAL`` and the episode goes
+  on, as in OpenEnv (the adapter sets ``step_errors_end_episode = False``);
+- **capacity**: an env that does not declare ``SUPPORTS_CONCURRENT_SESSIONS = True``
+  serves one session at a time whatever the server's setting (``max_sessions = 1``),
+  however it is served;
 - **execution**: like OpenEnv's server: an env that overrides ``reset_async`` or
   ``step_async`` is awaited on the event loop (its other methods run in a thread); one
   that sets ``REQUIRES_SINGLE_THREAD_EXECUTOR`` has every call of every instance on one
   thread; the others run on the server's thread pool. An MCP env's ``mcp_session()`` is
   held open for the whole session, as OpenEnv's WebSocket route does.
 
-Types come from, in order: the arguments given here; the env's generic base
+Types come from, in order: the arguments given here (``serve --openenv pkg.server.app:app``
+passes the ones of the env's own ``create_app`` call); the env's generic base
 (``Environment[MyAction, MyObservation, MyState]``); the annotations of ``step``
 (``action`` and the return) and of the ``state`` property -- which is how OpenEnv's
-template and docs write envs. An ``MCPEnvironment`` declared with the base ``Action``
-serves OpenEnv's tool surface: ``ListToolsAction`` or ``CallToolAction`` (and the env's
-own action, if it names one), answered by ``ListToolsObservation``,
-``CallToolObservation`` or a plain ``Observation``.
+template and docs write envs. OpenEnv's bare ``Action`` / ``Observation`` (a ``step``
+annotated with the base classes) are refused: they have no fields to send. An
+``MCPEnvironment`` declared with the base ``Action`` serves OpenEnv's tool surface:
+``ListToolsAction`` or ``CallToolAction`` (and the env's own action, if it names one),
+answered by ``ListToolsObservation``, ``CallToolObservation`` or a plain ``Observation``.
 
 The classes pickle as the recipe that rebuilds them, so ``--isolated`` workers (spawned
 processes) rebuild the same types from the same env class.
@@ -75,7 +84,7 @@ from openenv_grpc.integrations.openenv.signatures import (
 __all__ = ["OpenEnvTypes", "openenv_environment"]
 
 #: Observation fields that travel in the result, not in the observation message.
-RESULT_FIELDS = frozenset({"done", "reward", "metadata"})
+RESULT_FIELDS = frozenset({"done", "reward"})
 
 
 @dataclass(frozen=True)
@@ -105,7 +114,7 @@ def _rebuild(*recipe: Any) -> type[Any]:
 
 
 def openenv_environment(
-    env_class: type[OpenEnvEnvironment],
+    env_class: type[OpenEnvEnvironment] | Callable[[], OpenEnvEnvironment],
     *,
     action: type[BaseModel] | tuple[type[BaseModel], ...] | None = None,
     observation: type[BaseModel] | tuple[type[BaseModel], ...] | None = None,
@@ -114,27 +123,32 @@ def openenv_environment(
 ) -> type[Any]:
     """An openenv-grpc environment class serving ``env_class`` (an OpenEnv env) unchanged.
 
+    ``env_class`` may also be a factory (a function returning the env, as some envs hand
+    to ``create_app``): each session's env is made by calling it, and the env's class is
+    read from its return annotation, else from one instance made (and closed) here.
     ``action`` / ``observation`` / ``state`` override the models read from the class (a
     tuple serves any of several models); ``name`` is the name Info reports (default: the
     class name). The same arguments return the same class.
 
     Raises:
-        TypeError: ``env_class`` is not an OpenEnv Environment, or its models cannot be
-            found (pass them), or a type is not a pydantic model.
+        TypeError: ``env_class`` is not an OpenEnv Environment (or a factory of one), or
+            its models cannot be found (pass them), or a type is not a pydantic model,
+            or is OpenEnv's bare base class.
     """
     return _adapter(env_class, action, observation, state, name)  # type: ignore[arg-type]
 
 
 @functools.cache  # one class (and one set of message types) per recipe
 def _adapter(
-    env_class: type[OpenEnvEnvironment],
+    env_class: type[OpenEnvEnvironment] | Callable[[], OpenEnvEnvironment],
     action: type[BaseModel] | tuple[type[BaseModel], ...] | None,
     observation: type[BaseModel] | tuple[type[BaseModel], ...] | None,
     state: type[BaseModel] | None,
     name: str | None,
 ) -> type[Any]:
-    if not (isinstance(env_class, type) and issubclass(env_class, OpenEnvEnvironment)):
-        raise TypeError(f"{env_class!r} is not a subclass of openenv's Environment")
+    recipe = (env_class, action, observation, state, name)
+    factory: Callable[[], OpenEnvEnvironment] = env_class
+    env_class = _env_class_of(env_class)
     found = _find_types(env_class, action, observation, state)
     label = name or env_class.__name__
     module = env_class.__module__
@@ -155,9 +169,12 @@ def _adapter(
     parameters, var_keyword = reset_parameters(reset)
     options_plan = builder.parameters(f"{label}ResetOptions", parameters, hints(reset), var_keyword)
     builder.build()
-    bridge = Bridge(env_class, found, action_plan, observation_plan, state_plan, options_plan)
+    bridge = Bridge(
+        env_class, found, action_plan, observation_plan, state_plan, options_plan, factory
+    )
     needs_loop = asynchronous or overrides(env_class, "step_async") or has_mcp(env_class)
     single_thread = bool(getattr(env_class, "REQUIRES_SINGLE_THREAD_EXECUTOR", False))
+    concurrency_safe = bool(getattr(env_class, "SUPPORTS_CONCURRENT_SESSIONS", False))
     base: Any = AsyncEnvironment if needs_loop or single_thread else Environment
     generic = base[
         action_plan.message_class,
@@ -169,9 +186,13 @@ def _adapter(
         "name": label,
         "description": (inspect.getdoc(env_class) or "").strip().split("\n")[0],
         "openenv_class": env_class,
-        "openenv_concurrent": bool(getattr(env_class, "SUPPORTS_CONCURRENT_SESSIONS", False)),
+        "openenv_concurrent": concurrency_safe,
+        # OpenEnv serves such an env one session at a time: so does every server here.
+        "max_sessions": None if concurrency_safe else 1,
+        # OpenEnv answers an exception in step with an error and keeps the episode.
+        "step_errors_end_episode": False,
         "_bridge": bridge,
-        "_recipe": (env_class, action, observation, state, name),
+        "_recipe": recipe,
         # OpenEnv runs a sync env's calls on a worker thread: they may block (network,
         # subprocesses), so they never move onto the event loop here either.
         "runs_inline": False,
@@ -194,6 +215,39 @@ def _adapter(
 # -- finding the models ------------------------------------------------------------------
 
 
+def _env_class_of(target: Any) -> type[OpenEnvEnvironment]:
+    """The env class of ``target``: itself, or what the factory ``target`` returns."""
+    if isinstance(target, type):
+        if issubclass(target, OpenEnvEnvironment):
+            return target
+        raise TypeError(f"{target!r} is not a subclass of openenv's Environment")
+    if not callable(target):
+        raise TypeError(f"{target!r} is neither an OpenEnv Environment class nor a factory")
+    returned = hints(target).get("return")
+    if isinstance(returned, type) and issubclass(returned, OpenEnvEnvironment):
+        return returned
+    # As OpenEnv's own server does for a factory: make one to see what it makes.
+    try:
+        probe = target()
+    except Exception as exc:
+        raise TypeError(f"the factory {_name(target)}() raised {exc!r}") from exc
+    try:
+        if not isinstance(probe, OpenEnvEnvironment):
+            raise TypeError(
+                f"the factory {_name(target)}() returned a {type(probe).__name__}, not an "
+                "openenv Environment"
+            )
+        return type(probe)
+    finally:
+        close = getattr(probe, "close", None)
+        if callable(close):
+            close()
+
+
+def _name(target: Any) -> str:
+    return str(getattr(target, "__qualname__", None) or repr(target))
+
+
 def _find_types(
     env_class: type[OpenEnvEnvironment],
     action: type[BaseModel] | tuple[type[BaseModel], ...] | None,
@@ -211,18 +265,41 @@ def _find_types(
     found_state = state or generic[2] or state_hint or State
     if issubclass(env_class, MCPEnvironment):
         # OpenEnv routes list_tools / call_tool to every MCP env whatever it declares.
-        own = () if found_action in (None, Action) else _as_tuple(found_action)
-        found_action = (ListToolsAction, CallToolAction, *own)
-        own = () if found_observation in (None, Observation) else _as_tuple(found_observation)
-        found_observation = (ListToolsObservation, CallToolObservation, *own, Observation)
+        found_action = _unique(ListToolsAction, CallToolAction, *_own(found_action, Action))
+        found_observation = _unique(
+            ListToolsObservation,
+            CallToolObservation,
+            *_own(found_observation, Observation),
+            Observation,
+        )
+    else:
+        pairs: list[tuple[str, Any, type[BaseModel]]] = [
+            ("action", found_action, Action), ("observation", found_observation, Observation)
+        ]  # fmt: skip
+        bare = [
+            f"{role} is openenv's base {base.__name__} (no fields of its own)"
+            for role, value, base in pairs
+            if value is base
+        ]
+        if bare:
+            raise TypeError(
+                f"{env_class.__qualname__}: its {' and its '.join(bare)}: step is probably "
+                "annotated with the base classes. Serve the env's own app, whose create_app "
+                "call names the real ones (--openenv pkg.server.app:app), or name them: "
+                "--action MODULE:ACTION --observation MODULE:OBSERVATION "
+                "(openenv_environment(..., action=, observation=))"
+            )
     missing = [
         role for role, value in (("action", found_action), ("observation", found_observation))
         if value is None
     ]  # fmt: skip
     if missing:
         raise TypeError(
-            f"{env_class.__qualname__}: cannot find its {' and '.join(missing)} model: annotate "
-            "step(self, action: MyAction) -> MyObservation, or pass action=/observation="
+            f"{env_class.__qualname__}: cannot find its {' and '.join(missing)} model: serve "
+            "the env's own app (--openenv pkg.server.app:app), or annotate step(self, "
+            "action: MyAction) -> MyObservation, or name them: --action MODULE:ACTION "
+            "--observation MODULE:OBSERVATION (openenv_environment(..., action=, "
+            "observation=))"
         )
     result = OpenEnvTypes(_as_tuple(found_action), _as_tuple(found_observation), found_state)
     for model in (*result.action, *result.observation, result.state):
@@ -243,6 +320,14 @@ def _generic_args(env_class: type[Any]) -> tuple[Any, Any, Any]:
                 padded = [*args, None, None, None]
                 return padded[0], padded[1], padded[2]
     return None, None, None
+
+
+def _own(value: Any, base: type[BaseModel]) -> tuple[Any, ...]:
+    return () if value in (None, base) else _as_tuple(value)
+
+
+def _unique(*models: Any) -> tuple[Any, ...]:
+    return tuple(dict.fromkeys(models))
 
 
 def _qualnames(value: Any) -> list[str]:

@@ -18,11 +18,11 @@ an ``Enum`` subclass                          an enum (``<ENUM>_UNSPECIFIED = 0`
 a ``BaseModel`` subclass                      a message of its own, in the same file
 ``list[X]``, ``tuple[X, ...]``, ``set[X]``    ``repeated X`` (X one of the above)
 ``dict[str, X]``                              ``map<string, X>`` (X one of the above)
-``dict[str, Any]`` and other ``dict[str, _]``  ``google.protobuf.Struct``
 ``Optional[X]`` (``X | None``)                X with presence (``optional``)
-anything else: ``Any``, other unions,          ``google.protobuf.Value``: the value as
-nested containers (``list[list[int]]``),      JSON (``pydantic_core.to_jsonable_python``)
-``datetime``, arrays, arbitrary types
+anything else: ``dict[str, Any]``, ``Any``,   ``openenv_grpc.openenv.v1.Json``: a message
+other unions, nested containers               whose ``json`` string is the value as JSON
+(``list[list[int]]``), fixed tuples,          text (``pydantic_core.to_jsonable_python``,
+``datetime``, arrays, arbitrary types         then ``json.dumps``)
 ============================================  =========================================
 
 Every singular scalar and enum field is ``optional`` (has presence), so a field the
@@ -30,6 +30,21 @@ client leaves unset reaches pydantic as *absent*: its default applies, or a requ
 field is reported missing, exactly as OpenEnv's JSON would. JSON is the fallback where
 protobuf has no faithful type: a union's members cannot be told apart on the wire
 without a tag pydantic does not declare, and repeated/map fields cannot nest.
+
+Why JSON *text* and not ``google.protobuf.Struct`` / ``Value``: a Value's numbers are
+doubles, so every int became a float on the way (an MCP tool argument ``5`` reached the
+tool as ``5.0``, an index ``1`` could not index) and ints beyond 2**53 lost digits. JSON
+text keeps what OpenEnv's own JSON carries -- ints as ints of any size, floats as floats
+(``1.0`` stays ``1.0``), null, bool, str, list, dict -- and every language parses it. The
+text sits in a message of its own type (not a bare ``string``) so that a client reading
+only the descriptors (Node, Go, the console, TRL's tools) can tell a JSON field from a
+string field by its type name, :data:`JSON_TYPE`.
+
+A pydantic field whose name is also a method or attribute of protobuf's Python message
+classes (``SerializeToString``, ``Clear``, ``DESCRIPTOR``, ``X_FIELD_NUMBER``...) would
+shadow it in the generated class and break every Python client. Such a field is named
+``<name>_`` in the message (more underscores until the name is free); the plan maps it
+back to the pydantic name, so the env sees its own field.
 """
 
 from __future__ import annotations
@@ -37,17 +52,28 @@ from __future__ import annotations
 import collections.abc
 import enum
 import inspect
+import keyword
 import re
 import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, struct_pb2
+from google.protobuf import descriptor_pb2, descriptor_pool, empty_pb2, message_factory
 from google.protobuf.message import Message
 from pydantic import BaseModel
 
-__all__ = ["EnumPlan", "FieldPlan", "ModelPlan", "SchemaBuilder", "UnionPlan"]
+__all__ = [
+    "JSON",
+    "JSON_MESSAGE",
+    "JSON_TYPE",
+    "EnumPlan",
+    "FieldPlan",
+    "ModelPlan",
+    "SchemaBuilder",
+    "UnionPlan",
+    "proto_field_name",
+]
 
 F = descriptor_pb2.FieldDescriptorProto
 _SCALARS: dict[Any, int] = {
@@ -59,8 +85,51 @@ _SCALARS: dict[Any, int] = {
 }
 _SEQUENCES = (list, tuple, set, frozenset, collections.abc.Sequence, collections.abc.Set)
 _MAPPINGS = (dict, collections.abc.Mapping, collections.abc.MutableMapping)
-STRUCT = "Struct"  # kind of a dict[str, Any] field
-VALUE = "Value"  # kind of a JSON-fallback field
+JSON = "json"  # kind of a JSON-text field (dict[str, Any], Any, nested containers...)
+
+#: The one message type of every JSON field: ``message Json { string json = 1; }``, in a
+#: file of its own that every bridged env's file imports (Info carries it with them).
+JSON_TYPE = "openenv_grpc.openenv.v1.Json"
+_JSON_FILE = "openenv_grpc/openenv/v1/json.proto"
+
+
+def _json_message() -> type[Message]:
+    pool = descriptor_pool.Default()
+    try:
+        descriptor = pool.FindMessageTypeByName(JSON_TYPE)
+    except KeyError:
+        file = descriptor_pb2.FileDescriptorProto(
+            name=_JSON_FILE, package=JSON_TYPE.rpartition(".")[0], syntax="proto3"
+        )
+        message = file.message_type.add(name="Json")
+        message.field.add(name="json", number=1, label=F.LABEL_OPTIONAL, type=F.TYPE_STRING)
+        pool.Add(file)
+        descriptor = pool.FindMessageTypeByName(JSON_TYPE)
+    return message_factory.GetMessageClass(descriptor)
+
+
+#: The class of :data:`JSON_TYPE` (its ``json`` field holds the JSON text).
+JSON_MESSAGE = _json_message()
+
+#: Names a field of a Python message class cannot have: they would shadow the class's
+#: own methods and attributes.
+_TAKEN = frozenset(name for name in dir(empty_pb2.Empty) if not name.startswith("__"))
+
+
+def proto_field_name(name: str, taken: set[str]) -> str:
+    """``name`` as a message field: with ``_`` appended while it would shadow a protobuf
+    message attribute or repeat a field of ``taken`` (deterministic: the same model gives
+    the same names in every process)."""
+    candidate = name
+    while (
+        candidate in _TAKEN
+        or candidate.endswith("_FIELD_NUMBER")
+        or keyword.iskeyword(candidate)
+        or candidate in taken
+    ):
+        candidate += "_"
+    taken.add(candidate)
+    return candidate
 
 
 @dataclass(eq=False)
@@ -83,15 +152,19 @@ class EnumPlan:
 class FieldPlan:
     """One field: its protobuf shape and what to convert its values with."""
 
-    name: str
+    name: str  # the pydantic field's (or reset parameter's) name
     number: int
-    kind: str  # "scalar", "enum", "message", STRUCT or VALUE
+    kind: str  # "scalar", "enum", "message" or JSON
     scalar: int = 0  # FieldDescriptorProto.TYPE_* of a scalar
     enum: EnumPlan | None = None
     model: ModelPlan | None = None
     repeated: bool = False
     map: bool = False  # map<string, X>: X is scalar, enum or message
     required: bool = False  # pydantic requires it (no default)
+    proto: str = ""  # the message field's name: ``name`` unless that would shadow a method
+
+    def __post_init__(self) -> None:
+        self.proto = self.proto or self.name
 
 
 @dataclass(eq=False)
@@ -126,7 +199,7 @@ class SchemaBuilder:
         self.file = descriptor_pb2.FileDescriptorProto(
             name=file_name, package=package, syntax="proto3"
         )
-        self.file.dependency.append(struct_pb2.DESCRIPTOR.name)
+        self.file.dependency.append(_JSON_FILE)
         self._names: set[str] = set()
         self._models: dict[tuple[type[BaseModel], frozenset[str]], ModelPlan] = {}
         self._enums: dict[type[enum.Enum], EnumPlan] = {}
@@ -144,13 +217,12 @@ class SchemaBuilder:
         self._models[key] = plan  # before the fields: a model may refer to itself
         self._plans.append(plan)
         message = self.file.message_type.add(name=plan.name)
-        number = 0
-        for name, info in python.model_fields.items():
-            if name in exclude:
-                continue
-            number += 1
+        names = [name for name in python.model_fields if name not in exclude]
+        taken = {name for name in names if proto_field_name(name, set()) == name}
+        for number, name in enumerate(names, start=1):
+            info = python.model_fields[name]
             plan.fields.append(
-                self._field(message, name, number, info.annotation, info.is_required())
+                self._field(message, name, number, info.annotation, info.is_required(), taken)
             )
         return plan
 
@@ -183,14 +255,21 @@ class SchemaBuilder:
         self._plans.append(plan)
         message = self.file.message_type.add(name=plan.name)
         number = 0
+        names = [p.name for p in parameters]
+        if var_keyword:
+            names.append("kwargs" if "kwargs" not in names else "extra_kwargs")
+        taken = {name for name in names if proto_field_name(name, set()) == name}
         for parameter in parameters:
             number += 1
             annotation = hints.get(parameter.name, Any)
             required = parameter.default is inspect.Parameter.empty
-            plan.fields.append(self._field(message, parameter.name, number, annotation, required))
+            plan.fields.append(
+                self._field(message, parameter.name, number, annotation, required, taken)
+            )
         if var_keyword:
-            kwargs = "kwargs" if all(p.name != "kwargs" for p in parameters) else "extra_kwargs"
-            plan.fields.append(self._field(message, kwargs, number + 1, dict[str, Any], False))
+            plan.fields.append(
+                self._field(message, names[-1], number + 1, dict[str, Any], False, taken)
+            )
         return plan
 
     def build(self) -> descriptor_pb2.FileDescriptorProto:
@@ -200,6 +279,8 @@ class SchemaBuilder:
         Raises:
             TypeError: the pool refused the file (a name clash with another file).
         """
+        for message in self.file.message_type:
+            _distinct_json_names(message)
         pool = descriptor_pool.Default()
         try:
             pool.Add(self.file)
@@ -221,10 +302,14 @@ class SchemaBuilder:
         number: int,
         annotation: Any,
         required: bool,
+        taken: set[str],
     ) -> FieldPlan:
         annotation, optional = _strip_optional(annotation)
         plan = self._shape(name, number, annotation)
         plan.required = required and not optional
+        if proto_field_name(name, set()) != name:
+            plan.proto = proto_field_name(name, taken)
+        name = plan.proto
         proto = message.field.add(name=name, number=number, label=F.LABEL_OPTIONAL)
         if plan.map:
             entry = message.nested_type.add(name=f"{_camel(name)}Entry")
@@ -265,8 +350,7 @@ class SchemaBuilder:
             if value is not None:
                 value.map = True
                 return value
-            return FieldPlan(name, number, STRUCT)
-        return FieldPlan(name, number, VALUE)
+        return FieldPlan(name, number, JSON)
 
     def _single(self, name: str, number: int, annotation: Any) -> FieldPlan | None:
         """A scalar, enum or model type as a singular field; None for anything else."""
@@ -299,7 +383,7 @@ class SchemaBuilder:
             proto.type_name = self._type_name(plan.model.name)
         else:
             proto.type = F.TYPE_MESSAGE
-            proto.type_name = f".google.protobuf.{plan.kind}"
+            proto.type_name = f".{JSON_TYPE}"
 
     def _enum(self, python: type[enum.Enum]) -> EnumPlan:
         known = self._enums.get(python)
@@ -325,6 +409,32 @@ class SchemaBuilder:
 
     def _type_name(self, name: str) -> str:
         return f".{self.file.package}.{name}"
+
+
+def _distinct_json_names(message: descriptor_pb2.DescriptorProto) -> None:
+    """Fields whose default JSON names collide (``a_b`` and ``aB``, ``Clear_`` and
+    ``Clear__``: protobuf drops underscores) keep their own names in JSON; else protobuf
+    refuses the file."""
+    seen: dict[str, int] = {}
+    for proto in message.field:
+        seen[_default_json_name(proto.name)] = seen.get(_default_json_name(proto.name), 0) + 1
+    for proto in message.field:
+        if seen[_default_json_name(proto.name)] > 1:
+            proto.json_name = proto.name
+    for nested in message.nested_type:
+        _distinct_json_names(nested)
+
+
+def _default_json_name(name: str) -> str:
+    """protoc's ToJsonName: underscores dropped, the letter after one capitalized."""
+    out, upper = [], False
+    for char in name:
+        if char == "_":
+            upper = True
+        else:
+            out.append(char.upper() if upper else char)
+            upper = False
+    return "".join(out)
 
 
 def _strip_optional(annotation: Any) -> tuple[Any, bool]:

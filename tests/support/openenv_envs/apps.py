@@ -4,6 +4,12 @@ does), for side-by-side tests: ``uvicorn support.openenv_envs.apps:echo_app``.""
 from openenv.core.env_server.http_server import create_app
 from openenv.core.env_server.mcp_types import CallToolAction, CallToolObservation
 
+from support.openenv_envs.board import (
+    BoardEnvironment,
+    BoardObservation,
+    BoardState,
+    DropAction,
+)
 from support.openenv_envs.echo import EchoAction, EchoEnvironment, EchoObservation
 from support.openenv_envs.mcp_echo import EchoMCPEnvironment
 from support.openenv_envs.warehouse import (
@@ -29,4 +35,10 @@ mcp_echo_app = create_app(
     CallToolObservation,
     env_name="echo_env",
     max_concurrent_envs=4,
+)
+
+# As connect4 / coding_env write theirs: the env's step names only the base classes, so
+# the app is the one place that says the real ones.
+board_app = create_app(
+    BoardEnvironment, DropAction, BoardObservation, env_name="board", state_cls=BoardState
 )

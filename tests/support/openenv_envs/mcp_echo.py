@@ -1,5 +1,6 @@
 """OpenEnv's own ``echo_env`` (envs/echo_env/server/echo_environment.py): a pure MCP env
-whose tools are FastMCP functions; actions are ListToolsAction / CallToolAction."""
+whose tools are FastMCP functions; actions are ListToolsAction / CallToolAction. One tool
+is ours (``repeat``): an int argument, which must reach the tool as an int."""
 
 from typing import Any
 from uuid import uuid4
@@ -26,6 +27,11 @@ class EchoMCPEnvironment(MCPEnvironment):
         def echo_with_length(message: str) -> dict:
             """Echo back the message with its length."""
             return {"message": message, "length": len(message)}
+
+        @mcp.tool
+        def repeat(message: str, times: int) -> dict:
+            """Repeat the message (times must arrive as an int)."""
+            return {"text": message * times, "input_type": type(times).__name__}
 
         super().__init__(mcp)
         self._state = State(episode_id=str(uuid4()), step_count=0)

@@ -1,0 +1,46 @@
+"""An async OpenEnv env whose ``reset_async`` blocks the event loop it runs on
+(``time.sleep`` instead of ``await asyncio.sleep``): the bridge must keep the server's
+own loop (health, other sessions, the drain) free of it."""
+
+import asyncio
+import os
+import time
+from typing import Any
+
+from openenv.core.env_server.interfaces import Environment
+from openenv.core.env_server.types import Action, Observation, State
+
+
+class PingAction(Action):
+    text: str = ""
+
+
+class PingObservation(Observation):
+    text: str = ""
+
+
+class BlockingEnvironment(Environment):
+    SUPPORTS_CONCURRENT_SESSIONS = True
+
+    def __init__(self):
+        self._state = State()
+
+    def reset(self, seed=None, episode_id=None, **kwargs: Any) -> PingObservation:
+        raise NotImplementedError  # reset_async is what OpenEnv (and the bridge) call
+
+    async def reset_async(
+        self, seed=None, episode_id=None, block: float = 0.0, **kwargs: Any
+    ) -> PingObservation:
+        time.sleep(block)  # noqa: ASYNC251 -- the bug under test: blocks whatever loop runs it
+        await asyncio.sleep(0)
+        return PingObservation(text=f"ready in {os.getpid()}")
+
+    def step(self, action: PingAction) -> PingObservation:  # type: ignore[override]
+        return PingObservation(text=action.text)
+
+    async def step_async(self, action: PingAction) -> PingObservation:  # type: ignore[override]
+        return PingObservation(text=action.text)
+
+    @property
+    def state(self) -> State:
+        return self._state
