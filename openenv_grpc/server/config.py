@@ -161,8 +161,18 @@ class ServerConfig:
         factory=_default_threads, variable="ENV_THREADS", flag="--env-threads", minimum=1,
         shown_default="cores + 4 (≤ 32)",
         help="shared pool for blocking sync envs' reset/step/state",
-        details="as many threads again build and close those envs, so a fresh env never "
-        "waits behind blocked calls (daemon threads, started on demand)",
+        details="as many threads again build those envs and as many again close them, so "
+        "a fresh env never waits behind blocked calls or hung closes (daemon threads, "
+        "started on demand)",
+    )  # fmt: skip
+    lifecycle_timeout: float = setting(
+        60.0, variable="LIFECYCLE_TIMEOUT", flag="--lifecycle-timeout", minimum=0,
+        help="seconds a pooled env's factory or close() may take; `0` = no limit",
+        details="creates and closes run on pools of their own (`--env-threads` each), so a "
+        "hung close never delays an open. A factory past it fails that open with "
+        "`DEADLINE_EXCEEDED` (its env, if ever born, is closed then). A close past it is "
+        "abandoned (logged, its daemon thread no longer counted against the pool): the "
+        "env still exists, so it keeps its slot of the capacity until its close returns",
     )  # fmt: skip
     inline_threshold_ms: float = setting(
         1.0, variable="INLINE_THRESHOLD_MS", flag="--inline-threshold-ms", minimum=0,

@@ -10,18 +10,28 @@ Why not ``concurrent.futures.ThreadPoolExecutor``:
   ``concurrent.futures``, so one hung call would block the exit for ever).
 
 Threads start on demand up to ``size`` and then stay, like ``ThreadPoolExecutor``'s.
+A call given up on (:meth:`EnvThreadPool.abandon`) no longer counts against ``size``:
+the pool may start up to ``spare`` more threads so that the calls queued behind it run.
+
+:class:`Lifecycle` is where envs are made and closed: a pool for creates and another for
+closes, so a close that hangs never delays an open, and one timeout for both.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import contextlib
+import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["EnvCall", "EnvThreadPool"]
+__all__ = ["EnvCall", "EnvThreadPool", "Lifecycle"]
+
+log = logging.getLogger(__name__)
 
 
 class EnvCall(concurrent.futures.Future[Any]):
@@ -31,18 +41,24 @@ class EnvCall(concurrent.futures.Future[Any]):
         super().__init__()
         #: ``time.monotonic()`` when a thread picked the call up; None while queued.
         self.started_at: float | None = None
+        #: Given up on while it ran: its thread is not counted against the pool's size.
+        self.abandoned = False
 
 
 _Work = tuple[EnvCall, Callable[..., Any], tuple[Any, ...], dict[str, Any]]
 
 
 class EnvThreadPool(concurrent.futures.Executor):
-    """At most ``size`` daemon threads running submitted calls in order of submission."""
+    """At most ``size`` daemon threads running submitted calls in order of submission,
+    plus up to ``spare`` more while threads are held by abandoned calls."""
 
-    def __init__(self, size: int, name: str) -> None:
+    def __init__(self, size: int, name: str, *, spare: int = 0) -> None:
         if size < 1:
             raise ValueError(f"thread pool size must be >= 1, got {size}")
         self.size = size
+        self.spare = spare
+        #: Threads running a call that was abandoned (see :meth:`abandon`).
+        self._abandoned = 0
         self._name = name
         self._queue: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
@@ -51,12 +67,42 @@ class EnvThreadPool(concurrent.futures.Executor):
         self._idle = threading.Semaphore(0)
         self._lock = threading.Lock()
         self._busy = 0
+        self._started = 0
         self._shutdown = False
 
     @property
     def busy(self) -> int:
         """Threads running a call now."""
         return self._busy
+
+    @property
+    def abandoned(self) -> int:
+        """Threads held by abandoned calls that have not returned yet."""
+        return self._abandoned
+
+    def abandon(self, call: EnvCall) -> bool:
+        """Give up on ``call``, which runs (or will) on one of this pool's threads: that
+        thread stops counting against ``size`` and, while fewer than ``spare`` are held so,
+        a new thread takes the calls queued behind it. False if the call is done, already
+        abandoned, or ``spare`` threads are held already."""
+        with self._lock:
+            if call.done() or call.abandoned or self._abandoned >= self.spare:
+                return False
+            call.abandoned = True
+            self._abandoned += 1
+            if not self._queue.empty():  # work waits: a thread for it, not the hung one
+                self._start_thread()
+            return True
+
+    def _start_thread(self) -> None:
+        """Start a thread (with the lock held) if the pool is below its limit."""
+        if len(self._threads) < self.size + self._abandoned:
+            thread = threading.Thread(
+                target=self._work, name=f"{self._name}-{self._started}", daemon=True
+            )
+            self._started += 1
+            thread.start()
+            self._threads.append(thread)
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> EnvCall:
         """Queue ``fn(*args, **kwargs)``; returns its future.
@@ -69,12 +115,8 @@ class EnvThreadPool(concurrent.futures.Executor):
             if self._shutdown:
                 raise RuntimeError("cannot run env calls after the pool was shut down")
             self._queue.put((future, fn, args, kwargs))
-            if not self._idle.acquire(blocking=False) and len(self._threads) < self.size:
-                thread = threading.Thread(
-                    target=self._work, name=f"{self._name}-{len(self._threads)}", daemon=True
-                )
-                thread.start()
-                self._threads.append(thread)
+            if not self._idle.acquire(blocking=False):
+                self._start_thread()
         return future
 
     def _work(self) -> None:
@@ -86,6 +128,7 @@ class EnvThreadPool(concurrent.futures.Executor):
             future, fn, args, kwargs = work
             del work
             future.started_at = time.monotonic()  # before it shows as running
+            surplus = False
             if future.set_running_or_notify_cancel():
                 with self._lock:
                     self._busy += 1
@@ -98,7 +141,16 @@ class EnvThreadPool(concurrent.futures.Executor):
                 finally:
                     with self._lock:
                         self._busy -= 1
+                        if future.abandoned:
+                            self._abandoned -= 1
+                        # A thread started for an abandoned call's queue is one too many
+                        # once that call returns: the surplus leaves.
+                        surplus = len(self._threads) > self.size + self._abandoned
+                        if surplus:
+                            self._threads.remove(threading.current_thread())
                     del future, fn, args, kwargs
+                if surplus:
+                    return
             self._idle.release()
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
@@ -116,5 +168,98 @@ class EnvThreadPool(concurrent.futures.Executor):
                         work[0].cancel()
             self._queue.put(None)
         if wait:
-            for thread in self._threads:
+            for thread in list(self._threads):
                 thread.join()
+
+
+class Lifecycle(concurrent.futures.Executor):
+    """Where envs are made and closed: ``creates`` and ``closes``, two bounded pools, so a
+    close that hangs never delays an open; ``timeout`` (None: none) bounds both.
+
+    A create past the timeout fails its open (its env, if ever born, is closed then); a
+    close past it is abandoned: logged, counted in :attr:`closes_abandoned`, its (daemon)
+    thread no longer counted against ``closes``. An abandoned close's env still exists,
+    so its limiter slot stays taken until the close returns (:attr:`closes_hung` says
+    how many are held so). ``submit`` is ``creates.submit``, for callers that make envs.
+    """
+
+    def __init__(self, creates: EnvThreadPool, closes: EnvThreadPool, timeout: float | None):
+        self.creates = creates
+        self.closes = closes
+        self.timeout = timeout
+        #: Closes given up on at the timeout, since the start (a counter: it only grows).
+        self.closes_abandoned = 0
+        #: Creates given up on at the timeout, since the start.
+        self.creates_timed_out = 0
+        self._hung: set[EnvCall] = set()
+
+    @property
+    def closes_hung(self) -> int:
+        """Abandoned closes that have not returned yet (their envs hold their slots)."""
+        return len(self._hung)
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> EnvCall:
+        return self.creates.submit(fn, *args, **kwargs)
+
+    def close(
+        self, loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], /, *args: Any
+    ) -> EnvCall:
+        """Run the close ``fn(*args)`` on ``closes``, watched by ``loop``: past the timeout
+        it is abandoned (see the class). Safe to call from any thread.
+
+        Raises:
+            RuntimeError: the pool was shut down.
+        """
+        call = self.closes.submit(fn, *args)
+        if self.timeout is not None:
+            # A closed loop means the server has stopped: nothing left to watch.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._watch, loop, call)
+        return call
+
+    def _watch(self, loop: asyncio.AbstractEventLoop, call: EnvCall) -> None:
+        assert self.timeout is not None
+        loop.call_later(self.timeout, self._expire, loop, call)
+
+    def _expire(self, loop: asyncio.AbstractEventLoop, call: EnvCall) -> None:
+        """Check ``call`` against the timeout, counted from when a thread took it (a close
+        queued behind hung ones is not blamed for their time); abandon it past that."""
+        if call.done() or call.abandoned:
+            return
+        assert self.timeout is not None
+        started = call.started_at
+        left = self.timeout if started is None else started + self.timeout - time.monotonic()
+        if left > 0:
+            loop.call_later(left, self._expire, loop, call)
+            return
+        self.abandon_close(call)
+
+    def abandon_close(self, call: EnvCall) -> None:
+        """Count and log ``call`` if it has run past the timeout, and let its thread go (a
+        close that waits in the queue, or started late, is left to its watch)."""
+        if call in self._hung or call.done():
+            return
+        assert self.timeout is not None
+        started = call.started_at
+        if started is not None and started + self.timeout > time.monotonic():
+            return  # it started late (queued behind hung closes): the watch has it
+        if started is None:  # still queued: the watch abandons it if it then hangs
+            log.warning(
+                "an environment's close() waited %gs for a close thread (%d hung): the session "
+                "ends; the env is closed, and its slot freed, once a thread takes it",
+                self.timeout, len(self._hung),
+            )  # fmt: skip
+            return
+        self.closes.abandon(call)
+        self.closes_abandoned += 1
+        self._hung.add(call)
+        call.add_done_callback(self._hung.discard)
+        log.error(
+            "an environment's close() did not return within %gs: abandoned on its thread "
+            "(%d hung now, %d since the start); its env keeps its slot until close() returns",
+            self.timeout, len(self._hung), self.closes_abandoned,
+        )  # fmt: skip
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self.creates.shutdown(wait, cancel_futures=cancel_futures)
+        self.closes.shutdown(wait, cancel_futures=cancel_futures)

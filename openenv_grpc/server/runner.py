@@ -11,8 +11,11 @@ it is closed, wherever that happens: the runner gives the slot back (its ``relea
 callback) when the env is closed, when its factory raised, or -- for an open that was
 cancelled while the factory ran, or an instance abandoned in a hung call -- once the
 factory or the call finally returns and the env is closed. So the cap counts live envs,
-not sessions. Factories and closes of pooled envs run on their own ``lifecycle`` threads,
-so a fresh env is never built behind env calls that hang on the shared pool.
+not sessions. Factories and closes of pooled envs run on their own ``lifecycle`` threads
+(a :class:`~openenv_grpc.server.env_threads.Lifecycle`: creates and closes on separate
+pools, with a timeout), so a fresh env is never built behind env calls that hang on the
+shared pool, nor behind closes that hang. A close past the timeout is abandoned: the
+session ends, and the env keeps its slot until its close returns (it still exists).
 """
 
 from __future__ import annotations
@@ -27,11 +30,11 @@ from concurrent.futures import Executor
 from typing import Any
 
 from openenv_grpc.environment import AnyEnvironment, Environment
-from openenv_grpc.server.env_threads import EnvThreadPool
+from openenv_grpc.server.env_threads import EnvCall, EnvThreadPool, Lifecycle
 from openenv_grpc.server.placement import CallPlacement, CostGroup
 from openenv_grpc.server.spec import EnvSpec, ExecutionMode
 
-__all__ = ["EnvRunner", "PoolSaturated", "RunnerFactory"]
+__all__ = ["CreateTimeout", "EnvRunner", "PoolSaturated", "RunnerFactory"]
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +42,11 @@ log = logging.getLogger(__name__)
 class PoolSaturated(Exception):
     """A pooled env call waited for a free thread until its timeout: it never ran, so the
     env is untouched."""
+
+
+class CreateTimeout(Exception):
+    """The env's factory ran past the lifecycle timeout: the open fails; the env, if it is
+    ever born, is closed then (its slot is held until then)."""
 
 
 def _nothing() -> None:
@@ -102,16 +110,26 @@ class EnvRunner:
         try:
             if spec.mode in _OFF_LOOP:
                 future = lifecycle.submit(spec.factory)
+                timeout = lifecycle.timeout if isinstance(lifecycle, Lifecycle) else None
+                waiter = asyncio.wrap_future(future)
                 try:
-                    env = await asyncio.wrap_future(future)
+                    done, _ = await asyncio.wait((waiter,), timeout=timeout)
                 except asyncio.CancelledError:
                     # The session is gone but the env may still be born: it keeps its
                     # slot until it is, and is closed then.
                     _close_orphan_later(future, lifecycle, loop, release)
                     raise
+                if not done:
+                    assert isinstance(lifecycle, Lifecycle) and timeout is not None
+                    _give_up_create(lifecycle, future, loop, release)
+                    raise CreateTimeout(
+                        f"the environment was not made within {timeout:g}s "
+                        "(--lifecycle-timeout): nothing was kept, open again"
+                    )
+                env = waiter.result()
             else:
                 env = spec.factory()
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, CreateTimeout):
             raise
         except BaseException:
             release()
@@ -237,7 +255,7 @@ class EnvRunner:
     def _submit_close(self) -> None:
         """Close the env on a lifecycle thread (never on the event loop), then free its slot."""
         try:
-            self._lifecycle.submit(self._close_here)
+            _submit_close(self._lifecycle, self._loop, self._close_here)
         except RuntimeError:  # the pool is shut down: the process is exiting
             log.warning("environment not closed: the server is stopping")
 
@@ -270,11 +288,35 @@ class EnvRunner:
         if inflight is not None and not inflight.done():
             self._close_later()
             return
+        if self._mode in _OFF_LOOP:
+            await self._close_off_loop()
+            return
         try:
-            if self._mode in _OFF_LOOP:
-                await asyncio.wrap_future(self._lifecycle.submit(self.env.close))
-            else:
-                await self.call(self.env.close)
+            await self.call(self.env.close)
+        finally:
+            self._release()
+
+    async def _close_off_loop(self) -> None:
+        """Close on a lifecycle thread; past the lifecycle timeout, stop waiting: the close
+        is abandoned (counted, logged) and the slot freed only once it returns."""
+        lifecycle = self._lifecycle
+        future = _submit_close(lifecycle, self._loop, self.env.close)
+        timeout = lifecycle.timeout if isinstance(lifecycle, Lifecycle) else None
+        waiter = asyncio.wrap_future(future)
+        try:
+            done, _ = await asyncio.wait((waiter,), timeout=timeout)
+        except asyncio.CancelledError:
+            future.add_done_callback(lambda _: _release_from_thread(self._loop, self._release))
+            raise
+        if not done:
+            # Not waiter.cancel(): that would cancel a close still queued, and its env
+            # would never be closed.
+            assert isinstance(lifecycle, Lifecycle) and isinstance(future, EnvCall)
+            lifecycle.abandon_close(future)
+            future.add_done_callback(lambda _: _release_from_thread(self._loop, self._release))
+            return
+        try:
+            waiter.result()
         finally:
             self._release()
 
@@ -316,21 +358,69 @@ def _close_orphan_later(
 ) -> None:
     """Close the env of a cancelled open once its factory returns, then free its slot."""
 
+    def close_then_release(env: Any) -> None:
+        _close_quietly(env)
+        _release_from_thread(loop, release)
+
     def done(finished: concurrent.futures.Future[Any]) -> None:
         if finished.cancelled() or finished.exception() is not None:
             _release_from_thread(loop, release)
             return
-        _close_quietly(finished.result())
-        _release_from_thread(loop, release)
+        if isinstance(lifecycle, Lifecycle):  # on the close pool: a create thread is free
+            try:
+                lifecycle.close(loop, close_then_release, finished.result())
+            except RuntimeError:  # shut down: the process is exiting
+                _release_from_thread(loop, release)
+            return
+        close_then_release(finished.result())
 
     if future.done():
         # Done already (the cancel raced the result): close off the event loop.
+        if isinstance(lifecycle, Lifecycle):
+            done(future)
+            return
         try:
             lifecycle.submit(done, future)
         except RuntimeError:
             release()
         return
     future.add_done_callback(done)  # runs on the factory's thread, or here if cancelled
+
+
+def _give_up_create(
+    lifecycle: Lifecycle,
+    future: concurrent.futures.Future[Any],
+    loop: asyncio.AbstractEventLoop,
+    release: Callable[[], None],
+) -> None:
+    """An open stops waiting for its factory at the timeout: a factory still queued never
+    runs (its slot is freed now); a running one is abandoned on its thread, so the creates
+    queued behind it go on, and its env is closed when it is born."""
+    lifecycle.creates_timed_out += 1
+    if future.cancel():
+        release()
+        return
+    if isinstance(future, EnvCall):
+        lifecycle.creates.abandon(future)
+    log.error(
+        "an environment's factory did not return within %gs: the open failed; the env is "
+        "closed if it is ever made, and holds its slot until then", lifecycle.timeout,
+    )  # fmt: skip
+    _close_orphan_later(future, lifecycle, loop, release)
+
+
+def _submit_close(
+    lifecycle: Executor, loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any
+) -> concurrent.futures.Future[Any]:
+    """``fn(*args)`` on the close pool of ``lifecycle`` (watched for its timeout), or on
+    ``lifecycle`` itself when it is a plain executor.
+
+    Raises:
+        RuntimeError: the pool is shut down.
+    """
+    if isinstance(lifecycle, Lifecycle):
+        return lifecycle.close(loop, fn, *args)
+    return lifecycle.submit(fn, *args)
 
 
 def _close_quietly(env: Any) -> None:

@@ -44,7 +44,7 @@ from openenv_grpc.server.episode import EpisodeDriver
 from openenv_grpc.server.limiter import Admission, SessionLimiter
 from openenv_grpc.server.logs import SESSION_ID
 from openenv_grpc.server.metrics import Metrics, MetricsTee
-from openenv_grpc.server.runner import EnvRunner
+from openenv_grpc.server.runner import CreateTimeout, EnvRunner
 from openenv_grpc.server.snapshots import SnapshotSeal
 from openenv_grpc.server.spec import EnvSpec
 from openenv_grpc.v1 import session_pb2 as pb
@@ -223,6 +223,10 @@ class SessionManager:
         #: While draining: when the grace period ends (loop time, wall-clock time).
         self._drain_deadline: tuple[float, float] | None = None
         self._notices: set[asyncio.Task[None]] = set()
+        #: While draining, after the grace: loop time by which envs must have closed.
+        self._close_by: float | None = None
+        #: Closes a drain stopped waiting for (referenced so they are not collected).
+        self._closing: set[asyncio.Future[None]] = set()
         #: Longest an env call may take; the server's setting wins over the env's own.
         self._call_timeout = config.call_timeout(spec.env_class.step_timeout)
         self._max_response = config.max_message_bytes
@@ -297,6 +301,11 @@ class SessionManager:
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT, f"the environment refused the open: {exc}"
                 )
+            except CreateTimeout as exc:  # the factory ran past --lifecycle-timeout
+                held.reason = "factory_error"
+                await context.abort(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, f"could not create the environment: {exc}"
+                )
             except SessionLostError as exc:  # an env process died while making the env(s)
                 held.reason = "factory_error"
                 await context.abort(
@@ -342,14 +351,44 @@ class SessionManager:
         self._live.discard(held.live)
         if not self._live:
             self._no_sessions.set()
-        if held.backend is not None:
-            await held.backend.close()
-        if held.owns_slot:
+        closed = held.backend is None or await self._close_within_budget(held)
+        if held.owns_slot and closed:  # else its slots go back when the close returns
             self.limiter.release(held.slots)
         elapsed = time.monotonic() - held.started
         for _ in range(held.slots):  # a vector stream counts as N sessions
             self._metrics.session_ended(elapsed, held.reason)
         log.debug("session ended (%s) after %.3fs", held.reason, elapsed)
+
+    async def _close_within_budget(self, held: Held) -> bool:
+        """Close the session's backend; once a drain has ended the sessions, wait no longer
+        than the rest of :data:`CLOSE_BUDGET`, so that the stream's status is sent and its
+        handler ends in time (a close that hangs goes on unobserved). False if given up."""
+        assert held.backend is not None
+        if self._close_by is None:
+            await held.backend.close()
+            return True
+        closing = asyncio.ensure_future(held.backend.close())
+        left = self._close_by - asyncio.get_running_loop().time()
+        done, _ = await asyncio.wait((closing,), timeout=max(left, 0.0))
+        if done:
+            closing.result()
+            return True
+        self._closing.add(closing)
+        slots = held.slots if held.owns_slot else 0
+
+        def closed(task: asyncio.Future[None]) -> None:
+            self._closing.discard(task)
+            if slots:
+                self.limiter.release(slots)
+            if not task.cancelled() and task.exception() is not None:
+                log.error("closing a session's environment raised", exc_info=task.exception())
+
+        closing.add_done_callback(closed)
+        log.error(
+            "a session's environment did not close within the drain's %.0fs budget: its "
+            "stream ends now, the close goes on unobserved", CLOSE_BUDGET,
+        )  # fmt: skip
+        return False
 
     async def _loop(
         self,
@@ -502,6 +541,8 @@ class SessionManager:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._no_sessions.wait(), grace)
         self._ending = _EndReason.DRAIN
+        # From here, a session's envs get what is left of the budget to close.
+        self._close_by = loop.time() + CLOSE_BUDGET
         for live in list(self._live):
             live.end(_EndReason.DRAIN)
         stuck = 0
