@@ -64,10 +64,13 @@ PR_SET_PDEATHSIG = 1
 PR_SET_NO_NEW_PRIVS = 38
 #: Where the private tmpfs mounts go (when the directory exists).
 PRIVATE_TMPFS = ("/dev/shm", "/run/lock")
-#: Syscalls refused to the code (EPERM): no new namespaces, no mounts, no chroot.
+#: Syscalls refused to the code (EPERM): no new namespaces, no mounts, no chroot, and no
+#: kernel keys (as in Docker's default profile): a key added to the user keyring belongs
+#: to the uid, not to a process, and would outlive the sandbox and the server.
 BLOCKED_SYSCALLS = (
     "unshare", "setns", "mount", "umount", "umount2", "pivot_root", "chroot",
     "fsopen", "fsconfig", "fsmount", "fspick", "move_mount", "open_tree", "mount_setattr",
+    "add_key", "keyctl", "request_key",
 )  # fmt: skip
 #: clone(2) flags that make a namespace; clone with any of them is refused (EPERM).
 CLONE_NAMESPACE_FLAGS = (
@@ -208,7 +211,10 @@ def _no_privileges(libc: ctypes.CDLL, parent: int) -> None:
 
 
 def load_seccomp(libc: ctypes.CDLL) -> None:
-    """Load a filter (built by libseccomp) that refuses namespaces and mounts.
+    """Load a filter (built by libseccomp) that refuses namespaces, mounts and keys.
+
+    Syscalls are named, and libseccomp resolves each name for the architecture it runs
+    on (``add_key`` is 248 on x86-64, 217 on arm64); a name unknown there is skipped.
 
     ``clone3`` answers ENOSYS: its flags are out of a filter's reach, and glibc falls back
     to ``clone``, whose flags the filter does check.

@@ -44,7 +44,10 @@ FEATURES = {
     "network_namespace": (
         "code has the server's network: sessions are refused unless CODING_ALLOW_NETWORK=1"
     ),
-    "seccomp": "code may create user namespaces and mount file systems inside them",
+    "seccomp": (
+        "code may create user namespaces and mount file systems inside them, and make "
+        "kernel keys (removed with the sandbox)"
+    ),
     "cgroup": (
         "memory is bounded per process only (memory_mb x processes must fit "
         "CODING_MAX_SANDBOX_MEMORY_MB)"

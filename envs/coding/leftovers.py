@@ -15,9 +15,10 @@ import ctypes
 import errno
 import logging
 import os
-import shutil
 import stat
 from pathlib import Path
+
+from openenv_grpc_envs.coding.removal import remove_entry
 
 __all__ = ["SHARED_DIRS", "ipc_objects", "remove_ipc", "sweep_files"]
 
@@ -87,37 +88,50 @@ def remove_ipc(uid: int) -> int:
     return removed
 
 
-def sweep_files(uid: int, folders: tuple[str, ...] = SHARED_DIRS) -> int:
-    """Remove what ``uid`` owns in the world-writable ``folders``; how many entries.
+def sweep_files(uid: int, folders: tuple[str, ...] = SHARED_DIRS) -> bool:
+    """Remove what ``uid`` owns in the world-writable ``folders``; True when all of it went.
 
-    Entries the uid owns go with everything under them (``rmtree`` never follows the
-    symlinks code may plant); world-writable subdirectories of others are searched too,
-    down to :data:`SWEEP_DEPTH`.
+    Entries the uid owns go with everything under them (:func:`.removal.remove_entry`:
+    any depth or width, never through a link); world-writable subdirectories of others
+    are searched too, down to :data:`SWEEP_DEPTH`, each opened relative to its parent
+    without following links.
     """
-    removed = 0
+    clean = True
     for folder in folders:
-        removed += _sweep(folder, uid, SWEEP_DEPTH)
-    return removed
-
-
-def _sweep(folder: str, uid: int, depth: int) -> int:
-    try:
-        entries = list(os.scandir(folder))
-    except OSError:
-        return 0
-    removed = 0
-    for entry in entries:
         try:
-            info = entry.stat(follow_symlinks=False)
-            if info.st_uid == uid:
-                if stat.S_ISDIR(info.st_mode):
-                    shutil.rmtree(entry.path, ignore_errors=True)
-                else:
-                    os.unlink(entry.path)
-                removed += 1
-            elif depth > 1 and stat.S_ISDIR(info.st_mode) and info.st_mode & stat.S_IWOTH:
-                removed += _sweep(entry.path, uid, depth - 1)
-        except OSError as exc:
-            if exc.errno != errno.ENOENT:
-                log.warning("coding sandbox: could not remove %s: %s", entry.path, exc)
-    return removed
+            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            continue  # no such shared dir on this host
+        try:
+            clean = _sweep(fd, folder, uid, SWEEP_DEPTH) and clean
+        finally:
+            os.close(fd)
+    return clean
+
+
+def _sweep(fd: int, folder: str, uid: int, depth: int) -> bool:
+    try:
+        with os.scandir(fd) as listing:
+            names = [entry.name for entry in listing]
+    except OSError:
+        return True
+    clean = True
+    for name in names:
+        try:
+            info = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except OSError:
+            continue  # gone meanwhile
+        if info.st_uid == uid:
+            clean = remove_entry(fd, name, label=f"{folder}/{name}") and clean
+        elif depth > 1 and stat.S_ISDIR(info.st_mode) and info.st_mode & stat.S_IWOTH:
+            try:
+                sub = os.open(
+                    name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd
+                )
+            except OSError:
+                continue
+            try:
+                clean = _sweep(sub, f"{folder}/{name}", uid, depth - 1) and clean
+            finally:
+                os.close(sub)
+    return clean

@@ -10,7 +10,6 @@ this finds them all; the registry's locks make sure no live sandbox is touched.
 from __future__ import annotations
 
 import logging
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from openenv_grpc_envs.coding.processes import (
     reap_orphans,
 )
 from openenv_grpc_envs.coding.registry import orphans, registry_dir
+from openenv_grpc_envs.coding.removal import remove_tree
 from openenv_grpc_envs.coding.uids import Killer, UidBusy, UidLease
 
 __all__ = ["BASE_PREFIX", "reclaim_orphans"]
@@ -79,8 +79,7 @@ def _reclaim(record: dict[str, Any], killer: Killer | None) -> bool:
     clean = cgroups.destroy(record.get("cgroups", [])) and clean
     base = Path(str(record.get("base", "")))
     if base.name.startswith(BASE_PREFIX) and base.is_dir() and not base.is_symlink():
-        shutil.rmtree(base, ignore_errors=True)
-        clean = clean and not base.exists()
+        clean = remove_tree(base) and clean  # the same removal as a live close's
     return clean
 
 

@@ -26,7 +26,6 @@ import logging
 import os
 import secrets
 import selectors
-import shutil
 import signal
 import subprocess
 import tempfile
@@ -50,6 +49,7 @@ from openenv_grpc_envs.coding.processes import (
 )
 from openenv_grpc_envs.coding.reclaim import BASE_PREFIX, reclaim_orphans
 from openenv_grpc_envs.coding.registry import Registration, registry_dir
+from openenv_grpc_envs.coding.removal import remove_tree
 from openenv_grpc_envs.coding.uids import UidLease
 from openenv_grpc_envs.coding.v1.coding_pb2 import Limit
 
@@ -250,7 +250,8 @@ class Sandbox:
     ) -> tuple[list[str], str]:
         """Write the step's program, tests and files; their paths for :meth:`run`."""
         for stale in ("tests", "files"):
-            shutil.rmtree(self.src / stale, ignore_errors=True)
+            if not remove_tree(self.src / stale):
+                raise OSError(f"the last step's {stale} in {self.src} could not be removed")
         self._write_src("main.py", code)
         tests = [self._write_src(f"tests/{i}.test.py", text) for i, text in enumerate(assertions)]
         staging = ""
@@ -449,29 +450,38 @@ class Sandbox:
     # -- the end ----------------------------------------------------------------------
 
     def close(self) -> None:
-        """Kill what is left, remove the cgroup, directory tree and the uid's leftovers,
-        free the uid. Idempotent. Whatever cannot be removed stays in the registry, for
-        :func:`~openenv_grpc_envs.coding.reclaim.reclaim_orphans` to retry."""
+        """Kill what is left, remove the cgroup, directory tree and the uid's leftovers
+        (IPC objects, kernel keys, files in the shared temp dirs), free the uid.
+        Idempotent, and never raises: whatever cannot be removed stays in the registry,
+        for :func:`~openenv_grpc_envs.coding.reclaim.reclaim_orphans` to finish (logged)."""
         if self.closed:
             return
         self.closed = True
         clean = True
-        if self._lease is not None:
-            clean = self._lease.clear()
-        if self.cgroup is not None and not self.cgroup.destroy():
-            log.error("coding sandbox: cgroup %s could not be removed", self.cgroup.paths)
+        try:
+            if self._lease is not None:
+                clean = self._lease.clear()
+            if self.cgroup is not None and not self.cgroup.destroy():
+                log.error("coding sandbox: cgroup %s could not be removed", self.cgroup.paths)
+                clean = False
+            if self.base.name:
+                # Any depth or width, never through a link (see removal.py).
+                clean = remove_tree(self.base) and clean
+        except Exception:  # the record below must outlive any failure
+            log.exception("coding sandbox: closing %s failed", self.base)
             clean = False
-        if self.base.name:
-            # rmtree never follows the symlinks the code may have left behind.
-            shutil.rmtree(self.base, ignore_errors=True)
-            clean = clean and not self.base.exists()
-        if self._registration is not None:
-            if clean:
-                self._registration.close()
-            else:
-                self._registration.abandon()
-        if self._lease is not None:
-            self._lease.release()
+        finally:
+            if self._registration is not None:
+                if clean:
+                    self._registration.close()
+                else:
+                    log.error(
+                        "coding sandbox: %s not fully removed; its registry record stays "
+                        "for the next reclaim", self.base,
+                    )  # fmt: skip
+                    self._registration.abandon()
+            if self._lease is not None:
+                self._lease.release()
 
 
 def _exited(pid: int) -> bool:

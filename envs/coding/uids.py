@@ -15,7 +15,7 @@ import socket
 import time
 from dataclasses import dataclass
 
-from openenv_grpc_envs.coding import leftovers
+from openenv_grpc_envs.coding import keys, leftovers
 from openenv_grpc_envs.coding.processes import ProcFields, kill_matching, processes, quiet
 
 __all__ = ["UID_BASE", "Killer", "UidBusy", "UidLease", "as_uid", "default_killer"]
@@ -78,9 +78,10 @@ class Killer:
 
 def default_killer() -> Killer | None:
     """A :class:`Killer` from setpriv and kill(1) on the system path (None without them),
-    for processes that have not probed the host."""
-    found = [shutil.which(n, path=SYSTEM_PATH) for n in ("setpriv", "kill")]
-    return Killer(found[0], found[1], "") if found[0] and found[1] else None
+    for processes that have not probed the host; its python (for the key remover) is
+    the system's python3."""
+    found = [shutil.which(n, path=SYSTEM_PATH) for n in ("setpriv", "kill", "python3")]
+    return Killer(found[0], found[1], found[2] or "") if found[0] and found[1] else None
 
 
 class UidBusy(Exception):
@@ -147,16 +148,32 @@ class UidLease:
 
     def clear(self, *, files: bool = True) -> bool:
         """End the uid's processes, then remove its SysV IPC objects (in this server's IPC
-        namespace) and, with ``files``, what it left in the shared temp dirs.
+        namespace), its kernel keys and, with ``files``, what it left in the shared temp
+        dirs.
 
         Returns:
-            True when no process of the uid is left.
+            True when nothing of the uid is left (no process, no key, every file it
+            left in the shared dirs removed).
         """
         gone = self.kill_all() if processes(self.owns) else True
         leftovers.remove_ipc(self.uid)
+        gone = keys.remove_keys(self.uid, self._key_remover()) and gone
         if files:
-            leftovers.sweep_files(self.uid)
+            gone = leftovers.sweep_files(self.uid) and gone
         return gone
+
+    def _key_remover(self) -> list[str] | None:
+        """The argv that removes the uid's kernel keys (see ``keys.py``), if a python
+        that runs under it is known."""
+        killer = self._killer
+        python = killer.python if killer is not None else ""
+        python = python or shutil.which("python3", path=SYSTEM_PATH) or ""
+        if not python:
+            return None
+        setpriv = (
+            killer.setpriv if killer is not None else shutil.which("setpriv", path=SYSTEM_PATH)
+        )
+        return as_uid(setpriv, self.uid, python, keys.CLEAR_KEYS)
 
     def release(self) -> None:
         if self._sock is not None:

@@ -5,12 +5,17 @@
 without CAP_SYS_ADMIN under Docker's default seccomp profile, the server is root but can
 make no namespaces, mount nothing and sees no cgroup file system. Python runs this file
 at start-up, before any thread exists.
+
+With ``CODING_TEST_NO_SECCOMP=1`` instead, the host is this VM as it is except for the
+seccomp filter, as on a host without libseccomp (what the sandbox then removes itself,
+e.g. kernel keys, is tested there).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+from typing import Any
 
 CLONE_NEWNS = 0x00020000
 MS_REC = 0x4000
@@ -38,3 +43,23 @@ def _degrade() -> None:
 
 if os.environ.get("CODING_TEST_DEGRADED") == "1":
     _degrade()
+
+
+def _no_seccomp() -> None:
+    """A host without libseccomp (the sandbox's filter is off; nothing else changes)."""
+    from dataclasses import replace
+
+    from openenv_grpc_envs.coding import sandbox
+
+    probe = sandbox.probe_host
+
+    def probe_without_seccomp(trial: Any) -> Any:
+        support = probe(trial)
+        why = "turned off by the test (CODING_TEST_NO_SECCOMP=1)"
+        return replace(support, seccomp=False, missing={**support.missing, "seccomp": why})
+
+    sandbox.probe_host = probe_without_seccomp  # type: ignore[assignment]
+
+
+if os.environ.get("CODING_TEST_NO_SECCOMP") == "1":
+    _no_seccomp()
