@@ -744,7 +744,7 @@ class VectorDriver:
         # Every env answered: the rows are 0 .. size - 1, booked as whole columns.
         full = len(outcome.rows) == self._size
         stepped = self._book_all(outcome) if full else self._book_rows(outcome)
-        self._book_errors(outcome.errors)
+        self._book_errors(outcome.errors, stepping=True)
         return stepped
 
     def _book_all(self, outcome: BatchOutcome) -> int:
@@ -804,10 +804,13 @@ class VectorDriver:
                 stepped += 1
         return stepped
 
-    def _book_errors(self, errors: dict[int, RowError]) -> None:
+    def _book_errors(self, errors: dict[int, RowError], stepping: bool = False) -> None:
+        # An env may keep its episode after a step that raised (step_errors_end_episode).
+        keep = stepping and not getattr(self._spec.env_class, "step_errors_end_episode", True)
         for index, error in errors.items():
             if error.code == _INTERNAL:
-                self.phases[index] = _Phase.BROKEN
+                if not keep:
+                    self.phases[index] = _Phase.BROKEN
             elif error.code in _REPLACED:  # a fresh env took its place
                 self._forget(index)
 

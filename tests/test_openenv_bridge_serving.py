@@ -1,0 +1,233 @@
+"""``serve --openenv`` as a migrating user runs it: the env's own ``create_app`` module
+or its class, from the env's folder, models named where nothing says them, the base
+classes refused, the capacity guard on every path, step errors that keep the episode,
+an async env that blocks its loop, and field names that collide with protobuf."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from openenv_grpc import CapacityError, EnvError
+from openenv_grpc.cli import main
+from openenv_grpc.client.info import fetch_info
+from openenv_grpc.integrations.openenv import described_session
+from openenv_grpc.testing import ServerProcess
+from openenv_grpc_envs.echo import EchoAction, EchoEnv
+
+TESTS = Path(__file__).resolve().parent
+BOARD_APP = "support.openenv_envs.apps:board_app"
+BOARD = "support.openenv_envs.board"
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+def bridged(ref: str, *args: str) -> ServerProcess:
+    return ServerProcess(f"--openenv={ref}", list(args), pythonpath=[TESTS])
+
+
+def test_the_envs_own_app_serves_with_its_create_app_types() -> None:
+    """As uvicorn takes it: the module's create_app call names the env, the models
+    (its step says only the base classes) and the env's name."""
+    server = bridged(BOARD_APP)
+    try:
+        info = server.info()
+        assert info.env_name == "board"  # create_app(..., env_name="board")
+        assert info.action_type.endswith(".DropAction")
+        assert info.observation_type.endswith(".BoardObservation")
+        assert info.state_type.endswith(".BoardState")  # create_app(..., state_cls=...)
+        assert info.capacity.max_sessions == 1  # not SUPPORTS_CONCURRENT_SESSIONS
+        Board = described_session(info)
+        with Board(server.target) as env:
+            env.reset(seed=1)
+            result = env.step(Board.Action(column=2))
+            assert json.loads(result.observation.last_move.json) == [2, 2]
+            assert json.loads(env.state().board.json)[2] == [0, 0, 1, 0]
+    finally:
+        server.stop()
+
+
+def test_base_annotated_env_class_is_refused_naming_the_fix(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(TESTS))
+    assert main(["serve", f"--openenv={BOARD}:BoardEnvironment", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "BoardEnvironment: its action is openenv's base Action" in err
+    assert "--openenv pkg.server.app:app" in err and "--action MODULE:ACTION" in err
+
+
+def test_action_and_observation_options_serve_a_base_annotated_class() -> None:
+    server = bridged(
+        f"{BOARD}:BoardEnvironment",
+        f"--action={BOARD}:DropAction",
+        f"--observation={BOARD}:BoardObservation",
+        f"--state={BOARD}:BoardState",
+    )
+    try:
+        info = server.info()
+        assert info.action_type.endswith(".DropAction")
+        assert info.state_type.endswith(".BoardState")
+        Board = described_session(info)
+        with Board(server.target) as env:
+            env.reset()
+            assert list(env.step(Board.Action(column=0)).observation.legal_actions) == [
+                0, 1, 2, 3
+            ]  # fmt: skip
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([f"--openenv={BOARD}:BoardEnvironment", f"--action={BOARD}:Nope"],
+         "has no attribute 'Nope'"),
+        ([f"--openenv={BOARD}:BoardEnvironment", f"--action={BOARD}:Player"],
+         "--action support.openenv_envs.board:Player"),
+        (["echo", f"--action={BOARD}:DropAction"], "go with --openenv"),
+        (["--openenv=support.openenv_envs.apps:not_an_app"], "has no attribute"),
+        (["--openenv=support.openenv_envs.apps"], "package.server.app:app"),
+    ],
+)  # fmt: skip
+def test_bad_model_options_exit_2(
+    args: list[str],
+    message: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.syspath_prepend(str(TESTS))
+    assert main(["serve", *args, "--port", "0"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_serve_help_lists_the_model_options() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "openenv_grpc", "serve", "--help"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    for option in ("--openenv MODULE:APP_OR_CLASS", "--action MODULE:MODEL",
+                   "--observation MODULE:MODEL", "--state MODULE:MODEL"):  # fmt: skip
+        assert option in done.stdout
+
+
+def test_the_console_script_imports_from_the_current_directory(tmp_path: Path) -> None:
+    """``openenv-grpc serve --openenv server.my_environment:MyEnvironment`` from the env's
+    folder, as ``uvicorn server.app:app`` works there (the console script's sys.path
+    starts with its bin directory, not the current one)."""
+    (tmp_path / "server").mkdir()
+    (tmp_path / "server" / "__init__.py").write_text("")
+    shutil.copy(TESTS / "support/openenv_envs/echo.py", tmp_path / "server/my_environment.py")
+    script = Path(sys.executable).parent / "openenv-grpc"
+    environ = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    process = subprocess.Popen(
+        [str(script), "serve", "--openenv", "server.my_environment:EchoEnvironment",
+         "--host", "127.0.0.1", "--port", "0"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environ,
+    )  # fmt: skip
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        match = re.search(r"serving EchoEnvironment on 127\.0\.0\.1:(\d+)", line)
+        assert match, (line, process.stderr.read() if process.poll() is not None else "")
+        target = f"127.0.0.1:{match.group(1)}"
+        Echo = described_session(target)
+        with Echo(target) as env:
+            env.reset()
+            assert env.step(Echo.Action(message="here")).observation.message_length == 4
+    finally:
+        process.kill()
+        process.wait(10)
+
+
+def test_capacity_guard_holds_for_an_adapter_served_without_serve_config() -> None:
+    """openenv_environment(..., action=, observation=) served as a plain ENV at
+    --max-concurrent-envs 8: the env is not concurrency-safe, so capacity 1."""
+    server = ServerProcess(
+        "support.openenv_envs.adapters:warehouse_adapter",
+        ["--max-concurrent-envs", "8"],
+        pythonpath=[TESTS],
+    )
+    try:
+        assert server.info().capacity.max_sessions == 1
+        Warehouse = described_session(server.target)
+        with Warehouse(server.target) as env:
+            env.reset(seed=1)
+            with pytest.raises(CapacityError):
+                Warehouse(server.target).open()
+            env.step(Warehouse.Action())  # the first session is unharmed
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(("env", "goes_on"), [("ForgivingEchoEnv", True), ("StrictEchoEnv", False)])
+def test_a_native_env_opts_into_openenvs_step_error_rule(env: str, goes_on: bool) -> None:
+    server = ServerProcess(f"support.step_errors:{env}", pythonpath=[TESTS])
+    try:
+        with EchoEnv(server.target) as session:
+            session.reset()
+            with pytest.raises(EnvError) as raised:
+                session.step(EchoAction(message="raise"))
+            assert raised.value.code is grpc.StatusCode.INTERNAL
+            assert raised.value.message == "step failed: RuntimeError: boom in step"
+            if goes_on:
+                result = session.step(EchoAction(message="next"))
+                assert result.observation.echoed_message == "next"
+            else:
+                with pytest.raises(EnvError) as after:
+                    session.step(EchoAction(message="next"))
+                assert after.value.code is grpc.StatusCode.FAILED_PRECONDITION
+    finally:
+        server.stop()
+
+
+def test_an_async_env_blocking_its_loop_freezes_neither_health_nor_drain() -> None:
+    """reset_async calls time.sleep(60): the server's loop is not the env's, so health,
+    Info and another session answer meanwhile, and a SIGTERM drain ends within its
+    bound (grace + 3 s), leaving the stuck env unclosed."""
+    server = bridged("support.openenv_envs.blocking:BlockingEnvironment", "--grace", "2")
+    try:
+        Ping = described_session(server.target)
+        stuck = Ping(server.target)
+        stuck.open()
+        started = threading.Event()
+        errors: list[BaseException] = []
+
+        def blocked_reset() -> None:
+            started.set()
+            try:
+                stuck.reset(options=Ping.ResetOptions(block=60))
+            except BaseException as exc:  # the drain ends it
+                errors.append(exc)
+
+        thread = threading.Thread(target=blocked_reset, daemon=True)
+        thread.start()
+        started.wait(5)
+        server.wait_until(lambda: server.info().capacity.active_sessions == 1, what="open")
+        time.sleep(0.5)  # the reset is inside time.sleep now
+        assert server.health() == SERVING
+        with Ping(server.target) as other:
+            other.reset()
+            assert other.step(Ping.Action(text="alive")).observation.text == "alive"
+        assert fetch_info(server.target, timeout=5).capacity.active_sessions == 1
+        server.proc.send_signal(signal.SIGTERM)
+        began = time.monotonic()
+        code = server.proc.wait(2 + 3 + 10)  # the bound, plus slack for a loaded machine
+        assert code in (0, 1)
+        assert "drained" in server.stderr() + "".join(server.stdout_lines)
+        print(f"drain with a blocked env took {time.monotonic() - began:.2f}s")
+        thread.join(10)
+        assert errors  # the stuck reset got an answer (the stream ended), not silence
+    finally:
+        server.stop()
