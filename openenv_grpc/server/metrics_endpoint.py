@@ -1,15 +1,23 @@
 """The Prometheus endpoint: ``GET /metrics`` over HTTP/1.1 on the server's event loop.
 
 Bounded, because anyone who reaches the port can open connections to it (prometheus_client's
-own server gives each connection a thread and waits on it for ever):
+own server gives each connection a thread and waits on it for ever), and every scrape is
+answered, because a scrape that fails makes Prometheus mark the target down:
 
-* no thread per connection: the handler is a coroutine on the gRPC server's loop;
-* at most :data:`MAX_CONNECTIONS` connections at once: a new one evicts the oldest
-  connection still waiting for its request (a slow client must not keep a scraper out);
-  when every connection is past that point, the new one gets ``503`` and is closed;
+* no thread per connection: each connection is a protocol object on the gRPC server's loop;
+* at most :data:`MAX_CONNECTIONS` connections at once. Beyond that the server stops
+  accepting: new connections wait in the kernel's listen queue (:data:`BACKLOG`, costing
+  the process nothing) and are taken in turn as others end, so a scrape waits instead of
+  being reset or answered 503 (the way nginx's ``worker_connections`` works);
+* a connection that has not sent a whole request head :data:`EVICT_AFTER` seconds after it
+  was taken is closed when others wait behind it (slow clients cannot keep a scraper
+  out). A request head is parsed the moment its last byte arrives, so a scrape that has
+  sent its request is never the one closed;
 * the request head must arrive within :data:`REQUEST_TIMEOUT` seconds and fit in
   :data:`MAX_HEAD_BYTES`; the answer must be taken within the same time; one request per
-  connection (``Connection: close``);
+  connection (``Connection: close``), then the server half-closes and reads until the
+  client closes (a close with unread bytes would reset the connection and could destroy
+  the answer in flight);
 * only ``GET /metrics``; with a token, a scrape needs ``Authorization: Bearer <token>``
   (compared in constant time), else ``401``.
 
@@ -20,19 +28,35 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import logging
+import select
+import socket
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
-__all__ = ["MAX_CONNECTIONS", "MAX_HEAD_BYTES", "REQUEST_TIMEOUT", "MetricsEndpoint"]
+__all__ = [
+    "BACKLOG",
+    "EVICT_AFTER",
+    "MAX_CONNECTIONS",
+    "MAX_HEAD_BYTES",
+    "REQUEST_TIMEOUT",
+    "MetricsEndpoint",
+]
 
 log = logging.getLogger(__name__)
 
-#: Connections served at once. A Prometheus server scrapes a target one request at a time;
-#: 16 leaves room for a few more scrapers and people with curl.
-MAX_CONNECTIONS = 16
+#: Connections served at once (a file descriptor and at most a request head each). A
+#: Prometheus server scrapes a target one request at a time; 64 leaves room for more
+#: scrapers and people with curl, and lets 64 slow clients at a time be closed.
+MAX_CONNECTIONS = 64
+#: Connections the kernel holds for us, handshake done, while all of the above are busy.
+BACKLOG = 1024
+#: Seconds after which a connection still without a whole request head gives way to one
+#: waiting in the listen queue. A scraper sends its request at once.
+EVICT_AFTER = 0.5
 #: Seconds a client gets to send its request head, and again to take the answer.
 #: Prometheus sends the whole request at once and its scrape timeout defaults to 10 s.
 REQUEST_TIMEOUT = 5.0
@@ -45,8 +69,9 @@ _REASONS = {
     401: "Unauthorized",
     404: "Not Found",
     405: "Method Not Allowed",
-    503: "Service Unavailable",
 }
+#: How often a full endpoint looks for a slow connection to close.
+_EVICT_CHECK = 0.1
 
 
 class MetricsEndpoint:
@@ -55,7 +80,7 @@ class MetricsEndpoint:
     Args:
         registry: The metrics to expose.
         token: When set, every request needs ``Authorization: Bearer <token>``.
-        max_connections: Connections served at once; more are answered 503.
+        max_connections: Connections served at once; more wait in the listen queue.
         timeout: Seconds for the request head to arrive, and for the answer to be taken.
     """
 
@@ -71,15 +96,16 @@ class MetricsEndpoint:
         self._expected = f"Bearer {token}".encode() if token else None
         self._max_connections = max_connections
         self._timeout = timeout
-        self._open = 0
-        #: Connections still waiting for their request head, oldest first.
-        self._waiting: dict[asyncio.StreamWriter, None] = {}
-        self._server: asyncio.Server | None = None
+        #: Connections being served, oldest first.
+        self._open: dict[_Connection, None] = {}
+        self._slot_freed = asyncio.Event()
+        self._sock: socket.socket | None = None
+        self._acceptor: asyncio.Task[None] | None = None
 
     @property
     def connections(self) -> int:
         """Connections open now (those being served)."""
-        return self._open
+        return len(self._open)
 
     async def start(self, host: str, port: int) -> int:
         """Listen on ``host:port`` (0 picks a free port); returns the bound port.
@@ -87,47 +113,79 @@ class MetricsEndpoint:
         Raises:
             OSError: the address cannot be bound.
         """
-        self._server = await asyncio.start_server(
-            self._serve, host, port, limit=MAX_HEAD_BYTES, reuse_address=True
-        )
-        return int(self._server.sockets[0].getsockname()[1])
+        loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(BACKLOG)
+            sock.setblocking(False)
+        except OSError:
+            sock.close()
+            raise
+        self._sock = sock
+        self._acceptor = asyncio.create_task(self._accept_forever(sock))
+        return int(sock.getsockname()[1])
 
     async def close(self) -> None:
         """Stop listening and drop the connections still open."""
-        if self._server is not None:
-            self._server.close()
-            close_clients = getattr(self._server, "close_clients", None)  # Python >= 3.13
-            if close_clients is not None:
-                close_clients()
-            await self._server.wait_closed()
-            self._server = None
+        if self._acceptor is not None:
+            self._acceptor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._acceptor
+            self._acceptor = None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        for connection in list(self._open):
+            connection.abort()
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self._open >= self._max_connections:
-            if not self._waiting:
-                await self._finish(writer, 503, b"too many connections\n")
-                return
-            oldest = next(iter(self._waiting))
-            del self._waiting[oldest]
-            oldest.transport.abort()  # its pending read fails and its handler ends
-        self._open += 1
-        self._waiting[writer] = None
-        try:
-            status, body, headers = await self._answer(reader)
-            self._waiting.pop(writer, None)
-            await self._finish(writer, status, body, headers)
-        finally:
-            self._waiting.pop(writer, None)
-            self._open -= 1
+    async def _accept_forever(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            while len(self._open) >= self._max_connections:
+                self._slot_freed.clear()
+                self._evict_slow_if_others_wait(sock, loop.time())
+                if len(self._open) < self._max_connections:
+                    break
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._slot_freed.wait(), _EVICT_CHECK)
+            try:
+                client, _ = await loop.sock_accept(sock)
+            except OSError as exc:  # EMFILE and the like: try again shortly
+                log.warning("metrics endpoint cannot accept: %s", exc)
+                await asyncio.sleep(_EVICT_CHECK)
+                continue
+            connection = _Connection(self, loop.time())
+            self._open[connection] = None
+            try:
+                await loop.connect_accepted_socket(functools.partial(_itself, connection), client)
+            except OSError:
+                self._open.pop(connection, None)
+                client.close()
 
-    async def _answer(self, reader: asyncio.StreamReader) -> tuple[int, bytes, dict[str, str]]:
-        """Read one request head and decide the answer: (status, body, extra headers)."""
-        try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self._timeout)
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError):
-            return 0, b"", {}  # 0: say nothing, just close
-        except asyncio.LimitOverrunError:
-            return 400, b"request head too large\n", {}
+    def _evict_slow_if_others_wait(self, sock: socket.socket, now: float) -> None:
+        """Close every connection still without a request head :data:`EVICT_AFTER`
+        seconds after it was taken, if a connection waits in the listen queue."""
+        slow = [c for c in self._open if c.waiting and now - c.taken_at >= EVICT_AFTER]
+        if not slow:
+            return
+        readable, _, _ = select.select([sock], [], [], 0)
+        if readable:  # someone waits to be accepted
+            for connection in slow:
+                connection.abort()
+
+    def _release(self, connection: _Connection) -> None:
+        if connection in self._open:
+            del self._open[connection]
+            self._slot_freed.set()
+
+    def decide(self, head: bytes) -> tuple[int, bytes, dict[str, str]]:
+        """The answer to one request head: (status, body, extra headers)."""
         lines = head.decode("latin-1").split("\r\n")
         parts = lines[0].split(" ")
         if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
@@ -149,27 +207,74 @@ class MetricsEndpoint:
         encoder, content_type = choose_encoder(fields.get("accept", ""))
         return 200, encoder(self._registry), {"Content-Type": content_type}
 
-    async def _finish(
-        self,
-        writer: asyncio.StreamWriter,
-        status: int,
-        body: bytes,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        """Write the answer (unless ``status`` is 0) within the timeout, then close."""
-        try:
-            if status:
-                fields = {"Content-Type": "text/plain; charset=utf-8", **(headers or {})}
-                fields["Content-Length"] = str(len(body))
-                fields["Connection"] = "close"
-                head = f"HTTP/1.1 {status} {_REASONS[status]}\r\n" + "".join(
-                    f"{name}: {value}\r\n" for name, value in fields.items()
-                )
-                writer.write(head.encode("latin-1") + b"\r\n" + body)
-                await asyncio.wait_for(writer.drain(), self._timeout)
-        except (asyncio.TimeoutError, ConnectionError) as exc:
-            log.debug("metrics client dropped: %s", exc)
-        finally:
-            writer.close()
-            with contextlib.suppress(ConnectionError, asyncio.TimeoutError):
-                await asyncio.wait_for(writer.wait_closed(), self._timeout)
+
+def _itself(connection: _Connection) -> _Connection:
+    return connection
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: read a request head, answer it, half-close, wait for the
+    client to close (each phase within the endpoint's timeout)."""
+
+    def __init__(self, endpoint: MetricsEndpoint, taken_at: float) -> None:
+        self._endpoint = endpoint
+        self.taken_at = taken_at
+        #: Still waiting for a whole request head.
+        self.waiting = True
+        self._buffer = bytearray()
+        self._transport: asyncio.Transport | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        self._restart_timer()
+
+    def _restart_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_later(self._endpoint._timeout, self.abort)
+
+    def data_received(self, data: bytes) -> None:
+        if not self.waiting:
+            return  # after the answer: read and drop until the client closes
+        self._buffer += data
+        end = self._buffer.find(b"\r\n\r\n")
+        if end < 0:
+            if len(self._buffer) > MAX_HEAD_BYTES:
+                self._answer(400, b"request head too large\n", {})
+            return
+        if end + 4 > MAX_HEAD_BYTES:
+            self._answer(400, b"request head too large\n", {})
+            return
+        self._answer(*self._endpoint.decide(bytes(self._buffer[: end + 4])))
+
+    def _answer(self, status: int, body: bytes, headers: dict[str, str]) -> None:
+        self.waiting = False
+        self._buffer = bytearray()
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        fields = {"Content-Type": "text/plain; charset=utf-8", **headers}
+        fields["Content-Length"] = str(len(body))
+        fields["Connection"] = "close"
+        head = f"HTTP/1.1 {status} {_REASONS[status]}\r\n" + "".join(
+            f"{name}: {value}\r\n" for name, value in fields.items()
+        )
+        self._restart_timer()  # the client now gets the timeout to take the answer
+        transport.write(head.encode("latin-1") + b"\r\n" + body)
+        if transport.can_write_eof():
+            transport.write_eof()  # FIN once the answer is out; we read on until it closes
+        else:  # pragma: no cover - TCP transports can always half-close
+            transport.close()
+
+    def abort(self) -> None:
+        if self._transport is not None:
+            self._transport.abort()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._transport = None
+        self._endpoint._release(self)
