@@ -394,3 +394,43 @@ def test_opens_right_after_a_worker_is_killed_land_on_a_live_worker(start_server
             probe.close()
             probe.open()
             probe.reset()
+
+
+# -- issue 19: the rough edges of --isolated 1 ------------------------------------------
+
+
+def test_a_bridged_step_past_the_timeout_is_answered_before_its_replacement_exists(
+    tmp_path: Path,
+) -> None:
+    """Under the OpenEnv bridge with ``--isolated 1``, a 2 s step timeout was answered
+    after 12.9 s: the DEADLINE_EXCEEDED waited for the killed worker's replacement to
+    start and make the fresh env. Now it is answered at the timeout, and the fresh env is
+    made meanwhile (here held at a gate until the answer came: the event that proves it);
+    the session's next request waits for it and goes on."""
+    from openenv_grpc.integrations.openenv import described_session
+    from openenv_grpc.testing import ServerProcess
+
+    gate = tmp_path / "replacement"
+    server = ServerProcess(
+        "--openenv=support.openenv_sleepy:SleepyEnvironment",
+        ["--isolated", "1", "--step-timeout", "2"],
+        {"SLEEPY_GATE": str(gate)},
+        pythonpath=[Path(__file__).resolve().parent],
+    )
+    try:
+        Env = described_session(server.target)
+        with Env(server.target) as env:
+            env.reset()
+            Path(f"{gate}.hold").touch()  # from now on a new env waits at the gate
+            with pytest.raises(EnvError) as failed:
+                env.step(Env.Action(seconds=60))
+            assert failed.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "step did not finish within 2s" in failed.value.message
+            assert not gate.exists()  # answered while the fresh env was not made yet
+            gate.touch()
+            env.reset()
+            assert env.step(Env.Action(seconds=0)).step_count == 1
+            assert Path(f"{gate}.entered").exists()  # the fresh env did wait at the gate
+        server.wait_until(lambda: server.active() == 0, 10, "the slot freed")
+    finally:
+        server.stop()

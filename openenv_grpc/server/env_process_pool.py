@@ -36,6 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from openenv_grpc.environment import AutoresetMode, InvalidAction
 from openenv_grpc.server.backend import (
@@ -499,14 +500,20 @@ Worker = _Worker
 class EnvProcessBackend:
     """A session's env in a worker process."""
 
-    __slots__ = ("_env_id", "_pool", "_worker")
+    __slots__ = ("_env_id", "_pool", "_replacing", "_worker")
 
     def __init__(self, pool: EnvProcessPool, worker: _Worker, env_id: int) -> None:
         self._pool = pool
         self._worker = worker
         self._env_id = env_id
+        #: The fresh env being made after a timeout (the answer did not wait for it).
+        self._replacing: asyncio.Task[tuple[_Worker, int]] | None = None
 
     async def handle(self, raw: bytes) -> Answer:
+        if self._replacing is not None:
+            failed = await self._adopt(raw)
+            if failed is not None:
+                return failed
         started = time.perf_counter()
         try:
             status, payload = await self._pool.call(self._worker, self._env_id, Op.REQUEST, raw)
@@ -541,24 +548,48 @@ class EnvProcessBackend:
                 "was stopped"
             )
         else:
+            # The answer goes now, at the timeout: the fresh env is made meanwhile (the
+            # killed worker's replacement may take seconds to start) and the session's
+            # next request waits for it (see _adopt).
+            self._replacing = asyncio.get_running_loop().create_task(
+                self._pool.create(prefer_ready=True)
+            )
+            message = (
+                f"{command} did not finish within {limit:g}s; the environment was "
+                "replaced with a fresh one: call reset"
+            )
+        return _error(request.request_id, code, message, ends)
+
+    async def _adopt(self, raw: bytes) -> Answer | None:
+        """Wait for the fresh env a timeout asked for; None once it serves, else the
+        answer that ends the session (it could not be made)."""
+        assert self._replacing is not None
+        try:
+            self._worker, self._env_id = await self._replacing
+        except (EnvFactoryError, SessionLostError) as exc:
+            log.error("could not replace a hung environment: %s", exc)
             try:
-                self._worker, self._env_id = await self._pool.create(prefer_ready=True)
-            except (EnvFactoryError, SessionLostError) as exc:
-                log.error("could not replace a hung environment: %s", exc)
-                ends = True  # nothing left to serve: the stream ends after this answer
-                code = _INTERNAL
-                message = f"the environment hung and a new one could not be created: {exc}"
-            else:
-                message = (
-                    f"{command} did not finish within {limit:g}s; the environment was "
-                    "replaced with a fresh one: call reset"
-                )
-        response = pb.SessionResponse(request_id=request.request_id)
-        response.error.code = code.value[0]
-        response.error.message = message
-        return Answer(response.SerializeToString(), Outcome.FAILED, 0.0, code.name, ends)
+                request_id = pb.SessionRequest.FromString(raw).request_id
+            except DecodeError:
+                raise UndecodableRequest("the request does not parse") from None
+            return _error(
+                request_id, _INTERNAL,
+                f"the environment hung and a new one could not be created: {exc}", True,
+            )  # fmt: skip
+        finally:
+            self._replacing = None
+        return None
 
     async def close(self) -> None:
+        replacing = self._replacing
+        if replacing is not None:
+            self._replacing = None
+            if not replacing.done():
+                replacing.cancel()  # the create's cancel closes the env it makes
+                return
+            if replacing.cancelled() or replacing.exception() is not None:
+                return
+            self._worker, self._env_id = replacing.result()
         worker = self._worker
         if self._env_id not in worker.envs:
             return
@@ -569,3 +600,11 @@ class EnvProcessBackend:
         # ends it too: by the step timeout, or by the drain's watchdog.
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.shield(self._pool.close_env(worker, self._env_id))
+
+
+def _error(request_id: int, code: grpc.StatusCode, message: str, ends: bool) -> Answer:
+    """An in-band error answer to the Session request ``request_id``."""
+    response = pb.SessionResponse(request_id=request_id)
+    response.error.code = code.value[0]
+    response.error.message = message
+    return Answer(response.SerializeToString(), Outcome.FAILED, 0.0, code.name, ends)
