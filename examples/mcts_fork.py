@@ -227,9 +227,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.target:
         summary = asyncio.run(run_games(args.target, *run))
     else:
-        from openenv_grpc.testing import ServerProcess  # only when we start our own server
+        from openenv_grpc.providers import LocalProcessProvider  # our own server
 
-        server = ServerProcess("openspiel")
+        server = LocalProcessProvider("openspiel")
+        server.start()
         try:
             summary = asyncio.run(run_games(server.target, *run))
         finally:

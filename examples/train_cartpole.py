@@ -312,9 +312,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.target:
         train(args.target, cfg)
         return 0
-    from openenv_grpc.testing import ServerProcess  # only when we start our own server
+    from openenv_grpc.providers import LocalProcessProvider  # our own server
 
-    server = ServerProcess("gymnasium")
+    server = LocalProcessProvider("gymnasium")
+    server.start()
     try:
         train(server.target, cfg)
     finally:

@@ -165,9 +165,10 @@ def main(argv: list[str] | None = None) -> int:
 
     server = None
     if args.target is None:
-        from openenv_grpc.testing import ServerProcess
+        from openenv_grpc.providers import LocalProcessProvider  # our own server
 
-        server = ServerProcess("wordle")
+        server = LocalProcessProvider("wordle")
+        server.start()
     target = args.target or server.target  # type: ignore[union-attr]
     try:
         if args.model:

@@ -184,9 +184,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.target:
         summary = asyncio.run(run(args.target, *plan))
     else:
-        from openenv_grpc.testing import ServerProcess  # only when we start our own server
+        from openenv_grpc.providers import LocalProcessProvider  # our own server
 
-        server = ServerProcess("wordle")
+        server = LocalProcessProvider("wordle")
+        server.start()
         try:
             summary = asyncio.run(run(server.target, *plan))
         finally:

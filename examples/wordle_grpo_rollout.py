@@ -270,9 +270,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.target:
         train(args.target, *run)
         return 0
-    from openenv_grpc.testing import ServerProcess  # only when we start our own server
+    from openenv_grpc.providers import LocalProcessProvider  # our own server
 
-    server = ServerProcess("wordle")
+    server = LocalProcessProvider("wordle")
+    server.start()
     try:
         train(server.target, *run)
     finally:

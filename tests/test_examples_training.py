@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -88,3 +89,32 @@ def test_wordle_grpo_updates_raise_the_reward(start_server: StartServer) -> None
     first, last = curve[0], curve[-1]
     assert first["win_rate"] < 0.05  # a uniformly random guesser almost never wins
     assert last["mean_reward"] >= first["mean_reward"] + 0.25, curve
+
+
+#: Run where pytest cannot be imported, as in a venv set up as docs/training.md says.
+_WITHOUT_PYTEST = """
+import runpy, sys
+sys.modules["pytest"] = None  # import pytest -> ImportError, as in a training venv
+for name in sys.argv[1:]:
+    runpy.run_path(name, run_name="example")  # defines everything, trains nothing
+import openenv_grpc.testing  # the process helpers too: EnvConformance loads on first use
+from openenv_grpc.providers import LocalProcessProvider
+with LocalProcessProvider("wordle") as server:  # what an example starts without --target
+    print("serving", server.target)
+"""
+
+
+def test_examples_need_nothing_from_test_tooling() -> None:
+    """Issue 21: ``python examples/trl_wordle_grpo.py`` in a venv made as the docs say
+    failed with ``No module named 'pytest'`` (the examples started their server through
+    openenv_grpc.testing, which imported the pytest suite)."""
+    examples = sorted(str(path) for path in EXAMPLES.glob("*.py"))
+    assert any(path.endswith("trl_wordle_grpo.py") for path in examples)
+    for path in examples:
+        assert "openenv_grpc.testing" not in Path(path).read_text(), path
+    done = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_PYTEST, *examples],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "serving 127.0.0.1:" in done.stdout

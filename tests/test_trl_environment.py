@@ -9,14 +9,16 @@ from __future__ import annotations
 import asyncio
 import gc
 import inspect
+import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
-from google.protobuf import json_format
 from transformers.utils import get_json_schema
 
+from openenv_grpc.integrations.openenv.client import described_session
 from openenv_grpc.integrations.trl import environment_factory
 from openenv_grpc.testing import ServerProcess
 from openenv_grpc_envs.coding import CodingEnv
@@ -101,7 +103,7 @@ def test_row_options_fix_the_game_and_a_won_game_takes_no_more_guesses(
         env.reset(options='{"target": "crane", "max_turns": 1}')
         assert env.get_reward() == 0.0
         assert "it was crane" in call(env.guess, word="slate")
-        with pytest.raises(json_format.ParseError):
+        with pytest.raises(ValueError, match=r"options\.no_such_option: no such field"):
             env.reset(options={"no_such_option": 1})
         with pytest.raises(TypeError, match="must be a dict or JSON text"):
             env.reset(options=[1, 2])
@@ -230,3 +232,49 @@ def test_a_client_without_types_is_refused() -> None:
 
     with pytest.raises(TypeError, match="not a typed client"):
         environment_factory("127.0.0.1:1", Session)
+
+
+# -- what the model reads and fills (issue 21, item 6) -----------------------------------
+
+
+def test_act_results_are_the_observation_as_json_never_protobuf_text(
+    start_server: StartServer,
+) -> None:
+    server = start_server("openspiel")
+    with environment_factory(server.target, OpenSpielEnv) as factory:
+        env = factory()
+        first = json.loads(env.reset(seed=0, options={"game": "catch"}) or "")
+        assert isinstance(first["legal_actions"], list)
+        ids = [legal["id"] for legal in first["legal_actions"]]
+        assert ids and all(isinstance(i, int) for i in ids)  # int64 as ints, not "1"
+        step = json.loads(call(env.act, id=1))
+        assert set(step) == set(first)  # every field of the observation, by name
+
+
+def test_a_bridged_openenv_env_offers_no_metadata_and_answers_json(tmp_path: Path) -> None:
+    server = ServerProcess(
+        "--openenv=support.openenv_envs.warehouse:WarehouseEnvironment",
+        pythonpath=[Path(__file__).parent],
+    )
+    try:
+        client = described_session(server.target)
+        with environment_factory(server.target, client) as factory:
+            env = factory()
+            assert tools_of(env) == ["act"]
+            parameters = inspect.signature(env.act).parameters
+            assert "metadata" not in parameters  # OpenEnv's Action.metadata is the trainer's
+            assert {"lines", "mode", "note", "hints"} <= set(parameters)
+            schema = get_json_schema(env.act)["function"]["parameters"]["properties"]
+            assert "metadata" not in schema and schema["lines"]["type"] == "array"
+            first = json.loads(env.reset(seed=1, options={"difficulty": 2}) or "")
+            assert first["missing"] and first["counts"] == {}
+            sku = first["missing"][0]
+            text = call(env.act, lines=[{"item": {"sku": sku, "size": "SIZE_LARGE"}}])
+            step = json.loads(text.removesuffix("\nThe episode is over."))
+            assert step["counts"] == {sku: 1} and isinstance(step["counts"][sku], int)
+            assert step["basket"][0]["item"]["sku"] == sku
+            refused = call(env.act, lines=[{"item": {"sku": 5}}])
+            assert refused.startswith("Refused: act.lines[0].item.sku: expected a string, got int")
+            assert isinstance(env.get_reward(), float)  # the env's own reward, summed
+    finally:
+        server.stop()

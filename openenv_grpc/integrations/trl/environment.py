@@ -34,10 +34,10 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import grpc
-from google.protobuf import json_format, text_format
 from google.protobuf.message import Message
 
 from openenv_grpc import AsyncSession, EnvError, OpenRetry, SessionLost, StepResult
+from openenv_grpc.integrations.json_view import from_json, to_json
 from openenv_grpc.integrations.trl.runtime import Runtime
 
 __all__ = ["SessionEnvironment"]
@@ -166,6 +166,8 @@ class SessionEnvironment:
 
         Raises:
             CapacityError, SessionRefused: the session could not be opened.
+            ValueError: the options name a field the env's options lack, or a value
+                does not fit (the message names the field).
             EnvError: the server refused the options.
         """
         seed = row.get("seed")
@@ -221,14 +223,15 @@ class SessionEnvironment:
             return raw
         if not isinstance(raw, Mapping):
             raise TypeError(f"the row's options must be a dict or JSON text, got {raw!r}")
-        # Arrow fills absent struct fields with None: leave those unset.
-        present = {key: value for key, value in raw.items() if value is not None}
-        return json_format.ParseDict(present, self._reset_options_class())
+        # Arrow fills absent struct fields with None: from_json leaves those unset.
+        return from_json(raw, self._reset_options_class, "options")
 
 
 def _describe(message: Message) -> str:
-    """A message as protobuf text (field: value lines), readable by a model."""
-    return text_format.MessageToString(message, as_utf8=True).strip()
+    """A message as the JSON object of its fields (ints as ints, a bridged OpenEnv env's
+    JSON fields as their values): what OpenEnv's own JSON shows, and what a model reads
+    best. Never protobuf's text format."""
+    return json.dumps(to_json(message), ensure_ascii=False)
 
 
 def message_types(session_class: type[Any]) -> tuple[type[Message], ...]:

@@ -26,6 +26,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from openenv_grpc.codec import value_to_python
+from openenv_grpc.integrations.json_view import JsonViewError, from_json, is_json_field
 from openenv_grpc.tools import ToolList, ToolResult
 
 __all__ = ["ToolFields", "action_field_method", "find_tool_fields", "tool_protocol_methods"]
@@ -117,12 +118,20 @@ def tool_protocol_methods(
     return methods
 
 
+#: Fields of a bridged OpenEnv action that are the trainer's, not the model's: OpenEnv's
+#: ``Action.metadata`` (a JSON field every action inherits).
+_NOT_FOR_THE_MODEL = frozenset({"metadata"})
+
+
 def action_field_method(action_class: type[Message]) -> dict[str, Method]:
     """One tool, ``act``, whose arguments are the action's fields (message fields as JSON
-    objects); it sends the action built from them."""
+    objects, JSON fields as any JSON value; OpenEnv's ``metadata`` is left out); it sends
+    the action built from them."""
     parameters: list[inspect.Parameter] = []
     args_doc: list[str] = []
     for field in action_class.DESCRIPTOR.fields:
+        if field.name in _NOT_FOR_THE_MODEL and is_json_field(field):
+            continue
         annotation = _field_type(field)
         parameters.append(
             inspect.Parameter(
@@ -134,8 +143,8 @@ def action_field_method(action_class: type[Message]) -> dict[str, Method]:
     async def act(self: Any, **values: Any) -> str:
         present = {key: value for key, value in values.items() if value is not None}
         try:
-            action = json_format.ParseDict(present, action_class())
-        except json_format.ParseError as exc:
+            action = from_json(present, action_class, "act")
+        except JsonViewError as exc:
             return f"Refused: {exc}. Nothing changed; try again."
         return await self._act(action)  # type: ignore[no-any-return]
 
@@ -190,8 +199,13 @@ def _json_type(prop: dict[str, Any]) -> Any:
 
 
 def _field_type(field: Any) -> Any:
-    if field.message_type is not None:
-        base: Any = dict[str, Any]
+    message = field.message_type
+    if message is not None and message.GetOptions().map_entry:
+        return dict[str, _field_type(message.fields_by_name["value"])]  # type: ignore[misc]
+    if is_json_field(field):
+        base: Any = Any  # any JSON value: OpenEnv's dict[str, Any], Any, nested lists
+    elif field.message_type is not None:
+        base = dict[str, Any]
     elif field.enum_type is not None:
         base = str
     else:
