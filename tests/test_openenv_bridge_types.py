@@ -352,3 +352,16 @@ def test_fields_named_like_message_methods_are_renamed_and_mapped_back() -> None
     seen = {"SerializeToString": "x", "DESCRIPTOR": 7, "Clear_": 8, "Clear": 9, "plain": ""}
     assert env._env.seen == seen
     assert json.loads(result.observation.metadata.json) == {"seen": seen}
+
+
+def make_with_settings(level: int = 2) -> Any:  # no annotation; names one env class
+    raise RuntimeError("needs what only a session has")  # never called at build time
+    return AllEnv()  # pragma: no cover
+
+
+def test_factories_without_annotations_are_read_without_making_an_env() -> None:
+    import functools
+
+    assert openenv_environment(make_with_settings).openenv_class is AllEnv
+    partial_adapter = openenv_environment(functools.partial(AllEnv))
+    assert partial_adapter.openenv_class is AllEnv

@@ -223,9 +223,22 @@ def _env_class_of(target: Any) -> type[OpenEnvEnvironment]:
         raise TypeError(f"{target!r} is not a subclass of openenv's Environment")
     if not callable(target):
         raise TypeError(f"{target!r} is neither an OpenEnv Environment class nor a factory")
+    while isinstance(target, functools.partial):  # partial(MyEnvironment, setting=...)
+        target = target.func
+        if isinstance(target, type):
+            return _env_class_of(target)
     returned = hints(target).get("return")
     if isinstance(returned, type) and issubclass(returned, OpenEnvEnvironment):
         return returned
+    # A factory function that names one env class: `return ChatEnvironment(tokenizer=...)`
+    # (no env is made: making one may need what only a session has, a model, a server).
+    code, names = getattr(target, "__code__", None), getattr(target, "__globals__", {})
+    named = {
+        value for name in getattr(code, "co_names", ())
+        if isinstance(value := names.get(name), type) and issubclass(value, OpenEnvEnvironment)
+    }  # fmt: skip
+    if len(named) == 1:
+        return named.pop()
     # As OpenEnv's own server does for a factory: make one to see what it makes.
     try:
         probe = target()
