@@ -252,8 +252,13 @@ def test_a_failed_replacement_after_a_timeout_ends_the_session(start_server) -> 
     with Session(server.target) as env:
         env.reset()
         Path(f"{server.ledger}.no-factory").touch()
-        with pytest.raises(EnvError) as failed:
+        # The timeout is answered at once; the fresh env is made meanwhile (issue 19).
+        with pytest.raises(EnvError) as timed_out:
             env.step(EchoAction(message="sleep:60"))
+        assert timed_out.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
+        # The next request learns that it could not be made, and the session ends.
+        with pytest.raises(EnvError) as failed:
+            env.reset()
         assert failed.value.code is grpc.StatusCode.INTERNAL
         assert failed.value.message == (
             "the environment hung and a new one could not be created: "
@@ -434,3 +439,32 @@ def test_a_bridged_step_past_the_timeout_is_answered_before_its_replacement_exis
         server.wait_until(lambda: server.active() == 0, 10, "the slot freed")
     finally:
         server.stop()
+
+
+def test_an_open_never_waits_behind_another_sessions_step(start_server, tmp_path: Path) -> None:
+    """``--isolated 1``, the one env process busy in a step (held at a gate): a new
+    session opens, resets and steps while that step still runs (before: it waited for
+    it, 4.8 s behind a 5 s step). It gets a worker of its own, which retires once its
+    env is closed; the pool is back to one process."""
+    server = start_server("support.envs:FaultyEnv", "--isolated", "1")
+    gate = tmp_path / "step-gate"
+    busy = Session(server.target)
+    busy.open()
+    busy.reset()
+    busy_pid = pid_of(busy)
+    results: dict[str, object] = {}
+    thread = in_thread(lambda: busy.step(EchoAction(message=f"gate:{gate}")), results, "busy")
+    server.wait_until(lambda: Path(f"{gate}.entered").exists(), 30, "the step running")
+    with Session(server.target) as fresh:
+        fresh.reset()
+        assert pid_of(fresh) != busy_pid  # a worker of its own
+        assert fresh.step(EchoAction(message="hello")).step_count == 2
+        assert thread.is_alive() and "busy" not in results  # the other step still runs
+    gate.touch()
+    thread.join(30)
+    assert results["busy"].step_count == 2  # type: ignore[attr-defined]
+    assert pid_of(busy) == busy_pid
+    busy.close()
+    server.wait_until(lambda: "retired (1 now)" in server.stderr(), 10, "the extra worker retired")
+    server.wait_until(lambda: server.active() == 0, 10, "no session left")
+    assert server.created() == 2 and server.closed_envs() == 2

@@ -142,6 +142,8 @@ class EnvProcessPool:
         #: Handed to every env process at its start: they sign and verify as one server.
         self._snapshots = snapshots
         self._size = size
+        #: Workers the pool may start beyond ``size`` while every worker is busy.
+        self._overflow = size
         # spawn: the front already runs gRPC, which must never be forked.
         self._context = multiprocessing.get_context("spawn")
         self._workers: list[_Worker] = []
@@ -360,10 +362,7 @@ class EnvProcessPool:
         """
         tried: set[int] = set()
         while True:
-            live = [w for w in self.least_loaded(prefer_ready=prefer_ready) if id(w) not in tried]
-            if not live:
-                raise SessionLostError("no environment worker process is running")
-            worker = live[0]
+            worker = self._for_create(tried, prefer_ready)
             tried.add(id(worker))
             try:
                 env_id, _ = await self._create(worker, Op.CREATE, b"", 1)
@@ -375,6 +374,50 @@ class EnvProcessPool:
                 )
                 continue
             return worker, env_id
+
+    def _for_create(self, tried: set[int], prefer_ready: bool) -> _Worker:
+        """Where a new env goes: never behind another session's call if it can be helped.
+        A worker answers one frame at a time, so a create sent to a busy one waits for
+        that call (a 5 s step: 5 s). An idle worker first (the least loaded; with
+        ``prefer_ready``, one that is up first); if every one is busy, a new worker (up to twice
+        the pool's size; it retires once its envs are closed); else the least loaded.
+
+        Raises:
+            SessionLostError: no worker is running.
+        """
+        live = [w for w in self.least_loaded(prefer_ready=prefer_ready) if id(w) not in tried]
+        if not live:
+            raise SessionLostError("no environment worker process is running")
+        idle = [w for w in live if not w.owed]
+        if idle:
+            return idle[0]  # in least_loaded's order
+        if (
+            self._grace_over_at is None
+            and not self._stopped
+            and (len(self._workers) < self._size + self._overflow)
+        ):
+            worker = self._spawn()
+            self._workers.append(worker)
+            log.info(
+                "every env worker is busy: started worker pid %s for a new env (%d now)",
+                worker.process.pid, len(self._workers),
+            )  # fmt: skip
+            return worker
+        return live[0]
+
+    def _retire(self, worker: _Worker) -> None:
+        """Stop ``worker`` if the pool has more than its size and it holds nothing: the
+        extra workers busy ones made (see :meth:`_for_create`) go once they are empty."""
+        if (
+            worker.alive
+            and not worker.envs
+            and not worker.owed
+            and sum(w.alive for w in self._workers) > self._size
+        ):
+            self._workers.remove(worker)
+            self._disconnect(worker)  # it sees EOF and exits: it holds no env
+            self._reaper.reap(worker.process)  # joined off the loop (no zombie)
+            log.info("env worker pid %s retired (%d now)", worker.process.pid, len(self._workers))
 
     def least_loaded(self, *, prefer_ready: bool = False) -> list[_Worker]:
         """The live workers, least loaded (fewest env instances) first (with
@@ -435,6 +478,7 @@ class EnvProcessPool:
     async def _close_env(self, worker: _Worker, env_id: int) -> None:
         with contextlib.suppress(SessionLostError):  # it died with its process
             await self.call(worker, env_id, Op.CLOSE)
+            self._retire(worker)
 
     # -- the end ----------------------------------------------------------------------------
 
