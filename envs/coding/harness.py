@@ -10,7 +10,8 @@ this order, before any submitted byte is read: it moves itself into the sandbox'
 cgroups (one memory and process budget for everything the run starts), unshares its IPC,
 mount and network namespaces (SysV limits sized to the memory budget in the IPC one),
 makes every mount private and puts a private tmpfs of the memory budget's size on
-``/dev/shm`` and ``/run/lock``, drops to the sandbox uid (no groups), sets
+``/dev/shm`` and ``/run/lock``, joins a new session keyring (never the server's),
+drops to the sandbox uid (no groups), sets
 ``no_new_privs`` and the parent-death signal, and loads a seccomp filter that refuses
 new namespaces and mounts. Each step is asked for by the server (which probed what the
 host allows); a step that was asked for and fails ends the run before the code starts
@@ -62,6 +63,9 @@ MS_REC = 0x4000
 MS_PRIVATE = 0x40000
 PR_SET_PDEATHSIG = 1
 PR_SET_NO_NEW_PRIVS = 38
+#: keyctl(2) per architecture, and its operation that joins a new session keyring.
+SYS_KEYCTL = {"x86_64": 250, "aarch64": 219}
+KEYCTL_JOIN_SESSION_KEYRING = 1
 #: Where the private tmpfs mounts go (when the directory exists).
 PRIVATE_TMPFS = ("/dev/shm", "/run/lock")
 #: Syscalls refused to the code (EPERM): no new namespaces, no mounts, no chroot, and no
@@ -201,6 +205,16 @@ def _drop(uid: int) -> None:
         raise SetupError(f"setresuid {uid}: the ids did not change")
 
 
+def _own_session_keyring(libc: ctypes.CDLL) -> None:
+    """A new, empty session keyring of the run's own, in place of the server's (which a
+    process possesses whatever its uid): it dies with the run's last process. Where
+    keyctl is refused (a seccomp profile above the server), the code cannot use keys
+    either, so a failure changes nothing."""
+    number = SYS_KEYCTL.get(os.uname().machine)
+    if number is not None:
+        libc.syscall(number, KEYCTL_JOIN_SESSION_KEYRING, None)
+
+
 def _no_privileges(libc: ctypes.CDLL, parent: int) -> None:
     """no_new_privs (setuid files grant nothing) and death with the server."""
     _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl no_new_privs")
@@ -278,6 +292,8 @@ def _build(
         _join_cgroups(cgroups)
     if namespaces:
         _unshare(libc, namespaces, tmpfs_bytes, memory)
+    # Before the drop: the keyring is the server uid's, not charged to the sandbox's.
+    _own_session_keyring(libc)
     if drop:
         _drop(drop)
     _no_privileges(libc, parent)

@@ -7,9 +7,11 @@ filter refuses ``add_key``, ``keyctl`` and ``request_key`` (as Docker's default 
 does; see ``harness.py``), so a sandbox under it makes none. This removes what a uid
 holds anyway (a sandbox made before that rule, or a host without seccomp): from a
 process of that uid, since key permissions do not yield to root, it clears and
-invalidates every keyring the uid owns (its user and user-session keyrings included),
-after which the kernel collects the keys. ``/proc/key-users`` says whether the uid has
-any key at all, so the common case costs one read of it and no process.
+invalidates every keyring the uid owns (its user and user-session keyrings included)
+and every other key of the uid it can, after which the kernel collects the keys.
+``/proc/key-users`` says whether the uid has any key at all, so the common case costs
+one read of it and no process. (Each run also gets a session keyring of its own, never
+the server's, which dies with the run: see ``harness.py``.)
 """
 
 from __future__ import annotations
@@ -46,8 +48,8 @@ failed = 0
 for serial, keyring in mine:  # unlinks every key in them (even ones with no permissions)
     if keyring and libc.syscall(nr, 7, ctypes.c_long(serial)) != 0:  # KEYCTL_CLEAR
         failed += ctypes.get_errno() != 126  # ENOKEY: collected meanwhile
-for serial, keyring in mine:
-    if keyring and libc.syscall(nr, 21, ctypes.c_long(serial)) != 0:  # KEYCTL_INVALIDATE
+for serial, keyring in mine:  # keys linked from keyrings of others too, where possessed
+    if libc.syscall(nr, 21, ctypes.c_long(serial)) != 0 and keyring:  # KEYCTL_INVALIDATE
         failed += ctypes.get_errno() != 126
 raise SystemExit(1 if failed else 0)
 """
