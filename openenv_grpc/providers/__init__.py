@@ -1,5 +1,5 @@
 """Where servers come from: a local process (the default), a Docker container, a Docker swarm
-service, or Kubernetes pods.
+service, Kubernetes pods, Ray actors on a Ray cluster, or the nodes of a SLURM allocation.
 
 ``with LocalProcessProvider("echo") as p, p.session(EchoEnv) as env: env.reset()``
 """
@@ -23,12 +23,13 @@ _LAZY = {
     "cleanup_orphans": "openenv_grpc.providers.docker_provider",
     "DockerSwarmProvider": "openenv_grpc.providers.swarm",
     "cleanup_orphan_services": "openenv_grpc.providers.swarm",
+    "RayProvider": "openenv_grpc.providers.ray_provider",
 }
 
 
 def __getattr__(name: str) -> object:
-    """``LocalDockerProvider``, ``DockerSwarmProvider`` and their clean-ups on first use:
-    docker is an extra."""
+    """``LocalDockerProvider``, ``DockerSwarmProvider``, their clean-ups and ``RayProvider``
+    on first use: docker and ray are extras."""
     if name in _LAZY:
         import importlib
 
