@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -229,5 +230,26 @@ def test_an_async_env_blocking_its_loop_freezes_neither_health_nor_drain() -> No
         print(f"drain with a blocked env took {time.monotonic() - began:.2f}s")
         thread.join(10)
         assert errors  # the stuck reset got an answer (the stream ended), not silence
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(("env", "goes_on"), [("ForgivingEchoEnv", True), ("StrictEchoEnv", False)])
+def test_the_step_error_rule_holds_on_a_vector_stream(env: str, goes_on: bool) -> None:
+    from openenv_grpc import VectorSession
+
+    server = ServerProcess(f"support.step_errors:{env}", pythonpath=[TESTS])
+    try:
+        with VectorSession[EchoAction, Any, Any, Any](server.target, 2) as vector:
+            vector.reset()
+            outcome = vector.step([EchoAction(message="raise"), EchoAction(message="ok")])
+            assert outcome.errors[0].code is grpc.StatusCode.INTERNAL
+            assert "boom in step" in outcome.errors[0].message
+            outcome = vector.step([EchoAction(message="again"), EchoAction(message="ok")])
+            if goes_on:
+                assert not outcome.errors  # env 0's episode went on
+            else:
+                assert outcome.errors[0].code is grpc.StatusCode.FAILED_PRECONDITION
+            assert 1 not in outcome.errors  # the neighbour is untouched either way
     finally:
         server.stop()
