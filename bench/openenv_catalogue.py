@@ -80,6 +80,13 @@ SCENARIOS: dict[str, tuple[dict[str, Any], list[dict[str, Any]], dict[str, str]]
     ),
     "openspiel_env": ({}, [{"action_id": 1}] * 12, {"OPENSPIEL_GAME": "catch"}),
     "coding_env": ({}, [{"code": "print(1 + 1)"}, {"code": "1 / 0"}, {"code": "x = 3"}], {}),
+    # A second configuration of one folder: FOLDER:VARIANT. tic_tac_toe with an illegal
+    # move (4 twice): an error on both servers, and the game goes on.
+    "openspiel_env:tic_tac_toe": (
+        {},
+        [{"action_id": a} for a in (4, 4, 8, 2, 6, 3, 5, 7)],
+        {"OPENSPIEL_GAME": "tic_tac_toe", "OPENSPIEL_OPPONENT_POLICY": "first"},
+    ),
 }  # fmt: skip
 
 
@@ -96,6 +103,7 @@ def main() -> int:
         print(json.dumps(measure(envs_dir, args.one)))
         return 0
     names = sorted(p.name for p in envs_dir.iterdir() if p.is_dir() and (p / "server").is_dir())
+    names = sorted(names + [k for k in SCENARIOS if k.partition(":")[0] in names and ":" in k])
     if args.only:
         names = [n for n in names if n in args.only.split(",")]
     rows = []
@@ -120,7 +128,7 @@ def main() -> int:
 
 
 def measure(envs_dir: Path, name: str) -> dict[str, Any]:
-    ref = f"{name}.server.app:app"
+    ref = f"{name.partition(':')[0]}.server.app:app"
     reset, actions, extra_env = SCENARIOS.get(name, ({}, [], {}))
     environ = {**os.environ, **extra_env, "PYTHONPATH": str(envs_dir)}
     row: dict[str, Any] = {"env": name, "scenario": name in SCENARIOS}

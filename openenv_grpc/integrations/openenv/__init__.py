@@ -2,6 +2,7 @@
 
 ::
 
+    openenv-grpc serve --openenv my_env.server.app:app      # the string uvicorn takes
     openenv-grpc serve --openenv my_env.server.my_environment:MyEnvironment
 
 or from Python::
@@ -12,8 +13,11 @@ or from Python::
     env = openenv_environment(MyEnvironment)       # an openenv-grpc Environment class
     serve(env, serve_config(env))                   # capacity 1 unless concurrency-safe
 
-See :mod:`openenv_grpc.integrations.openenv.environment` for how the contract maps and
-:mod:`openenv_grpc.integrations.openenv.schema` for how pydantic types become protobuf.
+See :mod:`openenv_grpc.integrations.openenv.environment` for how the contract maps,
+:mod:`openenv_grpc.integrations.openenv.schema` for how pydantic types become protobuf
+(JSON-typed fields: :data:`~openenv_grpc.integrations.openenv.schema.JSON_TYPE`),
+:mod:`openenv_grpc.integrations.openenv.serving` for what ``--openenv`` accepts and
+:mod:`openenv_grpc.integrations.openenv.parity` for comparing answers with OpenEnv's.
 """
 
 from openenv_grpc.integrations.openenv.client import described_session
