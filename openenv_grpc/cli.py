@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -59,6 +60,15 @@ def _parser() -> argparse.ArgumentParser:
             help=f"with --openenv: the env's {role.capitalize()} model (pydantic), where "
             "neither its app nor its class says it",
         )
+    run.add_argument(
+        "--openenv-port",
+        type=int,
+        metavar="PORT",
+        help="also serve OpenEnv's client protocol (its /ws WebSocket, /health, /schema, "
+        "/metadata) on this port of --host, for native and bridged envs alike: OpenEnv's "
+        "own clients work unchanged, on the same sessions, capacity, auth and metrics as "
+        "gRPC (needs the openenv extra); 0 = a free port (printed at start)",
+    )
     for name, kind, meta, default in settings():
         if meta.flag is None:
             continue  # secrets stay off the command line
@@ -162,8 +172,10 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"openenv-grpc: {exc}", file=sys.stderr)
         return 2
     try:
+        if args.openenv_port is not None:
+            config = _start_openenv_gateway(args.openenv_port, config)
         return serve(factory, config)
-    except (TypeError, RuntimeError, ValueError, OSError) as exc:
+    except (TypeError, RuntimeError, ValueError, OSError, ImportError) as exc:
         print(f"openenv-grpc: {exc}", file=sys.stderr)
         return 1
 
@@ -190,6 +202,41 @@ def _openenv_factory(
         ) from exc
     adapter = adapter_for(ref, action, observation, state)
     return adapter, serve_config(adapter, config)
+
+
+def _start_openenv_gateway(port: int, config: ServerConfig) -> ServerConfig:
+    """Start the OpenEnv-protocol gateway for the server ``config`` describes (a thread
+    that waits for the gRPC port, then listens on ``port``); returns ``config`` with a
+    concrete gRPC port (the gateway must know it before the server binds).
+
+    Raises:
+        ValueError: with --workers > 1 or TLS (refused, naming why).
+        ImportError: the openenv extra is missing. OSError: no free port.
+    """
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--openenv-port must be from 0 to 65535, got {port}")
+    if config.workers > 1:
+        raise ValueError(
+            "--openenv-port serves from one process: use --workers 1 (OpenEnv's clients "
+            "then share that process's capacity), or run one server per port"
+        )
+    if config.tls_cert:
+        raise ValueError("--openenv-port speaks plaintext HTTP: not with TLS (terminate TLS "
+                         "in front of it, or use the gRPC port)")  # fmt: skip
+    try:
+        from openenv_grpc.integrations.openenv.gateway import free_port, start_gateway
+    except ImportError as exc:
+        raise ImportError(
+            f"--openenv-port needs its extra: pip install 'openenv-grpc[openenv]' ({exc})"
+        ) from exc
+    host = config.address.rpartition(":")[0]
+    if config.port == 0:
+        config = dataclasses.replace(config, port=free_port(host))
+    loopback = "[::1]" if host.startswith("[") else "127.0.0.1"
+    if host not in ("0.0.0.0", "[::]", ""):
+        loopback = host
+    start_gateway(f"{loopback}:{config.port}", host, port, config.auth_token or None)
+    return config
 
 
 def _info(args: argparse.Namespace) -> int:
