@@ -386,7 +386,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "command",
         choices=[
-            "rapid-reset", "stalled-readers", "slow-senders", "admission-burst",
+            "rapid-reset",
+            "stalled-readers",
+            "slow-senders",
+            "admission-burst",
             "metrics-slowloris",
         ],
     )
@@ -401,7 +404,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--no-read", action="store_true", help="stalled readers: never read the socket at all"
     )
     parser.add_argument(
-        "--message-bytes", type=int, default=15 * 2**20,
+        "--message-bytes",
+        type=int,
+        default=15 * 2**20,
         help="slow senders: the request each stream announces (all but 1 KiB is sent)",
     )
     parser.add_argument("--sessions", type=int, default=16384)
