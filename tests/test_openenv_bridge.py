@@ -286,6 +286,17 @@ def test_isolated_workers_rebuild_the_types() -> None:
             assert env.step(EchoEnv.Action(message="abc")).observation.message_length == 3
 
 
+def test_isolated_workers_serve_the_envs_app_and_keep_the_episode_after_an_error() -> None:
+    with serving("support.openenv_envs.apps:board_app", "--isolated", "1") as server:
+        Board = described_session(server.target)
+        with Board(server.target) as env:
+            env.reset(seed=1)
+            assert json.loads(env.step(Board.Action(column=1)).observation.last_move.json) == [2, 1]
+            with pytest.raises(EnvError, match="illegal move: column 9"):
+                env.step(Board.Action(column=9))
+            assert json.loads(env.step(Board.Action(column=1)).observation.last_move.json) == [1, 1]
+
+
 def test_reflection_serves_the_built_types() -> None:
     with serving(WAREHOUSE) as server, grpc.insecure_channel(server.target) as channel:
         info = server.info()
