@@ -64,13 +64,18 @@ def grpc_episode(
     """The episode on the openenv-grpc server at ``target`` serving ``adapter`` (the
     adapter class made in this process, which turns OpenEnv's JSON into messages and the
     answers back into the env's own models)."""
-    from openenv_grpc import EnvError
+    from openenv_grpc import EnvError, SessionRefused
     from openenv_grpc.integrations.openenv.client import described_session
 
     bridge = adapter._bridge
     Env = described_session(target, token=token)
     answers: list[Answer] = []
-    with Env(target, token=token) as env:
+    env = Env(target, token=token)
+    try:
+        env.open()
+    except SessionRefused as exc:  # the env could not be made: every call fails, as there
+        return [{"error": exc.message}] * (1 + len(actions))
+    with env:
         try:
             options = _options(bridge, {k: v for k, v in reset.items() if k != "seed"})
             result = env.reset(
