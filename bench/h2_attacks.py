@@ -291,13 +291,13 @@ class SlowSender:
 
     def __init__(
         self, target: str, streams: int, message_bytes: int, tail: int = 1024,
-        token: str | None = None,
+        token: str | None = None, path: str = SESSION_PATH,
     ) -> None:  # fmt: skip
         self.peer = H2Peer(target)
         self.sent = 0
         #: Streams the server ended (a status, or RST_STREAM) and how.
         self.ended: dict[int, str] = {}
-        headers = grpc_headers(target, token=token)
+        headers = grpc_headers(target, path, token=token)
         conn = self.peer.conn
         self._outbox: dict[int, bytearray] = {}
         prefix = b"\x00" + message_bytes.to_bytes(4, "big")
