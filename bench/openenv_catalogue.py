@@ -100,7 +100,7 @@ def main() -> int:
     args = parser.parse_args()
     envs_dir = (args.root / "envs").resolve()
     if args.one:
-        print(json.dumps(measure(envs_dir, args.one)))
+        print(json.dumps(measure(envs_dir, args.one)), flush=True)
         return 0
     names = sorted(p.name for p in envs_dir.iterdir() if p.is_dir() and (p / "server").is_dir())
     names = sorted(names + [k for k in SCENARIOS if k.partition(":")[0] in names and ":" in k])
@@ -114,7 +114,10 @@ def main() -> int:
                 [sys.executable, __file__, "--root", str(args.root), "--one", name],
                 capture_output=True, text=True, timeout=600,
             )  # fmt: skip
-            row = json.loads(done.stdout.strip().splitlines()[-1])
+            # The env's own logging may follow (atexit handlers): the row is the last
+            # line that is one.
+            lines = [ln for ln in done.stdout.splitlines() if ln.startswith('{"env"')]
+            row = json.loads(lines[-1])
         except (subprocess.TimeoutExpired, IndexError, json.JSONDecodeError) as exc:
             row = {"env": name, "ours": f"measure failed: {type(exc).__name__}"}
         row["seconds"] = round(time.monotonic() - started, 1)
