@@ -324,9 +324,10 @@ def test_drain_with_a_hung_call_exits_within_the_grace(start_server) -> None:
     print(f"ISOLATED drain with a hung call: exit {code} after {elapsed:.2f}s (grace 2s)")
     assert code == 0
     assert elapsed < 2 + 5
-    # The healthy worker closed its env; the two on the killed worker were reclaimed.
-    assert server.closed_envs() == 1
-    assert reclaimed(server.ledger) == 2
+    # The healthy worker closed its env, and the killed worker closed the idle one it
+    # shared with the hung call on its side thread (issue 19); the hung one was reclaimed.
+    assert server.closed_envs() == 2
+    assert reclaimed(server.ledger) == 1
     assert server.open_envs() == 0
 
 
@@ -468,3 +469,36 @@ def test_an_open_never_waits_behind_another_sessions_step(start_server, tmp_path
     server.wait_until(lambda: "retired (1 now)" in server.stderr(), 10, "the extra worker retired")
     server.wait_until(lambda: server.active() == 0, 10, "no session left")
     assert server.created() == 2 and server.closed_envs() == 2
+
+
+def test_a_drain_closes_the_envs_that_share_a_worker_with_a_hung_call(
+    start_server, tmp_path: Path
+) -> None:
+    """``--isolated 1 --grace 2``: three held sessions on the one env process, one of them
+    hung in a step for good. Before: their closes queued behind the hung call, the
+    sessions ended at grace + 2 s when the drain killed the process, 0 of 3 envs closed.
+    Now the two idle envs are closed on the env process's side thread at the grace's
+    end, without waiting for the hung call; the process exits within grace + 3 s."""
+    grace = 2.0
+    server = start_server("support.envs:FaultyEnv", "--isolated", "1", "--grace", str(grace))
+    gate = tmp_path / "never-opened"
+    sessions = [Session(server.target) for _ in range(3)]
+    for env in sessions:
+        env.open()
+        env.reset()
+    assert len({pid_of(env) for env in sessions}) == 1  # one process holds all three
+    results: dict[str, object] = {}
+    in_thread(lambda: sessions[0].step(EchoAction(message=f"gate:{gate}")), results, "hung")
+    server.wait_until(lambda: Path(f"{gate}.entered").exists(), 30, "the hung step running")
+    signalled = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(grace + 10) == 0
+    elapsed = time.monotonic() - signalled
+    print(f"\n--isolated 1 drain with a hung call, --grace {grace:g}: exit 0 after {elapsed:.2f}s")
+    assert elapsed < grace + 3  # the documented bound of a drain
+    assert server.created() == 3
+    assert server.closed_envs() == 2  # every env but the hung one's
+    for env in sessions[1:]:
+        with pytest.raises(SessionLost) as lost:
+            env.state()
+        assert lost.value.code is grpc.StatusCode.UNAVAILABLE

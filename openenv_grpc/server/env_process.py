@@ -24,11 +24,13 @@ request that concerns its envs (``vector_frames.py``); the env process runs it o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import signal
 import socket
 import struct
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -62,6 +64,8 @@ __all__ = [
     "AUTORESET_MODES",
     "HEADER",
     "READ_LIMIT",
+    "SIDE_CLOSE",
+    "SIDE_CLOSED",
     "VECTOR_OPEN",
     "Op",
     "Status",
@@ -120,11 +124,17 @@ def answered(status: int) -> tuple[Outcome, bool]:
     return Outcome(code & ~Status.ENDS), bool(code & Status.ENDS)
 
 
+#: A side close (front -> worker): the env id. The answer adds a status byte.
+SIDE_CLOSE = struct.Struct("<Q")
+SIDE_CLOSED = struct.Struct("<QB")
+
+
 def worker_main(
     sock: socket.socket,
     factory: Callable[[], Any],
     call_timeout: float | None,
     snapshots: SnapshotSeal | None = None,
+    side: socket.socket | None = None,
 ) -> None:
     """Entry point of a worker process: serve frames until the front goes away.
 
@@ -135,7 +145,7 @@ def worker_main(
     # Ctrl-C reaches the whole process group: the front drains and then ends its workers,
     # so a worker must not die first and take its envs with it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    asyncio.run(_serve(sock, factory, call_timeout, snapshots))
+    asyncio.run(_serve(sock, factory, call_timeout, snapshots, side))
 
 
 async def _serve(
@@ -143,14 +153,23 @@ async def _serve(
     factory: Callable[[], Any],
     call_timeout: float | None,
     snapshots: SnapshotSeal | None,
+    side: socket.socket | None = None,
 ) -> None:
     spec = EnvSpec.from_factory(factory)
-    if spec.mode in (ExecutionMode.POOL, ExecutionMode.MEASURED):
+    # Pooled envs are thread-safe across instances (in-process, their calls run on a
+    # pool): those may be closed on the side while another instance's call runs.
+    threaded = spec.mode in (ExecutionMode.POOL, ExecutionMode.MEASURED)
+    if threaded:
         # The worker is the env's own process: blocking calls run inline, one at a time.
         spec = dataclasses.replace(spec, mode=ExecutionMode.INLINE)
     reader, writer = await asyncio.open_unix_connection(sock=sock, limit=READ_LIMIT)
     drivers: dict[int, EpisodeDriver] = {}
     batches: dict[int, LocalBatchCalls] = {}
+    if side is not None:
+        threading.Thread(
+            target=_serve_side, args=(side, drivers, batches, threaded),
+            name="openenv-side-closes", daemon=True,
+        ).start()  # fmt: skip
 
     async def new_runner() -> EnvRunner:
         return await EnvRunner.create(spec, pool=_NO_POOL)
@@ -164,7 +183,12 @@ async def _serve(
         while True:
             length, env_id, op = HEADER.unpack(await reader.readexactly(HEADER.size))
             payload = await reader.readexactly(length) if length else b""
-            if op == Op.VECTOR_REQUEST:
+            if op in (Op.REQUEST, Op.VECTOR_REQUEST) and (
+                env_id not in (drivers if op == Op.REQUEST else batches)
+            ):
+                # Closed on the side while this frame was queued: its session is gone.
+                await answer(env_id, Status.UNDECODABLE, b"the environment was closed")
+            elif op == Op.VECTOR_REQUEST:
                 await answer(env_id, *await _vector_answer(batches[env_id], spec, payload))
             elif op == Op.REQUEST:
                 try:
@@ -201,10 +225,45 @@ async def _serve(
     except (asyncio.IncompleteReadError, ConnectionError):
         pass  # the front is gone (or ended this worker): close what is left
     finally:
-        for driver in drivers.values():
-            await driver.close()
-        for batch in batches.values():
-            await batch.close()
+        # popitem, not a loop over values(): the side thread may pop meanwhile.
+        while drivers:
+            await drivers.popitem()[1].close()
+        while batches:
+            await batches.popitem()[1].close()
+
+
+def _serve_side(
+    side: socket.socket,
+    drivers: dict[int, EpisodeDriver],
+    batches: dict[int, LocalBatchCalls],
+    threaded: bool,
+) -> None:
+    """Close envs the front names on the side socket, on this thread, while the main one
+    may be stuck in another env's call (the front sends only envs with no call in
+    flight). Answers 1 when closed, 0 when not done here (unknown env, or an env that is
+    not thread-safe): the front then sends the usual CLOSE frame."""
+    with contextlib.suppress(OSError):
+        while True:
+            data = _read_exactly(side, SIDE_CLOSE.size)
+            if data is None:
+                return  # the front is gone
+            (env_id,) = SIDE_CLOSE.unpack(data)
+            closing: EpisodeDriver | LocalBatchCalls | None = None
+            if threaded:  # dict.pop is atomic: the main thread never sees it again
+                closing = drivers.pop(env_id, None) or batches.pop(env_id, None)
+            if closing is not None:
+                asyncio.run(closing.close())  # an inline env's close, on this thread
+            side.sendall(SIDE_CLOSED.pack(env_id, closing is not None))
+
+
+def _read_exactly(sock: socket.socket, size: int) -> bytes | None:
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return data
 
 
 async def _vector_create(

@@ -50,6 +50,8 @@ from openenv_grpc.server.env_process import (
     AUTORESET_MODES,
     HEADER,
     READ_LIMIT,
+    SIDE_CLOSE,
+    SIDE_CLOSED,
     VECTOR_OPEN,
     Op,
     Status,
@@ -72,8 +74,9 @@ _JOIN_BELOW = 64 * 1024
 #: worker cancels the call itself at the timeout (as in-process) and answers.
 _ASYNC_MARGIN = 1.0
 #: Once a drain's grace period is over, seconds a call may still keep its worker busy
-#: (e.g. the closes the drain sends) before that worker is killed.
-_DRAIN_ALLOWANCE = 2.0
+#: (e.g. the closes the drain sends; closes of other envs go on its side thread) before
+#: that worker is killed.
+_DRAIN_ALLOWANCE = 1.0
 #: Seconds :meth:`EnvProcessPool.stop` waits for workers to exit, then for the orphan hook.
 _STOP_WAIT = 2.0
 
@@ -90,10 +93,14 @@ class CallTimedOut(SessionLostError):
 class _Call:
     """One frame sent to a worker and the answer awaited for it."""
 
-    __slots__ = ("future", "limit", "started")
+    __slots__ = ("env_id", "future", "limit", "started")
 
-    def __init__(self, future: asyncio.Future[tuple[int, bytes]], limit: float | None) -> None:
+    def __init__(
+        self, future: asyncio.Future[tuple[int, bytes]], limit: float | None, env_id: int = 0
+    ) -> None:
         self.future = future
+        #: The env the call is about.
+        self.env_id = env_id
         #: Seconds the worker may spend on it (None: no limit).
         self.limit = limit
         #: Loop time at which the worker began it (it answers in order, one at a time).
@@ -103,9 +110,13 @@ class _Call:
 class _Worker:
     """One worker process, its socket, and the calls it owes answers to, oldest first."""
 
-    def __init__(self, process: Any, sock: socket.socket) -> None:
+    def __init__(self, process: Any, sock: socket.socket, side: socket.socket) -> None:
         self.process = process
         self.sock = sock
+        #: Closes of envs with no call in flight, answered while the worker is busy with
+        #: another env's call (see :meth:`EnvProcessPool._close_env`); one at a time.
+        self.side = side
+        self.side_lock = asyncio.Lock()
         self.writer: asyncio.StreamWriter | None = None  # once connected
         #: Frames not yet handed to the transport (it holds at most one frame more).
         self.unsent: deque[tuple[bytes, bytes]] = deque()
@@ -153,6 +164,8 @@ class EnvProcessPool:
         self._drain_timer: asyncio.TimerHandle | None = None
         #: Loop time at which a drain's grace period ended (None: not yet).
         self._grace_over_at: float | None = None
+        #: A drain began: closes no longer wait behind other envs' calls.
+        self._draining = False
         self._stopped = False
 
     def start(self) -> None:
@@ -164,9 +177,10 @@ class EnvProcessPool:
 
     def _spawn(self) -> _Worker:
         front, back = socket.socketpair()
+        side_front, side_back = socket.socketpair()
         process = self._context.Process(
             target=worker_main,
-            args=(back, self._factory, self.call_timeout, self._snapshots),
+            args=(back, self._factory, self.call_timeout, self._snapshots, side_back),
             name="openenv-env-worker",
             daemon=True,
         )
@@ -174,10 +188,13 @@ class EnvProcessPool:
             process.start()
         except BaseException:
             front.close()
+            side_front.close()
             raise
         finally:
             back.close()
-        worker = _Worker(process, front)
+            side_back.close()
+        side_front.setblocking(False)
+        worker = _Worker(process, front, side_front)
         worker.task = asyncio.get_running_loop().create_task(
             self._run(worker), name=f"openenv-env-worker-{process.pid}"
         )
@@ -203,6 +220,7 @@ class EnvProcessPool:
                 worker.writer.transport.abort()
             else:
                 worker.sock.close()
+            worker.side.close()
         self._lost(worker, "died", _DIED)
 
     async def _write(self, worker: _Worker, writer: asyncio.StreamWriter) -> None:
@@ -310,6 +328,8 @@ class EnvProcessPool:
         # even if this loop does not run for a while (stop() waits on it).
         with contextlib.suppress(OSError):
             worker.sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            worker.side.shutdown(socket.SHUT_RDWR)
 
     # -- calls ----------------------------------------------------------------------------
 
@@ -331,7 +351,7 @@ class EnvProcessPool:
             limit = None
         elif limit is not None and envs > 1:
             limit *= envs
-        call = _Call(loop.create_future(), limit)
+        call = _Call(loop.create_future(), limit, env_id)
         worker.owed.append(call)
         if len(worker.owed) == 1:
             self._begin(worker, call)
@@ -476,9 +496,36 @@ class EnvProcessPool:
         return task
 
     async def _close_env(self, worker: _Worker, env_id: int) -> None:
+        if await self._close_on_the_side(worker, env_id):
+            return
         with contextlib.suppress(SessionLostError):  # it died with its process
             await self.call(worker, env_id, Op.CLOSE)
             self._retire(worker)
+
+    async def _close_on_the_side(self, worker: _Worker, env_id: int) -> bool:
+        """In a drain, close an env whose worker is busy with another env's call (maybe
+        hung: then the worker is killed at the grace's end, and every env queued behind
+        that call would be lost unclosed) on the worker's side thread, without waiting
+        for that call. True if closed so (or the worker is gone); False: send CLOSE."""
+        if not self._draining or not worker.alive or not worker.owed:
+            return False
+        if worker.owed[0].env_id == env_id:
+            return False  # its own call runs: close after it, in order
+        # Its requests still queued (their sessions gone) find it closed: answered so.
+        loop = asyncio.get_running_loop()
+        try:
+            async with worker.side_lock:
+                await loop.sock_sendall(worker.side, SIDE_CLOSE.pack(env_id))
+                answer = b""
+                while len(answer) < SIDE_CLOSED.size:
+                    chunk = await loop.sock_recv(worker.side, SIDE_CLOSED.size - len(answer))
+                    if not chunk:
+                        return True  # the worker is gone, and its envs with it
+                    answer += chunk
+        except OSError:
+            return True
+        _, closed = SIDE_CLOSED.unpack(answer)
+        return bool(closed)
 
     # -- the end ----------------------------------------------------------------------------
 
@@ -488,6 +535,7 @@ class EnvProcessPool:
         lost and reclaimed), so a hung env call cannot hold the drain past its grace.
         Dead workers are not replaced from then on."""
         loop = asyncio.get_running_loop()
+        self._draining = True
         self._drain_timer = loop.call_later(grace, self._end_grace)
 
     def _end_grace(self) -> None:
