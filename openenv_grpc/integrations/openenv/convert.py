@@ -75,9 +75,13 @@ def jsonable(value: Any) -> Any:
     return pydantic_core.to_jsonable_python(value, by_alias=False, fallback=_fallback)
 
 
+#: One encoder for every call (``json.dumps`` with options builds one per call).
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+
+
 def dumps(value: Any) -> str:
     """``value`` as JSON text (compact; NaN and infinities as Python writes them)."""
-    return json.dumps(jsonable(value), ensure_ascii=False, separators=(",", ":"))
+    return _ENCODER.encode(jsonable(value))
 
 
 def loads(text: str, name: str) -> Any:
