@@ -16,6 +16,7 @@ from google.protobuf import any_pb2, descriptor_pb2, struct_pb2
 from google.protobuf.message import DecodeError, Message
 
 __all__ = [
+    "MAX_TYPE_URL_BYTES",
     "TYPE_URL_PREFIX",
     "PayloadError",
     "file_descriptor_set",
@@ -39,6 +40,9 @@ class PayloadError(ValueError):
 
 
 _TYPE_URLS: dict[type[Message], str] = {}
+
+#: Longest ``type_url`` accepted in a payload; a longer one is refused whatever it names.
+MAX_TYPE_URL_BYTES = 256
 
 
 def type_url(message_class: type[Message]) -> str:
@@ -83,6 +87,11 @@ def unpack(payload: any_pb2.Any, message_class: type[M], what: str) -> M:
     url = payload.type_url
     # The exact url we send first: one dict lookup and a string compare per step.
     if url != type_url(message_class):
+        size = len(url.encode())
+        if size > MAX_TYPE_URL_BYTES:  # else any prefix before the name would pass
+            raise PayloadError(
+                f"{what} type_url is {size} bytes; at most {MAX_TYPE_URL_BYTES} are allowed"
+            )
         name = message_class.DESCRIPTOR.full_name
         if type_name(url) != name:
             got = repr(url) if url else "nothing"

@@ -573,3 +573,115 @@ def test_every_bad_input_in_turn_spares_the_neighbour(start_server) -> None:
     assert_books_balanced(server)
     # Neighbour + normal + 3 undecodable + oversize sessions: each made one env, all closed.
     assert server.created() == server.closed_envs() == 6
+
+
+# -- caps and parsing ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [257, 292, 4096])
+def test_a_type_url_over_256_bytes_is_refused_even_when_it_ends_with_the_type(
+    server, channel, size: int
+) -> None:
+    """A url whose last segment names the action type passed whatever came before it (a
+    292-byte one was accepted). Over 256 bytes it is refused in-band, naming the size,
+    without echoing the url; 256 bytes still pass."""
+    neighbour = Neighbour(server.target)
+    session = RawSession(channel)
+    session.result(reset(1))
+    value = EchoAction(message="long url").SerializeToString()
+    padding = "x" * (size - len(f"example.com//{ACTION}"))
+    error = session.error(raw_step(2, f"example.com/{padding}/{ACTION}", value))
+    assert error.code == INVALID_ARGUMENT
+    assert error.message == f"action type_url is {size} bytes; at most 256 are allowed"
+    neighbour.check()
+    options = any_pb2.Any(
+        type_url=f"example.com/{padding}/{RESET_OPTIONS}",
+        value=EchoResetOptions(stop_word="x").SerializeToString(),
+    )
+    error = session.error(reset(3, options))
+    assert error.code == INVALID_ARGUMENT
+    url_bytes = len(options.type_url)
+    assert error.message == f"reset options type_url is {url_bytes} bytes; at most 256 are allowed"
+    # At the bound it is a step, and the episode went on from step 0.
+    fits = "x" * (256 - len(f"example.com//{ACTION}"))
+    result = session.result(raw_step(4, f"example.com/{fits}/{ACTION}", value))
+    assert result.step_count == 1
+    session.close()
+    neighbour.close()
+    assert_books_balanced(server)
+
+
+def test_a_long_type_url_in_a_vector_step_is_refused_and_the_stream_goes_on(server) -> None:
+    from support.raw_vector import RawVector
+
+    stream = RawVector(server.target, 2)
+    stream.reset()
+    long_url = f"example.com/{'x' * 300}/{ACTION}"
+    request = pb.VectorSessionRequest()
+    request.step.actions.add().Pack(EchoAction(message="fine"))
+    request.step.actions.add(
+        type_url=long_url, value=EchoAction(message="long").SerializeToString()
+    )
+    answer = stream.send(request)
+    assert answer.WhichOneof("outcome") == "error", answer
+    assert answer.error.code == INVALID_ARGUMENT
+    assert answer.error.message == (
+        f"action 1 (env 1) type_url is {len(long_url)} bytes; at most 256 are allowed; "
+        "nothing was done"
+    )
+    # Nothing stepped; the next request steps both envs from step 0.
+    again = stream.step([EchoAction(message="a"), EchoAction(message="b")])
+    assert not again.result.errors
+    stream.close()
+    assert_books_balanced(server)
+
+
+@pytest.mark.parametrize(
+    ("metadata", "message"),
+    [
+        (
+            [("openenv-num-envs", "2"), ("openenv-num-envs", "8")],
+            "openenv-num-envs was sent 2 times: send it once",
+        ),
+        (
+            [("openenv-num-envs", "2"), ("openenv-autoreset", "disabled"),
+             ("openenv-autoreset", "next_step")],
+            "openenv-autoreset was sent 2 times: send it once",
+        ),
+        *(
+            ([("openenv-num-envs", bad)], f"openenv-num-envs must be a whole number of envs, got {bad!r}")  # noqa: E501
+            for bad in (" 8 ", "8 ", "+8", "0x8", "8.0")
+        ),
+        (
+            [("openenv-num-envs", "9" * 5000)],
+            f"openenv-num-envs is {'9' * 10}...: a vector stream holds 1 to 1024 envs on this "
+            "server (--max-vector-envs)",
+        ),
+    ],
+    ids=["num-envs-twice", "autoreset-twice", "spaces", "trailing-space", "sign", "hex", "decimal-point",
+         "5000-digits"],
+)  # fmt: skip
+def test_vector_open_headers_are_strict(server, metadata, message: str) -> None:  # type: ignore[no-untyped-def]
+    """Duplicate headers (the last one won) and N that is not plain ASCII digits (" 8 "
+    was 8) are INVALID_ARGUMENT naming the header; no env is made."""
+    from support.raw_vector import RawVector
+
+    refused = RawVector(server.target, 0, metadata=metadata).refusal()
+    assert refused.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.details() == message
+    assert server.created() == 0
+    ok = RawVector(server.target, 2)
+    ok.reset()
+    ok.close()
+    assert_books_balanced(server)
+
+
+def test_n_in_other_scripts_digits_is_not_a_number() -> None:
+    """A client library refuses to send non-ASCII metadata, but a raw HTTP/2 peer can:
+    str.isdecimal() took fullwidth and Arabic-Indic digits as N."""
+    from openenv_grpc.server.vector_session import read_open
+
+    for text in ("\uff18", "\u0668", b"\xef\xbc\x98"):
+        with pytest.raises(ValueError, match="must be a whole number of envs"):
+            read_open([("openenv-num-envs", text)], 1024)
+    assert read_open([("openenv-num-envs", b"8")], 1024)[0] == 8

@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from openenv_grpc.codec import PayloadError, info_to_struct, unpack
+from openenv_grpc.codec import MAX_TYPE_URL_BYTES, PayloadError, info_to_struct, unpack
 from openenv_grpc.environment import InvalidAction, Transition
 from openenv_grpc.server.backend import Answer, Outcome, UndecodableRequest
 from openenv_grpc.server.limiter import NoSlot
@@ -66,9 +66,6 @@ MAX_EPISODE_ID_BYTES = 256
 #: Reset options are handed to the env, which may keep them for the whole episode; env
 #: configs are small, so this bounds what a session can make an env store per reset.
 MAX_RESET_OPTIONS_BYTES = 64 * 1024
-#: A payload's type url names a message type; longer ones are refused before they are
-#: compared (and echoed in the error).
-MAX_TYPE_URL_BYTES = 256
 
 
 class _Phase(enum.Enum):

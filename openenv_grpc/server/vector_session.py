@@ -12,6 +12,7 @@ native batch, or a loop over plain instances; ``vector_batch.py``), or, with
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -54,29 +55,53 @@ def read_open(metadata: Iterable[tuple[str, Any]] | None, most: int) -> tuple[in
     """N and the autoreset mode of a VectorSession open, from its call metadata.
 
     Raises:
-        ValueError: N is missing, not a decimal number, below 1 or above ``most``, or
-            the mode is not one of next_step, same_step, disabled.
+        ValueError: N is missing, given more than once, not plain decimal digits (no sign,
+            space or other characters), below 1 or above ``most``; or the mode is given
+            more than once or is not one of next_step, same_step, disabled.
     """
-    items = {key: value for key, value in metadata or ()}
-    raw = items.get(NUM_ENVS_KEY)
+    raw = _one(metadata, NUM_ENVS_KEY)
     if raw is None:
         raise ValueError(f"a VectorSession needs the number of envs in the {NUM_ENVS_KEY} metadata")
-    text = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
-    if not text.strip().isdecimal():
-        raise ValueError(f"{NUM_ENVS_KEY} must be a whole number of envs, got {text[:32]!r}")
-    size = int(text)
+    if not _DIGITS.fullmatch(raw):
+        raise ValueError(f"{NUM_ENVS_KEY} must be a whole number of envs, got {raw[:32]!r}")
+    size = int(raw) if len(raw) <= _MAX_DIGITS else most + 1
     if size < 1 or size > most:
+        shown = str(size) if len(raw) <= _MAX_DIGITS else f"{raw[:_MAX_DIGITS]}..."
         raise ValueError(
-            f"{NUM_ENVS_KEY} is {size}: a vector stream holds 1 to {most} envs on this server "
+            f"{NUM_ENVS_KEY} is {shown}: a vector stream holds 1 to {most} envs on this server "
             "(--max-vector-envs)"
         )
-    mode = items.get(AUTORESET_KEY, "next_step")
-    mode_text = mode.decode(errors="replace") if isinstance(mode, bytes) else str(mode)
+    mode_text = _one(metadata, AUTORESET_KEY)
+    if mode_text is None:
+        mode_text = "next_step"
     if mode_text.lower() not in _MODES:
         raise ValueError(
             f"{AUTORESET_KEY} must be one of {', '.join(AUTORESET_VALUES)}, got {mode_text[:32]!r}"
         )
     return size, _MODES[mode_text.lower()]
+
+
+#: What N may look like: ASCII digits only (str.isdecimal would take " 8 " once stripped,
+#: and other scripts' digits).
+_DIGITS = re.compile(r"[0-9]+")
+#: Digits beyond this are refused as too many envs before int() sees them.
+_MAX_DIGITS = 10
+
+
+def _one(metadata: Iterable[tuple[str, Any]] | None, key: str) -> str | None:
+    """The one value of ``key`` in the call's metadata (None: absent).
+
+    Raises:
+        ValueError: ``key`` came more than once (which one would win is the proxy's or
+            the client library's choice, so none does).
+    """
+    values = [value for name, value in metadata or () if name == key]
+    if len(values) > 1:
+        raise ValueError(f"{key} was sent {len(values)} times: send it once")
+    if not values:
+        return None
+    value = values[0]
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
 class VectorSessions:
