@@ -153,6 +153,7 @@ def measure(envs_dir: Path, name: str) -> dict[str, Any]:
         sys.path.insert(0, str(envs_dir))
         os.environ.update(extra_env)
         from openenv_grpc.integrations.openenv.parity import (
+            compared,
             differences,
             grpc_episode,
             openenv_episode,
@@ -166,8 +167,10 @@ def measure(envs_dir: Path, name: str) -> dict[str, Any]:
             row["same"] = f"episode failed: {type(exc).__name__}: {str(exc)[:200]}"
             return row
         found = differences(ours_answers, theirs_answers)
-        row["answers"] = len(theirs_answers)
-        row["errors"] = sum("error" in a for a in theirs_answers)
+        count = compared(ours_answers, theirs_answers)
+        row["answers"] = count
+        row["after_done"] = len(theirs_answers) - count
+        row["errors"] = sum("error" in a for a in theirs_answers[:count])
         row["same"] = "yes" if not found else "no"
         row["differences"] = found[:5]
     return row
@@ -229,9 +232,11 @@ def table(rows: list[dict[str, Any]]) -> str:
     for row in rows:
         same = row.get("same", "—")
         if same in ("yes", "no"):
+            after = row.get("after_done")
             same = (
                 f"{same} ({row['answers']} answers, {row['errors']} errors"
-                f"{'' if row.get('scenario') else ', reset only'})"
+                f"{'' if row.get('scenario') else ', reset only'}"
+                f"{f'; {after} steps after done not compared' if after else ''})"
             )
             if row.get("differences"):
                 same += ": " + "; ".join(d[:120] for d in row["differences"][:2])

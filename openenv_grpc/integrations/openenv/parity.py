@@ -27,7 +27,7 @@ from pydantic import BaseModel, ValidationError
 from openenv_grpc.integrations.openenv.convert import from_data, jsonable, to_message, to_python
 from openenv_grpc.integrations.openenv.schema import ModelPlan, UnionPlan
 
-__all__ = ["differences", "grpc_episode", "openenv_episode"]
+__all__ = ["compared", "differences", "grpc_episode", "openenv_episode"]
 
 Answer = dict[str, Any]
 
@@ -129,11 +129,15 @@ def _ours(plan: ModelPlan | UnionPlan, result: Any) -> Answer:
 def differences(ours: Sequence[Answer], theirs: Sequence[Answer]) -> list[str]:
     """Where the two episodes differ (empty: the same answers). Rewards compare with
     OpenEnv's None as 0.0 (our result's reward is a number); errors compare by
-    presence (the two servers word them differently)."""
+    presence (the two servers word them differently). Once both said ``done``, the rest
+    is not compared: stepping after ``done`` is refused here and passed to the env by
+    OpenEnv (a documented difference); :func:`compared` says how many were."""
     found: list[str] = []
     if len(ours) != len(theirs):
         found.append(f"{len(ours)} answers here, {len(theirs)} from OpenEnv")
     for index, (mine, other) in enumerate(zip(ours, theirs, strict=False)):
+        if index >= compared(ours, theirs):
+            break
         if ("error" in mine) != ("error" in other):
             found.append(f"answer {index}: {_brief(mine)} here, {_brief(other)} from OpenEnv")
             continue
@@ -148,6 +152,15 @@ def differences(ours: Sequence[Answer], theirs: Sequence[Answer]) -> list[str]:
         if float(mine["reward"] or 0.0) != float(other["reward"] or 0.0):
             found.append(f"answer {index} reward: {mine['reward']} here, {other['reward']}")
     return found
+
+
+def compared(ours: Sequence[Answer], theirs: Sequence[Answer]) -> int:
+    """How many answers :func:`differences` compares: up to the first that is ``done``
+    on both servers, inclusive."""
+    for index, (mine, other) in enumerate(zip(ours, theirs, strict=False)):
+        if mine.get("done") and other.get("done"):
+            return index + 1
+    return min(len(ours), len(theirs))
 
 
 def _brief(answer: Answer) -> str:
