@@ -97,6 +97,9 @@ class RunResult:
 
 _support: HostSupport | None = None
 _support_lock = threading.Lock()
+#: Set when a close left something behind (its record kept): the next sandbox made in
+#: this process reclaims first, so a long-running server finishes it without a restart.
+_reclaim_due = threading.Event()
 
 
 def host_support() -> HostSupport:
@@ -179,6 +182,9 @@ class Sandbox:
         self, limits: Limits, *, allow_network: bool, support: HostSupport | None = None
     ) -> None:
         self.support = support = support if support is not None else host_support()
+        if _reclaim_due.is_set():
+            _reclaim_due.clear()
+            reclaim_orphans(support.killer)
         self.limits = limits
         self.closed = False
         self._lease = UidLease(support.killer) if support.own_uid else None
@@ -477,9 +483,10 @@ class Sandbox:
                 else:
                     log.error(
                         "coding sandbox: %s not fully removed; its registry record stays "
-                        "for the next reclaim", self.base,
+                        "for the next reclaim (at the next sandbox)", self.base,
                     )  # fmt: skip
                     self._registration.abandon()
+                    _reclaim_due.set()
             if self._lease is not None:
                 self._lease.release()
 

@@ -437,10 +437,10 @@ def test_a_killed_servers_deep_trees_are_reclaimed_by_the_next_server(outside: P
 def test_a_tree_that_cannot_be_removed_keeps_its_record_for_the_next_reclaim(
     full: ServerProcess, outside: Path
 ) -> None:
-    """A removal that fails (here: an immutable file root planted in the workdir while
-    the remover's flag-clearing is not enough, simulated by a bind mount, which the
-    remover refuses to enter) leaves the registry record, logged, and the next reclaim
-    finishes once the obstacle is gone; the lease and cgroups go at once."""
+    """A removal that fails (here: a bind mount of a folder outside, made in the workdir
+    by root, which the remover refuses to enter) keeps the registry record, logged, and
+    the next reclaim (the server's next sandbox) finishes once the obstacle is gone; the
+    lease and the cgroups go at once, and nothing outside is touched."""
     env = CodingEnv(full.target)
     env.open()
     mount = None
@@ -458,8 +458,12 @@ def test_a_tree_that_cannot_be_removed_keeps_its_record_for_the_next_reclaim(
         assert "not fully removed; its registry record stays" in full.stderr()
         subprocess.run(["umount", str(mount)], check=True)
         mount = None
-        CodingEnvironment.reclaim_orphans()
-        assert trace.left() == {}
+        # The server's next sandbox reclaims it first (no restart needed).
+        with CodingEnv(full.target) as fresh:
+            fresh.reset()
+            assert run(fresh, "print('fresh')").stdout == "fresh\n"
+        trace.wait_gone("the kept record reclaimed by the server's next sandbox")
+        assert f"reclaiming {trace.base}" in full.stderr()
     finally:
         if mount is not None:
             subprocess.run(["umount", "-l", str(mount)], check=False)
