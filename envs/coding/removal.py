@@ -181,7 +181,7 @@ def _mounts_under(top: str) -> set[tuple[int, int]]:
     """(device, inode) of every mount point at or below the path ``top``."""
     top = os.path.normpath(top)
     prefix = os.path.join(os.path.realpath(os.path.dirname(top)), os.path.basename(top))
-    found = set()
+    found: set[tuple[int, int]] = set()
     try:
         with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as info:
             points = [_unescape(line.split()[4]) for line in info if len(line.split()) > 4]
