@@ -502,3 +502,34 @@ def test_a_drain_closes_the_envs_that_share_a_worker_with_a_hung_call(
         with pytest.raises(SessionLost) as lost:
             env.state()
         assert lost.value.code is grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_hung_vector_block_is_answered_before_its_replacement_exists(start_server) -> None:
+    """The vector form of the bridged case above: ``--isolated 1``, a block's step past
+    the timeout is answered (DEADLINE_EXCEEDED for its envs) while its fresh sub-batch is
+    still being made (held at a factory gate here); the next call waits for it."""
+    from openenv_grpc import VectorSession
+
+    server = start_server(
+        "support.lifecycle_envs:GatedFactoryEnv", "--isolated", "1", "--step-timeout", "1"
+    )
+    hold = Path(f"{server.ledger}.hold-factory")
+    gate = Path(f"{server.ledger}.factory-gate")
+    with VectorSession(server.target, 2) as envs:
+        envs.reset()
+        hold.touch()  # from now on a new env waits at the gate
+        out = envs.step([EchoAction(message="sleep:60"), EchoAction(message="x")])
+        assert out.indices == []
+        for index in (0, 1):
+            assert out.errors[index].code is grpc.StatusCode.DEADLINE_EXCEEDED
+        assert not gate.exists()  # answered while the fresh sub-batch was not made yet
+        server.wait_until(
+            lambda: len(list(gate.parent.glob(f"{gate.name}.*.entered"))) >= 1,
+            30,
+            "the fresh sub-batch's factory waiting at the gate",
+        )
+        hold.unlink()
+        gate.touch()
+        envs.reset()
+        assert envs.step([EchoAction(message="a"), EchoAction(message="b")]).step_counts == [1, 1]
+    server.wait_until(lambda: server.active() == 0, 10, "the slots freed")

@@ -65,6 +65,9 @@ class _Block:
     env_id: int
     start: int
     size: int
+    #: Its fresh sub-batch being made after its process was lost (the answer that said
+    #: so did not wait for it); the block's next call waits for it.
+    rebuilding: asyncio.Task[None] | None = None
 
 
 #: One block's part of a call: the block, the positions of its envs in the call's index
@@ -209,6 +212,13 @@ class SpreadBatchCalls:
     async def _close_all(self) -> None:
         closing = []
         for block in self._blocks:
+            rebuilding, block.rebuilding = block.rebuilding, None
+            if rebuilding is not None:
+                if not rebuilding.done():
+                    rebuilding.cancel()  # the create's cancel closes what it makes
+                    continue
+                if rebuilding.cancelled() or rebuilding.exception() is not None:
+                    continue
             worker = block.worker
             if worker.envs.pop(block.env_id, None) is not None and worker.alive:
                 closing.append(self._pool.close_env(worker, block.env_id))
@@ -265,6 +275,13 @@ class SpreadBatchCalls:
             SessionLostError: the block could not be rebuilt.
         """
         block = part[0]
+        if block.rebuilding is not None:
+            rebuilding = block.rebuilding
+            try:
+                await rebuilding
+            finally:
+                if block.rebuilding is rebuilding:
+                    block.rebuilding = None
         try:
             return await self._pool.call(
                 block.worker, block.env_id, Op.VECTOR_REQUEST, frame, envs=len(part[1])
@@ -273,7 +290,10 @@ class SpreadBatchCalls:
             code, why = _DEADLINE_EXCEEDED, f"{exc} (this call took too long)"
         except SessionLostError as exc:
             code, why = _UNAVAILABLE, str(exc)
-        await self._rebuild(block)
+        # Answered now, not once the fresh sub-batch is made: with the process killed
+        # past the step timeout, its replacement may take seconds to start.
+        block.worker.envs.pop(block.env_id, None)
+        block.rebuilding = asyncio.get_running_loop().create_task(self._rebuild(block))
         message = f"{why}; a fresh environment took this one's place: reset it"
         return None, RowError(code, message)
 
