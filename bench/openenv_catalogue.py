@@ -80,6 +80,8 @@ SCENARIOS: dict[str, tuple[dict[str, Any], list[dict[str, Any]], dict[str, str]]
     ),
     "openspiel_env": ({}, [{"action_id": 1}] * 12, {"OPENSPIEL_GAME": "catch"}),
     "coding_env": ({}, [{"code": "print(1 + 1)"}, {"code": "1 / 0"}, {"code": "x = 3"}], {}),
+    # reset takes no seed: without a problem id it draws one at random.
+    "kernrl": ({"problem_id": "L8_6_ChromaUpsampling"}, [], {}),
     # A second configuration of one folder: FOLDER:VARIANT. tic_tac_toe with an illegal
     # move (4 twice): an error on both servers, and the game goes on.
     "openspiel_env:tic_tac_toe": (
