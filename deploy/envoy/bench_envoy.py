@@ -19,7 +19,9 @@ from pathlib import Path
 
 import grpc
 
+# Run as a script: test_envoy (tests/) and what it imports (bench/) from the repository.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from test_envoy import Envoy, wait_for
 
 from openenv_grpc.providers import LocalProcessProvider
