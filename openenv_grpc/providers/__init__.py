@@ -24,12 +24,15 @@ _LAZY = {
     "DockerSwarmProvider": "openenv_grpc.providers.swarm",
     "cleanup_orphan_services": "openenv_grpc.providers.swarm",
     "RayProvider": "openenv_grpc.providers.ray_provider",
+    "SlurmProvider": "openenv_grpc.providers.slurm",
+    "cleanup_orphan_jobs": "openenv_grpc.providers.slurm",
 }
 
 
 def __getattr__(name: str) -> object:
-    """``LocalDockerProvider``, ``DockerSwarmProvider``, their clean-ups and ``RayProvider``
-    on first use: docker and ray are extras."""
+    """``LocalDockerProvider``, ``DockerSwarmProvider``, their clean-ups, ``RayProvider`` and
+    ``SlurmProvider`` on first use: docker and ray are extras (SLURM needs only its
+    commands)."""
     if name in _LAZY:
         import importlib
 
