@@ -21,7 +21,7 @@ import time
 
 from openenv_grpc_envs.coding.processes import quiet
 
-__all__ = ["CLEAR_KEYS", "key_count", "remove_keys"]
+__all__ = ["CLEAR_KEYS", "key_count", "key_uids", "remove_keys"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,20 @@ def key_count(uid: int) -> int:
     except (OSError, IndexError, ValueError):
         return 0
     return 0
+
+
+def key_uids() -> list[int]:
+    """Every uid the kernel counts keys for (``/proc/key-users``)."""
+    found = []
+    try:
+        with open("/proc/key-users") as table:
+            for line in table:
+                head, _, _ = line.partition(":")
+                if head.strip().isdigit():
+                    found.append(int(head))
+    except OSError:
+        return []
+    return found
 
 
 def remove_keys(uid: int, remover: list[str] | None) -> bool:

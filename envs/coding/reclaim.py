@@ -10,11 +10,13 @@ this finds them all; the registry's locks make sure no live sandbox is touched.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from openenv_grpc_envs.coding import cgroups
+from openenv_grpc_envs.coding.keys import key_uids
 from openenv_grpc_envs.coding.processes import (
     ProcFields,
     kill_matching,
@@ -23,7 +25,7 @@ from openenv_grpc_envs.coding.processes import (
 )
 from openenv_grpc_envs.coding.registry import orphans, registry_dir
 from openenv_grpc_envs.coding.removal import remove_tree
-from openenv_grpc_envs.coding.uids import Killer, UidBusy, UidLease
+from openenv_grpc_envs.coding.uids import UID_BASE, UID_SPAN, Killer, UidBusy, UidLease
 
 __all__ = ["BASE_PREFIX", "reclaim_orphans"]
 
@@ -37,7 +39,9 @@ def reclaim_orphans(killer: Killer | None) -> int:
     """Release what every sandbox of a dead owner left behind; how many were reclaimed.
 
     Safe at any time and from any process of the same uid (and, for a root server, the
-    same host): live sandboxes hold their registry lock and are skipped.
+    same host): live sandboxes hold their registry lock and are skipped. A root server
+    also removes the kernel keys of sandbox uids that no live sandbox leases (left by
+    sandboxes closed before the seccomp filter refused keys, which left no record).
     """
     try:
         directory = registry_dir()
@@ -52,7 +56,28 @@ def reclaim_orphans(killer: Killer | None) -> int:
                 orphan.forget()
         except Exception:  # one bad record must not stop the others
             log.exception("coding sandbox: reclaiming %s failed", orphan.path)
+    _stray_keys(killer)
     return count
+
+
+def _stray_keys(killer: Killer | None) -> None:
+    """Remove the kernel keys of sandbox uids no live sandbox holds: sandboxes closed
+    before the filter refused keys (their records are gone, their keys are not). The
+    lease proves no sandbox uses the uid, and a fresh lease starts clean."""
+    if os.geteuid() != 0:
+        return  # sandboxes share the server's uid: nothing tells their keys apart
+    stray = [u for u in key_uids() if UID_BASE <= u < UID_BASE + UID_SPAN]
+    cleared = 0
+    for uid in stray:
+        try:
+            with UidLease(killer, uid=uid):
+                cleared += 1
+        except UidBusy:
+            continue  # a live sandbox's: its own close removes them
+        except Exception:
+            log.exception("coding sandbox: removing the kernel keys of uid %d failed", uid)
+    if cleared:
+        log.warning("coding sandbox: removed the kernel keys of %d old sandbox uids", cleared)
 
 
 def _reclaim(record: dict[str, Any], killer: Killer | None) -> bool:

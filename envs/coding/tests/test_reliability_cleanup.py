@@ -574,6 +574,47 @@ def test_a_killed_servers_kernel_keys_are_reclaimed_by_the_next_server() -> None
         CodingEnvironment.reclaim_orphans()
 
 
+def _add_keys_as(uid: int, count: int) -> None:
+    """What a sandbox made before the filter refused keys left: ``count`` keys in the
+    user keyring of ``uid``, made by a process of that uid that then exited."""
+    python = shutil.which("python3", path="/usr/bin:/bin")
+    assert python is not None
+    program = KEYS_ONLY.replace("keys(300)", f"keys({count})")
+    done = subprocess.run(
+        ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", python, "-I", "-S",
+         "-c", program],
+        capture_output=True, text=True, timeout=60, cwd="/", check=True,
+    )  # fmt: skip
+    assert json.loads(done.stdout)["keys_added"] == count
+
+
+def test_keys_of_sandboxes_closed_before_the_fix_are_removed_by_the_next_server() -> None:
+    """No record is left of a sandbox closed before the fix, but its uid's keys are: a
+    new server's reclaim removes the keys of every sandbox uid no live sandbox leases
+    (and leaves a leased one's alone)."""
+    from openenv_grpc_envs.coding.uids import UidLease
+
+    old = 1_690_000_000 + secrets.randbelow(1_000_000)
+    live = UidLease(None)  # a live sandbox's uid, in this process
+    try:
+        _add_keys_as(old, 50)
+        _add_keys_as(live.uid, 3)
+        assert key_count(old) == 52 and key_count(live.uid) == 5  # + @u and @us
+        server = _serve()
+        try:
+            ServerProcess.wait_until(
+                lambda: not _key_user_row(old), timeout=60, what="the old uid's keys removed"
+            )
+            assert "removed the kernel keys of" in server.stderr()
+        finally:
+            server.stop()
+        assert key_count(live.uid) == 5  # leased: a live sandbox's, not touched
+    finally:
+        live.release()
+        CodingEnvironment.reclaim_orphans()
+    assert key_count(live.uid) == 0 and not _key_user_row(live.uid)
+
+
 def test_unix_sockets_list_the_leases_the_way_trace_reads_them() -> None:
     """The lease check above reads /proc/net/unix: a held lease is seen, a freed one not."""
     uid = 1_699_000_000 + secrets.randbelow(1_000_000)
