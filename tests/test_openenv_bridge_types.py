@@ -365,3 +365,11 @@ def test_factories_without_annotations_are_read_without_making_an_env() -> None:
     assert openenv_environment(make_with_settings).openenv_class is AllEnv
     partial_adapter = openenv_environment(functools.partial(AllEnv))
     assert partial_adapter.openenv_class is AllEnv
+
+
+def test_any_env_name_makes_valid_message_names() -> None:
+    """An app's env_name need not be an identifier ("tbench2_env (local mode)")."""
+    adapter = openenv_environment(AllEnv, name="2nd env (local mode)")
+    assert adapter.name == "2nd env (local mode)"  # Info shows it as given
+    options = message_types(adapter).reset_options.DESCRIPTOR
+    assert options.name == "Env2ndEnvLocalModeResetOptions"

@@ -155,6 +155,7 @@ def _adapter(
     # One file (and package) per recipe, named the same in every process that builds it
     # (an --isolated worker must agree with the front on the type urls).
     stem = re.sub(r"\W", "_", label)
+    stem = stem if stem[:1].isalpha() else f"env_{stem}"  # a package component: a letter first
     if (action, observation, state) != (None, None, None):
         models = repr([_qualnames(x) for x in (action, observation, state)]).encode()
         stem += "_" + hashlib.sha256(models).hexdigest()[:8]
@@ -162,12 +163,16 @@ def _adapter(
         f"openenv_bridge/{module.replace('.', '/')}/{stem}.proto",
         f"openenv_bridge.{module}.{stem}",
     )
-    action_plan = _plan(builder, f"{label}Action", found.action, frozenset())
-    observation_plan = _plan(builder, f"{label}Observation", found.observation, RESULT_FIELDS)
+    # Message names are identifiers; the name an app gives ("tbench2_env (local mode)")
+    # need not be one.
+    ident = "".join(p[:1].upper() + p[1:] for p in re.split(r"\W+|_", label) if p) or "Env"
+    ident = f"Env{ident}" if ident[0].isdigit() else ident
+    action_plan = _plan(builder, f"{ident}Action", found.action, frozenset())
+    observation_plan = _plan(builder, f"{ident}Observation", found.observation, RESULT_FIELDS)
     state_plan = builder.model(found.state)
     reset, asynchronous = reset_method(env_class)
     parameters, var_keyword = reset_parameters(reset)
-    options_plan = builder.parameters(f"{label}ResetOptions", parameters, hints(reset), var_keyword)
+    options_plan = builder.parameters(f"{ident}ResetOptions", parameters, hints(reset), var_keyword)
     builder.build()
     bridge = Bridge(
         env_class, found, action_plan, observation_plan, state_plan, options_plan, factory
