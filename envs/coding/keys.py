@@ -16,12 +16,16 @@ the server's, which dies with the run: see ``harness.py``.)
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import functools
 import logging
+import os
 import time
 
 from openenv_grpc_envs.coding.processes import quiet
 
-__all__ = ["CLEAR_KEYS", "key_count", "key_uids", "remove_keys"]
+__all__ = ["CLEAR_KEYS", "key_count", "key_uids", "keyctl_allowed", "remove_keys"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +70,24 @@ def key_count(uid: int) -> int:
     except (OSError, IndexError, ValueError):
         return 0
     return 0
+
+
+#: keyctl(2) per architecture.
+SYS_KEYCTL = {"x86_64": 250, "aarch64": 219}
+
+
+@functools.cache
+def keyctl_allowed() -> bool:
+    """Whether this process may call keyctl at all (a seccomp profile above the server,
+    e.g. Docker's default, refuses it: then neither can the sandboxes it starts)."""
+    number = SYS_KEYCTL.get(os.uname().machine)
+    if number is None:
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    # KEYCTL_GET_KEYRING_ID of the thread keyring, never created: ENOKEY when allowed.
+    if libc.syscall(number, 0, ctypes.c_long(-1), 0) >= 0:
+        return True
+    return ctypes.get_errno() not in (errno.EPERM, errno.ENOSYS)
 
 
 def key_uids() -> list[int]:

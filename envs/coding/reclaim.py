@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from openenv_grpc_envs.coding import cgroups
-from openenv_grpc_envs.coding.keys import key_uids
+from openenv_grpc_envs.coding.keys import key_uids, keyctl_allowed
 from openenv_grpc_envs.coding.processes import (
     ProcFields,
     kill_matching,
@@ -64,8 +64,8 @@ def _stray_keys(killer: Killer | None) -> None:
     """Remove the kernel keys of sandbox uids no live sandbox holds: sandboxes closed
     before the filter refused keys (their records are gone, their keys are not). The
     lease proves no sandbox uses the uid, and a fresh lease starts clean."""
-    if os.geteuid() != 0:
-        return  # sandboxes share the server's uid: nothing tells their keys apart
+    if os.geteuid() != 0 or not keyctl_allowed():
+        return  # shared uid: nothing tells their keys apart; no keyctl: no keys of ours
     stray = [u for u in key_uids() if UID_BASE <= u < UID_BASE + UID_SPAN]
     cleared = 0
     for uid in stray:

@@ -21,6 +21,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -613,6 +614,18 @@ def test_keys_of_sandboxes_closed_before_the_fix_are_removed_by_the_next_server(
         live.release()
         CodingEnvironment.reclaim_orphans()
     assert key_count(live.uid) == 0 and not _key_user_row(live.uid)
+
+
+def test_a_server_under_a_key_refusing_profile_leaves_keys_alone() -> None:
+    """Under Docker's default profile (the degraded host loads the sandbox's filter into
+    the server itself) keyctl is refused: no sandbox of it can make keys, and its
+    reclaim does not try to remove other hosts' ones. Here, keyctl is allowed."""
+    probe = "from openenv_grpc_envs.coding.keys import keyctl_allowed; print(keyctl_allowed())"
+    environ = {**os.environ, "CODING_TEST_DEGRADED": "1", "PYTHONPATH": str(HERE / "degraded")}
+    args = [sys.executable, "-c", probe]
+    degraded = subprocess.run(args, env=environ, capture_output=True, text=True, check=True)
+    plain = subprocess.run(args, capture_output=True, text=True, check=True)
+    assert (degraded.stdout, plain.stdout) == ("False\n", "True\n")
 
 
 def test_unix_sockets_list_the_leases_the_way_trace_reads_them() -> None:
