@@ -67,10 +67,11 @@ SCENARIOS: dict[str, tuple[dict[str, Any], list[dict[str, Any]], dict[str, str]]
         [{"answer": "4"}, {"answer": "7"}, {"answer": "10"}],
         {},
     ),
+    # Wordle (the default) needs nltk's words corpus, a download: a game that needs none.
     "textarena_env": (
         {"seed": 1},
-        [{"message": "[crane]"}, {"message": "[slate]"}, {"message": "[xx]"}],
-        {"TEXTARENA_DOWNLOAD_NLTK": "0"},
+        [{"message": "[50]"}, {"message": "[25]"}, {"message": "guess"}, {"message": "[75]"}],
+        {"TEXTARENA_DOWNLOAD_NLTK": "0", "TEXTARENA_ENV_ID": "GuessTheNumber-v0"},
     ),
     "repl_env": (
         {"seed": 1},
@@ -135,7 +136,9 @@ def main() -> int:
 def measure(envs_dir: Path, name: str) -> dict[str, Any]:
     ref = f"{name.partition(':')[0]}.server.app:app"
     reset, actions, extra_env = SCENARIOS.get(name, ({}, [], {}))
-    environ = {**os.environ, **extra_env, "PYTHONPATH": str(envs_dir)}
+    # One hash seed for both servers: an env that lists a set (repl_env's variables)
+    # lists it in the same order on both.
+    environ = {**os.environ, **extra_env, "PYTHONPATH": str(envs_dir), "PYTHONHASHSEED": "0"}
     row: dict[str, Any] = {"env": name, "scenario": name in SCENARIOS}
     with (
         _process(
