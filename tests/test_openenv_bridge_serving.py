@@ -253,3 +253,22 @@ def test_the_step_error_rule_holds_on_a_vector_stream(env: str, goes_on: bool) -
             assert 1 not in outcome.errors  # the neighbour is untouched either way
     finally:
         server.stop()
+
+
+def test_fields_named_like_protobuf_methods_work_through_the_described_client() -> None:
+    """SerializeToString, ListFields, CopyFrom, DESCRIPTOR as pydantic field names: on the
+    wire they are name_ (so the generated classes keep their methods), and the env sees
+    its own names."""
+    server = bridged("support.openenv_envs.clashing:ClashEnvironment")
+    try:
+        Clash = described_session(server.target)
+        fields = [f.name for f in Clash.Action.DESCRIPTOR.fields]
+        assert fields == ["metadata", "SerializeToString_", "ListFields_", "plain"]
+        with Clash(server.target) as env:
+            assert env.reset().observation.CopyFrom_ == "ready"
+            action = Clash.Action(SerializeToString_="a", ListFields_=21, plain="b")
+            assert Clash.Action.FromString(action.SerializeToString()) == action
+            result = env.step(action)
+            assert (result.observation.CopyFrom_, result.observation.DESCRIPTOR_) == ("ab", 42)
+    finally:
+        server.stop()
