@@ -309,11 +309,13 @@ class SlowSender:
 
     def _note(self, events: list[h2.events.Event]) -> None:
         for event in events:
-            if isinstance(event, h2.events.TrailersReceived):
+            if isinstance(event, (h2.events.TrailersReceived, h2.events.ResponseReceived)):
+                # A trailers-only answer (a refusal) is the response HEADERS themselves.
                 fields = dict(event.headers)
-                status = fields.get(b"grpc-status", b"?").decode()
-                message = fields.get(b"grpc-message", b"").decode()
-                self.ended.setdefault(event.stream_id, f"status {status}: {message}")
+                if b"grpc-status" in fields:
+                    status = fields[b"grpc-status"].decode()
+                    message = fields.get(b"grpc-message", b"").decode()
+                    self.ended.setdefault(event.stream_id, f"status {status}: {message}")
             elif isinstance(event, h2.events.StreamReset):
                 self.ended.setdefault(event.stream_id, f"reset {int(event.error_code)}")
             stream = getattr(event, "stream_id", None)

@@ -18,10 +18,11 @@ import time
 
 import pytest
 
-from bench.h2_attacks import grpc_headers
+from bench.h2_attacks import INFO_PATH, SESSION_PATH, SlowSender, grpc_headers
 from bench.hostile import (
     admission_burst_run,
     rapid_reset_run,
+    rss_mib,
     slow_senders_run,
     stalled_readers_run,
 )
@@ -149,11 +150,11 @@ def _read_frames(sock: socket.socket, seconds: float) -> Frames:
 @pytest.mark.parametrize(
     ("flags", "limit", "sessions"),
     [
-        # The default: the capacity plus 32 (Info, health, refusals on their way out).
-        (("--max-concurrent-envs", "200"), 232, 200),
+        # The default: the pending-call limit (at least the capacity plus 32).
+        (("--max-concurrent-envs", "200", "--max-pending-calls", "250"), 250, 200),
         (("--max-streams-per-connection", "256"), 256, 256),
     ],
-    ids=["capacity-plus-headroom", "explicit"],
+    ids=["pending-limit", "explicit"],
 )
 def test_a_connection_gets_at_most_its_streams_even_if_it_ignores_the_setting(
     start_server, flags: tuple[str, ...], limit: int, sessions: int
@@ -280,3 +281,31 @@ def test_slow_senders_hold_at_most_the_request_limit_and_give_it_back(start_serv
     server.wait_until(
         lambda: server.active() == 0 and every_env_closed(server), 30, "the senders' sessions"
     )
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("path", [SESSION_PATH, INFO_PATH], ids=["session", "info"])
+def test_an_outsider_cannot_make_the_server_buffer_a_request(start_server, path: str) -> None:
+    """With AUTH_TOKEN set, 16 streams without the token each send all of a request just
+    under the limit but its last KiB. A Session was refused before any read; a unary
+    Info was read whole before its refusal (grpc.aio reads a unary request before the
+    handler runs): +130 MiB for 16 of them. Now both are refused at once."""
+    server = start_server("support.envs:CountingEchoEnv", extra_env={"AUTH_TOKEN": "s3cret"})
+    pid = server.proc.pid
+    fetch_info(server.target, token="s3cret")  # warm-up
+    baseline = rss_mib(pid)
+    limit = ServerConfig().request_limit
+    sender = SlowSender(server.target, 16, limit - 1024, path=path)
+    try:
+        sent = sender.push(30.0)
+        sender.idle(1.0)
+        growth = rss_mib(pid) - baseline
+    finally:
+        sender.close()
+    print(f"\nHTTP2 outsider {path}: sent {sent / 2**20:.1f} MiB, RSS +{growth:.1f} MiB")
+    assert set(sender.ended.values()) == {"status 16: missing or invalid bearer token"}
+    assert len(sender.ended) == 16
+    assert sent <= 16 * 128 * 1024  # no more than each stream's first window
+    assert growth <= 16
+    assert fetch_info(server.target, token="s3cret").capacity.active_sessions == 0
+    assert server.created() == 0

@@ -56,23 +56,25 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         return False
 
 
-async def _deny(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+async def _deny(requests: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
     await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
 
 
 def _refusing(handler: _Handler) -> _Handler:
-    """A handler of the same streaming kind as ``handler`` that refuses every call.
+    """A handler that refuses every call to ``handler``'s method without reading a byte
+    of its request.
 
-    The kind must match: a unary handler on a streaming method would wait for a request
-    that a client waiting for headers never sends.
+    Always a request-streaming handler, whatever the method: grpc.aio reads a unary
+    request whole before it calls the handler, so a refused outsider could make the
+    server buffer a request up to the request limit (16 Info calls sending all of 8 MiB
+    but the last KiB: +130 MiB). The refusal is a status alone, the same on the wire for
+    every kind of call; the response kind stays the method's.
     """
-    kinds = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }
-    make = kinds[(handler.request_streaming, handler.response_streaming)]
+    make = (
+        grpc.stream_stream_rpc_method_handler
+        if handler.response_streaming
+        else grpc.stream_unary_rpc_method_handler
+    )
     return make(
         _deny,
         request_deserializer=handler.request_deserializer,
