@@ -405,6 +405,7 @@ def test_opens_right_after_a_worker_is_killed_land_on_a_live_worker(start_server
 # -- issue 19: the rough edges of --isolated 1 ------------------------------------------
 
 
+@pytest.mark.timeout(300)  # two bridged env processes start: slow on a loaded machine
 def test_a_bridged_step_past_the_timeout_is_answered_before_its_replacement_exists(
     tmp_path: Path,
 ) -> None:
@@ -465,10 +466,23 @@ def test_an_open_never_waits_behind_another_sessions_step(start_server, tmp_path
     thread.join(30)
     assert results["busy"].step_count == 2  # type: ignore[attr-defined]
     assert pid_of(busy) == busy_pid
+    # A vector stream too: made and stepped while the busy step runs again.
+    from openenv_grpc import VectorSession
+
+    second = tmp_path / "second-gate"
+    thread = in_thread(lambda: busy.step(EchoAction(message=f"gate:{second}")), results, "again")
+    server.wait_until(lambda: Path(f"{second}.entered").exists(), 30, "the step running again")
+    with VectorSession(server.target, 2) as envs:
+        envs.reset()
+        assert envs.step([EchoAction(message="a"), EchoAction(message="b")]).step_counts == [1, 1]
+        assert thread.is_alive() and "again" not in results
+    second.touch()
+    thread.join(30)
     busy.close()
     server.wait_until(lambda: "retired (1 now)" in server.stderr(), 10, "the extra worker retired")
     server.wait_until(lambda: server.active() == 0, 10, "no session left")
-    assert server.created() == 2 and server.closed_envs() == 2
+    server.wait_until(lambda: server.closed_envs() == 4, 10, "every env closed")
+    assert server.created() == 4
 
 
 def test_a_drain_closes_the_envs_that_share_a_worker_with_a_hung_call(

@@ -33,6 +33,7 @@ import socket
 import time
 from collections import deque
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import grpc
@@ -396,11 +397,18 @@ class EnvProcessPool:
             return worker, env_id
 
     def _for_create(self, tried: set[int], prefer_ready: bool) -> _Worker:
-        """Where a new env goes: never behind another session's call if it can be helped.
-        A worker answers one frame at a time, so a create sent to a busy one waits for
-        that call (a 5 s step: 5 s). An idle worker first (the least loaded; with
-        ``prefer_ready``, one that is up first); if every one is busy, a new worker (up to twice
-        the pool's size; it retires once its envs are closed); else the least loaded.
+        """Where a new env goes: the first of :meth:`for_new_envs`."""
+        return self.for_new_envs(prefer_ready=prefer_ready, tried=tried)[0]
+
+    def for_new_envs(
+        self, *, prefer_ready: bool = False, tried: AbstractSet[int] = frozenset()
+    ) -> list[_Worker]:
+        """The workers new envs may go to without waiting behind another session's call
+        if it can be helped: a worker answers one frame at a time, so a create sent to a
+        busy one waits for that call (behind a 5 s step: 5 s). The idle workers (in
+        :meth:`least_loaded`'s order, ``tried`` left out); if every one is busy, a new
+        worker (up to twice the pool's size; it retires once its envs are closed); at
+        that limit, every live worker.
 
         Raises:
             SessionLostError: no worker is running.
@@ -410,20 +418,20 @@ class EnvProcessPool:
             raise SessionLostError("no environment worker process is running")
         idle = [w for w in live if not w.owed]
         if idle:
-            return idle[0]  # in least_loaded's order
+            return idle
         if (
             self._grace_over_at is None
             and not self._stopped
-            and (len(self._workers) < self._size + self._overflow)
+            and len(self._workers) < self._size + self._overflow
         ):
             worker = self._spawn()
             self._workers.append(worker)
             log.info(
-                "every env worker is busy: started worker pid %s for a new env (%d now)",
+                "every env worker is busy: started worker pid %s for new envs (%d now)",
                 worker.process.pid, len(self._workers),
             )  # fmt: skip
-            return worker
-        return live[0]
+            return [worker]
+        return live
 
     def _retire(self, worker: _Worker) -> None:
         """Stop ``worker`` if the pool has more than its size and it holds nothing: the

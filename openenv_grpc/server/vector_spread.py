@@ -101,7 +101,8 @@ class SpreadBatchCalls:
                 are closed).
             SessionLostError: no env process is running, or one died meanwhile.
         """
-        workers = pool.least_loaded(prefer_ready=True)
+        # Never behind another stream's call if it can be helped (see for_new_envs).
+        workers = pool.for_new_envs(prefer_ready=True)
         count = 1 if batches else min(len(workers), size)
         sizes = [size // count + (k < size % count) for k in range(count)]
         starts = [sum(sizes[:k]) for k in range(count)]
@@ -305,7 +306,7 @@ class SpreadBatchCalls:
         """
         block.worker.envs.pop(block.env_id, None)
         try:
-            worker = self._pool.least_loaded(prefer_ready=True)[0]
+            worker = self._pool.for_new_envs(prefer_ready=True)[0]
             block.env_id, _ = await self._pool.create_vector(worker, block.size, self._autoreset)
         except Exception as exc:  # a factory error, make_batch refusing, no live process
             log.error("could not replace the envs of a lost env process: %s", exc)
