@@ -118,11 +118,14 @@ def _remove_dir(job: _Removal, top_fd: int, name: str, info: os.stat_result) -> 
     """Depth first with an explicit stack; only the current directory is open."""
     dev = info.st_dev
     try:
-        cur = _open_dir(top_fd, name)
+        cur, _ = _open_dir(top_fd, name)
     except OSError as exc:
         job.fail(name, exc)
         return
     levels = [_Level(name, dev, info.st_ino)]
+    #: Directories found not empty after their pass (never, unless the tree changed),
+    #: by inode -> passes so far; each gets at most RESCANS.
+    passes: dict[int, int] = {}
     try:
         while levels:
             level = levels[-1]
@@ -132,28 +135,20 @@ def _remove_dir(job: _Removal, top_fd: int, name: str, info: os.stat_result) -> 
             if level.pending:
                 child = level.pending.pop()
                 try:
-                    child_fd = _open_dir(cur, child)
+                    child_fd, child_info = _open_dir(cur, child)
                 except FileNotFoundError:
                     continue
                 except OSError as exc:
                     job.fail(child, exc)
                     continue
-                child_info = os.fstat(child_fd)
-                if (
-                    child_info.st_dev != dev
-                    or (child_info.st_dev, child_info.st_ino) in job.mounts
-                    or not stat.S_ISDIR(child_info.st_mode)
-                ):
+                if child_info.st_dev != dev or (child_info.st_dev, child_info.st_ino) in job.mounts:
                     os.close(child_fd)
                     job.fail(child, "a mount point inside the tree (not entered)")
                     continue
                 os.close(cur)
                 cur = child_fd
-                levels.append(_Level(child, dev, child_info.st_ino))
-                continue
-            # Everything listed is gone: list once more (cheap when empty) before leaving.
-            if level.scans < RESCANS and _has_entries(cur):
-                level.pending = None
+                scans = passes.pop(child_info.st_ino, 0)
+                levels.append(_Level(child, dev, child_info.st_ino, scans=scans))
                 continue
             levels.pop()
             if levels:
@@ -165,7 +160,8 @@ def _remove_dir(job: _Removal, top_fd: int, name: str, info: os.stat_result) -> 
                     return
                 os.close(cur)
                 cur = up
-                _unlink(job, cur, level.name, directory=True)
+                if not _rmdir_or_again(job, cur, level, levels[-1], passes):
+                    continue
             else:
                 os.close(cur)
                 cur = -1
@@ -175,6 +171,25 @@ def _remove_dir(job: _Removal, top_fd: int, name: str, info: os.stat_result) -> 
     finally:
         if cur >= 0:
             os.close(cur)
+
+
+def _rmdir_or_again(
+    job: _Removal, parent_fd: int, level: _Level, parent: _Level, passes: dict[int, int]
+) -> bool:
+    """rmdir the emptied ``level``; if it is not empty after all (the listing missed
+    something), queue it for another pass (up to RESCANS) and return False."""
+    try:
+        os.rmdir(level.name, dir_fd=parent_fd)
+        return True
+    except FileNotFoundError:
+        return True
+    except OSError as exc:
+        if exc.errno == errno.ENOTEMPTY and level.scans < RESCANS and parent.pending is not None:
+            passes[level.ino] = level.scans
+            parent.pending.append(level.name)
+            return False
+    _unlink(job, parent_fd, level.name, directory=True)  # EPERM: flags; else it fails
+    return True
 
 
 def _mounts_under(top: str) -> set[tuple[int, int]]:
@@ -202,19 +217,20 @@ def _unescape(field: str) -> str:
     return field
 
 
-def _open_dir(dir_fd: int, name: str) -> int:
-    """Open the subdirectory ``name`` (never through a link), with the owner's rwx bits
-    given back when it lacks them (only a server that is not root needs that)."""
+def _open_dir(dir_fd: int, name: str) -> tuple[int, os.stat_result]:
+    """Open the subdirectory ``name`` (never through a link: O_NOFOLLOW and O_DIRECTORY),
+    with the owner's rwx bits given back when it lacks them (only a server that is not
+    root needs that); the fd and what fstat says of it."""
     try:
         fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
     except PermissionError:
         _chmod_entry(dir_fd, name)
         fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
-    mode = os.fstat(fd).st_mode
-    if mode & 0o700 != 0o700:
+    info = os.fstat(fd)
+    if info.st_mode & 0o700 != 0o700:
         with contextlib.suppress(OSError):  # not ours to change: root needs none of it
-            os.fchmod(fd, stat.S_IMODE(mode) | 0o700)
-    return fd
+            os.fchmod(fd, stat.S_IMODE(info.st_mode) | 0o700)
+    return fd, info
 
 
 def _chmod_entry(dir_fd: int, name: str) -> None:
@@ -244,14 +260,6 @@ def _empty_files(job: _Removal, dir_fd: int) -> list[str]:
         else:
             _unlink(job, dir_fd, name, directory=False)
     return subdirs
-
-
-def _has_entries(dir_fd: int) -> bool:
-    try:
-        with os.scandir(dir_fd) as listing:
-            return next(iter(listing), None) is not None
-    except OSError:
-        return False
 
 
 def _unlink(job: _Removal, dir_fd: int, name: str, *, directory: bool) -> None:
