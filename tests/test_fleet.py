@@ -217,3 +217,47 @@ def test_async_sessions_open_on_the_fleet_target(nodes: list[ServerProcess]) -> 
 
         pids = asyncio.run(run())
     assert {int(pid) for pid in pids} <= {server.proc.pid for server in nodes}
+
+
+def test_a_rolling_restart_loses_no_episode(caplog: pytest.LogCaptureFixture) -> None:
+    """Drain one node (SIGTERM: its sessions get the grace, then lose their stream),
+    start it again at the same address, wait until it is back in the rotation, next."""
+    servers = [serve("--grace", "0.5") for _ in range(3)]
+    seeds = [41, 42, 43, 44, 45, 46]
+    try:
+        with Fleet([server.target for server in servers]) as fleet:
+            fleet.wait_ready()
+            recovery = fleet.recovery(every=2)
+            sessions = [fleet.session(EchoEnv, recovery=recovery) for _ in seeds]
+            for env, seed in zip(sessions, seeds, strict=True):
+                env.open()
+                env.reset(seed=seed, options=EchoResetOptions(max_steps=50))
+            trajectories: list[Trajectory] = [[] for _ in seeds]
+            messages = iter(MESSAGES)
+            with caplog.at_level(logging.WARNING, logger="openenv_grpc.client.recovery"):
+                for index in range(len(servers)):
+                    old = servers[index]
+                    old.proc.send_signal(signal.SIGTERM)
+                    message = next(messages)
+                    for env, trajectory in zip(sessions, trajectories, strict=True):
+                        trajectory.append(step(env, message))
+                    old.proc.wait(30)
+                    servers[index] = serve("--grace", "0.5", "--port", str(old.port))
+                    old.stop()
+                    pids = {server.proc.pid for server in servers}
+                    wait_for(lambda pids=pids: rotation(fleet, 9) == pids, "the node to rejoin")
+                    message = next(messages)
+                    for env, trajectory in zip(sessions, trajectories, strict=True):
+                        trajectory.append(step(env, message))
+                rest = list(messages)
+                for env, trajectory in zip(sessions, trajectories, strict=True):
+                    trajectory += [step(env, message) for message in rest]
+            assert sum(env.recoveries for env in sessions) == recovery.recovered
+            assert recovery.recovered >= 6  # every session lived on a restarted node
+            for env in sessions:
+                env.close()
+        assert trajectories == undisturbed(servers[0].target, seeds)
+    finally:
+        for server in servers:
+            server.proc.kill()
+            server.stop()

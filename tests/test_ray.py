@@ -141,6 +141,8 @@ def test_servers_spread_restart_and_survive_a_lost_node(cluster: RayCluster) -> 
     assert sorted(seen["loads"]) == [2] * NODES
     # A SIGKILLed server: Ray restarted its actor (same node), on a new server process.
     assert seen["restarted"]["same_node"] and seen["restarted"]["new_pid"]
+    # drain(i), a rolling restart's step: the old server drained away, a new one serves.
+    assert seen["drained"] == {"old_gone": True, "same_node": True, "serving": True}
     # A node lost with its raylet: its two sessions resumed elsewhere, the others
     # never noticed, and every episode has the rewards of an undisturbed run.
     assert sorted(seen["recoveries"]) == [0, 0, 0, 0, 1, 1]
@@ -197,6 +199,17 @@ def _spread_and_node_loss() -> dict[str, Any]:
             "new_pid": now["pid"] != first["pid"],
         }
 
+        # Rolling restart of one server: drained, started again in its bundle, SERVING.
+        before = provider.servers[1]
+        provider.drain(1)
+        after = provider.servers[1]
+        with Fleet(provider) as fleet:
+            result["drained"] = {
+                "old_gone": not Path(f"/proc/{before['pid']}").exists(),
+                "same_node": after["node_id"] == before["node_id"],
+                "serving": after["target"] in fleet.healthy(),
+            }
+
         # Node loss: kill the raylet of a worker node (not the head: the driver's own).
         seeds = [21, 22, 23, 24, 25, 26]
         with Fleet(provider) as fleet:
@@ -243,7 +256,12 @@ def _spread_and_node_loss() -> dict[str, Any]:
                     for r in (env.step(EchoAction(message=m)) for m in MESSAGES)
                 ])  # fmt: skip
         result["same_rewards"] = trajectories == undisturbed
-        server_pids = {*(s["pid"] for s in provider.servers), victim["pid"], first["pid"]}
+        server_pids = {
+            *(s["pid"] for s in provider.servers),
+            victim["pid"],
+            first["pid"],
+            before["pid"],
+        }
     finally:
         provider.stop()
     time.sleep(0.5)

@@ -29,6 +29,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -272,14 +273,25 @@ class RayProvider(Provider):
         waits for restarting actors up to ``timeout`` (default ``start_timeout``).
 
         Raises:
-            ray.exceptions.RayActorError: an actor is dead for good (out of restarts).
+            ray.exceptions.RayActorError: an actor is dead for good (out of restarts), or
+                still restarting at the deadline.
         """
         import ray
 
-        self.servers = ray.get(
-            [actor.where.remote() for actor in self._actors],
-            timeout=timeout or self.start_timeout,
-        )
+        deadline = time.monotonic() + (timeout or self.start_timeout)
+        servers = []
+        for actor in self._actors:
+            while True:
+                try:
+                    servers.append(
+                        ray.get(actor.where.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                    )
+                    break
+                except ray.exceptions.ActorUnavailableError:  # restarting: ask again
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.1)
+        self.servers = servers
         return self.servers
 
     def drain(self, index: int) -> None:
