@@ -185,7 +185,7 @@ def test_mcp_env_tools_through_the_bridge() -> None:
             listing.list_tools_action.SetInParent()
             tools = env.step(listing).observation.list_tools_observation.tools
             names = sorted(tool.name for tool in tools)
-            assert names == ["echo_message", "echo_with_length", "repeat"]
+            assert names == ["echo_message", "echo_with_length", "repeat", "type_of"]
             call = Mcp.Action()
             call.call_tool_action.tool_name = "echo_with_length"
             call.call_tool_action.arguments.json = json.dumps({"message": "hi"})
@@ -200,7 +200,12 @@ def test_mcp_env_tools_through_the_bridge() -> None:
             answer = env.step(call).observation.call_tool_observation
             data = json.loads(answer.result.json)["data"]
             assert data == {"text": "ababab", "input_type": "int"}
-            assert env.state().step_count == 3
+            call.call_tool_action.tool_name = "type_of"  # untyped: pydantic coerces nothing
+            for value, kind in ((5, "int"), (5.0, "float"), (2**70, "int"), ([1], "list")):
+                call.call_tool_action.arguments.json = json.dumps({"value": value})
+                answer = env.step(call).observation.call_tool_observation
+                assert json.loads(answer.result.json)["data"] == kind
+            assert env.state().step_count == 7
 
 
 @pytest.mark.parametrize(
@@ -246,6 +251,7 @@ def test_mcp_env_tools_through_the_bridge() -> None:
                  "arguments": {"message": "ab", "times": 2}},
                 {"type": "call_tool", "tool_name": "echo_with_length",
                  "arguments": {"message": "hi"}},
+                {"type": "call_tool", "tool_name": "type_of", "arguments": {"value": 5}},
                 {"type": "call_tool", "tool_name": "no_such_tool", "arguments": {}},
             ],
         ),

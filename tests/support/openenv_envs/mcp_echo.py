@@ -1,6 +1,6 @@
 """OpenEnv's own ``echo_env`` (envs/echo_env/server/echo_environment.py): a pure MCP env
 whose tools are FastMCP functions; actions are ListToolsAction / CallToolAction. One tool
-is ours (``repeat``): an int argument, which must reach the tool as an int."""
+are ours (``repeat``, ``type_of``): int arguments, which must reach the tool as ints."""
 
 from typing import Any
 from uuid import uuid4
@@ -32,6 +32,11 @@ class EchoMCPEnvironment(MCPEnvironment):
         def repeat(message: str, times: int) -> dict:
             """Repeat the message (times must arrive as an int)."""
             return {"text": message * times, "input_type": type(times).__name__}
+
+        @mcp.tool
+        def type_of(value: Any) -> str:
+            """The Python type the value arrived as (an untyped argument: nothing coerces)."""
+            return type(value).__name__
 
         super().__init__(mcp)
         self._state = State(episode_id=str(uuid4()), step_count=0)
