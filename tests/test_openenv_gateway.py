@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import websockets
 from openenv.core.generic_client import GenericEnvClient
+from openenv.core.mcp_client import MCPToolClient
 
 from openenv_grpc import CapacityError
 from openenv_grpc.testing import ServerProcess
@@ -80,7 +81,6 @@ def test_generic_client_sync_against_a_native_env() -> None:
             assert step.observation == {
                 "echoed_message": "hello",
                 "message_length": 5,
-                "tools": None,
                 "tool_result": None,
                 "metadata": {},
             }
@@ -266,3 +266,57 @@ def test_a_taken_openenv_port_ends_the_server() -> None:
         )  # fmt: skip
     assert done.returncode == 1
     assert "the OpenEnv gateway failed" in done.stderr
+
+
+MCP_ECHO = "--openenv=support.openenv_envs.mcp_echo:EchoMCPEnvironment"
+
+
+async def _mcp_session(url: str) -> dict[str, Any]:
+    """What OpenEnv's MCPToolClient (production mode: HTTP /mcp plus /ws?session_id=)
+    sees of an echo-like MCP env."""
+    async with MCPToolClient(base_url=url) as client:
+        tools = sorted(tool.name for tool in await client.list_tools())
+        reset = await client.reset()
+        calls = {}
+        if "echo_message" in tools:
+            calls["echo_message"] = await client.call_tool("echo_message", message="hi")
+            calls["echo_with_length"] = await client.call_tool("echo_with_length", message="hey")
+        else:
+            calls["reverse"] = await client.call_tool("reverse", message="hello")
+        return {"tools": tools, "reset_done": reset.done, "calls": calls}
+
+
+def test_mcp_tool_client_against_a_bridged_mcp_env_answers_as_openenv() -> None:
+    with openenv_server("mcp_echo_app") as theirs:
+        expected = asyncio.run(_mcp_session(theirs))
+    with serving(MCP_ECHO) as (server, url):
+        assert asyncio.run(_mcp_session(url)) == expected
+        assert expected["calls"]["echo_message"] == "hi"
+        wait_for(lambda: server.active() == 0, "session/close freed the slot")
+        assert server.info().activity.sessions_opened == 1  # HTTP /mcp and /ws: one session
+
+
+def test_mcp_tool_client_against_a_native_tools_env() -> None:
+    with serving("echo") as (server, url):
+        seen = asyncio.run(_mcp_session(url))
+        assert seen == {
+            "tools": ["count", "history", "reverse"],
+            "reset_done": False,
+            "calls": {"reverse": "olleh"},
+        }
+        wait_for(lambda: server.active() == 0, "session/close freed the slot")
+
+
+def test_mcp_sessions_share_the_capacity_and_refuse_in_openenv_s_words() -> None:
+    with serving("echo", "--max-concurrent-envs", "1") as (server, url):
+        holder = EchoEnv(server.target)
+        holder.open()
+        try:
+            with pytest.raises(
+                RuntimeError, match="Failed to create MCP session: Server at capacity"
+            ):
+                asyncio.run(_mcp_session(url))
+        finally:
+            holder.close()
+        wait_for(lambda: server.active() == 0, "nothing left open by the refusal")
+        assert asyncio.run(_mcp_session(url))["calls"] == {"reverse": "olleh"}

@@ -68,9 +68,24 @@ def _json_name(field: Any, descriptor: Any) -> str:
     return name
 
 
+def _union(descriptor: Any) -> bool:
+    """A bridged env's union of models: one oneof ``kind`` holding every field."""
+    oneofs = descriptor.oneofs
+    return (
+        len(oneofs) == 1
+        and oneofs[0].name == "kind"
+        and len(oneofs[0].fields) == len(descriptor.fields) > 0
+        and all(f.message_type is not None for f in descriptor.fields)
+    )
+
+
 def to_json(message: Message) -> dict[str, Any]:
-    """Every field of ``message`` as JSON data (unset optional fields as None)."""
+    """Every field of ``message`` as JSON data (unset optional fields as None); a bridged
+    union (oneof ``kind``) as the member it holds, as OpenEnv's JSON has it."""
     descriptor: Any = message.DESCRIPTOR
+    if _union(descriptor):
+        chosen = message.WhichOneof("kind")
+        return to_json(getattr(message, chosen)) if chosen else {}
     out: dict[str, Any] = {}
     for field in descriptor.fields:
         name = _json_name(field, descriptor)
@@ -122,6 +137,9 @@ def _fill(message: Message, data: Any, path: str) -> None:
     if not isinstance(data, Mapping):
         raise JsonViewError(path, f"expected an object, got {_kind(data)}")
     descriptor: Any = message.DESCRIPTOR
+    if _union(descriptor) and not set(data) <= set(descriptor.fields_by_name):
+        _fill_member(message, descriptor, data, path)
+        return
     by_name = {_json_name(f, descriptor): f for f in descriptor.fields}
     for key, value in data.items():
         field = by_name.get(key) or descriptor.fields_by_name.get(key)
@@ -152,6 +170,29 @@ def _fill(message: Message, data: Any, path: str) -> None:
             getattr(message, field.name).SetInParent()
         else:
             setattr(message, field.name, _scalar_in(field, value, where))
+
+
+def _fill_member(message: Message, descriptor: Any, data: Mapping[str, Any], path: str) -> None:
+    """Fill the member of a union that ``data`` (one member's fields) is: the one its
+    ``type`` names (OpenEnv's discriminator: ``call_tool`` -> ``call_tool_action``), else
+    the first that takes every key."""
+    members = list(descriptor.fields)
+    kind = data.get("type")
+    if isinstance(kind, str):
+        named = [f for f in members if f.name == kind or f.name.startswith(f"{kind}_")]
+        members = named + [f for f in members if f not in named]
+    problems = []
+    for member in members:
+        target = getattr(message, member.name)
+        try:
+            _fill(target, data, path)
+        except JsonViewError as exc:
+            target.Clear()
+            problems.append(f"as {member.message_type.name}: {exc.problem}")
+            continue
+        target.SetInParent()
+        return
+    raise JsonViewError(path, "fits none of the union's members (" + "; ".join(problems) + ")")
 
 
 def _set_map(target: Any, entry: Any, key: str, item: Any, where: str) -> None:

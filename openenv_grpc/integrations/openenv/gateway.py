@@ -33,6 +33,7 @@ import socket
 import sys
 import threading
 import types
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -40,12 +41,15 @@ import grpc
 import uvicorn
 from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse
+from google.protobuf import json_format
 
 from openenv_grpc.client import AsyncSession, CapacityError, EnvError, OpenEnvError, SessionLost
 from openenv_grpc.client.channel import aio_channel
 from openenv_grpc.client.errors import SessionRefused
 from openenv_grpc.client.info import message_classes
+from openenv_grpc.codec import value_to_python
 from openenv_grpc.integrations.json_view import JsonViewError, from_json, to_json
+from openenv_grpc.integrations.trl.tools import find_tool_fields
 from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
 
@@ -90,6 +94,13 @@ class OpenEnvGateway:
             (AsyncSession[roles],),  # type: ignore[valid-type,misc]
         )
         self._channel: grpc.aio.Channel | None = None
+        #: Sessions made by ``openenv/session/create`` over HTTP /mcp, by id: MCP calls
+        #: and a WebSocket opened with ``?session_id=`` share them until
+        #: ``openenv/session/close`` (MCPToolClient's production mode).
+        self._held: dict[str, Any] = {}
+        self._tool_fields = find_tool_fields(
+            classes["action"].DESCRIPTOR, classes["observation"].DESCRIPTOR
+        )
         self.app = FastAPI(title=f"{info.env_name} (openenv-grpc)", version=info.env_version)
         self._routes()
 
@@ -139,6 +150,16 @@ class OpenEnvGateway:
                 "state": _json_schema(classes["state"].DESCRIPTOR),
             }
 
+        @app.post("/mcp")
+        async def mcp(request: Request) -> Any:
+            try:
+                call = json.loads(await request.body())
+            except json.JSONDecodeError:
+                return _rpc_error(None, -32700, "Parse error")
+            if not isinstance(call, dict) or not isinstance(call.get("method"), str):
+                return _rpc_error(None, -32600, "Invalid request")
+            return await self._mcp(call, _bearer(request.headers.get("authorization")))
+
         @app.websocket("/ws")
         async def ws(websocket: WebSocket) -> None:
             await self._serve_socket(websocket)
@@ -147,6 +168,20 @@ class OpenEnvGateway:
 
     async def _serve_socket(self, websocket: WebSocket) -> None:
         await websocket.accept()
+        attach = websocket.query_params.get("session_id")
+        if attach:  # MCPToolClient: the session its HTTP /mcp call made
+            held = self._held.get(attach)
+            if held is None:
+                await _send(websocket, _error("SESSION_ERROR", f"Unknown session_id: {attach}"))
+                await _close(websocket)
+                return
+            try:
+                await self._loop(websocket, held)
+            except (WebSocketDisconnect, SessionLost):
+                pass  # the session stays until openenv/session/close
+            finally:
+                await _close(websocket)
+            return
         token = _bearer(websocket.headers.get("authorization"))
         session = self._session_class(self.channel, token=token)
         try:
@@ -199,10 +234,10 @@ class OpenEnvGateway:
         """The frame answering one request; never raises for what the client sent."""
         try:
             if kind == "reset":
-                return _observation(await self._reset(session, data or {}))
+                return self._observation(await self._reset(session, data or {}))
             if kind == "step":
                 action = from_json(data if data is not None else {}, self._action, "action")
-                return _observation(await session.step(action))
+                return self._observation(await session.step(action))
             if kind == "state":
                 state = to_json(await session.state())
                 state.setdefault("episode_id", session.episode_id or None)
@@ -218,6 +253,23 @@ class OpenEnvGateway:
             raise
         except OpenEnvError as exc:
             return _error("EXECUTION_ERROR", f"{exc.code.name}: {exc.message}")
+        except Exception as exc:  # a bug here must not end the client's session
+            log.exception("the OpenEnv gateway failed to answer a %s frame", kind)
+            return _error("EXECUTION_ERROR", f"{type(exc).__name__}: {exc}")
+
+    def _observation(self, result: Any) -> str:
+        """OpenEnv's observation frame; a tools-protocol env's tool list as OpenEnv's
+        ``ListToolsObservation`` has it (a list of tools), so MCP clients read it."""
+        frame = _observation(result)
+        fields = self._tool_fields
+        if fields is None:
+            return frame
+        parsed = json.loads(frame)
+        observation = parsed["data"]["observation"]
+        listed = observation.pop(fields.tools, None)
+        if listed and listed.get("tools"):
+            observation["tools"] = listed["tools"]
+        return json.dumps(parsed)
 
     async def _reset(self, session: Any, data: Any) -> Any:
         if not isinstance(data, dict):
@@ -231,6 +283,104 @@ class OpenEnvGateway:
             options = from_json(rest, self._reset_options, "reset")
         return await session.reset(seed=seed, episode_id=episode_id, options=options)
 
+    async def _mcp(self, call: dict[str, Any], token: str | None) -> dict[str, Any]:
+        """One JSON-RPC call of OpenEnv's HTTP /mcp (session create/close, tools)."""
+        method, ident = call["method"], call.get("id")
+        params = call.get("params") or {}
+        if not isinstance(params, dict):
+            return _rpc_error(ident, -32602, "Params must be an object")
+        if method == "openenv/session/create":
+            session = self._session_class(self.channel, token=token)
+            try:
+                await session.open()
+            except CapacityError:
+                active, limit = await self._capacity()
+                return _rpc_error(
+                    ident, -32000,
+                    f"Server at capacity: {active}/{limit} sessions active. Cannot accept "
+                    "new connections.",
+                    {"active_sessions": active, "max_sessions": limit},
+                )  # fmt: skip
+            except SessionRefused as exc:
+                return _rpc_error(ident, -32000, f"{exc.code.name}: {exc.message}")
+            self._held[session.session_id] = session
+            return _rpc_result(ident, {"session_id": session.session_id})
+        held = self._held.get(str(params.get("session_id", "")))
+        if method == "openenv/session/close":
+            if held is None:
+                return _rpc_error(ident, -32602, f"Unknown session_id: {params.get('session_id')}")
+            del self._held[held.session_id]
+            with contextlib.suppress(Exception):
+                await held.close()
+            if held.is_open:
+                await held.abort()
+            return _rpc_result(ident, {"session_id": held.session_id, "closed": True})
+        if method not in ("tools/list", "tools/call"):
+            return _rpc_error(ident, -32601, f"Method not found: {method}")
+        if held is None:  # OpenEnv would make a throwaway env; a session needs a slot
+            return _rpc_error(ident, -32602, "tools/list and tools/call need a session_id "
+                              "(from openenv/session/create)")  # fmt: skip
+        try:
+            if not held.episode_id:  # OpenEnv calls tools before any reset; we need one
+                await held.reset()
+            if method == "tools/list":
+                return _rpc_result(ident, {"tools": await self._list_tools(held)})
+            name = params.get("name")
+            if not isinstance(name, str) or not name:
+                return _rpc_error(ident, -32602, "Missing 'name' in params")
+            return _rpc_result(ident, await self._call_tool(held, name, params.get("arguments")))
+        except _ToolFailed as exc:
+            return _rpc_error(ident, -32603, str(exc))
+        except (JsonViewError, TypeError, ValueError) as exc:
+            return _rpc_error(ident, -32602, str(exc))
+        except OpenEnvError as exc:
+            return _rpc_error(ident, -32603, f"{exc.code.name}: {exc.message}")
+
+    async def _list_tools(self, session: Any) -> list[dict[str, Any]]:
+        fields = self._tool_fields
+        if fields is not None:  # the tools protocol of openenv_grpc.tools (native envs)
+            action = self._action()
+            getattr(action, fields.list_call).SetInParent()
+            tools = getattr((await session.step(action)).observation, fields.tools)
+            return [
+                {
+                    "name": tool.name,
+                    "description": tool.description,
+                    "inputSchema": json_format.MessageToDict(tool.input_schema),
+                }
+                for tool in tools.tools
+            ]
+        observation = to_json(
+            (await session.step(self._mcp_action({"type": "list_tools"}))).observation
+        )
+        if "tools" not in observation:
+            raise _ToolFailed("Environment does not support MCP")
+        return [_tool_json(tool) for tool in observation["tools"] or []]
+
+    async def _call_tool(self, session: Any, name: str, arguments: Any) -> Any:
+        arguments = arguments if arguments is not None else {}
+        if not isinstance(arguments, dict):
+            raise JsonViewError("arguments", f"expected an object, got {arguments!r}")
+        fields = self._tool_fields
+        if fields is not None:
+            action = self._action()
+            call = getattr(action, fields.tool_call)
+            call.name, call.call_id = name, uuid.uuid4().hex[:12]
+            call.arguments.update(arguments)
+            observation = (await session.step(action)).observation
+            result = getattr(observation, fields.tool_result)
+            if result.is_error:
+                raise _ToolFailed(f"Tool '{name}' failed: {result.error}")
+            return {"data": value_to_python(result.content)}
+        action = self._mcp_action({"type": "call_tool", "tool_name": name, "arguments": arguments})
+        observation = to_json((await session.step(action)).observation)
+        if observation.get("error"):
+            raise _ToolFailed(f"Tool '{name}' failed: {observation['error'].get('message')}")
+        return observation.get("result")
+
+    def _mcp_action(self, data: dict[str, Any]) -> Any:
+        return from_json(data, self._action, "action")
+
     async def _capacity(self) -> tuple[int, int]:
         stub: Any = pb_grpc.EnvServiceStub(self.channel)
         try:
@@ -238,6 +388,28 @@ class OpenEnvGateway:
         except grpc.RpcError:
             return self.info.capacity.active_sessions, self.info.capacity.max_sessions
         return info.capacity.active_sessions, info.capacity.max_sessions
+
+
+class _ToolFailed(Exception):
+    """A tool answered an error (a JSON-RPC error for the caller)."""
+
+
+def _rpc_result(ident: Any, result: Any) -> dict[str, Any]:
+    return {"jsonrpc": "2.0", "result": result, "id": ident}
+
+
+def _rpc_error(ident: Any, code: int, message: str, data: Any = None) -> dict[str, Any]:
+    error: dict[str, Any] = {"code": code, "message": message}
+    if data is not None:
+        error["data"] = data
+    return {"jsonrpc": "2.0", "error": error, "id": ident}
+
+
+def _tool_json(tool: Any) -> dict[str, Any]:
+    """A bridged env's Tool as MCP lists it (``inputSchema``)."""
+    schema = tool.get("input_schema", tool.get("inputSchema")) or {}
+    return {"name": tool.get("name"), "description": tool.get("description") or "",
+            "inputSchema": schema}  # fmt: skip
 
 
 def _observation(result: Any) -> str:
