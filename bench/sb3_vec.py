@@ -8,6 +8,7 @@
 
     python -m bench.sb3_vec                                # N=8, 16384 steps, seed 0
     python -m bench.sb3_vec --num-envs 16 --timesteps 32768 --seed 1
+    python -m bench.sb3_vec --systems local remote-vector remote-sessions   # other order
 
 For each: PPO(seed) learns ``--timesteps`` env steps (fps = env steps / wall seconds of
 ``learn``), and a second pass measures the bare VecEnv with the same seeded random
@@ -103,18 +104,25 @@ def main() -> int:
     parser.add_argument("--timesteps", type=int, default=16384)
     parser.add_argument("--bare-steps", type=int, default=1000, help="vector steps, bare pass")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--systems", nargs="+", default=["remote-vector", "remote-sessions", "local"],
+        help="which, in this order (the load of a shared machine drifts: alternate orders)",
+    )  # fmt: skip
     args = parser.parse_args()
     rows: dict[str, Any] = {}
     with LocalProcessProvider("gymnasium", max_concurrent_envs=0) as server:
-        for name, make in makers(server.target, args.num_envs).items():
+        made = makers(server.target, args.num_envs)
+        for name in args.systems:
+            make = made[name]
             row = learn(make, args.seed, args.timesteps)
             row["bare_fps"] = bare(make, args.seed, args.bare_steps)
             rows[name] = row
             print(json.dumps({"system": name, **{k: v for k, v in row.items() if k != "curve"},
                               "episodes": len(row["curve"])}), flush=True)  # fmt: skip
-    same = {name: rows[name]["curve"] == rows["local"]["curve"] for name in rows}
+    first = rows[args.systems[0]]["curve"]
+    same = {name: rows[name]["curve"] == first for name in rows}
     summary = {"num_envs": args.num_envs, "timesteps": args.timesteps, "seed": args.seed,
-               "curves_equal_to_local": same, "load_average": os.getloadavg(),
+               f"curves_equal_to_{args.systems[0]}": same, "load_average": os.getloadavg(),
                "when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}  # fmt: skip
     print(json.dumps({"summary": summary}), flush=True)
     RESULTS.mkdir(exist_ok=True)
