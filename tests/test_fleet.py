@@ -261,3 +261,32 @@ def test_a_rolling_restart_loses_no_episode(caplog: pytest.LogCaptureFixture) ->
         for server in servers:
             server.proc.kill()
             server.stop()
+
+
+def test_gymnasium_adapters_spread_over_the_fleet() -> None:
+    """The Gymnasium adapters take a channel or a target: the fleet's balance holds."""
+    from openenv_grpc_envs.gymnasium.adapters import RemoteGymnasiumEnv, RemoteGymnasiumVectorEnv
+
+    servers = [ServerProcess("gymnasium", ["--max-concurrent-envs", "0"]) for _ in range(2)]
+    try:
+        with Fleet([server.target for server in servers]) as fleet:
+            fleet.wait_ready()
+            envs = [RemoteGymnasiumEnv(fleet.channel(), "CartPole-v1") for _ in range(4)]
+            assert fleet.loads() == {server.target: 2 for server in servers}
+            # The vector adapter takes a target string: several addresses balance too.
+            vectors = [RemoteGymnasiumVectorEnv(fleet.target, 2, "CartPole-v1") for _ in range(2)]
+            assert sum(load or 0 for load in fleet.loads().values()) == 8
+            for env in envs:
+                env.reset(seed=1)
+                env.step(env.action_space.sample())
+                env.close()
+            for vector in vectors:
+                vector.reset(seed=1)
+                vector.close()
+            # A string target made of several addresses balances too (its own channel).
+            with RemoteGymnasiumEnv(fleet.target, "CartPole-v1") as env:
+                env.reset(seed=1)
+                assert sum(load or 0 for load in fleet.loads().values()) == 1
+    finally:
+        for server in servers:
+            server.stop()
