@@ -195,14 +195,16 @@ def test_out_of_range_override_is_rejected() -> None:
 @pytest.mark.parametrize(
     ("environ", "streams"),
     [
-        ({}, 1024 + 32),
-        ({"MAX_CONCURRENT_ENVS": "10"}, 42),
+        ({}, 32768),  # the pending-call limit: every open of a burst reaches the limiter
+        ({"MAX_CONCURRENT_ENVS": "10"}, 32768),
+        ({"MAX_CONCURRENT_ENVS": "10", "MAX_PENDING_CALLS": "100"}, 100),
+        ({"MAX_CONCURRENT_ENVS": "40000"}, 40000 + 32),  # at least capacity + headroom
         ({"MAX_CONCURRENT_ENVS": "0"}, 0),
         ({"MAX_CONCURRENT_ENVS": "10", "MAX_STREAMS_PER_CONNECTION": "5"}, 5),
         ({"MAX_CONCURRENT_ENVS": "0", "MAX_STREAMS_PER_CONNECTION": "100"}, 100),
     ],
 )
-def test_streams_per_connection_default_to_the_capacity_plus_headroom(
+def test_streams_per_connection_default_to_the_pending_limit_or_capacity_plus_headroom(
     environ: dict[str, str], streams: int
 ) -> None:
     assert ServerConfig.from_env(environ).streams_per_connection == streams

@@ -75,6 +75,28 @@ def go_play(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     return [str(binary)]
 
 
+@pytest.fixture(scope="module")
+def burst_commands(
+    node_play: list[str], go_play: list[str], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, list[str]]:
+    """The burst programs (``clients/node/burst.js``, ``clients/go/burst``) by client:
+    COUNT opens at once on one connection, no retry, one JSON summary line."""
+    gopath = Path(go_play[0]).parent.parent  # the go_play fixture's GOPATH, stubs made
+    binary = gopath / "bin" / "burst"
+    environ = {
+        **os.environ,
+        "GOPATH": f"{gopath}{os.pathsep}/usr/share/gocode",
+        "GO111MODULE": "off",
+        "GOFLAGS": "",
+    }
+    built = subprocess.run(
+        ["go", "build", "-o", str(binary), "openenvgrpc/client/burst"],
+        cwd=gopath, env=environ, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert built.returncode == 0, f"go build failed:\n{built.stderr}"
+    return {"node": [node_play[0], str(NODE_DIR / "burst.js")], "go": [str(binary)]}
+
+
 @pytest.fixture(params=["node", "go"])
 def player(request: pytest.FixtureRequest) -> list[str]:
     """Each player in turn."""
@@ -380,5 +402,33 @@ def test_node_plays_a_bridged_openenv_env_from_info_descriptors(node_play: list[
             assert list(result.observation.missing) == picked["observation"]["missing"]
             assert result.reward == pytest.approx(picked["reward"])
             assert result.observation.weights == picked["observation"]["weights"]
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("write_first", [False, True], ids=["headers-first", "write-first"])
+@pytest.mark.parametrize("client", ["node", "go"])
+def test_a_burst_past_the_capacity_on_one_connection_is_admitted_or_full_with_pushback(
+    burst_commands: dict[str, list[str]], client: str, write_first: bool
+) -> None:
+    """4,000 opens at once on one grpc-js / grpc-go connection, at the default capacity
+    (1,024), no retry: each is admitted or RESOURCE_EXHAUSTED with the pushback hint.
+    Before: grpc-go saw 1,406 UNAVAILABLE (REFUSED_STREAM) waiting for its headers, 221
+    sending first; grpc-js 275 sending first."""
+    server = ServerProcess("echo")
+    try:
+        flags = ["--write-first"] if write_first else []
+        done = subprocess.run(
+            [*burst_commands[client], server.target, "4000", *flags],
+            capture_output=True, text=True, timeout=RUN_TIMEOUT * 2,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        full = (
+            "RESOURCE_EXHAUSTED (pushback)" if client == "node" else "ResourceExhausted (pushback)"
+        )
+        assert _summary(done.stdout) == {"admitted": 1024, "outcomes": {full: 2976}}
+        ServerProcess.wait_until(
+            lambda: server.active() == 0, 30, "every admitted session released"
+        )
     finally:
         server.stop()

@@ -150,11 +150,11 @@ def _read_frames(sock: socket.socket, seconds: float) -> Frames:
 @pytest.mark.parametrize(
     ("flags", "limit", "sessions"),
     [
-        # The default: the capacity plus 32 (Info, health, refusals on their way out).
-        (("--max-concurrent-envs", "200"), 232, 200),
+        # The default: the pending-call limit (at least the capacity plus 32).
+        (("--max-concurrent-envs", "200", "--max-pending-calls", "250"), 250, 200),
         (("--max-streams-per-connection", "256"), 256, 256),
     ],
-    ids=["capacity-plus-headroom", "explicit"],
+    ids=["pending-limit", "explicit"],
 )
 def test_a_connection_gets_at_most_its_streams_even_if_it_ignores_the_setting(
     start_server, flags: tuple[str, ...], limit: int, sessions: int

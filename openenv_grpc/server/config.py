@@ -312,12 +312,15 @@ class ServerConfig:
     max_streams_per_connection: int = setting(
         0, variable="MAX_STREAMS_PER_CONNECTION", flag="--max-streams-per-connection",
         minimum=0, maximum=_INT32_MAX,
-        shown_default="`0` (capacity + 32, or no limit when capacity is unlimited)",
+        shown_default="`0` (`MAX_PENDING_CALLS`, at least capacity + 32; no limit when "
+        "capacity is unlimited)",
         help="HTTP/2 streams (sessions and other calls) one client connection may have open",
-        details="it bounds what one connection's reset streams cost (rapid reset: grpc "
-        "counts a reset stream against it until the call is released). gRPC clients queue "
-        "calls beyond it, and every channel of a process to one target shares a "
-        "connection, so it must not be below the capacity",
+        details="grpc counts a stream against it until the server has let its call go, "
+        "and resets streams past it with REFUSED_STREAM (UNAVAILABLE to most clients) "
+        "instead of our RESOURCE_EXHAUSTED: below the largest burst of opens one "
+        "connection sends, a burst past the capacity gets some. It also bounds what one "
+        "connection's reset streams hold (rapid reset); `MAX_PENDING_CALLS` bounds all "
+        "connections together",
     )  # fmt: skip
     max_pending_calls: int = setting(
         32768, variable="MAX_PENDING_CALLS", flag="--max-pending-calls",
@@ -340,10 +343,15 @@ class ServerConfig:
 
     @property
     def streams_per_connection(self) -> int:
-        """The HTTP/2 stream limit per connection (0: none)."""
+        """The HTTP/2 stream limit per connection (0: none): by default the pending-call
+        limit, so that every open a connection can send reaches the limiter (admitted or
+        RESOURCE_EXHAUSTED with pushback, never REFUSED_STREAM), and the server-wide bound
+        on held calls stays ``max_pending_calls``."""
         if self.max_streams_per_connection:
             return self.max_streams_per_connection
-        return self.capacity + STREAM_HEADROOM if self.capacity else 0
+        if not self.capacity:
+            return 0
+        return max(self.capacity + STREAM_HEADROOM, self.max_pending_calls)
 
     @property
     def address(self) -> str:

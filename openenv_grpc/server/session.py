@@ -476,8 +476,10 @@ class SessionManager:
 
     async def _refuse(self, context: _Context, admission: Admission, asked: int) -> None:
         if admission is Admission.DRAINING:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE, "server is draining: not admitting new sessions"
+            await self.limiter.refuse(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                "server is draining: not admitting new sessions",
             )
         limiter = self.limiter
         pushback: tuple[tuple[str, str], ...] = (
@@ -497,7 +499,7 @@ class SessionManager:
                 f"server at {limiter.describe()}: {asked} envs asked, {limiter.free} free; "
                 "retry later or elsewhere"
             )
-        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message, trailing_metadata=pushback)
+        await limiter.refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, message, pushback)
 
     def _end_message(self, reason: _EndReason) -> str:
         if reason is _EndReason.IDLE:

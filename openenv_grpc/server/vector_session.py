@@ -138,7 +138,7 @@ class VectorSessions:
         try:
             size, autoreset = read_open(context.invocation_metadata(), self.max_envs)
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await self._manager.limiter.refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         await self._manager.run(context, _VectorOpening(self, size, autoreset))
 
     async def open(self, held: Held, size: int, autoreset: AutoresetMode) -> VectorDriver:
