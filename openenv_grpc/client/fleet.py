@@ -254,6 +254,16 @@ class Fleet:
                 return healthy
             time.sleep(0.02)
 
+    def envoy_endpoints(self) -> list[dict[str, Any]]:
+        """The nodes as Envoy ``lb_endpoints``, for a proxy in front of the fleet:
+        ``deploy/envoy/envoy.template.yaml`` takes them as ``LB_ENDPOINTS`` (JSON)."""
+        endpoints = []
+        for node in self._nodes:
+            host, _, port = node.rpartition(":")
+            address = {"address": host.strip("[]"), "port_value": int(port)}
+            endpoints.append({"endpoint": {"address": {"socket_address": address}}})
+        return endpoints
+
     # -- sessions ----------------------------------------------------------------------
 
     def recovery(self, every: int = 1, within: float = 30.0) -> Recovery:
