@@ -658,8 +658,8 @@ def test_a_long_type_url_in_a_vector_step_is_refused_and_the_stream_goes_on(serv
             "server (--max-vector-envs)",
         ),
     ],
-    ids=["num-envs-twice", "autoreset-twice", "spaces", "trailing-space", "sign", "hex", "decimal-point",
-         "5000-digits"],
+    ids=["num-envs-twice", "autoreset-twice", "spaces", "trailing-space", "sign", "hex",
+         "decimal-point", "5000-digits"],
 )  # fmt: skip
 def test_vector_open_headers_are_strict(server, metadata, message: str) -> None:  # type: ignore[no-untyped-def]
     """Duplicate headers (the last one won) and N that is not plain ASCII digits (" 8 "
