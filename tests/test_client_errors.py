@@ -143,12 +143,10 @@ def test_a_bad_seed_raises_the_python_base_a_caller_expects(server) -> None:
 
 def test_bad_options_and_actions_name_the_parameter_and_the_type_it_accepts(server) -> None:
     with EchoEnv(server.target) as env:
-        with pytest.raises(
-            TypeError, match=r"options must be a .*EchoResetOptions message, got dict"
-        ):
+        with pytest.raises(TypeError, match=r"options must be .*EchoResetOptions, got dict"):
             env.reset(options={"max_steps": 3})  # type: ignore[arg-type]
         env.reset()
-        with pytest.raises(TypeError, match=r"action must be a .*EchoAction message, got str"):
+        with pytest.raises(TypeError, match=r"action must be .*EchoAction, got str"):
             env.step("hello")  # type: ignore[arg-type]
         assert env.step(EchoAction(message="ok")).step_count == 1
     with Session(server.target) as untyped:  # no pinned types: still named

@@ -250,7 +250,7 @@ def pack_typed(
     """
     if pinned is not None and not isinstance(message, pinned):
         raise PayloadTypeError(
-            f"{what} must be a {pinned.DESCRIPTOR.full_name} message, got {_kind(message)}"
+            f"{what} must be {pinned.DESCRIPTOR.full_name}, got {type(message).__qualname__}"
         )
     if not isinstance(message, Message):
         raise PayloadTypeError(f"{what} must be a protobuf message, got {_kind(message)}")
