@@ -132,6 +132,16 @@ def test_the_sbatch_recipe_serves_on_every_node_and_drains_on_scancel(
     assert seen["alive_servers_after_stop"] == []
 
 
+def test_the_job_of_a_killed_owner_is_cancelled_by_the_next_start(
+    cluster: SlurmCluster,
+) -> None:
+    seen = cluster.run("orphan")
+    assert seen["running_after_owner_died"]
+    assert seen["cancelled"] == [seen["job"]]
+    assert seen["jobs_after"] == ""
+    assert not seen["workdir_left"]
+
+
 # -- the scenarios (run inside the namespace) --------------------------------------------
 
 
@@ -324,7 +334,42 @@ def _recipe() -> dict[str, Any]:
     }
 
 
+def _orphan() -> dict[str, Any]:
+    from openenv_grpc.providers.slurm import cleanup_orphan_jobs
+
+    _wait_idle(1)
+    owner = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time\n"
+         "from openenv_grpc.providers.slurm import SlurmProvider\n"
+         "p = SlurmProvider('echo', nodes=1, grace=1)\n"
+         "p.start()\n"
+         "print(p.job_id, p.workdir, flush=True)\n"
+         "time.sleep(600)\n"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert owner.stdout is not None
+    job, workdir = owner.stdout.readline().split()
+    owner.kill()  # SIGKILL: its stop() never runs
+    owner.wait()
+    queue = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True)
+    running = queue.stdout.split() == [job]
+    cancelled = cleanup_orphan_jobs()  # what every start() runs first
+    deadline = time.monotonic() + 60
+    while subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout:
+        assert time.monotonic() < deadline, "the orphan job did not end"
+        time.sleep(0.2)
+    return {
+        "job": job,
+        "running_after_owner_died": running,
+        "cancelled": cancelled,
+        "jobs_after": "",
+        "workdir_left": Path(workdir).exists(),
+    }
+
+
 SCENARIOS = {
+    "orphan": _orphan,
     "recipe": _recipe,
     "spread_and_node_loss": _spread_and_node_loss,
     "drain_on_scancel": _drain_on_scancel,

@@ -51,6 +51,9 @@ __all__ = ["SlurmProvider", "cleanup_orphan_jobs"]
 #: Prefix of every job name this module submits (``squeue --name`` finds them).
 JOB_PREFIX = "openenv-grpc-"
 
+#: Prefix of the temp dirs :meth:`SlurmProvider.start` makes (no ``workdir`` given).
+_TEMP_PREFIX = "openenv-grpc-slurm-"
+
 #: States of a job still queued or running.
 _LIVE_STATES = frozenset(
     {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "RESIZING", "REQUEUED"}
@@ -91,20 +94,22 @@ def _owner_comment() -> str:
 
 
 def cleanup_orphan_jobs(environ: Mapping[str, str] | None = None) -> list[str]:
-    """Cancel this module's jobs whose owner process (on this machine) is gone.
+    """Cancel this module's jobs whose owner process (on this machine) is gone, and
+    delete the temp dirs they were submitted from.
 
     Returns:
         The job ids cancelled.
     """
     env = {**os.environ, **(environ or {})}
     try:
-        listing = _run(["squeue", "-h", "-o", "%i|%j|%k", "--me"], env)
+        listing = _run(["squeue", "-h", "-o", "%i|%j|%o|%k", "--me"], env)
     except ProviderError:
         return []
     cancelled = []
     for line in listing.splitlines():
         job, _, rest = line.partition("|")
-        name, _, comment = rest.partition("|")
+        name, _, rest = rest.partition("|")
+        script, _, comment = rest.partition("|")
         if not name.startswith(JOB_PREFIX) or not comment.startswith("openenv-grpc "):
             continue
         labels = dict(item.split("=", 1) for item in comment.split()[1:] if "=" in item)
@@ -114,6 +119,9 @@ def cleanup_orphan_jobs(environ: Mapping[str, str] | None = None) -> list[str]:
             except ProviderError:
                 continue
             cancelled.append(job)
+            workdir = Path(script).parent
+            if workdir.name.startswith(_TEMP_PREFIX):  # made by the dead owner's start()
+                shutil.rmtree(workdir, ignore_errors=True)
     return cancelled
 
 
@@ -242,7 +250,7 @@ class SlurmProvider(Provider):
         if self.job_id:
             raise RuntimeError("the provider is already started")
         cleanup_orphan_jobs(self.slurm_env)
-        self.workdir = self._workdir_given or Path(tempfile.mkdtemp(prefix="openenv-grpc-slurm-"))
+        self.workdir = self._workdir_given or Path(tempfile.mkdtemp(prefix=_TEMP_PREFIX))
         self.workdir.mkdir(parents=True, exist_ok=True)
         path = self.workdir / "openenv-grpc.sbatch"
         path.write_text(self.script())
