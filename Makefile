@@ -10,7 +10,7 @@ ENV ?= echo
 NODE_CLIENT := clients/node/node_modules/.installed
 GOPATH_DIR := build/gopath
 
-.PHONY: install serve test pytest lint proto proto-check clean bench-echo bench-gym clients go-play \
+.PHONY: install serve test test-fast pytest lint proto proto-check clean bench-echo bench-gym clients go-play \
 	buf-breaking system-deps image dockerd bench bench-vector bench-snapshots console \
 	console-screenshot settings-table
 
@@ -53,6 +53,12 @@ serve: $(VENV)/.serve-$(ENV)
 
 ## test: the whole suite: lint, generated-code drift, wire compatibility, then every test
 test: system-deps lint proto-check buf-breaking pytest
+
+## test-fast: the minutes-long loop: lint + every test that starts no server of its own
+## (in-process tests, and server tests sharing one server per module or class); no
+## containers, proxies, browsers, other languages, training, fuzzers or attack floods
+test-fast: lint $(VENV)/.installed
+	$(PY) -m pytest -q -m "not slow and not fresh_server"
 
 ## system-deps: the Debian packages the tests need (Node, Go + grpc-go, protoc, Chromium), if missing
 system-deps:

@@ -32,7 +32,7 @@ from openenv_grpc_envs.echo import (
     EchoState,
 )
 
-pytestmark = pytest.mark.timeout(20)
+pytestmark = [pytest.mark.timeout(20), pytest.mark.shared_server]
 
 #: What a client sees when its server's process dies under it (the socket closes).
 LOST_CODES = {grpc.StatusCode.UNAVAILABLE}
@@ -64,7 +64,7 @@ def test_typed_client_rejects_wrong_action_type_before_sending(server) -> None:
         with pytest.raises(PayloadTypeError, match="action must be"):
             env.step(EchoResetOptions())  # type: ignore[arg-type]
         # Wrong reset options: had this been sent, the server would have reset the episode.
-        with pytest.raises(PayloadTypeError, match="reset options must be"):
+        with pytest.raises(PayloadTypeError, match="options must be"):
             env.reset(episode_id="other", options=act("x"))  # type: ignore[arg-type]
         result = env.step(act("b"))
         assert result.observation.echoed_message == "b"
@@ -79,7 +79,7 @@ def test_typed_async_client_rejects_wrong_action_type_before_sending(server) -> 
             await env.reset(episode_id="ep")
             with pytest.raises(PayloadTypeError, match="action must be"):
                 await env.step(EchoState())  # type: ignore[arg-type]
-            with pytest.raises(PayloadTypeError, match="reset options must be"):
+            with pytest.raises(PayloadTypeError, match="options must be"):
                 await env.reset(episode_id="other", options=act("x"))  # type: ignore[arg-type]
             result = await env.step(act("ok"))
             assert (result.episode_id, result.step_count) == ("ep", 1)

@@ -16,7 +16,7 @@ import pytest
 from openenv_grpc import EnvError
 from openenv_grpc_envs.echo import EchoAction, EchoEnv, EchoObservation, EchoResetOptions
 
-pytestmark = pytest.mark.timeout(20)
+pytestmark = [pytest.mark.timeout(20), pytest.mark.shared_server]
 
 OBSERVATION = "openenv_grpc_envs.echo.v1.EchoObservation"
 INVALID_ACTION = "openenv_grpc.environment.InvalidAction"

@@ -13,6 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from openenv_grpc import CapacityError, EnvError, Session
 from openenv_grpc_envs.echo import EchoAction, EchoEnv
 
+pytestmark = pytest.mark.shared_server
+
 _METRICS_LINE = re.compile(r"metrics on (http://\S+/metrics)")
 
 

@@ -34,6 +34,8 @@ from openenv_grpc_envs.echo import (
     EchoVectorEnv,
 )
 
+pytestmark = pytest.mark.shared_server
+
 
 def _say(*messages: str) -> list[EchoAction]:
     return [EchoAction(message=m) for m in messages]

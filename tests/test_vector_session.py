@@ -13,6 +13,8 @@ from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc_envs.echo import EchoAction, EchoObservation, EchoResetOptions, EchoState
 from support.raw_vector import RawVector, open_metadata
 
+pytestmark = pytest.mark.shared_server
+
 INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION.value[0]
 INTERNAL = grpc.StatusCode.INTERNAL.value[0]

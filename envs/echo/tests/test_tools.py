@@ -10,6 +10,8 @@ from openenv_grpc import EnvError
 from openenv_grpc.tools import ListToolsCall, ToolCall
 from openenv_grpc_envs.echo import EchoAction, EchoEnv
 
+pytestmark = pytest.mark.shared_server
+
 
 def call(name: str, call_id: str = "c1", **arguments: object) -> EchoAction:
     action = EchoAction(tool_call=ToolCall(call_id=call_id, name=name))
