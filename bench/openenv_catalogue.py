@@ -100,10 +100,16 @@ def main() -> int:
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the per-env subprocess
     parser.add_argument("-v", "--verbose", action="store_true")
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="compare OpenEnv's server with a second OpenEnv server instead of ours: "
+        "what differs then is the env's own nondeterminism",
+    )
     args = parser.parse_args()
     envs_dir = (args.root / "envs").resolve()
     if args.one:
-        print(json.dumps(measure(envs_dir, args.one)), flush=True)
+        print(json.dumps(measure(envs_dir, args.one, args.control)), flush=True)
         return 0
     names = sorted(p.name for p in envs_dir.iterdir() if p.is_dir() and (p / "server").is_dir())
     names = sorted(names + [k for k in SCENARIOS if k.partition(":")[0] in names and ":" in k])
@@ -114,7 +120,8 @@ def main() -> int:
         started = time.monotonic()
         try:
             done = subprocess.run(
-                [sys.executable, __file__, "--root", str(args.root), "--one", name],
+                [sys.executable, __file__, "--root", str(args.root), "--one", name]
+                + (["--control"] if args.control else []),
                 capture_output=True, text=True, timeout=600,
             )  # fmt: skip
             # The env's own logging may follow (atexit handlers): the row is the last
@@ -133,7 +140,7 @@ def main() -> int:
     return 0
 
 
-def measure(envs_dir: Path, name: str) -> dict[str, Any]:
+def measure(envs_dir: Path, name: str, control: bool = False) -> dict[str, Any]:
     ref = f"{name.partition(':')[0]}.server.app:app"
     reset, actions, extra_env = SCENARIOS.get(name, ({}, [], {}))
     # One hash seed for both servers: an env that lists a set (repl_env's variables)
@@ -142,9 +149,11 @@ def measure(envs_dir: Path, name: str) -> dict[str, Any]:
     row: dict[str, Any] = {"env": name, "scenario": name in SCENARIOS}
     with (
         _process(
+            [sys.executable, "-m", "uvicorn", ref, "--host", "127.0.0.1", "--port", "0"]
+            if control else
             [sys.executable, "-m", "openenv_grpc", "serve", "--openenv", ref,
              "--host", "127.0.0.1", "--port", "0", "--max-concurrent-envs", "1"],
-            envs_dir, environ, SERVING,
+            envs_dir, environ, UVICORN if control else SERVING,
         ) as (ours, our_error),
         _process(
             [sys.executable, "-m", "uvicorn", ref, "--host", "127.0.0.1", "--port", "0"],
@@ -167,7 +176,10 @@ def measure(envs_dir: Path, name: str) -> dict[str, Any]:
 
         try:
             theirs_answers = openenv_episode(f"http://127.0.0.1:{theirs}", reset, actions)
-            ours_answers = grpc_episode(adapter_for(ref), f"127.0.0.1:{ours}", reset, actions)
+            if control:
+                ours_answers = openenv_episode(f"http://127.0.0.1:{ours}", reset, actions)
+            else:
+                ours_answers = grpc_episode(adapter_for(ref), f"127.0.0.1:{ours}", reset, actions)
         except Exception as exc:
             row["same"] = f"episode failed: {type(exc).__name__}: {str(exc)[:200]}"
             return row
