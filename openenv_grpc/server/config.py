@@ -2,8 +2,8 @@
 
 :class:`ServerConfig` is the one dataclass; each field is declared with :func:`setting`,
 which records everything else about it. The ``openenv-grpc serve`` options, the variables
-:meth:`ServerConfig.from_env` reads and the README's settings table are all made from
-these declarations (``tests/test_cli_config.py`` fails when the README drifts).
+:meth:`ServerConfig.from_env` reads and the settings table (docs/settings.md) are all made from
+these declarations (``tests/test_cli_config.py`` fails when the page drifts).
 
 Precedence: an explicit argument, then the environment variable, then the default.
 Nothing is read at import time; :meth:`ServerConfig.from_env` reads the environment when
@@ -96,7 +96,7 @@ def _default_threads() -> int:
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
     """How a server listens, admits sessions and reclaims them; see each field's setting
-    (``openenv-grpc serve --help`` and the README's settings table say the same)."""
+    (``openenv-grpc serve --help`` and the settings table (docs/settings.md) say the same)."""
 
     host: str = setting(
         "127.0.0.1", variable="HOST", flag="--host",
@@ -424,7 +424,7 @@ ENV_VARS: dict[str, str] = {name: meta.variable for name, _, meta, _ in settings
 
 
 def settings_table() -> str:
-    """The README's settings table, in Markdown (one row per setting)."""
+    """The settings table of docs/settings.md, in Markdown (one row per setting)."""
     lines = ["| flag | variable | default | meaning |", "|---|---|---|---|"]
     for _, _, meta, default in settings():
         flag = f"`{meta.flag}`" if meta.flag else "—"
