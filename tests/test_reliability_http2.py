@@ -315,3 +315,44 @@ def test_an_outsider_cannot_make_the_server_buffer_a_request(start_server, path:
     assert growth <= 16
     assert fetch_info(server.target, token="s3cret").capacity.active_sessions == 0
     assert server.created() == 0
+
+
+HEALTH_CHECK_PATH = "/grpc.health.v1.Health/Check"
+HEALTH_WATCH_PATH = "/grpc.health.v1.Health/Watch"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "path", [HEALTH_CHECK_PATH, HEALTH_WATCH_PATH, INFO_PATH], ids=["check", "watch", "info"]
+)
+def test_a_unary_request_that_never_completes_is_let_go_after_its_deadline(
+    start_server, path: str
+) -> None:
+    """Health calls are exempt from AUTH_TOKEN and grpc.aio reads a unary request whole
+    before the handler runs: 16 streams each sending all of an 8 MiB request but its last
+    KiB held +1 GiB over 8 connections for as long as the client kept them (an outside
+    attack on this round's fixes). Now each such call ends DEADLINE_EXCEEDED once its
+    request has not arrived within REQUEST_ARRIVAL_SECONDS, and the memory goes back."""
+    from openenv_grpc.server.request_deadline import REQUEST_ARRIVAL_SECONDS
+
+    # Health is open to all with AUTH_TOKEN set; Info is, on a server without one.
+    token = None if path == INFO_PATH else "s3cret"
+    server = start_server(
+        "support.envs:CountingEchoEnv", extra_env={"AUTH_TOKEN": token} if token else {}
+    )
+    pid = server.proc.pid
+    fetch_info(server.target, token=token)  # warm-up
+    baseline = rss_mib(pid)
+    sender = SlowSender(server.target, 16, 4 * 2**20, path=path)
+    try:
+        sender.push(REQUEST_ARRIVAL_SECONDS)
+        # The connection stays up (PINGs answered): only the deadline can end the calls.
+        server.wait_until(lambda: (sender.idle(0.2), len(sender.ended) == 16)[1], 60, "16 ended")
+        held = rss_mib(pid) - baseline
+    finally:
+        sender.close()
+    expected = f"status 4: the request did not arrive within {REQUEST_ARRIVAL_SECONDS:g} s"
+    assert set(sender.ended.values()) == {expected}
+    server.wait_until(lambda: rss_mib(pid) - baseline <= 24, 30, "the memory given back")
+    print(f"\nHTTP2 unary slow sender {path}: ended 16/16, RSS +{held:.1f} MiB before the trim")
+    assert server.health() == 1  # SERVING: an honest probe is answered as before

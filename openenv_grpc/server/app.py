@@ -31,6 +31,7 @@ from openenv_grpc.server.limiter import SessionLimiter
 from openenv_grpc.server.metrics import PrometheusMetrics
 from openenv_grpc.server.metrics_endpoint import MetricsEndpoint
 from openenv_grpc.server.orphans import reclaim_orphans_quietly
+from openenv_grpc.server.request_deadline import UnaryRequestDeadline
 from openenv_grpc.server.service import EnvServicer, add_env_service
 from openenv_grpc.server.session import SessionManager
 from openenv_grpc.server.snapshots import KeyRing, SnapshotSeal
@@ -161,9 +162,12 @@ class EnvServer:
         self.spec.env_class.check_settings()  # the env's own settings, before any session
         # Leftovers of a previous run go before any new instance competes for them.
         await asyncio.to_thread(reclaim_orphans_quietly, self.spec.env_class)
-        interceptors = (
+        # Auth first: a refused call is never read; an allowed unary one gets a deadline
+        # on its request's arrival (request_deadline.py).
+        interceptors: list[grpc.aio.ServerInterceptor] = (
             [TokenAuthInterceptor(self.config.auth_token)] if self.config.auth_token else []
         )
+        interceptors.append(UnaryRequestDeadline())
         limiter = SessionLimiter(self.config.capacity)
         prometheus: PrometheusMetrics | None = None
         if self.config.metrics_port >= 0:
