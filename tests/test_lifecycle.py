@@ -298,8 +298,26 @@ def test_half_close_without_close_command_closes_env(server) -> None:
 
 
 def test_close_command_closes_env_and_ends_stream_ok(server) -> None:
-    with EchoEnv(server.target) as env:
-        env.reset()
+    reset = pb.SessionRequest(request_id=1)
+    reset.reset.episode_id = "closing"
+    close = pb.SessionRequest(request_id=2)
+    close.close.SetInParent()
+    with grpc.insecure_channel(server.target) as channel:
+        # The close command, then the stream stays open from the client's side: the
+        # server ends it, with OK.
+        gate = threading.Event()
+
+        def requests():  # type: ignore[no-untyped-def]
+            yield reset
+            yield close
+            gate.wait(30)
+
+        call = pb_grpc.EnvServiceStub(channel).Session(requests())
+        responses = list(call)
+        gate.set()
+        assert call.code() is grpc.StatusCode.OK, call.details()
+    assert [r.request_id for r in responses][:1] == [1]
+    assert responses[0].result.episode_id == "closing"
     _wait_released(server, 1)
 
 
