@@ -22,6 +22,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from openenv_grpc.client.channel import channel_options
+from openenv_grpc.client.fleet import fleet_options, fleet_target
 from openenv_grpc.client.sync_session import Session
 
 if TYPE_CHECKING:
@@ -177,3 +178,26 @@ def wait_serving(
             except grpc.RpcError as exc:
                 last = str(exc.code())
             time.sleep(0.05)
+
+
+class FleetProvider(Provider):
+    """A provider of several servers (one per node or task) in :attr:`servers`, offered
+    as one target balanced per stream (see :mod:`openenv_grpc.client.fleet`)."""
+
+    #: Each server's facts, in start order; ``"target"`` is its ``host:port``.
+    servers: list[dict[str, Any]]
+
+    @property
+    def targets(self) -> list[str]:
+        """``host:port`` of every server, in start order."""
+        if not self.servers:
+            raise ProviderError("the provider has not been started")
+        return [server["target"] for server in self.servers]
+
+    @property
+    def target(self) -> str:
+        """Every server as one gRPC target, balanced per stream (``ipv4:a:p,b:q``)."""
+        return fleet_target(self.targets)
+
+    def extra_channel_options(self) -> list[tuple[str, Any]]:
+        return fleet_options()

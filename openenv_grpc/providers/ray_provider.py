@@ -35,9 +35,8 @@ from typing import Any
 
 import grpc
 
-from openenv_grpc.client.fleet import fleet_options, fleet_target
 from openenv_grpc.metadata import SERVICE_NAME, SERVING_LINE
-from openenv_grpc.providers.base import Provider, ProviderError, wait_serving
+from openenv_grpc.providers.base import FleetProvider, ProviderError, wait_serving
 
 __all__ = ["RayProvider", "ServerActor"]
 
@@ -128,7 +127,7 @@ class ServerActor:
         return self._proc.returncode
 
 
-class RayProvider(Provider):
+class RayProvider(FleetProvider):
     """``replicas`` servers of ``env`` on a Ray cluster (see the module's docstring).
 
     Args:
@@ -198,21 +197,6 @@ class RayProvider(Provider):
         self._joined = False
         #: Where each server is: target, node_id, pid, raylet_pid (see :meth:`refresh`).
         self.servers: list[dict[str, Any]] = []
-
-    @property
-    def targets(self) -> list[str]:
-        """``host:port`` of every server, in bundle order."""
-        if not self.servers:
-            raise ProviderError("the provider has not been started")
-        return [server["target"] for server in self.servers]
-
-    @property
-    def target(self) -> str:
-        """Every server as one gRPC target, balanced per stream (``ipv4:a:p,b:q``)."""
-        return fleet_target(self.targets)
-
-    def extra_channel_options(self) -> list[tuple[str, Any]]:
-        return fleet_options()
 
     def start(self) -> None:
         """Join the cluster, place and start the servers, wait for SERVING.

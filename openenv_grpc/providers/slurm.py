@@ -41,9 +41,8 @@ from typing import Any
 
 import grpc
 
-from openenv_grpc.client.fleet import fleet_options, fleet_target
 from openenv_grpc.metadata import SERVICE_NAME, SERVING_LINE
-from openenv_grpc.providers.base import Provider, ProviderError, wait_serving
+from openenv_grpc.providers.base import FleetProvider, ProviderError, wait_serving
 from openenv_grpc.providers.ownership import owner_gone, owner_labels
 
 __all__ = ["SlurmProvider", "cleanup_orphan_jobs"]
@@ -125,7 +124,7 @@ def cleanup_orphan_jobs(environ: Mapping[str, str] | None = None) -> list[str]:
     return cancelled
 
 
-class SlurmProvider(Provider):
+class SlurmProvider(FleetProvider):
     """One ``openenv-grpc serve`` per node of a SLURM job (see the module's docstring).
 
     Args:
@@ -195,21 +194,6 @@ class SlurmProvider(Provider):
         self.job_id = ""
         #: Each server: task, node (name) and target, in task order.
         self.servers: list[dict[str, Any]] = []
-
-    @property
-    def targets(self) -> list[str]:
-        """``host:port`` of every server, in task order."""
-        if not self.servers:
-            raise ProviderError("the provider has not been started")
-        return [server["target"] for server in self.servers]
-
-    @property
-    def target(self) -> str:
-        """Every server as one gRPC target, balanced per stream (``ipv4:a:p,b:q``)."""
-        return fleet_target(self.targets)
-
-    def extra_channel_options(self) -> list[tuple[str, Any]]:
-        return fleet_options()
 
     def script(self) -> str:
         """The batch script :meth:`start` submits."""
