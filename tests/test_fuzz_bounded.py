@@ -1,7 +1,7 @@
 """Runs the atheris fuzzer (tests/fuzz/fuzz_session.py) for a bounded number of inputs,
 and checks the answers its regression inputs must get.
 
-The fuzzer drives the server's request handling in-process (``EpisodeDriver`` over the
+The fuzzer drives the server's request handling in-process (``SessionView`` over the
 echo env, ``openenv_grpc.codec``, the echo env's tools); see its docstring for the
 properties. Everything here is strict: no input or bug class is skipped.
 
@@ -33,8 +33,10 @@ import pytest
 from google.protobuf import struct_pb2
 
 from openenv_grpc.codec import info_from_struct
-from openenv_grpc.server.episode import EpisodeDriver
-from openenv_grpc.server.runner import EnvRunner
+from openenv_grpc.environment import AutoresetMode
+from openenv_grpc.server.calls import local_calls
+from openenv_grpc.server.phases import SESSION_WORDS
+from openenv_grpc.server.session_view import SessionView
 from openenv_grpc.server.spec import EnvSpec
 from openenv_grpc.tools.v1.tools_pb2 import ToolCall
 from openenv_grpc.v1 import session_pb2 as pb
@@ -144,20 +146,20 @@ def _frames(data: bytes) -> list[bytes]:
 
 
 def _run_session(requests: list[pb.SessionRequest]) -> list[pb.SessionResponse]:
-    """Hand ``requests`` in turn to one ``EpisodeDriver`` over a fresh echo env, as the
+    """Hand ``requests`` in turn to one ``SessionView`` over a fresh echo env, as the
     server does for one stream."""
     spec = EnvSpec.from_factory(EchoEnvironment)
 
     async def main(pool: ThreadPoolExecutor) -> list[pb.SessionResponse]:
-        async def new_runner() -> EnvRunner:
-            return await EnvRunner.create(spec, pool)
-
-        driver = EpisodeDriver(spec, await new_runner(), new_runner, None)
+        calls = await local_calls(
+            spec, 1, AutoresetMode.DISABLED, pool, words=SESSION_WORDS, native=False
+        )
+        driver = SessionView(spec, calls)
         try:
             answers = [await driver.handle(r.SerializeToString()) for r in requests]
             return [pb.SessionResponse.FromString(a.response) for a in answers]
         finally:
-            await driver.runner.close()
+            await driver.close()
 
     with ThreadPoolExecutor(1) as pool:
         return asyncio.run(main(pool))

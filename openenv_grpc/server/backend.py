@@ -6,10 +6,11 @@ backend says what it answered (:class:`Answer`): the session records the metrics
 that, and ends the stream after a close, so no flag or metrics sink is relayed through
 the layers below it.
 
-The two backends: :class:`~openenv_grpc.server.episode.EpisodeDriver` (the env in this
-process) and :class:`~openenv_grpc.server.env_process_pool.EnvProcessBackend` (the env in
-an env process of ``--isolated``; the driver runs there). A VectorSession stream's backend
-is :class:`~openenv_grpc.server.vector_episode.VectorDriver`, wherever its envs run.
+A Session's backend is :class:`~openenv_grpc.server.session_view.SessionView` (the env in
+this process) or :class:`~openenv_grpc.server.env_process_pool.EnvProcessBackend` (the env
+in an env process of ``--isolated``; a SessionView runs there). A VectorSession stream's
+backend is :class:`~openenv_grpc.server.vector_view.VectorView`, wherever its envs run.
+Both views ask the one driver (``driver.py``).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ exchanges with the front.
 
 An env process hosts env instances for the front (``env_process_pool.py``) and answers
 one frame at a time, in the order the frames arrive, with the same request handler as the
-in-process path (:class:`~openenv_grpc.server.episode.EpisodeDriver`). It talks to the
+in-process path (:class:`~openenv_grpc.server.session_view.SessionView`). It talks to the
 front over one socket pair with asyncio streams; nothing is pickled after start-up (only
 the factory reference, once, to spawn the process).
 
@@ -39,18 +39,18 @@ import grpc
 from openenv_grpc.codec import PayloadError, unpack
 from openenv_grpc.environment import AutoresetMode, InvalidAction
 from openenv_grpc.server.backend import Answer, Outcome, UndecodableRequest
-from openenv_grpc.server.episode import EpisodeDriver
-from openenv_grpc.server.runner import EnvRunner
-from openenv_grpc.server.snapshots import SnapshotSeal
-from openenv_grpc.server.spec import EnvSpec, ExecutionMode
-from openenv_grpc.server.vector_batch import batch_spec
-from openenv_grpc.server.vector_episode import (
+from openenv_grpc.server.calls import (
     BatchRefused,
     LocalBatchCalls,
     ResetArgs,
     RestoreArgs,
     StepArgs,
+    local_calls,
 )
+from openenv_grpc.server.phases import SESSION_WORDS
+from openenv_grpc.server.session_view import SessionView
+from openenv_grpc.server.snapshots import SnapshotSeal
+from openenv_grpc.server.spec import EnvSpec, ExecutionMode
 from openenv_grpc.server.vector_frames import (
     fill_errors,
     fill_result,
@@ -163,16 +163,13 @@ async def _serve(
         # The worker is the env's own process: blocking calls run inline, one at a time.
         spec = dataclasses.replace(spec, mode=ExecutionMode.INLINE)
     reader, writer = await asyncio.open_unix_connection(sock=sock, limit=READ_LIMIT)
-    drivers: dict[int, EpisodeDriver] = {}
+    drivers: dict[int, SessionView] = {}
     batches: dict[int, LocalBatchCalls] = {}
     if side is not None:
         threading.Thread(
             target=_serve_side, args=(side, drivers, batches, threaded),
             name="openenv-side-closes", daemon=True,
         ).start()  # fmt: skip
-
-    async def new_runner() -> EnvRunner:
-        return await EnvRunner.create(spec, pool=_NO_POOL)
 
     async def answer(env_id: int, status: int, payload: bytes = b"") -> None:
         writer.write(HEADER.pack(len(payload), env_id, status) + payload)
@@ -199,10 +196,11 @@ async def _serve(
                 await answer(env_id, answer_status(done), done.response)
             elif op == Op.CREATE:
                 try:
-                    runner = await new_runner()
-                    drivers[env_id] = EpisodeDriver(
-                        spec, runner, new_runner, call_timeout, snapshots
-                    )
+                    calls = await local_calls(
+                        spec, 1, AutoresetMode.DISABLED, _NO_POOL, words=SESSION_WORDS,
+                        call_timeout=call_timeout, native=False,
+                    )  # fmt: skip
+                    drivers[env_id] = SessionView(spec, calls, snapshots)
                 except Exception as exc:
                     log.exception("environment factory raised")
                     message = f"{type(exc).__name__}: {exc}".encode()
@@ -217,7 +215,7 @@ async def _serve(
                     text = b"native" if text.native else b"loop"
                 await answer(env_id, status, text)
             elif op == Op.CLOSE:
-                closing: EpisodeDriver | LocalBatchCalls | None = drivers.pop(env_id, None)
+                closing: SessionView | LocalBatchCalls | None = drivers.pop(env_id, None)
                 closing = closing or batches.pop(env_id, None)
                 if closing is not None:
                     await closing.close()
@@ -234,7 +232,7 @@ async def _serve(
 
 def _serve_side(
     side: socket.socket,
-    drivers: dict[int, EpisodeDriver],
+    drivers: dict[int, SessionView],
     batches: dict[int, LocalBatchCalls],
     threaded: bool,
 ) -> None:
@@ -248,7 +246,7 @@ def _serve_side(
             if data is None:
                 return  # the front is gone
             (env_id,) = SIDE_CLOSE.unpack(data)
-            closing: EpisodeDriver | LocalBatchCalls | None = None
+            closing: SessionView | LocalBatchCalls | None = None
             if threaded:  # dict.pop is atomic: the main thread never sees it again
                 closing = drivers.pop(env_id, None) or batches.pop(env_id, None)
             if closing is not None:
@@ -271,14 +269,9 @@ async def _vector_create(
 ) -> tuple[int, LocalBatchCalls | bytes]:
     """Build a sub-batch of ``size`` envs; returns the status to answer and the batch (or
     the failure's text)."""
-    batched = batch_spec(spec, size, autoreset)
-
-    async def make() -> EnvRunner:
-        return await EnvRunner.create(batched, pool=_NO_POOL)
-
     try:
         # No step timeout here for inline envs: the front's watchdog stops this process.
-        return Status.OK, await LocalBatchCalls.create(make, None)
+        return Status.OK, await local_calls(spec, size, autoreset, _NO_POOL)
     except InvalidAction as exc:
         return Status.REFUSED, str(exc).encode()
     except Exception as exc:

@@ -632,7 +632,7 @@ class EnvProcessBackend:
 
     async def _replace(self, raw: bytes) -> Answer:
         """Answer a request whose worker was killed for taking too long: in-band
-        DEADLINE_EXCEEDED and a fresh env on a live worker (as ``episode.py`` does
+        DEADLINE_EXCEEDED and a fresh env on a live worker (as ``calls.py`` does
         in-process), or, if that fails, INTERNAL and the end of the session."""
         self._worker.envs.pop(self._env_id, None)
         # The worker parsed it before calling the env (which then hung), so it parses.

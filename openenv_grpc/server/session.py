@@ -27,7 +27,7 @@ from typing import Protocol
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from openenv_grpc.environment import InvalidAction
+from openenv_grpc.environment import AutoresetMode, InvalidAction
 from openenv_grpc.metadata import ADMITTED_KEY, RETRY_PUSHBACK_KEY, SESSION_ID_KEY
 from openenv_grpc.server.activity import Activity
 from openenv_grpc.server.backend import (
@@ -38,13 +38,16 @@ from openenv_grpc.server.backend import (
     SessionLostError,
     UndecodableRequest,
 )
+from openenv_grpc.server.calls import LocalBatchCalls, local_calls
 from openenv_grpc.server.config import ServerConfig
 from openenv_grpc.server.env_process_pool import EnvProcessPool
-from openenv_grpc.server.episode import EpisodeDriver
 from openenv_grpc.server.limiter import Admission, SessionLimiter
 from openenv_grpc.server.logs import SESSION_ID
 from openenv_grpc.server.metrics import Metrics, MetricsTee
-from openenv_grpc.server.runner import CreateTimeout, EnvRunner
+from openenv_grpc.server.phases import SESSION_WORDS, Words
+from openenv_grpc.server.placement import CallPlacement
+from openenv_grpc.server.runner import CreateTimeout
+from openenv_grpc.server.session_view import SessionView
 from openenv_grpc.server.snapshots import SnapshotSeal
 from openenv_grpc.server.spec import EnvSpec
 from openenv_grpc.v1 import session_pb2 as pb
@@ -247,17 +250,30 @@ class SessionManager:
         """The threads that build and close pooled envs."""
         return self._lifecycle
 
-    async def _new_runner(self) -> EnvRunner:
-        """A replacement env for a session whose env hung; it needs a slot of its own.
+    async def local_calls(
+        self,
+        size: int,
+        autoreset: AutoresetMode,
+        placement: CallPlacement | None,
+        words: Words,
+        *,
+        native: bool = True,
+    ) -> LocalBatchCalls:
+        """The envs of one admitted stream, built in this process (``calls.local_calls``).
+        Their runner frees the ``size`` slots when they are closed (or could not be made);
+        a hung batch's replacement takes slots of its own (NoSlot: the hung one still
+        holds them, the cap is on envs).
 
         Raises:
-            NoSlot: the cap is reached (the hung env still holds its slot).
-            Exception: whatever the factory raised.
+            Exception: what building the envs raised.
         """
-        self.limiter.acquire_for_replacement()
-        return await EnvRunner.create(
-            self.spec, self._pool, lifecycle=self._lifecycle, release=self.limiter.release
-        )
+        limiter = self.limiter
+        return await local_calls(
+            self.spec, size, autoreset, self._pool, words=words,
+            call_timeout=self._call_timeout, placement=placement, native=native,
+            lifecycle=self._lifecycle, release=limiter.release,
+            reserve=limiter.acquire_for_replacement,
+        )  # fmt: skip
 
     async def _open_backend(self, held: Held) -> SessionBackend:
         """A fresh env for one session: in an env process when isolated, else here."""
@@ -266,12 +282,10 @@ class SessionManager:
         # From here the runner frees the session's slot: when its env is closed, when the
         # factory fails, or -- open cancelled -- once the factory returns and its env closes.
         held.owns_slot = False
-        runner = await EnvRunner.create(
-            self.spec, self._pool, lifecycle=self._lifecycle, release=self.limiter.release
+        calls = await self.local_calls(
+            1, AutoresetMode.DISABLED, self.spec.placement, SESSION_WORDS, native=False
         )
-        return EpisodeDriver(
-            self.spec, runner, self._new_runner, self._call_timeout, self.snapshots
-        )
+        return SessionView(self.spec, calls, self.snapshots)
 
     async def serve(self, context: _Context) -> None:
         """Run one Session stream, given its RPC context, to its end."""

@@ -37,7 +37,7 @@ import logging
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, NamedTuple, cast
+from typing import Any, ClassVar, cast
 
 import grpc
 from google.protobuf.message import Message
@@ -47,9 +47,9 @@ from openenv_grpc.environment import (
     BatchEnvironment,
     BatchTransition,
     Environment,
-    InvalidAction,
     Transition,
 )
+from openenv_grpc.server.errors import BadTransition, RowError, row_error
 from openenv_grpc.server.placement import CallPlacement
 from openenv_grpc.server.spec import EnvSpec
 
@@ -59,44 +59,15 @@ __all__ = [
     "BatchStates",
     "LoopBatch",
     "NativeBatch",
-    "RowError",
     "VectorBatch",
     "batch_spec",
     "build_batch",
     "natively_batched",
-    "row_error",
 ]
 
 log = logging.getLogger(__name__)
 
-_INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 _INTERNAL = grpc.StatusCode.INTERNAL.value[0]
-_UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED.value[0]
-
-
-class RowError(NamedTuple):
-    """Why one env of a call has no row: a gRPC code (int), a message, and the exception
-    type raised inside the env, if any."""
-
-    code: int
-    message: str
-    exception_type: str = ""
-
-
-def row_error(exc: BaseException, what: str) -> RowError:
-    """The error of one env whose ``what`` (reset, step, state, snapshot, restore) raised
-    ``exc``; logged unless it is an :class:`InvalidAction` (a refusal, not a failure) or
-    a snapshot or restore the env cannot do (``NotImplementedError``: UNIMPLEMENTED)."""
-    kind = type(exc)
-    name = f"{kind.__module__}.{kind.__qualname__}"
-    if isinstance(exc, InvalidAction):
-        return RowError(_INVALID_ARGUMENT, str(exc), name)
-    if isinstance(exc, NotImplementedError) and what in ("snapshot", "restore"):
-        # An env that snapshots some configurations only says which it cannot do.
-        why = str(exc) or "this environment cannot do it now"
-        return RowError(_UNIMPLEMENTED, f"{what} is not supported: {why}; the episode goes on")
-    log.error("environment %s() raised", what, exc_info=exc)
-    return RowError(_INTERNAL, f"{what} failed: {kind.__name__}: {exc}", name)
 
 
 @dataclass(slots=True)
@@ -134,10 +105,6 @@ class BatchStates:
     rows: list[int] = field(default_factory=list)
     states: list[bytes] = field(default_factory=list)
     errors: dict[int, RowError] = field(default_factory=dict)
-
-
-class _BadTransition(Exception):
-    """An env returned something else than its declared types (reported as INTERNAL)."""
 
 
 class VectorBatch:
@@ -190,11 +157,11 @@ class _Instances(VectorBatch):
 
     def _checked(self, transition: Any) -> Transition[Any]:
         if not isinstance(transition, Transition):
-            raise _BadTransition(
+            raise BadTransition(
                 f"environment returned a {type(transition).__qualname__}, not a Transition"
             )
         if not isinstance(transition.observation, self._observation):
-            raise _BadTransition(
+            raise BadTransition(
                 _wrong_type("observation", transition.observation, self._observation)
             )
         return transition
@@ -551,10 +518,10 @@ class NativeBatch(VectorBatch):
         """The wire's rows from a native :class:`BatchTransition`.
 
         Raises:
-            _BadTransition: the batch broke its contract (wrong type, wrong lengths).
+            BadTransition: the batch broke its contract (wrong type, wrong lengths).
         """
         if not isinstance(transition, BatchTransition):
-            raise _BadTransition(
+            raise BadTransition(
                 f"batch returned a {type(transition).__qualname__}, not a BatchTransition"
             )
         failed = transition.errors or {}
@@ -596,13 +563,13 @@ class NativeBatch(VectorBatch):
 
     def _observed(self, observation: Any, what: str) -> Message:
         if not isinstance(observation, self._observation):
-            raise _BadTransition(_wrong_type(what, observation, self._observation))
+            raise BadTransition(_wrong_type(what, observation, self._observation))
         return observation
 
     def _split(self, observation: Message, count: int, what: str) -> list[bytes]:
         parts = self._batch.split_observation(observation, count)
         if len(parts) != count:
-            raise _BadTransition(f"split_observation gave {len(parts)} {what}s for {count} rows")
+            raise BadTransition(f"split_observation gave {len(parts)} {what}s for {count} rows")
         return [self._observed(part, what).SerializeToString() for part in parts]
 
 
@@ -615,9 +582,12 @@ def natively_batched(env_class: type[Any]) -> bool:
     return made is not getattr(Environment.make_batch, "__func__", None)
 
 
-def build_batch(spec: EnvSpec, size: int, autoreset: AutoresetMode) -> VectorBatch:
-    """The batch of one vector stream: the env's native batch when its ``make_batch``
-    returns one, else a loop over ``size`` instances from the factory.
+def build_batch(
+    spec: EnvSpec, size: int, autoreset: AutoresetMode, native: bool = True
+) -> VectorBatch:
+    """The batch of one stream: the env's native batch when ``native`` and its
+    ``make_batch`` returns one, else a loop over ``size`` instances from the factory (a
+    Session's one env is a loop of one: its env is the plain instance).
 
     Raises:
         InvalidAction: ``make_batch`` refused (the open is refused with INVALID_ARGUMENT).
@@ -626,14 +596,18 @@ def build_batch(spec: EnvSpec, size: int, autoreset: AutoresetMode) -> VectorBat
     """
     env_class = spec.env_class
     if issubclass(env_class, Environment):
-        native = env_class.make_batch(size, autoreset) if natively_batched(env_class) else None
-        if native is not None:
-            if not isinstance(native, BatchEnvironment):
+        made = (
+            env_class.make_batch(size, autoreset)
+            if native and natively_batched(env_class)
+            else None
+        )
+        if made is not None:
+            if not isinstance(made, BatchEnvironment):
                 raise TypeError(
                     f"{env_class.__qualname__}.make_batch returned "
-                    f"{type(native).__qualname__}, not a BatchEnvironment"
+                    f"{type(made).__qualname__}, not a BatchEnvironment"
                 )
-            return NativeBatch(native, spec)
+            return NativeBatch(made, spec)
         return LoopBatch(spec, size, autoreset)
     return AsyncLoopBatch(spec, size, autoreset)
 
@@ -643,6 +617,8 @@ def batch_spec(
     size: int,
     autoreset: AutoresetMode,
     placement: CallPlacement | None = None,
+    *,
+    native: bool = True,
 ) -> EnvSpec:
     """``spec`` for one vector stream's batch: its factory builds the batch
     (:func:`build_batch`), and its execution mode is the env's, so an
@@ -651,7 +627,7 @@ def batch_spec(
     (their own: a batch call costs N env calls; None puts them on the pool)."""
     # EnvRunner calls whatever object the factory makes; a batch is one such object.
     batch_class: Any = VectorBatch
-    factory: Any = functools.partial(build_batch, spec, size, autoreset)
+    factory: Any = functools.partial(build_batch, spec, size, autoreset, native)
     return dataclasses.replace(spec, factory=factory, env_class=batch_class, placement=placement)
 
 
@@ -727,7 +703,7 @@ def _result(answer: Any) -> Any:
 def _column(values: Any, count: int, what: str) -> Sequence[Any]:
     if values is None or len(values) != count:
         got = "none" if values is None else len(values)
-        raise _BadTransition(f"batch returned {got} {what} for {count} rows")
+        raise BadTransition(f"batch returned {got} {what} for {count} rows")
     return cast(Sequence[Any], values)
 
 

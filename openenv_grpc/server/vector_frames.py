@@ -24,8 +24,9 @@ from typing import Any
 from google.protobuf import any_pb2, struct_pb2
 
 from openenv_grpc.codec import info_to_struct
+from openenv_grpc.server.errors import RowError
 from openenv_grpc.server.snapshots import Captured
-from openenv_grpc.server.vector_batch import BatchOutcome, BatchStates, RowError
+from openenv_grpc.server.vector_batch import BatchOutcome, BatchStates
 from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc.v1 import snapshot_pb2
 

@@ -21,13 +21,15 @@ import grpc
 from openenv_grpc.environment import AutoresetMode
 from openenv_grpc.metadata import AUTORESET_KEY, AUTORESET_VALUES, BATCH_KEY, NUM_ENVS_KEY
 from openenv_grpc.server.backend import SessionBackend
+from openenv_grpc.server.calls import BatchCalls
+from openenv_grpc.server.driver import Driver
 from openenv_grpc.server.env_process_pool import EnvProcessPool
+from openenv_grpc.server.phases import VECTOR_WORDS
 from openenv_grpc.server.placement import CallPlacement, batch_threshold
-from openenv_grpc.server.runner import EnvRunner
 from openenv_grpc.server.session import Held, SessionManager
-from openenv_grpc.server.vector_batch import batch_spec, natively_batched
-from openenv_grpc.server.vector_episode import BatchCalls, LocalBatchCalls, VectorDriver
+from openenv_grpc.server.vector_batch import natively_batched
 from openenv_grpc.server.vector_spread import SpreadBatchCalls
+from openenv_grpc.server.vector_view import VectorView
 from openenv_grpc.v1 import session_pb2 as pb
 
 __all__ = ["VectorSessions", "read_open"]
@@ -141,7 +143,7 @@ class VectorSessions:
             await self._manager.limiter.refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         await self._manager.run(context, _VectorOpening(self, size, autoreset))
 
-    async def open(self, held: Held, size: int, autoreset: AutoresetMode) -> VectorDriver:
+    async def open(self, held: Held, size: int, autoreset: AutoresetMode) -> VectorView:
         """The backend of one stream of ``size`` envs: its batch built (or spread).
 
         Raises:
@@ -152,30 +154,15 @@ class VectorSessions:
         if self._processes is not None:
             calls = await SpreadBatchCalls.open(self._processes, size, autoreset, self.native)
         else:
-            spec = batch_spec(manager.spec, size, autoreset, self._placement(size))
-            limiter = manager.limiter
-
-            def release() -> None:
-                limiter.release(size)
-
-            async def make() -> EnvRunner:
-                return await EnvRunner.create(
-                    spec, manager.pool, lifecycle=manager.lifecycle, release=release
-                )
-
-            async def replacement() -> EnvRunner:
-                limiter.acquire_for_replacement(size)  # NoSlot: the hung batch holds them
-                return await make()
-
             # From here the runner frees the stream's slots when its batch is closed (or
             # could not be made), as for a single session's env.
             held.owns_slot = False
-            runner = await make()
-            calls = LocalBatchCalls(runner, replacement, manager.call_timeout)
-        return VectorDriver(
-            manager.spec, size, autoreset, calls, manager.snapshots,
+            calls = await manager.local_calls(size, autoreset, self._placement(size), VECTOR_WORDS)
+        driver = Driver(
+            manager.spec, size, autoreset, calls, VECTOR_WORDS, manager.snapshots,
             max_response=manager.config.max_message_bytes,
         )  # fmt: skip
+        return VectorView(driver)
 
 
 class _VectorOpening:
@@ -188,7 +175,7 @@ class _VectorOpening:
         self._streams = streams
         self.slots = size
         self._autoreset = autoreset
-        self._driver: VectorDriver | None = None
+        self._driver: VectorView | None = None
 
     async def open(self, held: Held) -> SessionBackend:
         self._driver = await self._streams.open(held, self.slots, self._autoreset)

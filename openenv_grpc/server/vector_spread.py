@@ -32,10 +32,11 @@ import grpc
 
 from openenv_grpc.environment import AutoresetMode
 from openenv_grpc.server.backend import SessionLostError
+from openenv_grpc.server.calls import BatchRefused, ResetArgs, RestoreArgs, StepArgs
 from openenv_grpc.server.env_process import Op, Status
 from openenv_grpc.server.env_process_pool import CallTimedOut, EnvProcessPool, Worker
-from openenv_grpc.server.vector_batch import BatchOutcome, BatchStates, RowError
-from openenv_grpc.server.vector_episode import BatchRefused, ResetArgs, RestoreArgs, StepArgs
+from openenv_grpc.server.errors import RowError
+from openenv_grpc.server.vector_batch import BatchOutcome, BatchStates
 from openenv_grpc.server.vector_frames import (
     read_errors,
     read_outcome,

@@ -16,7 +16,7 @@ The first byte of an input picks a target; the rest is its data:
 * 0, 1 - a session: the data is a list of frames (2-byte big-endian length, then bytes),
   each parsed as a ``SessionRequest`` (frames that do not decode are skipped: the server
   ends such a stream before the driver sees it) and handed in turn to one
-  ``EpisodeDriver`` over a fresh ``EchoEnvironment``. Property: ``handle`` returns a
+  ``SessionView`` over a fresh ``EchoEnvironment``. Property: ``handle`` returns a
   serializable ``SessionResponse`` echoing the request id, a success of the kind asked for
   or an ``Error`` with code INVALID_ARGUMENT / FAILED_PRECONDITION / INTERNAL (or
   UNIMPLEMENTED for a snapshot or restore, if the env has no snapshots); INTERNAL is
@@ -55,9 +55,10 @@ with atheris.instrument_imports(
     from google.protobuf.message import DecodeError
 
     from openenv_grpc.codec import PayloadError, info_from_struct, unpack
-    from openenv_grpc.environment import InvalidAction
-    from openenv_grpc.server.episode import EpisodeDriver
-    from openenv_grpc.server.runner import EnvRunner
+    from openenv_grpc.environment import AutoresetMode, InvalidAction
+    from openenv_grpc.server.calls import local_calls
+    from openenv_grpc.server.phases import SESSION_WORDS
+    from openenv_grpc.server.session_view import SessionView
     from openenv_grpc.server.spec import EnvSpec
     from openenv_grpc.tools.v1.tools_pb2 import ToolCall
     from openenv_grpc.v1 import session_pb2 as pb
@@ -130,18 +131,16 @@ def _nonfinite_tool_call(request: pb.SessionRequest) -> bool:
 # -- targets ---------------------------------------------------------------------------
 
 
-async def _new_runner() -> EnvRunner:
-    return await EnvRunner.create(SPEC, POOL)
-
-
-def _driver(runner: EnvRunner) -> EpisodeDriver:
-    """An ``EpisodeDriver`` as the session manager builds one (no env-call timeout)."""
-    return EpisodeDriver(SPEC, runner, _new_runner, None)
+async def _driver() -> SessionView:
+    """A ``SessionView`` as the session manager builds one (no env-call timeout)."""
+    calls = await local_calls(
+        SPEC, 1, AutoresetMode.DISABLED, POOL, words=SESSION_WORDS, native=False
+    )
+    return SessionView(SPEC, calls)
 
 
 async def _session(requests: list[pb.SessionRequest]) -> None:
-    runner = await _new_runner()
-    driver = _driver(runner)
+    driver = await _driver()
     try:
         for request in requests:
             answer = await driver.handle(request.SerializeToString())
@@ -149,8 +148,7 @@ async def _session(requests: list[pb.SessionRequest]) -> None:
             if answer.ends:
                 return  # the stream ends after a close: nothing more is read
     finally:
-        # The driver may have swapped in a fresh env; close whichever it holds now.
-        await getattr(driver, "runner", runner).close()
+        await driver.close()  # whichever env it holds now (a hung one is replaced)
 
 
 def check_response(request: pb.SessionRequest, response: Any) -> None:

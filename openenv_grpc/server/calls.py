@@ -1,0 +1,323 @@
+"""A stream's envs, wherever they run, called once per request: the driver's view of them.
+
+:class:`BatchCalls` is what the driver (``driver.py``) needs of the envs: one call per
+request over env indices. :class:`LocalBatchCalls` runs the envs in this process (or in an
+env process) as one :class:`~openenv_grpc.server.vector_batch.VectorBatch` through one
+runner; ``vector_spread.py`` spreads them over env processes. A Session's env is a batch
+of one here, so a hung call, a saturated pool and a raising batch are handled once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import grpc
+from google.protobuf import any_pb2
+from google.protobuf.message import Message
+
+from openenv_grpc.environment import AutoresetMode, InvalidAction
+from openenv_grpc.server.errors import RowError, describe, qualname
+from openenv_grpc.server.limiter import NoSlot
+from openenv_grpc.server.phases import VECTOR_WORDS, Words
+from openenv_grpc.server.placement import CallPlacement
+from openenv_grpc.server.runner import EnvRunner, PoolSaturated
+from openenv_grpc.server.snapshots import Captured
+from openenv_grpc.server.spec import EnvSpec
+from openenv_grpc.server.vector_batch import BatchOutcome, BatchStates, VectorBatch, batch_spec
+from openenv_grpc.v1 import snapshot_pb2
+
+__all__ = [
+    "BatchCalls",
+    "BatchRefused",
+    "LocalBatchCalls",
+    "ResetArgs",
+    "RestoreArgs",
+    "StepArgs",
+    "local_calls",
+]
+
+log = logging.getLogger(__name__)
+
+_INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+_INTERNAL = grpc.StatusCode.INTERNAL.value[0]
+_DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+_RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+
+
+class BatchRefused(Exception):
+    """A whole batch call failed; nothing of it has a row.
+
+    Attributes:
+        code, message, exception_type: the error the request gets.
+        broken: every env the call named must be reset (a native batch raised).
+        replaced: every env of the stream is a fresh one (the batch hung and was replaced).
+        saturated: the call never ran (no env thread in time): the episodes are unchanged.
+        ends: nothing is left to serve; the stream ends after this answer.
+    """
+
+    def __init__(
+        self,
+        code: int,
+        message: str,
+        exception_type: str = "",
+        *,
+        broken: bool = False,
+        replaced: bool = False,
+        saturated: bool = False,
+        ends: bool = False,
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.exception_type = exception_type
+        self.broken = broken
+        self.replaced = replaced
+        self.saturated = saturated
+        self.ends = ends
+
+
+@dataclass(slots=True)
+class StepArgs:
+    """One step's actions, decoded and as received (the spread forwards these)."""
+
+    #: Env indices, strictly increasing.
+    indices: Sequence[int]
+    #: One decoded action per index, or one batch-form message.
+    actions: Any
+    #: The same actions as they came on the wire: Anys, or one Any in batch form.
+    wire: Any
+    batch_form: bool
+
+
+@dataclass(slots=True)
+class ResetArgs:
+    """One reset's per-env arguments (the episode ids are chosen already)."""
+
+    indices: Sequence[int]
+    seeds: Sequence[int | None]
+    episode_ids: Sequence[str]
+    options: Sequence[Message | None]
+    #: The same options as they came on the wire (None where none was given).
+    wire_options: Sequence[any_pb2.Any | None]
+    batch_form: bool
+
+
+@dataclass(slots=True)
+class RestoreArgs:
+    """One restore's snapshots, authenticated and opened (the envs get ``env_state``)."""
+
+    indices: Sequence[int]
+    captured: Sequence[Captured]
+
+    @property
+    def states(self) -> list[bytes]:
+        """Each env's own bytes."""
+        return [one.env_state for one in self.captured]
+
+    @property
+    def ended(self) -> list[bool]:
+        """Per env: the captured episode had ended (terminated or truncated)."""
+        return [one.phase != snapshot_pb2.SNAPSHOT_PHASE_RUNNING for one in self.captured]
+
+
+class BatchCalls(Protocol):
+    """A vector stream's envs, wherever they run: one call per request.
+
+    Each method raises :class:`BatchRefused` when the whole call failed, and
+    :class:`~openenv_grpc.server.backend.SessionLostError` when the envs are gone.
+    """
+
+    @property
+    def native(self) -> bool:
+        """The envs answer in a native batch form."""
+        ...
+
+    async def reset(self, args: ResetArgs) -> BatchOutcome: ...
+
+    async def step(self, args: StepArgs) -> BatchOutcome: ...
+
+    async def state(self, indices: Sequence[int]) -> BatchStates: ...
+
+    async def snapshot(self, indices: Sequence[int]) -> BatchStates:
+        """Each env's own snapshot bytes (unsealed), or its error."""
+        ...
+
+    async def restore(self, args: RestoreArgs) -> dict[int, RowError]:
+        """Hand each env its authenticated bytes; the envs that failed, by index."""
+        ...
+
+    async def close(self) -> None:
+        """Close every env, once; never raises for what the envs' ``close`` did (logged)."""
+        ...
+
+    async def close_strictly(self) -> None:
+        """Close every env for a close command.
+
+        Raises:
+            Exception: what an env's ``close`` raised (closed all the same).
+        """
+        ...
+
+
+class LocalBatchCalls:
+    """A batch in this process (or in an env process), called through one runner: the
+    whole call runs where one env call of this env would run.
+
+    A call gets ``call_timeout`` seconds per env it names. Past that the batch is
+    abandoned (closed once its call returns) and replaced by a fresh one made by
+    ``replace``: every env of the stream starts over (a Session's one env, too).
+    """
+
+    __slots__ = ("_batch", "_make", "_runner", "_timeout", "_words")
+
+    def __init__(
+        self,
+        runner: EnvRunner,
+        replace: Callable[[], Awaitable[EnvRunner]],
+        call_timeout: float | None,
+        words: Words = VECTOR_WORDS,
+    ) -> None:
+        self._runner = runner
+        self._batch: Any = runner.env  # a VectorBatch (see vector_batch.batch_spec)
+        self._make = replace
+        self._timeout = call_timeout
+        self._words = words
+
+    @property
+    def native(self) -> bool:
+        batch: VectorBatch = self._batch
+        return batch.native
+
+    async def reset(self, args: ResetArgs) -> BatchOutcome:
+        batch = self._batch
+        result: BatchOutcome = await self._call(
+            "reset", len(args.indices), batch.reset, args.indices, args.seeds,
+            args.episode_ids, args.options, args.batch_form,
+        )  # fmt: skip
+        return result
+
+    async def step(self, args: StepArgs) -> BatchOutcome:
+        result: BatchOutcome = await self._call(
+            "step", len(args.indices), self._batch.step, args.indices, args.actions,
+            args.batch_form,
+        )  # fmt: skip
+        return result
+
+    async def state(self, indices: Sequence[int]) -> BatchStates:
+        result: BatchStates = await self._call("state", len(indices), self._batch.state, indices)
+        return result
+
+    async def snapshot(self, indices: Sequence[int]) -> BatchStates:
+        batch = self._batch
+        result: BatchStates = await self._call("snapshot", len(indices), batch.snapshot, indices)
+        return result
+
+    async def restore(self, args: RestoreArgs) -> dict[int, RowError]:
+        result: dict[int, RowError] = await self._call(
+            "restore", len(args.indices), self._batch.restore, args.indices, args.states,
+            args.ended,
+        )  # fmt: skip
+        return result
+
+    async def close(self) -> None:
+        await self._runner.close_quietly()
+
+    async def close_strictly(self) -> None:
+        await self._runner.close()
+
+    async def _call(self, what: str, envs: int, method: Any, *args: Any) -> Any:
+        timeout = None if self._timeout is None else self._timeout * max(envs, 1)
+        try:
+            return await self._runner.call_within(timeout, method, *args)
+        except TimeoutError:
+            await self._replace(what, timeout or 0.0)
+        except PoolSaturated as exc:
+            raise BatchRefused(_RESOURCE_EXHAUSTED, str(exc), saturated=True) from None
+        except InvalidAction as exc:
+            raise BatchRefused(_INVALID_ARGUMENT, str(exc), qualname(exc)) from None
+        except Exception as exc:
+            log.exception("the batch's %s() raised", what)
+            raise BatchRefused(
+                _INTERNAL, f"{what} failed: {describe(exc)}", qualname(exc), broken=True
+            ) from None
+
+    async def _replace(self, what: str, timeout: float) -> None:
+        """Abandon the hung batch, make a fresh one, and refuse the call.
+
+        Raises:
+            BatchRefused: always (DEADLINE_EXCEEDED; or the end of the stream when no
+                fresh batch can be made).
+        """
+        words = self._words
+        self._runner.abandon()
+        try:
+            self._runner = await self._make()
+        except NoSlot as exc:
+            # The hung instance keeps its slot until its call returns: the cap is on envs.
+            raise BatchRefused(
+                _RESOURCE_EXHAUSTED,
+                f"{what} did not finish within {timeout:g}s and {words.no_fresh}: {exc}; "
+                "the session ends",
+                ends=True,
+            ) from None
+        except Exception as exc:
+            log.exception("building a batch to replace a hung one raised")
+            raise BatchRefused(
+                _INTERNAL,
+                f"{words.not_replaced}: {describe(exc)}",
+                qualname(exc),
+                ends=True,
+            ) from None
+        self._batch = self._runner.env
+        raise BatchRefused(
+            _DEADLINE_EXCEEDED,
+            f"{what} did not finish within {timeout:g}s; {words.replaced}",
+            replaced=True,
+        )
+
+
+def _nothing(count: int = 1) -> None:
+    pass
+
+
+async def local_calls(
+    spec: EnvSpec,
+    size: int,
+    autoreset: AutoresetMode,
+    pool: Executor,
+    *,
+    words: Words = VECTOR_WORDS,
+    call_timeout: float | None = None,
+    placement: CallPlacement | None = None,
+    native: bool = True,
+    lifecycle: Executor | None = None,
+    release: Callable[[int], None] = _nothing,
+    reserve: Callable[[int], None] = _nothing,
+) -> LocalBatchCalls:
+    """The ``size`` envs of one stream built here as one batch (``native``: the env's own
+    batch if it has one; a Session's env is a loop of one), run through one runner on
+    ``pool`` / ``lifecycle`` as the env's execution mode says (``placement`` measures a
+    measured env's batch calls). The runner calls ``release(size)`` when the batch is
+    closed or could not be made; a hung batch's replacement first calls ``reserve(size)``
+    (a limiter's ``acquire_for_replacement``, which may raise NoSlot).
+
+    Raises:
+        Exception: what building the envs raised.
+    """
+    batched = batch_spec(spec, size, autoreset, placement, native=native)
+
+    def freed() -> None:
+        release(size)
+
+    async def make() -> EnvRunner:
+        return await EnvRunner.create(batched, pool, lifecycle=lifecycle, release=freed)
+
+    async def replacement() -> EnvRunner:
+        reserve(size)
+        return await make()
+
+    return LocalBatchCalls(await make(), replacement, call_timeout, words)

@@ -1,0 +1,456 @@
+"""The one request driver: the episodes of a stream's envs, and each command over them.
+
+Every stream is a driver over N envs -- a Session is a driver of one, seen through
+``session_view.py``; a VectorSession is one of N, seen through ``vector_view.py``. The
+views turn their wire's requests into the calls below and the results back into their
+wire's answers; the driver owns what both need once:
+
+- each env's bookkeeping (episode id, step count, its :class:`~.phases.Phase`), so the
+  phase machine, the autoreset books and what a failure does to an episode live here;
+- which envs may step, and what the ones that may not are told (in the view's words);
+- snapshots, sealed and opened with ``snapshots.py`` (the same bytes for both kinds of
+  stream: a snapshot of one env of a vector restores into a Session and back), each
+  authenticated before any env code sees it;
+- what a refused batch call does to the episodes (:meth:`Driver.refused`);
+- the message limit for answers it can measure before they are built.
+
+The envs themselves are behind :class:`~.calls.BatchCalls`, in this process or spread
+over env processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from openenv_grpc.environment import AutoresetMode
+from openenv_grpc.server.calls import BatchCalls, BatchRefused, ResetArgs, RestoreArgs, StepArgs
+from openenv_grpc.server.errors import RequestError, RowError, describe, qualname
+from openenv_grpc.server.phases import CAPTURED_PHASE, RESTORED_PHASE, Phase, Words, ended_phase
+from openenv_grpc.server.snapshots import (
+    Captured,
+    SnapshotRefused,
+    SnapshotSeal,
+    default_seal,
+    sealing,
+)
+from openenv_grpc.server.spec import EnvSpec
+from openenv_grpc.server.vector_batch import BatchOutcome, BatchStates
+
+__all__ = ["Driver", "Restored", "Sealed"]
+
+log = logging.getLogger(__name__)
+
+_FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION.value[0]
+_INTERNAL = grpc.StatusCode.INTERNAL.value[0]
+_DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+_UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
+_UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED.value[0]
+#: Per-env codes after which the env is a fresh one (its process died or was stopped).
+_REPLACED = {_UNAVAILABLE, _DEADLINE_EXCEEDED}
+#: Envs whose states (or snapshots) a large command reads first, to measure their size.
+_STATE_PROBE = 4
+
+
+@dataclass(slots=True)
+class Sealed:
+    """A snapshot command's result: the sealed snapshots of ``rows``, the envs that have
+    none, and the payload's bytes (over the limit: ``too_large`` says so, nothing sealed)."""
+
+    rows: list[int] = field(default_factory=list)
+    snapshots: list[bytes] = field(default_factory=list)
+    errors: dict[int, RowError] = field(default_factory=dict)
+    too_large: str | None = None
+
+
+@dataclass(slots=True)
+class Restored:
+    """A restore command's result: the envs restored (their books are the captured ones
+    now) and the envs that were not."""
+
+    rows: list[int] = field(default_factory=list)
+    errors: dict[int, RowError] = field(default_factory=dict)
+
+
+class Driver:
+    """The envs of one stream (``size`` of them) and their episodes."""
+
+    __slots__ = (
+        "_calling", "_calls", "_max_response", "_mode", "_seal", "_size", "_spec",
+        "_steppable", "_words", "all", "ends", "episode_ids", "phases", "step_counts",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        spec: EnvSpec,
+        size: int,
+        autoreset: AutoresetMode,
+        calls: BatchCalls,
+        words: Words,
+        snapshots: SnapshotSeal | None = None,
+        *,
+        max_response: int | None = None,
+    ) -> None:
+        self._spec = spec
+        #: Seals and opens the envs' snapshots (the server's key ring and size limit).
+        self._seal = snapshots if snapshots is not None else default_seal(spec.name, spec.version)
+        #: The largest answer the stream may send (--max-message-bytes); None: no check
+        #: here (the session still checks the serialized answer).
+        self._max_response = max_response
+        self._size = size
+        self._mode = autoreset
+        self._calls = calls
+        self._words = words
+        #: Every index, in order: what an empty index list means (never mutated).
+        self.all: Sequence[int] = range(size)
+        #: The phases in which an env may be stepped: under NEXT_STEP an ended episode
+        #: steps into an autoreset.
+        self._steppable = {Phase.RUNNING}
+        if autoreset is AutoresetMode.NEXT_STEP:
+            self._steppable |= {Phase.TERMINATED, Phase.TRUNCATED}
+        self.phases = [Phase.NO_EPISODE] * size
+        self.episode_ids = [""] * size
+        self.step_counts = [0] * size
+        #: Set when nothing is left to serve (closed, or not replaceable): the stream ends.
+        self.ends = False
+        #: The indices of the reset or step under way (a refused batch call breaks them).
+        self._calling: Sequence[int] = ()
+
+    @property
+    def spec(self) -> EnvSpec:
+        return self._spec
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def native(self) -> bool:
+        """The stream's envs answer in a native batch form."""
+        return self._calls.native
+
+    @property
+    def words(self) -> Words:
+        return self._words
+
+    # -- which envs may step --------------------------------------------------------------
+
+    def cannot_step(self, index: int) -> str | None:
+        """Why env ``index`` may not step now (None: it may)."""
+        phase = self.phases[index]
+        return None if phase in self._steppable else self._words.needs_reset[phase]
+
+    def blocked(self, indices: Sequence[int]) -> dict[int, RowError]:
+        """The envs of ``indices`` that may not step, with their FAILED_PRECONDITION."""
+        phases, steppable = self.phases, self._steppable
+        # The phases of the envs named, as a set: one pass in C for the common case
+        # where every one may step.
+        named = set(phases) if indices is self.all else {phases[i] for i in indices}
+        if named <= steppable:
+            return {}
+        words = self._words
+        return {
+            index: RowError(_FAILED_PRECONDITION, words.row(index, words.needs_reset[phase]))
+            for index in indices
+            if (phase := phases[index]) not in steppable
+        }
+
+    # -- commands ---------------------------------------------------------------------------
+
+    async def step(self, args: StepArgs) -> tuple[BatchOutcome, int, float]:
+        """Step the envs of ``args`` (all may step: see :meth:`blocked`); returns the
+        outcome, the env steps taken (a NEXT_STEP autoreset row took none) and the call's
+        seconds.
+
+        Raises:
+            BatchRefused: the whole call failed (see :meth:`refused`).
+        """
+        started = time.perf_counter()
+        self._calling = indices = args.indices
+        outcome = await self._calls.step(args) if indices else BatchOutcome()
+        seconds = time.perf_counter() - started
+        return outcome, self._book_step(outcome), seconds
+
+    async def reset(self, args: ResetArgs) -> BatchOutcome:
+        """Reset the envs of ``args``; their episodes start (or break).
+
+        Raises:
+            BatchRefused: the whole call failed.
+        """
+        self._calling = args.indices
+        outcome = await self._calls.reset(args)
+        chosen = dict(zip(args.indices, args.episode_ids, strict=True))
+        phases, ids, counts = self.phases, self.episode_ids, self.step_counts
+        for index, terminated, truncated in zip(
+            outcome.rows, outcome.terminated, outcome.truncated, strict=True
+        ):
+            ids[index] = chosen[index]
+            counts[index] = 0
+            phases[index] = ended_phase(terminated, truncated)
+        self._book_errors(outcome.errors)
+        return outcome
+
+    async def state(self, indices: Sequence[int]) -> tuple[BatchStates, int]:
+        """The states of ``indices`` and their bytes (see :meth:`_states_within`).
+
+        Raises:
+            BatchRefused: the whole call failed.
+        """
+        return await self._states_within(indices, self._calls.state)
+
+    async def snapshot(self, indices: Sequence[int]) -> Sealed:
+        """Capture each env of ``indices``, sealed with its bookkeeping; no episode changes.
+
+        Raises:
+            BatchRefused: the whole call failed.
+        """
+        out = Sealed()
+        errors = self._without_snapshots(indices)
+        if errors is not None:
+            out.errors = errors
+            return out
+        errors = out.errors
+        phases, words = self.phases, self._words
+        capture = [i for i in indices if phases[i] in CAPTURED_PHASE]
+        for index in indices:
+            if phases[index] not in CAPTURED_PHASE:
+                message = words.row(index, words.nothing_to_capture[phases[index]])
+                errors[index] = RowError(_FAILED_PRECONDITION, message)
+        self._calling = capture
+        got, payload = (
+            await self._states_within(capture, self._calls.snapshot)
+            if capture
+            else (BatchStates(), 0)
+        )
+        errors.update(got.errors)
+        out.too_large = self.too_large("snapshot", payload)
+        if out.too_large is not None:
+            return out
+        ids, counts = self.episode_ids, self.step_counts
+        captured = [
+            Captured(ids[i], counts[i], CAPTURED_PHASE[phases[i]], data)
+            for i, data in zip(got.rows, got.states, strict=True)
+        ]
+        sealed = await sealing(lambda: self._seal.seal_each(captured), payload)
+        for index, one in zip(got.rows, sealed, strict=True):
+            if isinstance(one, SnapshotRefused):
+                errors[index] = RowError(one.code, words.row(index, one.message))
+            else:
+                out.rows.append(index)
+                out.snapshots.append(one)
+        return out
+
+    async def restore(self, indices: Sequence[int], data: Sequence[bytes]) -> Restored:
+        """Authenticate each snapshot, hand the envs theirs, and take over the captured
+        bookkeeping; a refused snapshot leaves that env's episode as it was.
+
+        Raises:
+            BatchRefused: the whole call failed.
+        """
+        out = Restored()
+        errors = self._without_snapshots(indices)
+        if errors is not None:
+            out.errors = errors
+            return out
+        errors, words = out.errors, self._words
+        opened = await sealing(lambda: self._seal.open_each(data), sum(map(len, data)))
+        named: list[int] = []
+        captured: list[Captured] = []
+        for index, one in zip(indices, opened, strict=True):
+            if isinstance(one, SnapshotRefused):
+                errors[index] = RowError(one.code, words.row(index, one.message))
+            else:
+                named.append(index)
+                captured.append(one)
+        self._calling = named
+        failed = await self._calls.restore(RestoreArgs(named, captured)) if named else {}
+        phases, ids, counts = self.phases, self.episode_ids, self.step_counts
+        for index, one in zip(named, captured, strict=True):
+            if index not in failed:
+                ids[index] = one.episode_id
+                counts[index] = one.step_count
+                phases[index] = RESTORED_PHASE[one.phase]
+                out.rows.append(index)
+        self._book_errors(failed)
+        errors.update(failed)
+        return out
+
+    async def close_command(self) -> None:
+        """Close every env for a close command; the stream ends after its answer.
+
+        Raises:
+            RequestError: INTERNAL, what an env's ``close`` raised (closed all the same).
+        """
+        self.ends = True
+        try:
+            await self._calls.close_strictly()
+        except Exception as exc:
+            log.exception("environment close() raised")
+            raise RequestError(_INTERNAL, f"close failed: {describe(exc)}", qualname(exc)) from None
+
+    async def close(self) -> None:
+        """Close every env, once (``backend.SessionBackend``)."""
+        await self._calls.close()
+
+    def refused(self, err: BatchRefused, command: str | None) -> None:
+        """Book what a refused batch call did to the episodes: a hung call's envs are fresh
+        ones, a raising reset or step broke the episodes it named."""
+        if err.ends:
+            self.ends = True
+        if err.replaced or err.ends:
+            for index in range(self._size):
+                self._forget(index)
+        elif err.broken and command not in ("state", "snapshot"):  # those change nothing
+            for index in self._calling:
+                if self.phases[index] is not Phase.NO_EPISODE:
+                    self.phases[index] = Phase.BROKEN
+
+    def too_large(self, command: str, payload: int) -> str | None:
+        """The in-band message for a result whose payloads alone (``payload`` bytes: a lower
+        bound of its size) are over the message limit; None when they are not.
+
+        Checked before an answer is built: an over-large one would only be built and
+        serialized on the event loop to be thrown away (N frames of N envs' states are
+        hundreds of MB from one small request). The session checks the serialized answer
+        too, for what this bound does not see (infos, ids, framing)."""
+        limit = self._max_response
+        if limit is None or payload <= limit:
+            return None
+        return (
+            f"the {command} response is at least {payload} bytes, over the server's message "
+            f"limit of {limit} bytes (--max-message-bytes): the {command} took effect but "
+            "its result cannot be sent (name fewer envs per request, by indices); the "
+            "session goes on"
+        )
+
+    # -- reading states ---------------------------------------------------------------------
+
+    def _without_snapshots(self, indices: Sequence[int]) -> dict[int, RowError] | None:
+        """UNIMPLEMENTED for every env named when the env has no snapshots; else None."""
+        if self._spec.snapshots:
+            return None
+        error = RowError(
+            _UNIMPLEMENTED,
+            f"environment {self._spec.name!r} does not support snapshots (it does not "
+            f"implement snapshot() and restore()); {self._words.stream} goes on",
+        )
+        return dict.fromkeys(indices, error)
+
+    async def _states_within(
+        self,
+        indices: Sequence[int],
+        read: Callable[[Sequence[int]], Awaitable[BatchStates]],
+    ) -> tuple[BatchStates, int]:
+        """The states (or, with ``read=self._calls.snapshot``, the snapshots) of
+        ``indices`` and their bytes, read no further than the message limit: a first call
+        about a few envs measures one's size, the next ones name as many envs as fit in
+        what is left of the limit (all the others, usually). Once over the limit the envs
+        not read yet are left alone, so one small request never makes the envs build much
+        more than one message of them (N envs' frames or snapshots would be N times one)."""
+        limit, count = self._max_response, len(indices)
+        if limit is None or count <= _STATE_PROBE:
+            states = await read(indices)
+            return states, sum(map(len, states.states))
+        out = BatchStates()
+        payload = start = 0
+        chunk = _STATE_PROBE
+        while start < count:
+            part = await read(indices[start : start + chunk])
+            out.rows.extend(part.rows)
+            out.states.extend(part.states)
+            out.errors.update(part.errors)
+            payload += sum(map(len, part.states))
+            start += chunk
+            if payload > limit:
+                break
+            per_env = payload / start
+            chunk = count if not per_env else int((limit - payload) / per_env) + 1
+        return out, payload
+
+    # -- bookkeeping ----------------------------------------------------------------------
+
+    def _book_step(self, outcome: BatchOutcome) -> int:
+        """Advance each env's episode from a step's rows; returns the env steps taken."""
+        # Every env answered: the rows are 0 .. size - 1, booked as whole columns.
+        full = len(outcome.rows) == self._size
+        stepped = self._book_all(outcome) if full else self._book_rows(outcome)
+        if outcome.errors:
+            self._book_errors(outcome.errors, stepping=True)
+        return stepped
+
+    def _book_all(self, outcome: BatchOutcome) -> int:
+        """:meth:`_book_step` when every env has a row: whole columns at once."""
+        terminated, truncated, marks = outcome.terminated, outcome.truncated, outcome.autoreset
+        running, ended, cut = Phase.RUNNING, Phase.TERMINATED, Phase.TRUNCATED
+        if marks is None:
+            self.step_counts = [count + 1 for count in self.step_counts]
+            if True in terminated or True in truncated:
+                self.phases = [
+                    ended if term else cut if trunc else running
+                    for term, trunc in zip(terminated, truncated, strict=True)
+                ]
+            else:
+                self.phases = [running] * self._size
+            return self._size
+        self.step_counts = [
+            0 if auto else count + 1 for count, auto in zip(self.step_counts, marks, strict=True)
+        ]
+        self.phases = [
+            running if auto else ended if term else cut if trunc else running
+            for term, trunc, auto in zip(terminated, truncated, marks, strict=True)
+        ]
+        ids, new_ids = self.episode_ids, outcome.new_episode_ids
+        autoreset = [index for index, auto in enumerate(marks) if auto]
+        for index in autoreset:  # a new episode began: the row's observation is its first
+            ids[index] = new_ids.get(index) or uuid.uuid4().hex
+        if self._mode is AutoresetMode.SAME_STEP:
+            return self._size  # SAME_STEP's autoreset rows also took the ending step
+        return self._size - len(autoreset)
+
+    def _book_rows(self, outcome: BatchOutcome) -> int:
+        """:meth:`_book_step` for some envs' rows, one by one."""
+        phases, ids, counts = self.phases, self.episode_ids, self.step_counts
+        marks = outcome.autoreset
+        stepped = 0
+        if marks is None:
+            for index, terminated, truncated in zip(
+                outcome.rows, outcome.terminated, outcome.truncated, strict=True
+            ):
+                counts[index] += 1
+                phases[index] = ended_phase(terminated, truncated)
+            return len(outcome.rows)
+        same_step = self._mode is AutoresetMode.SAME_STEP
+        new_ids = outcome.new_episode_ids
+        for index, terminated, truncated, auto in zip(
+            outcome.rows, outcome.terminated, outcome.truncated, marks, strict=True
+        ):
+            if auto:  # a new episode began: the row's observation is its first
+                ids[index] = new_ids.get(index) or uuid.uuid4().hex
+                counts[index] = 0
+                phases[index] = Phase.RUNNING
+                stepped += same_step  # SAME_STEP's row also took the ending step
+            else:
+                counts[index] += 1
+                phases[index] = ended_phase(terminated, truncated)
+                stepped += 1
+        return stepped
+
+    def _book_errors(self, errors: dict[int, RowError], stepping: bool = False) -> None:
+        # An env may keep its episode after a step that raised (step_errors_end_episode).
+        keep = stepping and not getattr(self._spec.env_class, "step_errors_end_episode", True)
+        for index, error in errors.items():
+            if error.code == _INTERNAL:
+                if not keep:
+                    self.phases[index] = Phase.BROKEN
+            elif error.code in _REPLACED:  # a fresh env took its place
+                self._forget(index)
+
+    def _forget(self, index: int) -> None:
+        self.phases[index] = Phase.NO_EPISODE
+        self.episode_ids[index] = ""
+        self.step_counts[index] = 0

@@ -1,0 +1,90 @@
+"""The errors a request is answered with, for both kinds of stream.
+
+A request fails as a whole (:class:`RequestError`: nothing was done, or the one env of a
+Session failed) or per env (:class:`RowError`: one index of a vector stream; its
+neighbours answer). What an env raised becomes a row error in one place
+(:func:`row_error`), so a Session and a vector stream word the same failure the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple
+
+import grpc
+
+from openenv_grpc.environment import InvalidAction
+
+__all__ = [
+    "CODE_NAMES",
+    "BadTransition",
+    "RequestError",
+    "RowError",
+    "describe",
+    "qualname",
+    "row_error",
+]
+
+log = logging.getLogger(__name__)
+
+#: gRPC code number -> its name (``"INVALID_ARGUMENT"``), as metrics label errors.
+CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
+
+_INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+_INTERNAL = grpc.StatusCode.INTERNAL.value[0]
+_UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED.value[0]
+
+
+class RequestError(Exception):
+    """A request refused or failed as a whole; carried to the one place in each view that
+    turns it into an in-band ``Error``."""
+
+    def __init__(
+        self, code: int, message: str, exception_type: str = "", *, saturated: bool = False
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.exception_type = exception_type
+        #: The env call never ran: every env thread was busy (its own metric).
+        self.saturated = saturated
+
+
+class RowError(NamedTuple):
+    """Why one env of a call has no row: a gRPC code (int), a message, and the exception
+    type raised inside the env, if any."""
+
+    code: int
+    message: str
+    exception_type: str = ""
+
+
+class BadTransition(Exception):
+    """An env returned something else than its declared types (reported as INTERNAL)."""
+
+
+def row_error(exc: BaseException, what: str) -> RowError:
+    """The error of one env whose ``what`` (reset, step, state, snapshot, restore) raised
+    ``exc``; logged unless it is an :class:`InvalidAction` (a refusal, not a failure) or
+    a snapshot or restore the env cannot do (``NotImplementedError``: UNIMPLEMENTED)."""
+    if isinstance(exc, InvalidAction):
+        return RowError(_INVALID_ARGUMENT, str(exc), qualname(exc))
+    if isinstance(exc, NotImplementedError) and what in ("snapshot", "restore"):
+        # An env that snapshots some configurations only says which it cannot do.
+        why = str(exc) or "this environment cannot do it now"
+        return RowError(_UNIMPLEMENTED, f"{what} is not supported: {why}; the episode goes on")
+    if isinstance(exc, BadTransition):  # what the env returned is named in the message
+        return RowError(_INTERNAL, str(exc))
+    log.error("environment %s() raised", what, exc_info=exc)
+    return RowError(_INTERNAL, f"{what} failed: {describe(exc)}", qualname(exc))
+
+
+def describe(exc: BaseException) -> str:
+    """``"ValueError: bad seed"``."""
+    return f"{type(exc).__name__}: {exc}"
+
+
+def qualname(exc: BaseException) -> str:
+    """The exception's class with its module, as ``Error.exception_type`` carries it."""
+    kind = type(exc)
+    return f"{kind.__module__}.{kind.__qualname__}"

@@ -1,0 +1,108 @@
+"""Where each env's episode is, and what a stream says when a command does not fit.
+
+One phase machine for every env the driver holds (``driver.py``): a Session's one env and
+each env of a vector stream go through the same phases. Only the wording differs: a
+Session speaks of "the episode" and "the session", a vector stream names the env by its
+index and speaks of "the stream" (:data:`SESSION_WORDS`, :data:`VECTOR_WORDS`).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from openenv_grpc.server.snapshots import phase_codes
+
+__all__ = [
+    "CAPTURED_PHASE",
+    "RESTORED_PHASE",
+    "SESSION_WORDS",
+    "VECTOR_WORDS",
+    "Phase",
+    "Words",
+    "ended_phase",
+]
+
+
+class Phase(enum.IntEnum):
+    NO_EPISODE = 0
+    RUNNING = 1
+    TERMINATED = 2
+    TRUNCATED = 3
+    BROKEN = 4  # the env raised mid-episode; only a reset may follow
+
+
+#: Phase -> snapshot phase code, for the phases that can be captured; and back.
+CAPTURED_PHASE, RESTORED_PHASE = phase_codes(Phase)
+
+
+def ended_phase(terminated: bool, truncated: bool) -> Phase:
+    """The phase after a transition with these flags."""
+    if terminated:
+        return Phase.TERMINATED
+    if truncated:
+        return Phase.TRUNCATED
+    return Phase.RUNNING
+
+
+@dataclass(frozen=True, slots=True)
+class Words:
+    """How one kind of stream words the refusals the driver makes."""
+
+    #: Phase -> why an env in it may not step.
+    needs_reset: dict[Phase, str]
+    #: Phase -> why an env in it has nothing to snapshot.
+    nothing_to_capture: dict[Phase, str]
+    #: What goes on after a refusal: "the session" or "the stream".
+    stream: str
+    #: True: a row's message names its env ("env 3: ...").
+    by_index: bool
+    #: A hung call replaced the env(s): what to do now.
+    replaced: str
+    #: A hung call's env(s) could not be replaced: the factory raised.
+    not_replaced: str
+    #: A hung call's env(s) could not be replaced: no slot is free.
+    no_fresh: str
+
+    def row(self, index: int, message: str) -> str:
+        """``message`` about env ``index``, as this stream words it."""
+        return f"env {index}: {message}" if self.by_index else message
+
+
+SESSION_WORDS = Words(
+    needs_reset={
+        Phase.NO_EPISODE: "step before reset: call reset first",
+        Phase.TERMINATED: "the episode has terminated: call reset to start a new one",
+        Phase.TRUNCATED: "the episode was truncated: call reset to start a new one",
+        Phase.BROKEN: "the environment failed during this episode: call reset",
+    },
+    nothing_to_capture={
+        Phase.NO_EPISODE: "snapshot before reset: there is no episode to capture; call reset",
+        Phase.BROKEN: "the environment failed during this episode: there is nothing "
+        "consistent to capture; call reset",
+    },
+    stream="the session",
+    by_index=False,
+    replaced="the environment was replaced with a fresh one: call reset",
+    not_replaced="the environment hung and a new one could not be created",
+    no_fresh="no fresh environment can be made",
+)
+
+VECTOR_WORDS = Words(
+    needs_reset={
+        Phase.NO_EPISODE: "step before reset: reset it first",
+        Phase.TERMINATED: "the episode has terminated and no autoreset is due: reset it",
+        Phase.TRUNCATED: "the episode was truncated and no autoreset is due: reset it",
+        Phase.BROKEN: "the environment failed during this episode: reset it",
+    },
+    nothing_to_capture={
+        Phase.NO_EPISODE: "snapshot before reset: there is no episode to capture; reset it",
+        Phase.BROKEN: "the environment failed during this episode: there is nothing "
+        "consistent to capture; reset it",
+    },
+    stream="the stream",
+    by_index=True,
+    replaced="every environment of this stream was replaced with a fresh one: reset them",
+    not_replaced="the environments hung and new ones could not be created",
+    no_fresh="no fresh environments can be made",
+)

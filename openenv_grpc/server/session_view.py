@@ -1,0 +1,223 @@
+"""A Session stream's requests and answers: one row (env 0) of a driver of one env.
+
+A Session is a vector of one. This view turns each ``SessionRequest`` into a driver call
+on row 0 (autoreset disabled) and the row, or its error, back into a ``SessionResponse``:
+the episode's bookkeeping, the phase machine, hung-env replacement and snapshots are the
+driver's (``driver.py``), the same code a vector stream runs; only the wording is the
+Session's own (``phases.SESSION_WORDS``).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import grpc
+from google.protobuf import struct_pb2
+from google.protobuf.message import DecodeError, Message
+
+from openenv_grpc.codec import info_to_struct
+from openenv_grpc.environment import AutoresetMode
+from openenv_grpc.server.backend import Answer, Outcome, UndecodableRequest
+from openenv_grpc.server.calls import BatchCalls, BatchRefused, ResetArgs, StepArgs
+from openenv_grpc.server.driver import Driver
+from openenv_grpc.server.errors import CODE_NAMES, RequestError, RowError
+from openenv_grpc.server.payloads import PayloadRefused, decode_payload, reset_problem
+from openenv_grpc.server.phases import SESSION_WORDS, Phase
+from openenv_grpc.server.snapshots import SnapshotSeal
+from openenv_grpc.server.spec import EnvSpec
+from openenv_grpc.server.vector_batch import BatchOutcome
+from openenv_grpc.v1 import session_pb2 as pb
+
+__all__ = ["SessionView"]
+
+_INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+_FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION.value[0]
+_REQUEST_NAME = pb.SessionRequest.DESCRIPTOR.full_name
+_EMPTY = "empty request: set one of reset, step, state, snapshot, restore, close"
+#: The one row a Session's commands name.
+_ROW = (0,)
+_OUTCOMES = {
+    "reset": Outcome.RESET,
+    "step": Outcome.STEPPED,
+    "state": Outcome.STATE,
+    "snapshot": Outcome.SNAPSHOT,
+    "restore": Outcome.RESTORED,
+}
+
+
+class SessionView:
+    """The request handler of one Session (``backend.SessionBackend``), in this process
+    or inside an env process of ``--isolated``.
+
+    It answers serialized requests with serialized responses and says what it answered
+    (an :class:`~openenv_grpc.server.backend.Answer`); metrics are the caller's to record.
+    An env call past the call timeout is answered DEADLINE_EXCEEDED and the env replaced
+    with a fresh one (the client must reset); a pooled call still waiting for a thread
+    then never runs: RESOURCE_EXHAUSTED, the episode unchanged.
+    """
+
+    __slots__ = ("_action_class", "_driver", "_obs_url", "_options_class", "_state_url")
+
+    def __init__(
+        self, spec: EnvSpec, calls: BatchCalls, snapshots: SnapshotSeal | None = None
+    ) -> None:
+        # The session checks the serialized answer against the message limit itself.
+        self._driver = Driver(spec, 1, AutoresetMode.DISABLED, calls, SESSION_WORDS, snapshots)
+        self._obs_url = spec.observation_url
+        self._state_url = spec.state_url
+        self._action_class = spec.types.action
+        self._options_class = spec.types.reset_options
+
+    @property
+    def driver(self) -> Driver:
+        return self._driver
+
+    async def handle(self, raw: bytes) -> Answer:
+        """Answer one serialized request. Never raises for anything the env did.
+
+        Raises:
+            UndecodableRequest: ``raw`` is not a SessionRequest (no id to answer to).
+            SessionLostError: the env is gone (its env process died).
+        """
+        try:
+            request = pb.SessionRequest.FromString(raw)
+        except DecodeError as exc:
+            raise UndecodableRequest(f"request is not a valid {_REQUEST_NAME}: {exc}") from None
+        response = pb.SessionResponse(request_id=request.request_id)
+        command = request.WhichOneof("command")
+        seconds = 0.0
+        try:
+            if command == "step":
+                seconds = await self._step(request.step, response.result)
+            elif command == "reset":
+                await self._reset(request.reset, response.result)
+            elif command == "state":
+                await self._state(response.state)
+            elif command == "snapshot":
+                await self._snapshot(response.snapshot)
+            elif command == "restore":
+                await self._restore(request.restore, response.restored)
+            elif command == "close":
+                await self._driver.close_command()
+                response.closed.SetInParent()
+                return Answer(response.SerializeToString(), Outcome.CLOSED, ends=True)
+            else:
+                raise RequestError(_INVALID_ARGUMENT, _EMPTY)
+        except RequestError as err:
+            return self._error(response, err.code, err.message, err.exception_type, err.saturated)
+        except BatchRefused as err:
+            self._driver.refused(err, command)
+            return self._error(response, err.code, err.message, err.exception_type, err.saturated)
+        return Answer(response.SerializeToString(), _OUTCOMES[command], seconds)
+
+    async def close(self) -> None:
+        """Close the env, once (``backend.SessionBackend``)."""
+        await self._driver.close()
+
+    # -- commands -------------------------------------------------------------------------
+
+    async def _step(self, command: pb.StepCommand, result: pb.StepResult) -> float:
+        """Take one step into ``result``; returns the seconds the env call took."""
+        driver = self._driver
+        why = driver.cannot_step(0)
+        if why is not None:
+            raise RequestError(_FAILED_PRECONDITION, why)
+        action = _decode(command.action, self._action_class, "action")
+        outcome, _, seconds = await driver.step(StepArgs(_ROW, (action,), (command.action,), False))
+        self._fill(outcome, result)
+        return seconds
+
+    async def _reset(self, command: pb.ResetCommand, result: pb.StepResult) -> None:
+        problem = reset_problem(command)
+        if problem is not None:
+            raise RequestError(_INVALID_ARGUMENT, f"{problem} (the episode is unchanged)")
+        options: Message | None = None
+        wire = None
+        if command.HasField("options"):
+            options = _decode(command.options, self._options_class, "reset options")
+            wire = command.options
+        episode_id = command.episode_id if command.HasField("episode_id") else uuid.uuid4().hex
+        seed = command.seed if command.HasField("seed") else None
+        args = ResetArgs(_ROW, (seed,), (episode_id,), (options,), (wire,), False)
+        self._fill(await self._driver.reset(args), result)
+
+    async def _state(self, result: pb.StateResult) -> None:
+        driver = self._driver
+        states, _ = await driver.state(_ROW)
+        _raise_row(states.errors)
+        result.state.type_url = self._state_url
+        result.state.value = states.states[0]
+        result.episode_id = driver.episode_ids[0]
+        result.step_count = driver.step_counts[0]
+
+    async def _snapshot(self, result: pb.SnapshotResult) -> None:
+        """Capture the episode into ``result``; the episode is never changed."""
+        driver = self._driver
+        sealed = await driver.snapshot(_ROW)
+        _raise_row(sealed.errors)
+        result.snapshot = sealed.snapshots[0]
+        result.episode_id = driver.episode_ids[0]
+        result.step_count = driver.step_counts[0]
+
+    async def _restore(self, command: pb.RestoreCommand, result: pb.RestoreResult) -> None:
+        driver = self._driver
+        restored = await driver.restore(_ROW, (command.snapshot,))
+        _raise_row(restored.errors)
+        phase = driver.phases[0]
+        result.episode_id = driver.episode_ids[0]
+        result.step_count = driver.step_counts[0]
+        result.terminated = phase is Phase.TERMINATED
+        result.truncated = phase is Phase.TRUNCATED
+
+    # -- the wire ---------------------------------------------------------------------------
+
+    def _fill(self, outcome: BatchOutcome, result: pb.StepResult) -> None:
+        """Copy row 0 of a reset or step into ``result``, or raise its error."""
+        _raise_row(outcome.errors)
+        driver = self._driver
+        observation = result.observation
+        observation.type_url = self._obs_url
+        observation.value = outcome.observations[0]
+        result.reward = outcome.rewards[0]
+        result.terminated = outcome.terminated[0]
+        result.truncated = outcome.truncated[0]
+        result.episode_id = driver.episode_ids[0]
+        result.step_count = driver.step_counts[0]
+        info: Any = outcome.infos.get(0)
+        if info:
+            if isinstance(info, struct_pb2.Struct):
+                result.info.CopyFrom(info)
+            else:
+                info_to_struct(info, result.info)
+
+    def _error(
+        self,
+        response: pb.SessionResponse,
+        code: int,
+        message: str,
+        exception_type: str,
+        saturated: bool,
+    ) -> Answer:
+        response.ClearField("outcome")
+        error = response.error
+        error.code = code
+        error.message = message
+        error.exception_type = exception_type
+        outcome = Outcome.SATURATED if saturated else Outcome.FAILED
+        name = CODE_NAMES.get(code, str(code))
+        return Answer(response.SerializeToString(), outcome, 0.0, name, self._driver.ends)
+
+
+def _raise_row(errors: dict[int, RowError]) -> None:
+    """Raise row 0's error, if it has one, as the request's."""
+    if errors:
+        error = errors[0]
+        raise RequestError(error.code, error.message, error.exception_type)
+
+
+def _decode(payload: Any, message_class: type[Message], what: str) -> Message:
+    try:
+        return decode_payload(payload, message_class, what)
+    except PayloadRefused as exc:
+        raise RequestError(_INVALID_ARGUMENT, str(exc)) from None

@@ -1,0 +1,395 @@
+"""A VectorSession stream's requests and answers, over the driver's N envs.
+
+The view checks each request before any env is touched (indices in range, strictly
+increasing, one action or one reset per index, payloads of the declared types, the caps of
+``payloads.py`` per env) and refuses a bad one as a whole with INVALID_ARGUMENT; then it
+asks the driver (``driver.py``) and maps what the envs returned to the columnar wire
+result, with per-env errors by index.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+from google.protobuf import any_pb2
+from google.protobuf.message import DecodeError, Message
+
+from openenv_grpc.server.backend import Answer, Outcome, UndecodableRequest
+from openenv_grpc.server.calls import BatchRefused, ResetArgs, StepArgs
+from openenv_grpc.server.driver import Driver
+from openenv_grpc.server.errors import CODE_NAMES, RequestError, RowError
+from openenv_grpc.server.payloads import PayloadRefused, decode_payload, reset_problem
+from openenv_grpc.server.phases import Phase
+from openenv_grpc.server.vector_batch import BatchOutcome
+from openenv_grpc.server.vector_frames import fill_errors, fill_result, fill_states
+from openenv_grpc.v1 import session_pb2 as pb
+
+__all__ = ["VectorView"]
+
+_INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+_FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION.value[0]
+_RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+_REQUEST_NAME = pb.VectorSessionRequest.DESCRIPTOR.full_name
+_ANSWER_MODES = {pb.VECTOR_ANSWER_MODE_UNSPECIFIED, pb.VECTOR_ANSWER_MODE_ALL}
+_EMPTY = "empty request: set one of reset, step, state, snapshot, restore, close"
+
+
+class VectorView:
+    """The request handler of one vector stream (``backend.SessionBackend``)."""
+
+    __slots__ = ("_action_url", "_driver", "_obs_url", "_spec", "_state_url")
+
+    def __init__(self, driver: Driver) -> None:
+        self._driver = driver
+        spec = self._spec = driver.spec
+        self._obs_url = spec.observation_url
+        self._state_url = spec.state_url
+        self._action_url = spec.action_url
+
+    @property
+    def driver(self) -> Driver:
+        return self._driver
+
+    @property
+    def native(self) -> bool:
+        """The stream's envs answer in a native batch form."""
+        return self._driver.native
+
+    async def handle(self, raw: bytes) -> Answer:
+        """Answer one serialized request. Never raises for anything the envs did.
+
+        Raises:
+            UndecodableRequest: ``raw`` is not a VectorSessionRequest (no id to answer to).
+            SessionLostError: the envs are gone (their env processes died for good).
+        """
+        try:
+            request = pb.VectorSessionRequest.FromString(raw)
+        except DecodeError as exc:
+            raise UndecodableRequest(f"request is not a valid {_REQUEST_NAME}: {exc}") from None
+        response = pb.VectorSessionResponse(request_id=request.request_id)
+        command = request.WhichOneof("command")
+        try:
+            if command == "step":
+                return await self._step(request.step, response)
+            if command == "reset":
+                return await self._reset(request.reset, response)
+            if command == "state":
+                return await self._state(request.state, response)
+            if command == "snapshot":
+                return await self._snapshot(request.snapshot, response)
+            if command == "restore":
+                return await self._restore(request.restore, response)
+            if command == "close":
+                await self._driver.close_command()
+                response.closed.SetInParent()
+                return Answer(response.SerializeToString(), Outcome.CLOSED, ends=True)
+            raise RequestError(_INVALID_ARGUMENT, _EMPTY)
+        except RequestError as err:
+            return self._refusal(response, err.code, err.message, err.exception_type)
+        except BatchRefused as err:
+            self._driver.refused(err, command)
+            return self._refusal(
+                response, err.code, err.message, err.exception_type, saturated=err.saturated
+            )
+
+    async def close(self) -> None:
+        """Close every env, once (``backend.SessionBackend``)."""
+        await self._driver.close()
+
+    # -- commands -------------------------------------------------------------------------
+
+    async def _step(self, command: pb.VectorStep, response: pb.VectorSessionResponse) -> Answer:
+        driver = self._driver
+        if command.answer_mode not in _ANSWER_MODES:
+            raise RequestError(
+                _INVALID_ARGUMENT,
+                f"answer_mode {command.answer_mode} is not known to this server "
+                "(VECTOR_ANSWER_MODE_ALL is)",
+            )
+        indices = self._indices(command.indices)
+        action_class = self._spec.types.action
+        blocked: dict[int, RowError] = {}
+        if command.HasField("batch_action"):
+            if command.actions:
+                raise RequestError(_INVALID_ARGUMENT, "give actions or batch_action, not both")
+            self._need_native("batch_action")
+            decoded: Any = _decode(command.batch_action, action_class, "batch_action")
+            cannot = [(i, why) for i in indices if (why := driver.cannot_step(i)) is not None]
+            if cannot:  # a batch-form action cannot leave out a row: refuse it all
+                raise RequestError(
+                    _FAILED_PRECONDITION,
+                    "with batch_action every env named must be able to step; "
+                    + "; ".join(f"env {i}: {why}" for i, why in cannot[:8])
+                    + ("; ..." if len(cannot) > 8 else ""),
+                )
+            args = StepArgs(indices, decoded, command.batch_action, True)
+        else:
+            actions = command.actions
+            if len(actions) != len(indices):
+                raise RequestError(
+                    _INVALID_ARGUMENT,
+                    f"{len(actions)} actions for {len(indices)} envs: give one action per "
+                    "env named (all envs when indices is empty), or batch_action",
+                )
+            url, parse = self._action_url, action_class.FromString
+            try:  # the common case: every url is the one we send, every payload parses
+                decoded = [parse(a.value) if a.type_url == url else None for a in actions]
+            except DecodeError:
+                decoded = [None] * len(actions)
+            if None in decoded:  # find the culprit, and say what is wrong with it
+                decoded = [
+                    _decode(action, action_class, f"action {k} (env {index})")
+                    for k, (index, action) in enumerate(zip(indices, actions, strict=True))
+                ]
+            wire: Any = actions
+            blocked = driver.blocked(indices)
+            if blocked:  # the others step; these answer their own errors
+                keep = [k for k, index in enumerate(indices) if index not in blocked]
+                indices = [indices[k] for k in keep]
+                decoded = [decoded[k] for k in keep]
+                wire = [actions[k] for k in keep]
+            args = StepArgs(indices, decoded, wire, False)
+        outcome, stepped, seconds = await driver.step(args)
+        outcome.errors.update(blocked)
+        too_large = driver.too_large("step", _result_bytes(outcome))
+        if too_large is not None:
+            return self._oversize(
+                response, too_large, Outcome.STEPPED, outcome.errors, seconds, stepped
+            )
+        self._fill(response.result, outcome)
+        return self._answer(response, Outcome.STEPPED, outcome.errors, seconds, stepped)
+
+    async def _reset(self, command: pb.VectorReset, response: pb.VectorSessionResponse) -> Answer:
+        indices = self._indices(command.indices)
+        batch_form = command.batch_observation
+        if batch_form:
+            self._need_native("batch_observation")
+        count = len(indices)
+        commands = command.envs
+        if commands and len(commands) != count:
+            raise RequestError(
+                _INVALID_ARGUMENT,
+                f"{len(commands)} resets for {count} envs: give one per env named (all envs "
+                "when indices is empty), or none",
+            )
+        seeds: list[int | None] = [None] * count
+        episode_ids = [uuid.uuid4().hex for _ in range(count)]
+        options: list[Message | None] = [None] * count
+        wire: list[any_pb2.Any | None] = [None] * count
+        options_class = self._spec.types.reset_options
+        for k, reset in enumerate(commands):
+            index = indices[k]
+            problem = reset_problem(reset)
+            if problem is not None:
+                raise RequestError(_INVALID_ARGUMENT, f"env {index}: {problem} (nothing was reset)")
+            if reset.HasField("seed"):
+                seeds[k] = reset.seed
+            if reset.HasField("episode_id"):
+                episode_ids[k] = reset.episode_id
+            if reset.HasField("options"):
+                options[k] = _decode(
+                    reset.options, options_class, f"reset options {k} (env {index})"
+                )
+                wire[k] = reset.options
+        args = ResetArgs(indices, seeds, episode_ids, options, wire, batch_form)
+        outcome = await self._driver.reset(args)
+        too_large = self._driver.too_large("reset", _result_bytes(outcome))
+        if too_large is not None:
+            return self._oversize(response, too_large, Outcome.RESET, outcome.errors)
+        self._fill(response.result, outcome)
+        return self._answer(response, Outcome.RESET, outcome.errors)
+
+    async def _state(self, command: pb.VectorState, response: pb.VectorSessionResponse) -> Answer:
+        driver = self._driver
+        states, payload = await driver.state(self._indices(command.indices))
+        too_large = driver.too_large("state", payload)
+        if too_large is not None:
+            return self._oversize(response, too_large, Outcome.STATE, states.errors)
+        fill_states(
+            response.states, states, self._state_url, driver.episode_ids, driver.step_counts
+        )
+        return self._answer(response, Outcome.STATE, states.errors)
+
+    async def _snapshot(
+        self, command: pb.VectorSnapshot, response: pb.VectorSessionResponse
+    ) -> Answer:
+        driver = self._driver
+        answer = response.snapshots
+        answer.SetInParent()
+        sealed = await driver.snapshot(self._indices(command.indices))
+        if sealed.too_large is not None:
+            return self._oversize(response, sealed.too_large, Outcome.SNAPSHOT, sealed.errors)
+        ids, counts = driver.episode_ids, driver.step_counts
+        for index, one in zip(sealed.rows, sealed.snapshots, strict=True):
+            answer.indices.append(index)
+            answer.snapshots.add(snapshot=one, episode_id=ids[index], step_count=counts[index])
+        fill_errors(answer.errors, sealed.errors)
+        return self._answer(response, Outcome.SNAPSHOT, sealed.errors)
+
+    async def _restore(
+        self, command: pb.VectorRestore, response: pb.VectorSessionResponse
+    ) -> Answer:
+        indices = self._indices(command.indices)
+        data = command.snapshots
+        if len(data) != len(indices):
+            raise RequestError(
+                _INVALID_ARGUMENT,
+                f"{len(data)} snapshots for {len(indices)} envs: give one per env named (all "
+                "envs when indices is empty); nothing was restored",
+            )
+        driver = self._driver
+        answer = response.restored
+        answer.SetInParent()
+        restored = await driver.restore(indices, data)
+        phases, ids, counts = driver.phases, driver.episode_ids, driver.step_counts
+        for index in restored.rows:
+            phase = phases[index]
+            answer.indices.append(index)
+            answer.restored.add(
+                episode_id=ids[index],
+                step_count=counts[index],
+                terminated=phase is Phase.TERMINATED,
+                truncated=phase is Phase.TRUNCATED,
+            )
+        fill_errors(answer.errors, restored.errors)
+        return self._answer(response, Outcome.RESTORED, restored.errors)
+
+    # -- the wire ---------------------------------------------------------------------------
+
+    def _fill(self, result: pb.VectorResult, outcome: BatchOutcome) -> None:
+        """Copy a batch's outcome and the envs' bookkeeping into the wire's columns."""
+        driver = self._driver
+        ids, counts = driver.episode_ids, driver.step_counts
+        rows = outcome.rows
+        if len(rows) != driver.size:  # else rows are every env in order: the lists as they are
+            ids, counts = [ids[i] for i in rows], [counts[i] for i in rows]
+        fill_result(result, outcome, self._obs_url, ids, counts)
+
+    def _answer(
+        self,
+        response: pb.VectorSessionResponse,
+        outcome: Outcome,
+        errors: dict[int, RowError],
+        seconds: float = 0.0,
+        steps: int = 0,
+    ) -> Answer:
+        codes = tuple(CODE_NAMES.get(e.code, str(e.code)) for e in errors.values())
+        return Answer(response.SerializeToString(), outcome, seconds, steps=steps, env_errors=codes)
+
+    def _oversize(
+        self,
+        response: pb.VectorSessionResponse,
+        message: str,
+        outcome: Outcome,
+        errors: dict[int, RowError],
+        seconds: float = 0.0,
+        steps: int = 0,
+    ) -> Answer:
+        """The RESOURCE_EXHAUSTED answer of a call that took effect but whose result is
+        over the limit; counted as the session counts such an answer: the call's steps
+        and per-env errors, and one RESOURCE_EXHAUSTED."""
+        response.ClearField("outcome")
+        response.error.code = _RESOURCE_EXHAUSTED
+        response.error.message = message
+        codes = tuple(CODE_NAMES.get(e.code, str(e.code)) for e in errors.values())
+        return Answer(
+            response.SerializeToString(), outcome, seconds, steps=steps,
+            env_errors=(*codes, grpc.StatusCode.RESOURCE_EXHAUSTED.name),
+        )  # fmt: skip
+
+    def _refusal(
+        self,
+        response: pb.VectorSessionResponse,
+        code: int,
+        message: str,
+        exception_type: str = "",
+        *,
+        saturated: bool = False,
+    ) -> Answer:
+        response.ClearField("outcome")
+        error = response.error
+        error.code = code
+        error.message = message
+        error.exception_type = exception_type
+        return Answer(
+            response.SerializeToString(),
+            Outcome.SATURATED if saturated else Outcome.FAILED,
+            0.0,
+            CODE_NAMES.get(code, str(code)),
+            self._driver.ends,
+        )
+
+    # -- validation -------------------------------------------------------------------------
+
+    def _indices(self, given: Sequence[int]) -> Sequence[int]:
+        """The env indices a request names (all when empty), checked.
+
+        Raises:
+            RequestError: an index is out of range, repeated or out of order.
+        """
+        driver = self._driver
+        if not given:
+            return driver.all
+        size = driver.size
+        if len(given) > size:  # before copying: a few MB of indices would hold the loop
+            raise RequestError(
+                _INVALID_ARGUMENT,
+                f"{len(given)} indices for a stream of {size} envs: each env at most once, "
+                "strictly increasing; nothing was done",
+            )
+        indices = list(given)
+        previous = -1
+        for index in indices:
+            if index <= previous or index >= size:
+                raise RequestError(_INVALID_ARGUMENT, _bad_indices(indices, size))
+            previous = index
+        return indices
+
+    def _need_native(self, what: str) -> None:
+        if not self._driver.native:
+            raise RequestError(
+                _INVALID_ARGUMENT,
+                f"{what} needs envs that batch natively, and this stream's envs are a loop "
+                "over plain instances (the openenv-batch header said 'loop'): give one "
+                "payload per env instead",
+            )
+
+
+def _bad_indices(indices: list[int], size: int) -> str:
+    """What is wrong with a list of indices that failed the check."""
+    seen: set[int] = set()
+    previous = -1
+    for index in indices:
+        if index >= size:
+            return (
+                f"index {index} is out of range: this stream holds {size} envs "
+                f"(0..{size - 1}); nothing was done"
+            )
+        if index in seen:
+            return f"index {index} is repeated; nothing was done"
+        if index < previous:
+            return (
+                f"indices must be strictly increasing: {index} after {previous}; nothing was done"
+            )
+        seen.add(index)
+        previous = index
+    return "bad indices"
+
+
+def _result_bytes(outcome: BatchOutcome) -> int:
+    """The bytes of a result's observations: a lower bound of its serialized size."""
+    size = sum(map(len, outcome.observations)) + sum(map(len, outcome.final_observations))
+    for batch in (outcome.batch_observation, outcome.batch_final_observation):
+        if batch is not None:
+            size += len(batch)
+    return size
+
+
+def _decode(payload: any_pb2.Any, message_class: type[Message], what: str) -> Message:
+    try:
+        return decode_payload(payload, message_class, what)
+    except PayloadRefused as exc:
+        raise RequestError(_INVALID_ARGUMENT, f"{exc}; nothing was done") from None
