@@ -178,9 +178,7 @@ class EnvServer:
             self.metrics_port = await self._metrics_endpoint.start(host, self.config.metrics_port)
         if self.config.isolated:
             call_timeout = self.config.call_timeout(self.spec.env_class.step_timeout)
-            self._processes = EnvProcessPool(
-                self.spec.factory, self.config.isolated, call_timeout, self.snapshots
-            )
+            self._processes = EnvProcessPool(self.spec.factory, self.config.isolated, call_timeout)
             self._processes.start()
         self._sessions = SessionManager(
             self.spec, self.config, self._pool, limiter,

@@ -285,10 +285,13 @@ class Driver:
 
         Raises:
             RequestError: INTERNAL, what an env's ``close`` raised (closed all the same).
+            BatchRefused: the close failed as a whole (its envs' process, e.g.).
         """
         self.ends = True
         try:
             await self._calls.close_strictly()
+        except BatchRefused:
+            raise
         except Exception as exc:
             log.exception("environment close() raised")
             raise RequestError(_INTERNAL, f"close failed: {describe(exc)}", qualname(exc)) from None

@@ -1,13 +1,12 @@
 """Isolated execution (``--isolated K``): env instances live in a pool of K env processes.
 
-The gRPC front (one process) keeps the sessions; each env lives in one env process
-(``env_process.py``; "worker" below means one of them, never a ``--workers`` server
-process). A session's request bytes go to its worker, which answers them
-with the same request handler as the in-process path, and the response bytes come back
-unchanged. So a segfault, ``os._exit`` or runaway memory in env code ends only the
-sessions on that worker (their clients get UNAVAILABLE "session lost"), the pool starts a
-replacement, and CPU-heavy envs use every core even when all streams share one HTTP/2
-connection.
+The gRPC front (one process) keeps the sessions and their drivers; each env lives in one
+env process (``env_process.py``; "worker" below means one of them, never a ``--workers``
+server process), as a block of its stream: a Session's one env, or a sub-batch of a
+vector stream (``vector_spread.py``). So a segfault, ``os._exit`` or runaway memory in
+env code ends only the sessions on that worker (their clients get UNAVAILABLE "session
+lost"), the pool starts a replacement, and CPU-heavy envs use every core even when all
+streams share one HTTP/2 connection.
 
 The front never blocks on a worker: frames go out through asyncio streams (a frame for a
 busy worker waits in that worker's queue, written as the worker reads), and answers come
@@ -20,7 +19,7 @@ and a replacement worker starts. A drain uses the same watchdog to keep its grac
 After a worker dies, the env's ``reclaim_orphans`` hook runs in a thread (``orphans.py``).
 
 A vector stream's envs live here as sub-batches, one per worker, so that they step in
-parallel (``vector_spread.py``); each counts as its size in a worker's load.
+parallel; a block counts as its size in a worker's load.
 """
 
 from __future__ import annotations
@@ -36,35 +35,26 @@ from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 from typing import Any
 
-import grpc
-from google.protobuf.message import DecodeError
-
 from openenv_grpc.environment import AutoresetMode, InvalidAction
-from openenv_grpc.server.backend import (
-    Answer,
-    EnvFactoryError,
-    Outcome,
-    SessionLostError,
-    UndecodableRequest,
-)
+from openenv_grpc.server.backend import EnvFactoryError, SessionLostError
 from openenv_grpc.server.env_process import (
     AUTORESET_MODES,
+    BLOCK_OPEN,
     HEADER,
     READ_LIMIT,
+    SESSION_BLOCK,
     SIDE_CLOSE,
     SIDE_CLOSED,
-    VECTOR_OPEN,
+    STRICT_CLOSE,
+    VECTOR_BLOCK,
     Op,
     Status,
-    answered,
     worker_main,
 )
 from openenv_grpc.server.orphans import OrphanReaper
-from openenv_grpc.server.snapshots import SnapshotSeal
 from openenv_grpc.server.spec import EnvSpec, ExecutionMode
-from openenv_grpc.v1 import session_pb2 as pb
 
-__all__ = ["CallTimedOut", "EnvProcessBackend", "EnvProcessPool", "Worker"]
+__all__ = ["CallTimedOut", "CloseFailed", "EnvProcessPool", "Worker"]
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +72,15 @@ _DRAIN_ALLOWANCE = 1.0
 _STOP_WAIT = 2.0
 
 _DIED = "the environment's worker process died"
-_DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED
-_INTERNAL = grpc.StatusCode.INTERNAL
-_CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
+
+
+class CloseFailed(Exception):
+    """A block's ``close`` raised in its worker: ``describe(exc)`` and the exception's type."""
+
+    def __init__(self, message: str, exception_type: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.exception_type = exception_type
 
 
 class CallTimedOut(SessionLostError):
@@ -141,7 +137,6 @@ class EnvProcessPool:
         factory: Callable[[], Any],
         size: int,
         call_timeout: float | None,
-        snapshots: SnapshotSeal | None = None,
     ) -> None:
         if size < 1:
             raise ValueError(f"env process pool size must be >= 1, got {size}")
@@ -151,8 +146,6 @@ class EnvProcessPool:
         margin = _ASYNC_MARGIN if spec.mode is ExecutionMode.ASYNC else 0.0
         self._worker_limit = None if call_timeout is None else call_timeout + margin
         self._factory = factory
-        #: Handed to every env process at its start: they sign and verify as one server.
-        self._snapshots = snapshots
         self._size = size
         #: Workers the pool may start beyond ``size`` while every worker is busy.
         self._overflow = size
@@ -181,7 +174,7 @@ class EnvProcessPool:
         side_front, side_back = socket.socketpair()
         process = self._context.Process(
             target=worker_main,
-            args=(back, self._factory, self.call_timeout, self._snapshots, side_back),
+            args=(back, self._factory, self.call_timeout, side_back),
             name="openenv-env-worker",
             daemon=True,
         )
@@ -348,7 +341,7 @@ class EnvProcessPool:
             raise SessionLostError(worker.gone)
         loop = asyncio.get_running_loop()
         limit = self._worker_limit
-        if op in (Op.CREATE, Op.VECTOR_CREATE):
+        if op == Op.CREATE:
             limit = None
         elif limit is not None and envs > 1:
             limit *= envs
@@ -359,34 +352,24 @@ class EnvProcessPool:
         self._send(worker, HEADER.pack(len(payload), env_id, op), payload)
         return await call.future
 
-    async def open(self) -> EnvProcessBackend:
-        """Create an env on the least-loaded worker.
+    async def place_block(
+        self, size: int, autoreset: AutoresetMode, *, session: bool, prefer_ready: bool
+    ) -> tuple[_Worker, int]:
+        """Create a block on the first worker of :meth:`for_new_envs`; returns the worker
+        and the block's env id. A worker that dies before it answered (e.g. killed a
+        moment before the front noticed) costs nothing but time: the block is made on
+        another one, each worker tried at most once.
 
         Raises:
-            EnvFactoryError: the env factory raised in the worker (its message says what).
-            SessionLostError: the worker died meanwhile.
-        """
-        worker, env_id = await self.create()
-        return EnvProcessBackend(self, worker, env_id)
-
-    async def create(self, *, prefer_ready: bool = False) -> tuple[_Worker, int]:
-        """Create an env on the least-loaded live worker (with ``prefer_ready``, one that
-        is up already, if any); returns the worker and the env's id.
-
-        A worker that dies before it answered (e.g. killed a moment before the front
-        noticed) costs nothing but time: the env is made on another one, each worker
-        tried at most once.
-
-        Raises:
-            EnvFactoryError: the env factory raised in the worker.
+            EnvFactoryError, InvalidAction: see :meth:`create_block`.
             SessionLostError: no worker is running, or every one died meanwhile.
         """
         tried: set[int] = set()
         while True:
-            worker = self._for_create(tried, prefer_ready)
+            worker = self.for_new_envs(prefer_ready=prefer_ready, tried=tried)[0]
             tried.add(id(worker))
             try:
-                env_id, _ = await self._create(worker, Op.CREATE, b"", 1)
+                env_id, _ = await self.create_block(worker, size, autoreset, session=session)
             except SessionLostError:
                 if len(tried) >= 2 * self._size:
                     raise
@@ -395,10 +378,6 @@ class EnvProcessPool:
                 )
                 continue
             return worker, env_id
-
-    def _for_create(self, tried: set[int], prefer_ready: bool) -> _Worker:
-        """Where a new env goes: the first of :meth:`for_new_envs`."""
-        return self.for_new_envs(prefer_ready=prefer_ready, tried=tried)[0]
 
     def for_new_envs(
         self, *, prefer_ready: bool = False, tried: AbstractSet[int] = frozenset()
@@ -435,7 +414,7 @@ class EnvProcessPool:
 
     def _retire(self, worker: _Worker) -> None:
         """Stop ``worker`` if the pool has more than its size and it holds nothing: the
-        extra workers busy ones made (see :meth:`_for_create`) go once they are empty."""
+        extra workers busy ones made (see :meth:`for_new_envs`) go once they are empty."""
         if (
             worker.alive
             and not worker.envs
@@ -459,29 +438,24 @@ class EnvProcessPool:
             raise SessionLostError("no environment worker process is running")
         return sorted(live, key=lambda w: (prefer_ready and not w.ready, sum(w.envs.values())))
 
-    async def create_vector(
-        self, worker: _Worker, size: int, autoreset: AutoresetMode
+    async def create_block(
+        self, worker: _Worker, size: int, autoreset: AutoresetMode, *, session: bool = False
     ) -> tuple[int, bool]:
-        """Create a sub-batch of ``size`` envs on ``worker``; returns its env id and
-        whether it is the env's native batch.
+        """Create a block of ``size`` envs on ``worker`` (``session``: a Session's one env);
+        returns its env id and whether it is the env's native batch.
 
         Raises:
             EnvFactoryError: the factory (or ``make_batch``) raised in the worker.
             InvalidAction: ``make_batch`` refused.
             SessionLostError: the worker died meanwhile.
         """
-        payload = VECTOR_OPEN.pack(size, AUTORESET_MODES.index(autoreset))
-        env_id, answer = await self._create(worker, Op.VECTOR_CREATE, payload, size)
-        return env_id, answer == b"native"
-
-    async def _create(
-        self, worker: _Worker, op: int, payload: bytes, weight: int
-    ) -> tuple[int, bytes]:
+        kind = SESSION_BLOCK if session else VECTOR_BLOCK
+        payload = BLOCK_OPEN.pack(size, AUTORESET_MODES.index(autoreset), kind)
         env_id = self._next_env
         self._next_env += 1
-        worker.envs[env_id] = weight  # counted at once, so opens at the same time spread out
+        worker.envs[env_id] = size  # counted at once, so opens at the same time spread out
         try:
-            status, answer = await self.call(worker, env_id, op, payload)
+            status, answer = await self.call(worker, env_id, Op.CREATE, payload)
         except asyncio.CancelledError:
             worker.envs.pop(env_id, None)
             self.close_env(worker, env_id)  # the worker builds it all the same
@@ -493,7 +467,7 @@ class EnvProcessPool:
             worker.envs.pop(env_id, None)
             text = answer.decode(errors="replace")
             raise InvalidAction(text) if status == Status.REFUSED else EnvFactoryError(text)
-        return env_id, answer
+        return env_id, answer == b"native"
 
     def close_env(self, worker: _Worker, env_id: int) -> asyncio.Task[None]:
         """Close an env in its worker, in a task of its own (a cancelled session must not
@@ -509,6 +483,21 @@ class EnvProcessPool:
         with contextlib.suppress(SessionLostError):  # it died with its process
             await self.call(worker, env_id, Op.CLOSE)
             self._retire(worker)
+
+    async def close_strictly(self, worker: _Worker, env_id: int) -> None:
+        """Close a block for a close command, in its worker, and wait for it.
+
+        Raises:
+            CloseFailed: the env's ``close`` raised (it is closed all the same).
+            CallTimedOut: the close hung past the step timeout (its worker was stopped).
+            SessionLostError: the worker died meanwhile.
+        """
+        worker.envs.pop(env_id, None)
+        status, payload = await self.call(worker, env_id, Op.CLOSE, STRICT_CLOSE)
+        self._retire(worker)
+        if status == Status.FAILED:
+            text, _, kind = payload.decode(errors="replace").partition("\n")
+            raise CloseFailed(text, kind)
 
     async def _close_on_the_side(self, worker: _Worker, env_id: int) -> bool:
         """In a drain, close an env whose worker is busy with another env's call (maybe
@@ -595,116 +584,3 @@ def _put(writer: asyncio.StreamWriter, header: bytes, payload: bytes) -> None:
 
 #: One env process of the pool (for the vector spread, which places sub-batches on them).
 Worker = _Worker
-
-
-class EnvProcessBackend:
-    """A session's env in a worker process."""
-
-    __slots__ = ("_env_id", "_pool", "_replacing", "_worker")
-
-    def __init__(self, pool: EnvProcessPool, worker: _Worker, env_id: int) -> None:
-        self._pool = pool
-        self._worker = worker
-        self._env_id = env_id
-        #: The fresh env being made after a timeout (the answer did not wait for it).
-        self._replacing: asyncio.Task[tuple[_Worker, int]] | None = None
-
-    async def handle(self, raw: bytes) -> Answer:
-        if self._replacing is not None:
-            failed = await self._adopt(raw)
-            if failed is not None:
-                return failed
-        started = time.perf_counter()
-        try:
-            status, payload = await self._pool.call(self._worker, self._env_id, Op.REQUEST, raw)
-        except CallTimedOut:
-            return await self._replace(raw)
-        if status == Status.UNDECODABLE:
-            raise UndecodableRequest(payload.decode(errors="replace"))
-        outcome, ends = answered(status)
-        if outcome is Outcome.STEPPED:
-            # Measured here, so the step's time includes the hop to the worker and back.
-            return Answer(payload, outcome, time.perf_counter() - started)
-        if outcome is Outcome.FAILED or outcome is Outcome.SATURATED:
-            code = pb.SessionResponse.FromString(payload).error.code  # errors are rare
-            return Answer(payload, outcome, 0.0, _CODE_NAMES.get(code, str(code)), ends)
-        return Answer(payload, outcome, ends=ends)
-
-    async def _replace(self, raw: bytes) -> Answer:
-        """Answer a request whose worker was killed for taking too long: in-band
-        DEADLINE_EXCEEDED and a fresh env on a live worker (as ``calls.py`` does
-        in-process), or, if that fails, INTERNAL and the end of the session."""
-        self._worker.envs.pop(self._env_id, None)
-        # The worker parsed it before calling the env (which then hung), so it parses.
-        request = pb.SessionRequest.FromString(raw)
-        command = request.WhichOneof("command")
-        limit = self._pool.call_timeout
-        code = _DEADLINE_EXCEEDED
-        ends = False
-        if command == "close":
-            ends = True
-            message = (
-                f"close did not finish within {limit:g}s; the environment's worker process "
-                "was stopped"
-            )
-        else:
-            # The answer goes now, at the timeout: the fresh env is made meanwhile (the
-            # killed worker's replacement may take seconds to start) and the session's
-            # next request waits for it (see _adopt).
-            self._replacing = asyncio.get_running_loop().create_task(
-                self._pool.create(prefer_ready=True)
-            )
-            message = (
-                f"{command} did not finish within {limit:g}s; the environment was "
-                "replaced with a fresh one: call reset"
-            )
-        return _error(request.request_id, code, message, ends)
-
-    async def _adopt(self, raw: bytes) -> Answer | None:
-        """Wait for the fresh env a timeout asked for; None once it serves, else the
-        answer that ends the session (it could not be made)."""
-        assert self._replacing is not None
-        try:
-            self._worker, self._env_id = await self._replacing
-        except (EnvFactoryError, SessionLostError) as exc:
-            log.error("could not replace a hung environment: %s", exc)
-            try:
-                request_id = pb.SessionRequest.FromString(raw).request_id
-            except DecodeError:
-                raise UndecodableRequest("the request does not parse") from None
-            return _error(
-                request_id, _INTERNAL,
-                f"the environment hung and a new one could not be created: {exc}", True,
-            )  # fmt: skip
-        finally:
-            self._replacing = None
-        return None
-
-    async def close(self) -> None:
-        replacing = self._replacing
-        if replacing is not None:
-            self._replacing = None
-            if not replacing.done():
-                replacing.cancel()  # the create's cancel closes the env it makes
-                return
-            if replacing.cancelled() or replacing.exception() is not None:
-                return
-            self._worker, self._env_id = replacing.result()
-        worker = self._worker
-        if self._env_id not in worker.envs:
-            return
-        worker.envs.pop(self._env_id, None)
-        if not worker.alive:
-            return  # it died with its process
-        # Shielded: a server stopping must not skip the close. A worker that is stuck
-        # ends it too: by the step timeout, or by the drain's watchdog.
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.shield(self._pool.close_env(worker, self._env_id))
-
-
-def _error(request_id: int, code: grpc.StatusCode, message: str, ends: bool) -> Answer:
-    """An in-band error answer to the Session request ``request_id``."""
-    response = pb.SessionResponse(request_id=request_id)
-    response.error.code = code.value[0]
-    response.error.message = message
-    return Answer(response.SerializeToString(), Outcome.FAILED, 0.0, code.name, ends)

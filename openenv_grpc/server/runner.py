@@ -76,9 +76,11 @@ class EnvRunner:
         self._placement = placement
         #: The env's own cost_class(), if it has one (else every call is in class "").
         self._cost_class: Callable[[], str] | None = None
-        if mode is ExecutionMode.MEASURED and isinstance(env, Environment):
-            own = type(env).cost_class is not Environment.cost_class
-            self._cost_class = env.cost_class if own else None
+        if mode is ExecutionMode.MEASURED:
+            # A batch (vector_batch.VectorBatch) answers for its envs: always ask it.
+            own = getattr(type(env), "cost_class", Environment.cost_class)
+            measured: Any = env  # an Environment or a VectorBatch: both have cost_class
+            self._cost_class = None if own is Environment.cost_class else measured.cost_class
         self._pool = pool
         self._lifecycle = lifecycle if lifecycle is not None else pool
         self._release = release

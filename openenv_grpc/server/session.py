@@ -50,6 +50,7 @@ from openenv_grpc.server.runner import CreateTimeout
 from openenv_grpc.server.session_view import SessionView
 from openenv_grpc.server.snapshots import SnapshotSeal
 from openenv_grpc.server.spec import EnvSpec
+from openenv_grpc.server.vector_spread import SpreadBatchCalls
 from openenv_grpc.v1 import session_pb2 as pb
 
 __all__ = ["CLOSE_BUDGET", "Held", "SessionManager", "StreamOpening"]
@@ -277,8 +278,11 @@ class SessionManager:
 
     async def _open_backend(self, held: Held) -> SessionBackend:
         """A fresh env for one session: in an env process when isolated, else here."""
-        if self._processes is not None:
-            return await self._processes.open()
+        if self._processes is not None:  # a block of one env on the spread path
+            spread = await SpreadBatchCalls.open(
+                self._processes, 1, AutoresetMode.DISABLED, False, session=True
+            )
+            return SessionView(self.spec, spread, self.snapshots)
         # From here the runner frees the session's slot: when its env is closed, when the
         # factory fails, or -- open cancelled -- once the factory returns and its env closes.
         held.owns_slot = False

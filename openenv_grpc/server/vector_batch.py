@@ -126,6 +126,11 @@ class VectorBatch:
         self.size = size
         self.autoreset = autoreset
 
+    def cost_class(self) -> str:
+        """What a measured env's placement groups this batch's calls by (see
+        :meth:`Environment.cost_class`): "" unless the batch knows better."""
+        return ""
+
 
 class _Instances(VectorBatch):
     """N plain instances of one env class, and the bookkeeping the loop's autoreset needs."""
@@ -154,6 +159,12 @@ class _Instances(VectorBatch):
         self._pending = [False] * size
         #: The options of each env's last reset by the client, reused by its autoresets.
         self._options: list[Message | None] = [None] * size
+        #: A loop of one (a Session's env) is measured as that env: its own cost class.
+        own = size == 1 and type(envs[0]).cost_class is not Environment.cost_class
+        self._cost_class: Any = envs[0].cost_class if own else None
+
+    def cost_class(self) -> str:
+        return "" if self._cost_class is None else str(self._cost_class())
 
     def _checked(self, transition: Any) -> Transition[Any]:
         if not isinstance(transition, Transition):
@@ -467,6 +478,7 @@ class NativeBatch(VectorBatch):
     def __init__(self, batch: BatchEnvironment[Any, Any, Any, Any], spec: EnvSpec) -> None:
         super().__init__(batch.size, batch.autoreset)
         self._batch = batch
+        self._cost_class: Any = getattr(batch, "cost_class", None)
         self._observation = spec.types.observation
         self._state = spec.types.state
 
@@ -511,6 +523,9 @@ class NativeBatch(VectorBatch):
 
     def close(self) -> None:
         self._batch.close()
+
+    def cost_class(self) -> str:
+        return "" if self._cost_class is None else str(self._cost_class())
 
     def _outcome(
         self, indices: Sequence[int], transition: Any, batch_form: bool, *, resets: bool

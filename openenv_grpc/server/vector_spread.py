@@ -1,4 +1,5 @@
-"""``--isolated``: a vector stream's envs spread over the env processes.
+"""``--isolated``: a stream's envs as blocks in the env processes; a vector stream's spread
+over them, a Session's one env a block of one.
 
 The stream's N envs are cut into contiguous blocks, one sub-batch per env process (the
 least loaded first), so a step runs on every core at once: the front sends each process
@@ -16,6 +17,12 @@ block are lost: the call that saw it answers UNAVAILABLE (DEADLINE_EXCEEDED when
 call's own block hung) for each of those indices, a fresh sub-batch replaces the block on
 a live process (reset those envs to go on), and the other blocks' results come as usual.
 If no fresh sub-batch can be made, the stream ends (UNAVAILABLE).
+
+A Session is the same path with one block of one env (``session=True``) and a Session's
+promises: its own call past the step timeout is refused DEADLINE_EXCEEDED and a fresh env
+made meanwhile (its next request waits for it; if none can be made, INTERNAL and the
+stream ends); losing its process any other way ends the stream ("session lost"), as the
+client cannot tell which of its requests took effect.
 """
 
 from __future__ import annotations
@@ -34,8 +41,9 @@ from openenv_grpc.environment import AutoresetMode
 from openenv_grpc.server.backend import SessionLostError
 from openenv_grpc.server.calls import BatchRefused, ResetArgs, RestoreArgs, StepArgs
 from openenv_grpc.server.env_process import Op, Status
-from openenv_grpc.server.env_process_pool import CallTimedOut, EnvProcessPool, Worker
+from openenv_grpc.server.env_process_pool import CallTimedOut, CloseFailed, EnvProcessPool, Worker
 from openenv_grpc.server.errors import RowError
+from openenv_grpc.server.phases import SESSION_WORDS
 from openenv_grpc.server.vector_batch import BatchOutcome, BatchStates
 from openenv_grpc.server.vector_frames import (
     read_errors,
@@ -56,6 +64,7 @@ log = logging.getLogger(__name__)
 
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 _DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+_INTERNAL = grpc.StatusCode.INTERNAL.value[0]
 
 
 @dataclass(slots=True)
@@ -77,38 +86,55 @@ _Part = tuple[_Block, list[int], list[int]]
 
 
 class SpreadBatchCalls:
-    """A vector stream's envs as sub-batches in the env processes (``BatchCalls``)."""
+    """A stream's envs as blocks in the env processes (``BatchCalls``)."""
 
-    __slots__ = ("_autoreset", "_blocks", "_native", "_pool", "_starts")
+    __slots__ = ("_autoreset", "_blocks", "_native", "_pool", "_session", "_starts")
 
     def __init__(
-        self, pool: EnvProcessPool, blocks: list[_Block], autoreset: AutoresetMode, native: bool
+        self,
+        pool: EnvProcessPool,
+        blocks: list[_Block],
+        autoreset: AutoresetMode,
+        native: bool,
+        session: bool,
     ) -> None:
         self._pool = pool
         self._blocks = blocks
         self._starts = [block.start for block in blocks]
         self._autoreset = autoreset
         self._native = native
+        self._session = session
 
     @classmethod
     async def open(
-        cls, pool: EnvProcessPool, size: int, autoreset: AutoresetMode, batches: bool
+        cls,
+        pool: EnvProcessPool,
+        size: int,
+        autoreset: AutoresetMode,
+        batches: bool,
+        *,
+        session: bool = False,
     ) -> SpreadBatchCalls:
-        """Build the stream's sub-batches, all at once: over every live env process, or
-        in one when the env ``batches`` natively.
+        """Build the stream's blocks, all at once: over every live env process, or in one
+        when the env ``batches`` natively or the stream is a Session (``session``).
 
         Raises:
-            EnvFactoryError, InvalidAction: building a sub-batch failed (the others made
-                are closed).
+            EnvFactoryError, InvalidAction: building a block failed (the others made are
+                closed).
             SessionLostError: no env process is running, or one died meanwhile.
         """
+        if session:
+            # The least loaded process, even one still starting, so that sessions opened
+            # one after the other spread over the processes.
+            worker, env_id = await pool.place_block(1, autoreset, session=True, prefer_ready=False)
+            return cls(pool, [_Block(worker, env_id, 0, 1)], autoreset, False, True)
         # Never behind another stream's call if it can be helped (see for_new_envs).
         workers = pool.for_new_envs(prefer_ready=True)
         count = 1 if batches else min(len(workers), size)
         sizes = [size // count + (k < size % count) for k in range(count)]
         starts = [sum(sizes[:k]) for k in range(count)]
         made = await asyncio.gather(
-            *(pool.create_vector(workers[k], sizes[k], autoreset) for k in range(count)),
+            *(pool.create_block(workers[k], sizes[k], autoreset) for k in range(count)),
             return_exceptions=True,
         )
         blocks = [
@@ -122,7 +148,7 @@ class SpreadBatchCalls:
                 pool.close_env(block.worker, block.env_id)
             raise failed[0]
         native = all(not isinstance(a, BaseException) and a[1] for a in made)
-        return cls(pool, blocks, autoreset, native)
+        return cls(pool, blocks, autoreset, native, session)
 
     @property
     def native(self) -> bool:
@@ -137,7 +163,7 @@ class SpreadBatchCalls:
                 [options[k] for k in positions], args.batch_form,
             )  # fmt: skip
 
-        return await self._outcomes(args.indices, frame)
+        return await self._outcomes("reset", args.indices, frame)
 
     async def step(self, args: StepArgs) -> BatchOutcome:
         wire = args.wire
@@ -147,18 +173,19 @@ class SpreadBatchCalls:
                 return step_frame(local, wire, True)
             return step_frame(local, [wire[k] for k in positions], False)
 
-        return await self._outcomes(args.indices, frame)
+        return await self._outcomes("step", args.indices, frame)
 
     async def state(self, indices: Sequence[int]) -> BatchStates:
         return await self._gathered(
-            indices, state_frame, lambda r, offset: read_states(r.states, offset)
+            "state", indices, state_frame, lambda r, offset: read_states(r.states, offset)
         )
 
     async def snapshot(self, indices: Sequence[int]) -> BatchStates:
         # The env processes answer the envs' own bytes; the front seals them.
         return await self._gathered(
-            indices, snapshot_frame, lambda r, offset: read_snapshots(r.snapshots, offset)
-        )
+            "snapshot", indices, snapshot_frame,
+            lambda r, offset: read_snapshots(r.snapshots, offset),
+        )  # fmt: skip
 
     async def restore(self, args: RestoreArgs) -> dict[int, RowError]:
         captured = args.captured
@@ -168,7 +195,7 @@ class SpreadBatchCalls:
 
         parts = self._split(args.indices)
         answers = await asyncio.gather(
-            *(self._call(part, frame(part[1], part[2])) for part in parts)
+            *(self._call("restore", part, frame(part[1], part[2])) for part in parts)
         )
         errors: dict[int, RowError] = {}
         for part, (status, payload) in zip(parts, answers, strict=True):
@@ -176,13 +203,14 @@ class SpreadBatchCalls:
                 errors.update(self._lost(part, args.indices, payload))
                 continue
             response = pb.VectorSessionResponse.FromString(payload)
-            if status != Status.VECTOR_ANSWER:
+            if status != Status.ANSWER:
                 raise _refusal(status, response)
             errors.update(read_errors(response.restored.errors, part[0].start))
         return errors
 
     async def _gathered(
         self,
+        what: str,
         indices: Sequence[int],
         frame: Callable[[list[int]], bytes],
         read: Callable[[pb.VectorSessionResponse, int], BatchStates],
@@ -190,14 +218,14 @@ class SpreadBatchCalls:
         """A state or snapshot call: each block's part (``frame(local indices)``),
         together, the answers (``read(response, block start)``) in index order."""
         parts = self._split(indices)
-        answers = await asyncio.gather(*(self._call(part, frame(part[2])) for part in parts))
+        answers = await asyncio.gather(*(self._call(what, part, frame(part[2])) for part in parts))
         out = BatchStates()
         for part, (status, payload) in zip(parts, answers, strict=True):
             if status is None:  # the block was lost: its envs are fresh ones now
                 out.errors.update(self._lost(part, indices, payload))
                 continue
             response = pb.VectorSessionResponse.FromString(payload)
-            if status != Status.VECTOR_ANSWER:
+            if status != Status.ANSWER:
                 raise _refusal(status, response)
             got = read(response, part[0].start)
             out.rows.extend(got.rows)
@@ -209,7 +237,38 @@ class SpreadBatchCalls:
         await self._close_all()
 
     async def close_strictly(self) -> None:
-        await self._close_all()  # the env processes log what the envs' close raised
+        """Close every block for a close command, each in its worker, and wait for them
+        (a block still being rebuilt is closed quietly).
+
+        Raises:
+            BatchRefused: a close hung past the step timeout (its worker was stopped), or
+                an env's ``close`` raised (INTERNAL, what it raised); the stream ends.
+            SessionLostError: a Session's env process died before its close.
+        """
+        strict = [block for block in self._blocks if block.rebuilding is None]
+        self._blocks = [block for block in self._blocks if block.rebuilding is not None]
+        await self._close_all()
+        answers = await asyncio.gather(
+            *(self._pool.close_strictly(block.worker, block.env_id) for block in strict),
+            return_exceptions=True,
+        )
+        for answer in answers:
+            if isinstance(answer, CallTimedOut):
+                raise BatchRefused(
+                    _DEADLINE_EXCEEDED,
+                    f"close did not finish within {self._pool.call_timeout:g}s; the "
+                    "environment's worker process was stopped",
+                    ends=True,
+                )
+            if isinstance(answer, CloseFailed):
+                raise BatchRefused(
+                    _INTERNAL, f"close failed: {answer.message}", answer.exception_type,
+                    ends=True,
+                )  # fmt: skip
+            if isinstance(answer, SessionLostError) and self._session:
+                raise answer
+            if isinstance(answer, BaseException) and not isinstance(answer, SessionLostError):
+                raise answer  # a vector block that died is closed with its process
 
     async def _close_all(self) -> None:
         closing = []
@@ -231,12 +290,12 @@ class SpreadBatchCalls:
 
     # -- one call over the blocks ---------------------------------------------------------
 
-    async def _outcomes(self, indices: Sequence[int], frame: Any) -> BatchOutcome:
+    async def _outcomes(self, what: str, indices: Sequence[int], frame: Any) -> BatchOutcome:
         """Send each block its part (``frame(positions, local indices)``), together, and
         gather the answers in index order."""
         parts = self._split(indices)
         answers = await asyncio.gather(
-            *(self._call(part, frame(part[1], part[2])) for part in parts)
+            *(self._call(what, part, frame(part[1], part[2])) for part in parts)
         )
         out = BatchOutcome()
         for part, (status, payload) in zip(parts, answers, strict=True):
@@ -244,7 +303,7 @@ class SpreadBatchCalls:
                 out.errors.update(self._lost(part, indices, payload))
                 continue
             response = pb.VectorSessionResponse.FromString(payload)
-            if status != Status.VECTOR_ANSWER:
+            if status != Status.ANSWER:
                 refused = _refusal(status, response)
                 if len(parts) == 1:
                     raise refused
@@ -269,12 +328,16 @@ class SpreadBatchCalls:
             current[2].append(index - block.start)
         return parts
 
-    async def _call(self, part: _Part, frame: bytes) -> tuple[int | None, Any]:
-        """One block's call: its status and payload, or (None, the error of its envs)
-        when its env process died or was stopped under it (the block is rebuilt).
+    async def _call(self, what: str, part: _Part, frame: bytes) -> tuple[int | None, Any]:
+        """One block's call (``what``: its command): its status and payload, or (None,
+        the error of its envs) when its env process died or was stopped under it (the
+        block is rebuilt).
 
         Raises:
-            SessionLostError: the block could not be rebuilt.
+            SessionLostError: the block could not be rebuilt; or a Session's process was
+                lost other than by this call's own timeout.
+            BatchRefused: a Session's call ran past the step timeout (the env is being
+                replaced), or its replacement could not be made (the stream ends).
         """
         block = part[0]
         if block.rebuilding is not None:
@@ -286,37 +349,52 @@ class SpreadBatchCalls:
                     block.rebuilding = None
         try:
             return await self._pool.call(
-                block.worker, block.env_id, Op.VECTOR_REQUEST, frame, envs=len(part[1])
+                block.worker, block.env_id, Op.REQUEST, frame, envs=len(part[1])
             )
         except CallTimedOut as exc:
             code, why = _DEADLINE_EXCEEDED, f"{exc} (this call took too long)"
         except SessionLostError as exc:
+            if self._session:  # the client cannot know which of its requests took effect
+                raise
             code, why = _UNAVAILABLE, str(exc)
-        # Answered now, not once the fresh sub-batch is made: with the process killed
-        # past the step timeout, its replacement may take seconds to start.
+        # Answered now, not once the fresh block is made: with the process killed past
+        # the step timeout, its replacement may take seconds to start.
         block.worker.envs.pop(block.env_id, None)
         block.rebuilding = asyncio.get_running_loop().create_task(self._rebuild(block))
+        if self._session:
+            raise BatchRefused(
+                _DEADLINE_EXCEEDED,
+                f"{what} did not finish within {self._pool.call_timeout:g}s; "
+                f"{SESSION_WORDS.replaced}",
+                replaced=True,
+            )
         message = f"{why}; a fresh environment took this one's place: reset it"
         return None, RowError(code, message)
 
     async def _rebuild(self, block: _Block) -> None:
-        """A fresh sub-batch for a lost block, on a live env process.
+        """A fresh block for a lost one, on a live env process.
 
         Raises:
-            SessionLostError: none could be made.
+            SessionLostError: none could be made (a Session: BatchRefused, INTERNAL, and
+                the stream ends).
         """
         block.worker.envs.pop(block.env_id, None)
         try:
-            worker = self._pool.for_new_envs(prefer_ready=True)[0]
-            block.env_id, _ = await self._pool.create_vector(worker, block.size, self._autoreset)
+            worker, block.env_id = await self._pool.place_block(
+                block.size, self._autoreset, session=self._session, prefer_ready=True
+            )
         except Exception as exc:  # a factory error, make_batch refusing, no live process
             log.error("could not replace the envs of a lost env process: %s", exc)
+            if self._session:
+                raise BatchRefused(
+                    _INTERNAL, f"{SESSION_WORDS.not_replaced}: {exc}", ends=True
+                ) from None
             raise SessionLostError(
                 f"the envs of an env process that died could not be replaced: {exc}"
             ) from None
         block.worker = worker
         log.warning(
-            "vector envs %d..%d replaced on env worker pid %s",
+            "envs %d..%d replaced on env worker pid %s",
             block.start, block.start + block.size - 1, worker.process.pid,
         )  # fmt: skip
 
@@ -327,7 +405,7 @@ class SpreadBatchCalls:
 
 def _refusal(status: int, response: pb.VectorSessionResponse) -> BatchRefused:
     """The whole-call refusal an env process answered."""
-    flags = status - Status.VECTOR_REFUSED
+    flags = status - Status.CALL_REFUSED
     error = response.error
     return BatchRefused(
         error.code, error.message, error.exception_type,
