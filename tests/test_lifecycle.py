@@ -4,11 +4,14 @@ and frees its slot exactly once; plus Info, reflection and the env execution mod
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
+import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -18,6 +21,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
+from prometheus_client.parser import text_string_to_metric_families
 
 import openenv_grpc
 from openenv_grpc import (
@@ -321,43 +325,83 @@ def test_close_command_closes_env_and_ends_stream_ok(server) -> None:
     _wait_released(server, 1)
 
 
-def test_abort_mid_step_of_pooled_env_closes_env_once_step_returns(start_server) -> None:
-    server = start_server("support.envs:FaultyEnv")
+def sessions_ended(server, reason: str) -> float:  # type: ignore[no-untyped-def]
+    """How many sessions the server counts as ended for ``reason`` (its /metrics)."""
+    url = next(
+        match.group(1)
+        for line in server.stdout_lines
+        if (match := re.search(r"metrics on (http://\S+/metrics)", line))
+    )
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "openenv_session_duration_seconds_count"
+        and sample.labels.get("reason") == reason
+    )
+
+
+def test_abort_mid_step_of_pooled_env_closes_env_once_step_returns(
+    start_server, tmp_path: Path
+) -> None:
+    """The step is held at a gate in the env; the client aborts. Once the server has
+    ended the session (its metrics count one "cancelled" end: the moment a close that
+    overlapped the step would have happened) the env is still open and its slot held;
+    only when the gate opens and the step returns is the env closed, once."""
+    server = start_server("support.envs:FaultyEnv", "--metrics-port", "0")
+    gate = tmp_path / "step-gate"
 
     async def main() -> None:
         env = AsyncEchoEnv(server.target)
         await env.open()
         await env.reset()
-        # The step is on the server (it answers nothing for 1 s); give up waiting, then cancel.
+        # The step is on the server, held at the gate; give up waiting, then cancel.
         with pytest.raises(TimeoutError):
-            await env.step(EchoAction(message="sleep:1"), timeout=0.2)
+            await env.step(EchoAction(message=f"gate:{gate}"), timeout=0.2)
+        server.wait_until(lambda: Path(f"{gate}.entered").exists(), 30, "the step running")
         assert server.open_envs() == 1
         await env.abort()
-        # close() never overlaps the step still running on the pool: the env stays open
-        # until the step returns (about 0.8 s from now), then closes.
-        assert server.closed_envs() == 0
 
     asyncio.run(main())
-    _wait_released(server, 1)
+    server.wait_until(lambda: sessions_ended(server, "cancelled") == 1, 30, "the session ended")
+    # close() never overlaps the step still running on the pool: the env stays open
+    # (and its slot taken) until the step returns.
+    assert server.closed_envs() == 0 and server.open_envs() == 1
+    assert server.active() == 1
+    gate.touch()
+    _wait_released(server, 1, timeout=30)
     assert server.created() == 1
     assert "closed twice" not in server.stderr()
 
 
-def test_drain_ends_a_session_stuck_in_a_step_and_closes_its_env(start_server) -> None:
+def test_drain_ends_a_session_stuck_in_a_step_and_closes_its_env(
+    start_server, tmp_path: Path
+) -> None:
+    """A step held at a gate past the 0.3 s grace: the drain ends its session while the
+    step is still held (the gate opens only after the client saw the end), and the env
+    is closed once the step returns, within the drain's close budget."""
     server = start_server("support.envs:FaultyEnv", "--grace", "0.3")
+    gate = tmp_path / "step-gate"
 
     async def main() -> None:
         env = AsyncEchoEnv(server.target)
         await env.open()
         await env.reset()
-        # The step is on the server, blocking a pool thread for 1.5 s (> the 0.3 s grace).
+        # The step is on the server, holding a pool thread at the gate.
         with pytest.raises(TimeoutError):
-            await env.step(EchoAction(message="sleep:1.5"), timeout=0.2)
+            await env.step(EchoAction(message=f"gate:{gate}"), timeout=0.2)
+        server.wait_until(lambda: Path(f"{gate}.entered").exists(), 30, "the step running")
         server.proc.send_signal(signal.SIGTERM)
-        with pytest.raises(SessionLost) as lost:
-            await env.state(timeout=10)
-        assert lost.value.code is grpc.StatusCode.UNAVAILABLE
-        assert "draining" in lost.value.message
+        try:
+            with pytest.raises(SessionLost) as lost:
+                await env.state(timeout=10)
+            assert lost.value.code is grpc.StatusCode.UNAVAILABLE
+            assert "draining" in lost.value.message
+            assert server.closed_envs() == 0  # the step still holds it
+        finally:
+            gate.touch()  # the step returns: its env can be closed now
 
     asyncio.run(main())
     assert server.proc.wait(15) == 0
