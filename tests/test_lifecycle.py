@@ -4,13 +4,11 @@ and frees its slot exactly once; plus Info, reflection and the env execution mod
 from __future__ import annotations
 
 import asyncio
-import re
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -21,7 +19,6 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
-from prometheus_client.parser import text_string_to_metric_families
 
 import openenv_grpc
 from openenv_grpc import (
@@ -43,6 +40,7 @@ from openenv_grpc_envs.echo import (
     EchoObservation,
     EchoState,
 )
+from support.metrics import sessions_ended
 
 SERVICE = "openenv_grpc.v1.EnvService"
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -323,24 +321,6 @@ def test_close_command_closes_env_and_ends_stream_ok(server) -> None:
     assert [r.request_id for r in responses][:1] == [1]
     assert responses[0].result.episode_id == "closing"
     _wait_released(server, 1)
-
-
-def sessions_ended(server, reason: str) -> float:  # type: ignore[no-untyped-def]
-    """How many sessions the server counts as ended for ``reason`` (its /metrics)."""
-    url = next(
-        match.group(1)
-        for line in server.stdout_lines
-        if (match := re.search(r"metrics on (http://\S+/metrics)", line))
-    )
-    with urllib.request.urlopen(url, timeout=5) as response:
-        text = response.read().decode()
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "openenv_session_duration_seconds_count"
-        and sample.labels.get("reason") == reason
-    )
 
 
 def test_abort_mid_step_of_pooled_env_closes_env_once_step_returns(

@@ -13,6 +13,7 @@ import re
 import signal
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -23,6 +24,7 @@ from openenv_grpc.metadata import ADMITTED_KEY
 from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
 from openenv_grpc_envs.echo import EchoAction, EchoObservation, EchoResetOptions
+from support.metrics import sessions_ended
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -226,9 +228,15 @@ def test_an_observation_over_the_message_limit_fails_only_that_step(start_server
 # -- drain ------------------------------------------------------------------------------
 
 
-def test_drain_notice_reaches_held_sessions_at_once(start_server) -> None:
+def test_drain_notice_reaches_held_sessions_at_once(start_server, tmp_path: Path) -> None:
+    """SIGTERM with a 30 s grace, one session idle and one in a step held at a gate: the
+    notice reaches both while that step is still held (so it waited for no call, nor for
+    the grace), its seconds_left and deadline are the signal's time plus the grace (bounds
+    from the clocks read around the signal and the arrival, no tolerance), and both
+    sessions go on."""
     grace = 30.0
     server = start_server("support.envs:FaultyEnv", "--grace", str(grace))
+    gate = tmp_path / "step-gate"
 
     async def main() -> None:
         async with grpc.aio.insecure_channel(server.target) as channel:
@@ -238,23 +246,27 @@ def test_drain_notice_reaches_held_sessions_at_once(start_server) -> None:
             await busy.result(reset())
             # A step in flight while the notice goes out: notice and answer must both
             # arrive whole (writes on one stream never overlap).
-            stepping = await busy.send(step("sleep:1"))
-            await asyncio.sleep(0.3)
-            signalled = time.monotonic()
-            wall = time.time()
+            stepping = await busy.send(step(f"gate:{gate}"))
+            await until(server, Path(f"{gate}.entered").exists, 30, "the step running")
+            signalled, wall = time.monotonic(), time.time()
             server.proc.send_signal(signal.SIGTERM)
-            response = await asyncio.wait_for(idle.call.read(), 10)
-            arrived = time.monotonic()
+            try:
+                response = await asyncio.wait_for(idle.call.read(), 20)
+                arrived, wall_arrived = time.monotonic(), time.time()
+            finally:
+                gate.touch()  # only now: the notice came while the step was held
+            print(f"DRAINING notice {arrived - signalled:.3f}s after SIGTERM (grace {grace:g}s)")
             assert response.request_id == 0
             assert response.WhichOneof("outcome") == "notice"
             notice = response.notice
             assert notice.kind == pb.NOTICE_KIND_DRAINING
-            assert arrived - signalled < 5  # right away, not when the 30 s grace ends
-            assert grace - 6 < notice.seconds_left <= grace
-            assert abs(notice.deadline.ToNanoseconds() / 1e9 - (wall + grace)) < 6
+            # Made between the signal and the arrival, for the signal's time + the grace.
+            assert grace - (arrived - signalled) <= notice.seconds_left <= grace
+            deadline = notice.deadline.ToNanoseconds() / 1e9
+            assert wall + grace - 0.001 <= deadline <= wall_arrived + grace + 0.001
             assert "server is draining" in notice.message
             answer = await busy.answer(stepping)
-            assert echoed(answer.result) == "sleep:1"
+            assert echoed(answer.result) == f"gate:{gate}"
             [(_, busy_notice)] = busy.notices
             assert busy_notice.kind == pb.NOTICE_KIND_DRAINING
             # Both sessions go on during the grace; one notice each.
@@ -269,9 +281,14 @@ def test_drain_notice_reaches_held_sessions_at_once(start_server) -> None:
     assert server.closed_envs() == 2
 
 
-def test_drain_with_a_hung_env_call_exits_within_grace(start_server) -> None:
+def test_drain_with_a_hung_env_call_exits_within_grace(start_server, tmp_path: Path) -> None:
+    """A step held at a gate that is never opened (it would give up after 30 s): the
+    drain ends every stream and the process exits 0 while that call is still held (the
+    stuck-env line says so, and the exit comes well before the gate's 30 s), with every
+    other env closed."""
     grace = 3.0
     server = start_server("support.envs:FaultyEnv", "--grace", str(grace))
+    gate = tmp_path / "never-opened"
 
     async def main() -> float:
         async with grpc.aio.insecure_channel(server.target) as channel:
@@ -279,8 +296,8 @@ def test_drain_with_a_hung_env_call_exits_within_grace(start_server) -> None:
             others = [await open_stream(channel) for _ in range(2)]
             for env in (hung, *others):
                 await env.result(reset())
-            await hung.send(step("sleep:120"))  # blocks a pool thread for good
-            await asyncio.sleep(0.3)
+            await hung.send(step(f"gate:{gate}"))  # blocks a pool thread for good
+            await until(server, Path(f"{gate}.entered").exists, 30, "the hung step running")
             signalled = time.monotonic()
             server.proc.send_signal(signal.SIGTERM)
             # The process exits: the clients see their streams end.
@@ -296,8 +313,10 @@ def test_drain_with_a_hung_env_call_exits_within_grace(start_server) -> None:
             return signalled
 
     signalled = asyncio.run(main())
-    assert server.proc.wait(grace + 5) == 0
-    assert time.monotonic() - signalled < grace + 5
+    # A deadline short of the gate's 30 s: the exit did not wait for the held call.
+    assert server.proc.wait(20) == 0
+    elapsed = time.monotonic() - signalled
+    print(f"drain with a hung call, --grace {grace:g}: exit 0 after {elapsed:.2f}s")
     # Every env that could be closed was; the one stuck in its call could not.
     assert server.created() == 3
     assert server.closed_envs() == 2
@@ -309,16 +328,24 @@ def test_drain_with_a_hung_env_call_exits_within_grace(start_server) -> None:
 # -- step timeouts measure the env, not the queue --------------------------------------
 
 
-def test_a_saturated_pool_never_costs_an_uninvolved_session_its_episode(start_server) -> None:
+def test_a_saturated_pool_never_costs_an_uninvolved_session_its_episode(
+    start_server, tmp_path: Path
+) -> None:
+    """Both pool threads held at gates: the uninvolved session's step waits out the step
+    timeout for a thread and is refused (RESOURCE_EXHAUSTED, episode unchanged); the two
+    held steps are answered DEADLINE_EXCEEDED at their timeout while their calls are
+    still held (so by the timeout, not by the call's end); once the gates open, the
+    hung envs are closed and the uninvolved episode goes on."""
     timeout = 2.0
+    gates = [tmp_path / "first-gate", tmp_path / "second-gate"]
     server = start_server(
         "support.envs:FaultyEnv",
         "--env-threads", "2", "--step-timeout", str(timeout), "--metrics-port", "0",
     )  # fmt: skip
 
-    async def blocked(env: Stream) -> tuple[float, pb.Error]:
+    async def blocked(env: Stream, gate: Path) -> tuple[float, pb.Error]:
         started = time.monotonic()
-        error = await env.error(step("sleep:6"))
+        error = await env.error(step(f"gate:{gate}"))
         return time.monotonic() - started, error
 
     async def main() -> None:
@@ -327,20 +354,37 @@ def test_a_saturated_pool_never_costs_an_uninvolved_session_its_episode(start_se
             for env in (first, second, uninvolved):
                 await env.result(reset())
             assert (await uninvolved.result(step("n1"))).step_count == 1
-            hung = [asyncio.create_task(blocked(env)) for env in (first, second)]
-            await asyncio.sleep(0.5)  # both pool threads are in their 6 s steps now
-            queued = time.monotonic()
-            error = await uninvolved.error(step("n2"))
-            assert error.code == RESOURCE_EXHAUSTED
-            assert error.message == (
-                "env thread pool saturated: 2 of 2 threads busy; the episode is unchanged, retry"
+            hung = [
+                asyncio.create_task(blocked(env, gate))
+                for env, gate in zip((first, second), gates, strict=True)
+            ]
+            try:
+                for gate in gates:  # both pool threads are held in their steps now
+                    await until(server, Path(f"{gate}.entered").exists, 30, "a held step")
+                queued = time.monotonic()
+                error = await uninvolved.error(step("n2"))
+                waited = time.monotonic() - queued
+                assert error.code == RESOURCE_EXHAUSTED
+                assert error.message == (
+                    "env thread pool saturated: 2 of 2 threads busy; the episode is unchanged, "
+                    "retry"
+                )
+                assert waited >= timeout - 0.1  # it waited out its timeout (a lower bound)
+                # The blocked sessions' timeouts fired at their timeout (from the start of
+                # the call), while their calls were still held: the gates open only after.
+                answers = await asyncio.gather(*hung)
+            finally:
+                for gate in gates:
+                    gate.touch()
+            print(
+                f"saturated pool, step timeout {timeout:g}s: queued step refused after "
+                f"{waited:.2f}s, held steps answered after "
+                + ", ".join(f"{elapsed:.2f}s" for elapsed, _ in answers)
             )
-            assert time.monotonic() - queued >= timeout - 0.1  # waited out its timeout
-            # The blocked sessions' timeouts fired at their timeout (from the start of the
-            # call), and their fresh envs did not wait behind the blocked threads.
-            for elapsed, hung_error in await asyncio.gather(*hung):
+            for elapsed, hung_error in answers:
                 assert hung_error.code == DEADLINE_EXCEEDED
-                assert timeout - 0.1 <= elapsed < timeout + 2, elapsed
+                assert hung_error.message.startswith(f"step did not finish within {timeout:g}s")
+                assert elapsed >= timeout - 0.1, elapsed  # not before it (a lower bound)
             # Once the threads are free again the uninvolved episode simply goes on.
             await until(server, lambda: server.closed_envs() == 2, 15, "hung envs closed")
             result = await uninvolved.result(step("n3"))
@@ -360,22 +404,41 @@ def test_a_saturated_pool_never_costs_an_uninvolved_session_its_episode(start_se
 
 
 def test_cancelled_opens_hold_their_slot_until_the_factory_env_is_closed(start_server) -> None:
+    """An open cancelled while its factory is held at a gate: once the server has ended
+    the stream (its metrics count a "cancelled" end) the slot is still taken, since the
+    factory's env will exist; when the gate opens the orphan is closed and only then is
+    the slot free."""
     server = start_server(
-        "support.envs:SlowFactoryEnv",
-        "--max-concurrent-envs", "1",
-        extra_env={"OPENENV_TEST_FACTORY_SECONDS": "2"},
+        "support.lifecycle_envs:GatedFactoryEnv",
+        "--max-concurrent-envs", "1", "--metrics-port", "0",
     )  # fmt: skip
+    hold = Path(f"{server.ledger}.hold-factory")
+    gate = Path(f"{server.ledger}.factory-gate")
+    hold.touch()  # the next factory waits at the gate
+
+    def factory_waiting() -> bool:
+        return any(gate.parent.glob(f"{gate.name}.*.entered"))
+
+    def open_gate() -> None:
+        hold.unlink()
+        gate.touch()
 
     async def main() -> None:
         async with grpc.aio.insecure_channel(server.target) as channel:
             call = pb_grpc.EnvServiceStub(channel).Session()
-            await until(server, lambda: server.active() == 1, what="open admitted")
-            call.cancel()  # gone while its factory runs
-            await asyncio.sleep(0.3)
-            # The factory still runs: its env will exist, so the slot stays taken.
-            assert server.created() == 0
-            assert server.active() == 1
-            await assert_full(channel)
+            try:
+                await until(server, factory_waiting, 30, "the factory running")
+                assert server.active() == 1
+                call.cancel()  # gone while its factory runs
+                await until(
+                    server, lambda: sessions_ended(server, "cancelled") == 1, 30, "stream ended"
+                )
+                # The factory still runs: its env will exist, so the slot stays taken.
+                assert server.created() == 0
+                assert server.active() == 1
+                await assert_full(channel)
+            finally:
+                open_gate()
             # Once built, the orphan is closed and only then is its slot free.
             await until(server, lambda: server.closed_envs() == 1, 10, "orphan closed")
             await until(server, lambda: server.active() == 0, 5, "slot freed")
@@ -387,20 +450,30 @@ def test_cancelled_opens_hold_their_slot_until_the_factory_env_is_closed(start_s
     assert server.created() == server.closed_envs() == 2
 
 
-def test_an_env_abandoned_in_a_hung_call_holds_its_slot_until_closed(start_server) -> None:
+def test_an_env_abandoned_in_a_hung_call_holds_its_slot_until_closed(
+    start_server, tmp_path: Path
+) -> None:
+    """A step past the timeout, held at a gate: while it is held, its instance and the
+    replacement take two slots; once the gate opens, the hung one is closed and its slot
+    freed."""
     server = start_server(
         "support.envs:FaultyEnv", "--max-concurrent-envs", "2", "--step-timeout", "0.5"
     )
+    gate = tmp_path / "step-gate"
 
     async def main() -> None:
         async with grpc.aio.insecure_channel(server.target) as channel:
             env = await open_stream(channel)
             await env.result(reset())
-            error = await env.error(step("sleep:3"))
-            assert error.code == DEADLINE_EXCEEDED
-            # The hung instance and its replacement are both alive: two slots.
-            assert server.active() == 2
-            await assert_full(channel)
+            try:
+                error = await env.error(step(f"gate:{gate}"))
+                assert error.code == DEADLINE_EXCEEDED
+                # The hung instance and its replacement are both alive: two slots.
+                await until(server, lambda: server.created() == 2, 10, "the replacement made")
+                assert server.active() == 2 and server.closed_envs() == 0
+                await assert_full(channel)
+            finally:
+                gate.touch()  # the hung call returns
             await until(server, lambda: server.closed_envs() == 1, 10, "hung env closed")
             await until(server, lambda: server.active() == 1, 5, "its slot freed")
             other = await open_stream(channel)
@@ -414,24 +487,32 @@ def test_an_env_abandoned_in_a_hung_call_holds_its_slot_until_closed(start_serve
     assert server.created() == server.closed_envs() == 3
 
 
-def test_no_replacement_beyond_the_cap_ends_the_session(start_server) -> None:
+def test_no_replacement_beyond_the_cap_ends_the_session(start_server, tmp_path: Path) -> None:
+    """A step past the timeout, held at a gate, on a one-slot server: no fresh env can be
+    made while the hung one holds the slot, so the session ends; the hung env is closed
+    once its call returns."""
     server = start_server(
         "support.envs:FaultyEnv", "--max-concurrent-envs", "1", "--step-timeout", "0.5"
     )
+    gate = tmp_path / "step-gate"
 
     async def main() -> None:
         async with grpc.aio.insecure_channel(server.target) as channel:
             env = await open_stream(channel)
             await env.result(reset())
-            error = await env.error(step("sleep:2"))
-            assert error.code == RESOURCE_EXHAUSTED
-            assert error.message == (
-                "step did not finish within 0.5s and no fresh environment can be made: "
-                "server at capacity 1/1 sessions (an env stuck in a call holds its slot); "
-                "the session ends"
-            )
-            assert await env.call.read() is grpc.aio.EOF
-            assert await env.call.code() is grpc.StatusCode.OK
+            try:
+                error = await env.error(step(f"gate:{gate}"))
+                assert error.code == RESOURCE_EXHAUSTED
+                assert error.message == (
+                    "step did not finish within 0.5s and no fresh environment can be made: "
+                    "server at capacity 1/1 sessions (an env stuck in a call holds its slot); "
+                    "the session ends"
+                )
+                assert await env.call.read() is grpc.aio.EOF
+                assert await env.call.code() is grpc.StatusCode.OK
+                assert server.closed_envs() == 0 and server.active() == 1  # still held
+            finally:
+                gate.touch()  # the hung call returns
 
     asyncio.run(main())
     server.wait_until(lambda: server.closed_envs() == 1, 10, "hung env closed")
@@ -454,19 +535,36 @@ def test_clients_surface_the_drain_notice_as_env_draining(start_server) -> None:
                 sync_env.reset()
                 await async_env.reset()
                 assert sync_env.draining is None and async_env.draining is None
+                signalled, wall = time.monotonic(), time.time()
                 server.proc.send_signal(signal.SIGTERM)
-                await asyncio.sleep(1.0)  # the notice is on the wire by now
-                sync_env.step(EchoAction(message="a"))
-                await async_env.step(EchoAction(message="b"))
+                # Step each until it has read the notice (every step answers meanwhile).
+                steps = {"sync": 0, "async": 0}
+
+                def sync_step_saw_notice() -> bool:
+                    steps["sync"] += 1
+                    assert sync_env.step(EchoAction(message="a")).step_count == steps["sync"]
+                    return sync_env.draining is not None
+
+                await until(server, sync_step_saw_notice, 20, "the sync client's notice")
+                while async_env.draining is None:
+                    assert time.monotonic() - signalled < 20, "the async client saw no notice"
+                    steps["async"] += 1
+                    result = await async_env.step(EchoAction(message="b"))
+                    assert result.step_count == steps["async"]
+                now, wall_now = time.monotonic(), time.time()
                 for env in (sync_env, async_env):
                     notice = env.draining
                     assert isinstance(notice, Draining)
                     assert "server is draining" in notice.message
-                    assert grace - 6 < notice.remaining() <= grace
-                    assert abs(notice.deadline - (time.time() + notice.remaining())) < 6
+                    # Bounds from the clocks read around the signal, no tolerance.
+                    assert grace - (time.monotonic() - signalled) <= notice.remaining() <= grace
+                    assert wall + grace - 0.001 <= notice.deadline <= wall_now + grace + 0.001
+                print(f"notice read by both clients within {now - signalled:.3f}s, steps {steps}")
                 # Still usable during the grace period.
-                assert sync_env.step(EchoAction(message="c")).step_count == 2
-                assert (await async_env.step(EchoAction(message="d"))).step_count == 2
+                step_count = sync_env.step(EchoAction(message="c")).step_count
+                assert step_count == steps["sync"] + 1
+                step_count = (await async_env.step(EchoAction(message="d"))).step_count
+                assert step_count == steps["async"] + 1
 
     asyncio.run(main())
     assert server.proc.wait(15) == 0
