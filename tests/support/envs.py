@@ -83,8 +83,17 @@ class ThreadReportingEnv(PooledEchoEnv):
         return transition
 
 
+def _record_cancel() -> None:
+    """Append this process's pid to ``<ledger>.cancelled`` (a tiny write, done inline)."""
+    root = os.environ.get("OPENENV_TEST_LEDGER")
+    if root:
+        with open(f"{root}.cancelled", "a") as cancels:
+            cancels.write(f"{os.getpid()}\n")
+
+
 class AsyncEchoEnv(AsyncEnvironment[EchoAction, EchoObservation, EchoState, Empty]):
-    """An asyncio env: echoes after yielding to the loop."""
+    """An asyncio env: echoes after yielding to the loop. ``sleep:S`` sleeps S seconds;
+    a cancelled sleep appends the pid it ran in to ``<ledger>.cancelled``."""
 
     name = "async-echo"
 
@@ -101,7 +110,11 @@ class AsyncEchoEnv(AsyncEnvironment[EchoAction, EchoObservation, EchoState, Empt
 
     async def step(self, action: EchoAction) -> Transition[EchoObservation]:
         if action.message.startswith("sleep:"):
-            await asyncio.sleep(float(action.message.split(":", 1)[1]))
+            try:
+                await asyncio.sleep(float(action.message.split(":", 1)[1]))
+            except asyncio.CancelledError:
+                _record_cancel()
+                raise
         await asyncio.sleep(0)
         self._count += 1
         return Transition(
