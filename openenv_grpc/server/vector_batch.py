@@ -160,8 +160,9 @@ class _Instances(VectorBatch):
         #: The options of each env's last reset by the client, reused by its autoresets.
         self._options: list[Message | None] = [None] * size
         #: A loop of one (a Session's env) is measured as that env: its own cost class.
-        own = size == 1 and type(envs[0]).cost_class is not Environment.cost_class
-        self._cost_class: Any = envs[0].cost_class if own else None
+        own = getattr(type(envs[0]), "cost_class", Environment.cost_class)
+        one = size == 1 and own is not Environment.cost_class
+        self._cost_class: Any = envs[0].cost_class if one else None
 
     def cost_class(self) -> str:
         return "" if self._cost_class is None else str(self._cost_class())
