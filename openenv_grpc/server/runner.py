@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import contextvars
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -159,7 +160,7 @@ class EnvRunner:
             if group.inline:
                 return group.call_inline(method, *args, **kwargs)
             timed = group.pooled(method)
-            self._inflight = future = self._pool.submit(timed.run, *args, **kwargs)
+            self._inflight = future = self._pool.submit(_here().run, timed.run, *args, **kwargs)
             try:
                 return await asyncio.wrap_future(future)
             finally:
@@ -168,7 +169,7 @@ class EnvRunner:
                     timed.record()
         if mode is ExecutionMode.ASYNC:
             return await method(*args, **kwargs)
-        self._inflight = future = self._pool.submit(method, *args, **kwargs)
+        self._inflight = future = self._pool.submit(_here().run, method, *args, **kwargs)
         return await asyncio.wrap_future(future)
 
     def _group(self, method: Callable[..., Any]) -> CostGroup:
@@ -202,7 +203,7 @@ class EnvRunner:
             except asyncio.TimeoutError:
                 raise TimeoutError(f"no answer within {timeout:g}s") from None
         submitted = time.monotonic()
-        self._inflight = future = self._pool.submit(method, *args, **kwargs)
+        self._inflight = future = self._pool.submit(_here().run, method, *args, **kwargs)
         waiter = asyncio.wrap_future(future)
         try:
             # Not wait_for: it would cancel the waiter, and a call that started late
@@ -350,6 +351,11 @@ def _release_from_thread(loop: asyncio.AbstractEventLoop, release: Callable[[], 
     # A closed loop means the server has stopped: nothing left to free.
     with contextlib.suppress(RuntimeError):
         loop.call_soon_threadsafe(release)
+
+
+#: This task's context, for a pooled call: what the env (and a row error) logs on the pool
+#: thread carries the session's id, as on the event loop (``logs.SESSION_ID``).
+_here = contextvars.copy_context
 
 
 def _close_orphan_later(
