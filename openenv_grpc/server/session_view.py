@@ -57,13 +57,16 @@ class SessionView:
     then never runs: RESOURCE_EXHAUSTED, the episode unchanged.
     """
 
-    __slots__ = ("_action_class", "_driver", "_obs_url", "_options_class", "_state_url")
+    __slots__ = (
+        "_action_class", "_calls", "_driver", "_obs_url", "_options_class", "_state_url",
+    )  # fmt: skip
 
     def __init__(
         self, spec: EnvSpec, calls: BatchCalls, snapshots: SnapshotSeal | None = None
     ) -> None:
         # The session checks the serialized answer against the message limit itself.
         self._driver = Driver(spec, 1, AutoresetMode.DISABLED, calls, SESSION_WORDS, snapshots)
+        self._calls = calls
         self._obs_url = spec.observation_url
         self._state_url = spec.state_url
         self._action_class = spec.types.action
@@ -88,6 +91,8 @@ class SessionView:
         command = request.WhichOneof("command")
         seconds = 0.0
         try:
+            if self._calls.unsettled:  # the fresh env of a hung call, made meanwhile
+                await self._calls.settle()
             if command == "step":
                 seconds = await self._step(request.step, response.result)
             elif command == "reset":

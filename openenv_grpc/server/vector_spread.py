@@ -154,6 +154,24 @@ class SpreadBatchCalls:
     def native(self) -> bool:
         return self._native
 
+    @property
+    def unsettled(self) -> bool:
+        # A vector's lost block is waited for by its own next call only; a Session has
+        # one block, and its client must learn of a failed replacement at its next
+        # request, whatever it is (the timeout's answer said "replaced").
+        return self._session and self._blocks[0].rebuilding is not None
+
+    async def settle(self) -> None:
+        block = self._blocks[0]
+        rebuilding = block.rebuilding
+        if rebuilding is None:
+            return
+        try:
+            await rebuilding
+        finally:
+            if block.rebuilding is rebuilding:
+                block.rebuilding = None
+
     async def reset(self, args: ResetArgs) -> BatchOutcome:
         seeds, ids, options = args.seeds, args.episode_ids, args.wire_options
 
