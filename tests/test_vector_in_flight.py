@@ -9,6 +9,7 @@ a clock."""
 from __future__ import annotations
 
 import queue
+import signal
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -345,3 +346,90 @@ def test_a_lost_block_is_rebuilt_once_for_two_requests_in_flight(
     finally:
         pipe.end()
     server.wait_until(lambda: server.active() == 0, what="every slot back")
+
+
+def test_a_drain_notice_goes_between_the_answers_of_requests_in_flight(
+    start_server, tmp_path: Path
+) -> None:
+    server = start_server("support.envs:FaultyEnv", "--grace", "30")
+    pipe = Pipe(server.target, 2, "disabled")
+    try:
+        _reset_all(pipe)
+        gate = tmp_path / "gate"
+        held = pipe.step([f"gate:{gate}"], [0])
+        server.wait_until(lambda: _entered(gate), what="env 0 at the gate")
+        server.proc.send_signal(signal.SIGTERM)
+        notice = next(pipe.call)  # written while a step is in flight: not behind it
+        assert notice.request_id == 0 and notice.notice.kind == pb.NOTICE_KIND_DRAINING
+        other = pipe.step(["during grace"], [1])
+        gate.touch()
+        answers = {pipe.answer().request_id, pipe.answer().request_id}
+        assert answers == {held, other}
+        closed = pipe.roundtrip(pipe.submit(pb.VectorSessionRequest(close=pb.CloseCommand())))
+        assert closed.WhichOneof("outcome") == "closed"
+    finally:
+        pipe.end()
+    assert server.proc.wait(30) == 0
+    assert server.closed_envs() == 2 and server.open_envs() == 0
+
+
+def test_an_undecodable_request_ends_the_stream_with_requests_in_flight(
+    start_server, tmp_path: Path
+) -> None:
+    server = start_server("support.envs:FaultyEnv")
+    channel = grpc.insecure_channel(server.target)
+    requests: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+
+    def raw() -> Iterator[bytes]:
+        while (item := requests.get()) is not None:
+            yield item
+
+    call = channel.stream_stream(
+        "/openenv_grpc.v1.EnvService/VectorSession",
+        request_serializer=None,
+        response_deserializer=pb.VectorSessionResponse.FromString,
+    )(raw(), metadata=open_metadata(2, "disabled"))
+    try:
+        requests.put(
+            pb.VectorSessionRequest(request_id=1, reset=pb.VectorReset()).SerializeToString()
+        )
+        assert next(call).request_id == 1
+        gate = tmp_path / "gate"
+        step = pb.VectorStep(indices=[0], actions=[pack(EchoAction(message=f"gate:{gate}"))])
+        requests.put(pb.VectorSessionRequest(request_id=2, step=step).SerializeToString())
+        server.wait_until(lambda: _entered(gate), what="env 0 at the gate")
+        requests.put(b"\xff\xff\xff")  # not a VectorSessionRequest
+        with pytest.raises(grpc.RpcError) as ended:
+            next(call)
+        assert ended.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert (
+            "request is not a valid openenv_grpc.v1.VectorSessionRequest" in ended.value.details()
+        )
+        gate.touch()
+    finally:
+        requests.put(None)
+        channel.close()
+    # The env at the gate is closed once its call returns; nothing leaks.
+    server.wait_until(lambda: server.active() == 0 and server.closed_envs() == 2)
+
+
+def test_steps_in_flight_are_counted_once_each(start_server, tmp_path: Path) -> None:
+    server = start_server("support.envs:FaultyEnv")
+    pipe = Pipe(server.target, 4, "disabled")
+    try:
+        _reset_all(pipe)
+        sent = [pipe.step(["a", "b"], [0, 1]), pipe.step(["c", "d"], [2, 3])]
+        assert {pipe.answer().request_id for _ in sent} == set(sent)
+        after = pipe.roundtrip(pipe.step(["w", "x", "y", "z"]))
+        assert list(after.result.step_counts) == [2, 2, 2, 2]
+        # A refused request steps nothing and is counted as an error, not as steps.
+        gate = tmp_path / "gate"
+        held = pipe.step([f"gate:{gate}"], [0])
+        server.wait_until(lambda: _entered(gate), what="env 0 at the gate")
+        assert pipe.roundtrip(pipe.step(["no"], [0])).error.code == FAILED_PRECONDITION
+        gate.touch()
+        assert pipe.roundtrip(held).result.step_counts == [3]
+        assert server.info().activity.steps == 9
+    finally:
+        pipe.end()
+    server.wait_until(lambda: server.active() == 0)
