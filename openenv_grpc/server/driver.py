@@ -182,25 +182,40 @@ class Driver:
                 _FAILED_PRECONDITION,
                 f"the stream is closing (request {self._closing} closes it): nothing was done",
             )
-        if held and (indices is self.all or not held.keys().isdisjoint(indices)):
-            busy = [i for i in indices if i in held]
-            named = ", ".join(f"env {i} (request {held[i]})" for i in busy[:8])
-            more = f" and {len(busy) - 8} more" if len(busy) > 8 else ""
-            raise RequestError(
-                _FAILED_PRECONDITION,
-                f"{named}{more} still in flight: a request may name only envs that no "
-                "request in flight names; wait for its answer (nothing was done)",
-            )
-        if not held and self._quiet is not None:
+        if held:
+            self._refuse_held(indices, held)
+        if self._quiet is not None:  # a close waits until nothing is held
             self._quiet.clear()
-        for index in indices:
-            held[index] = request_id
+        if indices is self.all:  # every env: one entry stands for them all
+            held[-1] = request_id
+        else:
+            for index in indices:
+                held[index] = request_id
+
+    def _refuse_held(self, indices: Sequence[int], held: dict[int, int]) -> None:
+        """Raise if a request in flight holds an env of ``indices`` (``held`` not empty)."""
+        if -1 in held:  # a request in flight names every env
+            busy, owner = list(indices), {i: held[-1] for i in indices}
+        elif indices is self.all or not held.keys().isdisjoint(indices):
+            busy, owner = [i for i in indices if i in held], held
+        else:
+            return
+        named = ", ".join(f"env {i} (request {owner[i]})" for i in busy[:8])
+        more = f" and {len(busy) - 8} more" if len(busy) > 8 else ""
+        raise RequestError(
+            _FAILED_PRECONDITION,
+            f"{named}{more} still in flight: a request may name only envs that no request "
+            "in flight names; wait for its answer (nothing was done)",
+        )
 
     def let_go(self, indices: Sequence[int]) -> None:
         """Release the envs :meth:`hold` took."""
         held = self._held
-        for index in indices:
-            held.pop(index, None)
+        if indices is self.all:
+            held.pop(-1, None)
+        else:
+            for index in indices:
+                held.pop(index, None)
         if not held and self._quiet is not None:
             self._quiet.set()
 
