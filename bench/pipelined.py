@@ -1,8 +1,10 @@
-"""One vector step in flight against two half-batches in flight (issue 22), N = 64, ratios
+"""One vector step in flight against two half-batches in flight (issue 22), N = 64 (or
+``--num-envs``), ratios
 measured side by side in one run.
 
     python -m bench.pipelined                         # echo + CartPole, ~2 minutes
     python -m bench.pipelined --seconds 6 --rounds 3 --policy-ms 1
+    python -m bench.pipelined --num-envs 128 --skip-echo   # two batches of 64 in flight
 
 Systems, each a closed loop over one stream (servers are child ``openenv-grpc serve``
 processes on loopback, unlimited capacity):
@@ -14,7 +16,7 @@ processes on loopback, unlimited capacity):
   against ``batch_size=32`` (``send(actions, env_id)`` / ``recv()``, two in flight);
   ``envpool-1`` / ``envpool-2``: the same with ``backend="envpool"``.
 
-``--policy-ms P`` makes the trainer spend about P ms of CPU per 64 rows on a fixed numpy
+``--policy-ms P`` makes the trainer spend about P ms of CPU per N rows on a fixed numpy
 matmul (half of it per half-batch), from which the actions are taken, as a policy would:
 that is where overlap matters. Windows of every system are interleaved (``--rounds``), so
 a burst of other load hits all alike; a ratio is the median of the per-round ratios.
@@ -80,7 +82,7 @@ def serve(env: str) -> Iterator[tuple[str, int]]:
 
 
 class Policy:
-    """About ``ms`` of CPU per 64 rows: a fixed matmul over the observations."""
+    """About ``ms`` of CPU per N rows: a fixed matmul over the observations."""
 
     def __init__(self, ms: float) -> None:
         self.ms = ms
@@ -290,12 +292,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--policy-ms", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--skip-echo", action="store_true")
+    parser.add_argument("--num-envs", type=int, default=64, help="N (two in flight: N/2 each)")
     parser.add_argument(
         "--one-only", action="store_true",
         help="only one request in flight (sync, echo-1, gym-1, envpool-1): e.g. to compare "
         "against a server that predates send/recv, running this file from its checkout",
     )  # fmt: skip
     args = parser.parse_args(argv)
+    global N, HALF
+    N, HALF = args.num_envs, args.num_envs // 2
     from openenv_grpc.client import VectorSession
     from openenv_grpc_envs.gymnasium.adapters import RemoteGymnasiumVectorEnv
 
