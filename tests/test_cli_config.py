@@ -49,6 +49,7 @@ def test_from_env_parses_every_variable() -> None:
         "PORT": "6000",
         "MAX_CONCURRENT_ENVS": "7",
         "MAX_VECTOR_ENVS": "16",
+        "MAX_VECTOR_IN_FLIGHT": "3",
         "IDLE_TIMEOUT": "1.5",
         "GRACE_PERIOD": "3",
         "MAX_MESSAGE_BYTES": "1024",
@@ -85,6 +86,7 @@ def test_from_env_parses_every_variable() -> None:
         port=6000,
         max_concurrent_envs=7,
         max_vector_envs=16,
+        max_vector_in_flight=3,
         idle_timeout=1.5,
         grace_period=3.0,
         max_message_bytes=1024,
@@ -182,6 +184,8 @@ def test_from_env_bad_value_raises_value_error_naming_the_variable(var: str, raw
         ("MAX_STREAMS_PER_CONNECTION", "2147483648", "max_streams_per_connection"),
         ("MAX_PENDING_CALLS", "0", "max_pending_calls"),
         ("MAX_PENDING_CALLS", "-5", "max_pending_calls"),
+        ("MAX_VECTOR_IN_FLIGHT", "0", "max_vector_in_flight"),
+        ("MAX_VECTOR_IN_FLIGHT", "1025", "max_vector_in_flight"),
     ],
 )
 def test_from_env_out_of_range_is_rejected(var: str, raw: str, field: str) -> None:

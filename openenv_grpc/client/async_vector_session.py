@@ -7,13 +7,16 @@ moving its bytes like ``AsyncSession`` (the transport
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Generic
+from typing import TYPE_CHECKING, Any, Generic, NoReturn
 
 import grpc
 
-from openenv_grpc.client.async_session import AsyncStream
+from openenv_grpc.client.async_session import AsyncStream, _write_failure
+from openenv_grpc.client.errors import SessionLost, SessionTimeout
 from openenv_grpc.client.outcome import Restored
+from openenv_grpc.client.protocol import lost
 from openenv_grpc.client.session_core import ActionT, ObservationT, ResetOptionsT, StateT
 from openenv_grpc.client.vector_core import VectorBase
 from openenv_grpc.client.vector_outcome import VectorOutcome
@@ -66,6 +69,103 @@ class AsyncVectorSession(
         protocol = self._core.protocol
         answer = await self._roundtrip(protocol.step_request(actions, indices), timeout)
         return protocol.outcome(answer)
+
+    async def send(self, actions: Sequence[ActionT], indices: Indices = None) -> int:
+        """Send a step without waiting for its answer; see :meth:`VectorSession.send`."""
+        request = self._core.protocol.step_request(actions, indices)
+        await self._send(request)
+        self._inbox.sent[request.request_id] = None
+        return int(request.request_id)
+
+    async def send_batch(self, action: ActionT, indices: Indices = None) -> int:
+        """Send a step whose actions are one batch-form message (as :meth:`step_batch`)
+        without waiting for its answer; :meth:`recv` returns it. Only where
+        :attr:`native` is True.
+
+        Raises:
+            SessionLost: the stream ended.
+        """
+        request = self._core.protocol.step_batch_request(action, indices)
+        await self._send(request)
+        self._inbox.sent[request.request_id] = None
+        return int(request.request_id)
+
+    async def send_reset(
+        self, *, seeds: Seeds = None, options: Options = None, episode_ids: EpisodeIds = None,
+        indices: Indices = None, batch: bool = False,
+    ) -> int:  # fmt: skip
+        """Send a reset without waiting for its answer; see :meth:`VectorSession.send_reset`."""
+        request = self._core.protocol.reset_request(seeds, options, episode_ids, indices, batch)
+        await self._send(request)
+        self._inbox.sent[request.request_id] = None
+        return int(request.request_id)
+
+    async def recv(self, *, timeout: float | None = None) -> VectorOutcome[ObservationT]:
+        """The outcome of a request :meth:`send` sent, whichever is answered first; see
+        :meth:`VectorSession.recv`."""
+        response = await self._answer(None, _deadline(timeout))
+        outcome: VectorOutcome[ObservationT] = self._core.protocol.outcome(response)
+        return outcome
+
+    async def _roundtrip(self, request: Any, timeout: float | None) -> Any:
+        """Send ``request`` and wait for its own answer; see ``VectorSession._roundtrip``."""
+        deadline = _deadline(timeout)
+        inbox = self._inbox
+        while inbox.abandoned and self._core.call is not None:
+            await self._answer(-1, deadline)  # files the answers read until none is abandoned
+        await self._send(request)
+        request_id = request.request_id
+        try:
+            return await self._answer(request_id, deadline)
+        except SessionTimeout:
+            inbox.abandoned.add(request_id)
+            raise
+
+    async def _send(self, request: Any) -> None:
+        core = self._core
+        if core.must_reopen():
+            self._inbox.clear()
+            await self.open()
+        call = core.open_call()
+        try:
+            await call.write(request)
+        except grpc.aio.AioRpcError as exc:
+            await self._lose(_write_failure(exc))
+        except asyncio.InvalidStateError:  # written after the stream finished cleanly
+            await self._lose(lost(await call.code(), await call.details()))
+
+    async def _answer(self, wanted: int | None, deadline: float | None) -> Any:
+        """The answer to request ``wanted`` (None: to any request of :meth:`send`).
+
+        Raises:
+            SessionTimeout: none by ``deadline``. SessionLost: the stream ended.
+        """
+        inbox = self._inbox
+        found = inbox.take(wanted)
+        if found is not None:
+            return found
+        core = self._core
+        call = core.call
+        protocol = core.protocol
+        loop = asyncio.get_running_loop()
+        while True:
+            if wanted == -1 and not inbox.abandoned:
+                return None
+            left = None if deadline is None else max(0.0, deadline - loop.time())
+            try:
+                response = await self._read(call, left)
+            except grpc.aio.AioRpcError as exc:
+                await self._lose(lost(exc.code(), exc.details()))
+            if response is grpc.aio.EOF:
+                await self._lose(lost(await call.code(), await call.details()))
+            if inbox.route(response, wanted, protocol):
+                return response
+
+    async def _lose(self, error: SessionLost) -> NoReturn:
+        self._inbox.clear()
+        self._pending = None
+        await self._let_go(self._core.stream_lost())
+        raise error
 
     async def step_batch(
         self, action: ActionT, *, indices: Indices = None, timeout: float | None = None
@@ -127,6 +227,10 @@ class AsyncVectorSession(
             await fork.abort()
             raise
         return fork
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else asyncio.get_running_loop().time() + timeout
 
 
 AsyncVectorSession._generic_origin = AsyncVectorSession

@@ -9,14 +9,17 @@ stream is lives in :mod:`openenv_grpc.client.vector_core` and
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Generic
+from typing import TYPE_CHECKING, Any, Generic, NoReturn
 
 import grpc
 
+from openenv_grpc.client.errors import SessionLost, SessionTimeout
 from openenv_grpc.client.outcome import Restored
+from openenv_grpc.client.protocol import lost
 from openenv_grpc.client.session_core import ActionT, ObservationT, ResetOptionsT, StateT
-from openenv_grpc.client.sync_session import SyncStream
+from openenv_grpc.client.sync_session import _END, SyncStream
 from openenv_grpc.client.vector_core import VectorBase
 from openenv_grpc.client.vector_outcome import VectorOutcome
 from openenv_grpc.client.vector_protocol import EpisodeIds, Indices, Options, Seeds
@@ -93,6 +96,123 @@ class VectorSession(SyncStream, VectorBase, Generic[ActionT, ObservationT, State
         request = protocol.step_request(actions, indices)
         outcome: VectorOutcome[ObservationT] = protocol.outcome(self._roundtrip(request, timeout))
         return outcome
+
+    def send(self, actions: Sequence[ActionT], indices: Indices = None) -> int:
+        """Send a step of the envs named (all by default) without waiting for its answer
+        (EnvPool's ``send``); returns its request id. Several steps may be in flight at
+        once, each on envs of its own; :meth:`recv` returns their outcomes as they come.
+        A step naming an env that a step in flight names is refused (``recv`` raises
+        EnvError FAILED_PRECONDITION); so is one past the server's cap on requests in
+        flight (RESOURCE_EXHAUSTED, ``--max-vector-in-flight``, 4 by default).
+
+        Raises:
+            PayloadTypeError: a typed client got an action of another type (not sent).
+            SessionLost: the stream ended.
+        """
+        request = self._core.protocol.step_request(actions, indices)
+        self._send(request)
+        self._inbox.sent[request.request_id] = None
+        return int(request.request_id)
+
+    def send_batch(self, action: ActionT, indices: Indices = None) -> int:
+        """Send a step whose actions are one batch-form message (as :meth:`step_batch`)
+        without waiting for its answer; :meth:`recv` returns it. Only where
+        :attr:`native` is True.
+
+        Raises:
+            SessionLost: the stream ended.
+        """
+        request = self._core.protocol.step_batch_request(action, indices)
+        self._send(request)
+        self._inbox.sent[request.request_id] = None
+        return int(request.request_id)
+
+    def send_reset(
+        self, *, seeds: Seeds = None, options: Options = None, episode_ids: EpisodeIds = None,
+        indices: Indices = None, batch: bool = False,
+    ) -> int:  # fmt: skip
+        """Send a reset of the envs named without waiting for its answer (:meth:`recv`
+        returns it, as for :meth:`send`); arguments as for :meth:`reset`.
+
+        Raises:
+            InvalidRequest: a list is not one entry per env named (nothing sent).
+            SessionLost: the stream ended.
+        """
+        request = self._core.protocol.reset_request(seeds, options, episode_ids, indices, batch)
+        self._send(request)
+        self._inbox.sent[request.request_id] = None
+        return int(request.request_id)
+
+    def recv(self, *, timeout: float | None = None) -> VectorOutcome[ObservationT]:
+        """The outcome of a request :meth:`send` sent, whichever is answered first (its
+        ``indices`` say which envs). After a timeout the requests stay in flight: call
+        again.
+
+        Raises:
+            EnvError: that request was refused as a whole (FAILED_PRECONDITION: an env
+                it named is in flight; RESOURCE_EXHAUSTED: too many requests in flight).
+            SessionStateError: nothing is in flight.
+            SessionLost: the stream ended. SessionTimeout: no answer within ``timeout``.
+        """
+        response = self._answer(None, _deadline(timeout))
+        outcome: VectorOutcome[ObservationT] = self._core.protocol.outcome(response)
+        return outcome
+
+    def _roundtrip(self, request: Any, timeout: float | None = None) -> Any:
+        """Send ``request`` and wait for its own answer (answers to requests ``send``
+        sent are kept for ``recv``). A call given up on holds its envs on the server until
+        it is answered: its answer is awaited (and dropped) before the next request."""
+        deadline = _deadline(timeout)
+        inbox = self._inbox
+        while inbox.abandoned and self._core.call is not None:
+            self._answer(-1, deadline)  # files the answers read until none is abandoned
+        self._send(request)
+        request_id = request.request_id
+        try:
+            return self._answer(request_id, deadline)
+        except SessionTimeout:
+            inbox.abandoned.add(request_id)
+            raise
+
+    def _send(self, request: Any) -> None:
+        core = self._core
+        if core.must_reopen():
+            self._inbox.clear()
+            self.open()
+        core.open_call()
+        assert self._requests is not None  # set with the call
+        self._requests.put(request)
+
+    def _answer(self, wanted: int | None, deadline: float | None) -> Any:
+        """The answer to request ``wanted`` (None: to any request of :meth:`send`).
+
+        Raises:
+            SessionTimeout: none by ``deadline``. SessionLost: the stream ended.
+        """
+        inbox = self._inbox
+        found = inbox.take(wanted)
+        if found is not None:
+            return found
+        call = self._core.call
+        protocol = self._core.protocol
+        while True:
+            if wanted == -1 and not inbox.abandoned:
+                return None
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                response = self._read(call, left)
+            except grpc.RpcError as exc:
+                self._lose(lost(exc.code(), exc.details()))
+            if response is _END:
+                self._lose(lost(call.code(), call.details()))
+            if inbox.route(response, wanted, protocol):
+                return response
+
+    def _lose(self, error: SessionLost) -> NoReturn:
+        self._inbox.clear()
+        self._end_stream()
+        self._let_go(self._core.stream_lost())
+        raise error
 
     def step_batch(
         self, action: ActionT, *, indices: Indices = None, timeout: float | None = None
@@ -201,6 +321,10 @@ class VectorSession(SyncStream, VectorBase, Generic[ActionT, ObservationT, State
             fork.abort()
             raise
         return fork
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
 
 
 VectorSession._generic_origin = VectorSession

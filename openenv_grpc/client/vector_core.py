@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from openenv_grpc.client.errors import SessionStateError
+from openenv_grpc.client.notices import read_notice
 from openenv_grpc.client.session_core import SessionCore, StreamBase
 from openenv_grpc.client.vector_protocol import VectorProtocol
 from openenv_grpc.environment import AutoresetMode
@@ -19,7 +21,69 @@ from openenv_grpc.metadata import AUTORESET_KEY, AUTORESET_VALUES, BATCH_KEY, NU
 if TYPE_CHECKING:  # typing.Self is 3.11+; only the type checker needs it
     from typing_extensions import Self
 
-__all__ = ["VectorBase"]
+__all__ = ["Inbox", "VectorBase"]
+
+
+class Inbox:
+    """Which requests of a vector stream await an answer, and answers read early.
+
+    A vector stream may have several requests in flight (``send`` / ``recv``), each on
+    envs of its own; the server answers each as it completes, so answers come in any
+    order and are matched by request id. Requests a call gave up on (its timeout) are
+    ``abandoned``: their late answers are dropped, and a blocking call first waits for
+    them, since the server refuses a request naming envs a request in flight holds.
+    """
+
+    __slots__ = ("abandoned", "early", "sent")
+
+    def __init__(self) -> None:
+        #: Requests of ``send`` whose answer ``recv`` has not returned, in send order.
+        self.sent: dict[int, None] = {}
+        #: Answers to ``sent`` requests read while waiting for another one.
+        self.early: dict[int, Any] = {}
+        self.abandoned: set[int] = set()
+
+    def clear(self) -> None:
+        """Forget everything (the stream is gone)."""
+        self.sent.clear()
+        self.early.clear()
+        self.abandoned.clear()
+
+    def take(self, wanted: int | None) -> Any:
+        """An answer read already: to ``wanted``, or (None) to any sent request, the
+        first read; None if there is none.
+
+        Raises:
+            SessionStateError: ``wanted`` is None and no request was sent.
+        """
+        early = self.early
+        if wanted is None:
+            if not self.sent:
+                raise SessionStateError("recv() with no request in flight: send() first")
+            if early:
+                request_id = next(iter(early))
+                del self.sent[request_id]
+                return early.pop(request_id)
+            return None
+        self.sent.pop(wanted, None)
+        return early.pop(wanted, None)
+
+    def route(self, response: Any, wanted: int | None, protocol: VectorProtocol) -> bool:
+        """File one answer read from the stream; True if it is the one the caller waits
+        for (``wanted``, or any sent request for None)."""
+        request_id = response.request_id
+        if request_id == wanted:
+            return True
+        if request_id in self.sent:
+            if wanted is None:
+                del self.sent[request_id]
+                return True
+            self.early[request_id] = response
+        elif request_id == 0 and response.WhichOneof("outcome") == "notice":
+            protocol.draining = read_notice(response.notice) or protocol.draining
+        else:  # the late answer to a call given up on
+            self.abandoned.discard(request_id)
+        return False
 
 
 class VectorBase(StreamBase):
@@ -29,6 +93,7 @@ class VectorBase(StreamBase):
     _core: SessionCore[VectorProtocol]
     _num_envs: int
     _autoreset: str
+    _inbox: Inbox
 
     def _configure(
         self, num_envs: int, autoreset: str | AutoresetMode, options: Mapping[str, Any]
@@ -50,12 +115,18 @@ class VectorBase(StreamBase):
             )
         self._num_envs = num_envs
         self._autoreset = mode.lower()
+        self._inbox = Inbox()
 
     def _new_protocol(self) -> VectorProtocol:
         return VectorProtocol(self._types, self._num_envs)
 
     def _open_metadata(self) -> tuple[tuple[str, str], ...]:
         return ((NUM_ENVS_KEY, str(self._num_envs)), (AUTORESET_KEY, self._autoreset))
+
+    @property
+    def in_flight(self) -> int:
+        """Requests sent with ``send`` whose answer ``recv`` has not returned yet."""
+        return len(self._inbox.sent)
 
     @property
     def num_envs(self) -> int:

@@ -9,6 +9,7 @@ of one here, so a hung call, a saturated pool and a raising batch are handled on
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 _INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 _INTERNAL = grpc.StatusCode.INTERNAL.value[0]
 _DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+_FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION.value[0]
 _RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 
 
@@ -78,6 +80,9 @@ class BatchRefused(Exception):
         self.replaced = replaced
         self.saturated = saturated
         self.ends = ends
+        #: The envs the refused call named (set by the driver, which books the refusal:
+        #: with several calls in flight, only its own envs are broken).
+        self.indices: Sequence[int] = ()
 
 
 @dataclass(slots=True)
@@ -185,7 +190,7 @@ class LocalBatchCalls:
     ``replace``: every env of the stream starts over (a Session's one env, too).
     """
 
-    __slots__ = ("_batch", "_make", "_runner", "_timeout", "_words")
+    __slots__ = ("_batch", "_generation", "_lock", "_make", "_runner", "_timeout", "_words")
 
     def __init__(
         self,
@@ -199,6 +204,12 @@ class LocalBatchCalls:
         self._make = replace
         self._timeout = call_timeout
         self._words = words
+        #: One batch call at a time, whatever the requests in flight: a batch (a native
+        #: one above all) is not made to be called from two threads at once.
+        self._lock = asyncio.Lock()
+        #: Bumped when a hung batch is replaced: a call that waited behind the hung one
+        #: must not run on the fresh envs it was never checked against.
+        self._generation = 0
 
     @property
     def native(self) -> bool:
@@ -250,6 +261,17 @@ class LocalBatchCalls:
 
     async def _call(self, what: str, envs: int, method: Any, *args: Any) -> Any:
         timeout = None if self._timeout is None else self._timeout * max(envs, 1)
+        generation = self._generation
+        async with self._lock:
+            if generation != self._generation:
+                raise BatchRefused(
+                    _FAILED_PRECONDITION,
+                    f"{what} not done: a call before it on this stream did not finish in "
+                    f"time and {self._words.replaced}",
+                )
+            return await self._call_now(what, timeout, method, *args)
+
+    async def _call_now(self, what: str, timeout: float | None, method: Any, *args: Any) -> Any:
         try:
             return await self._runner.call_within(timeout, method, *args)
         except TimeoutError:
@@ -273,6 +295,7 @@ class LocalBatchCalls:
         """
         words = self._words
         self._runner.abandon()
+        self._generation += 1
         try:
             self._runner = await self._make()
         except NoSlot as exc:

@@ -118,6 +118,16 @@ class ServerConfig:
         "of a vector stream also takes one of the `MAX_CONCURRENT_ENVS` slots, all or "
         "nothing (`RESOURCE_EXHAUSTED` names N and the free slots)",
     )  # fmt: skip
+    max_vector_in_flight: int = setting(
+        4, variable="MAX_VECTOR_IN_FLIGHT", flag="--max-vector-in-flight", minimum=1,
+        maximum=1024,
+        help="most requests one VectorSession stream may have in flight at once (each on "
+        "envs of its own, answered as each completes)",
+        details="a request past it is answered in-band `RESOURCE_EXHAUSTED` naming this "
+        "setting and nothing is done; the stream goes on. A request naming an env that a "
+        "request in flight names is refused `FAILED_PRECONDITION`. Session streams answer "
+        "one request at a time",
+    )  # fmt: skip
     idle_timeout: float = setting(
         600.0, variable="IDLE_TIMEOUT", flag="--idle-timeout", minimum=0,
         help="seconds a session may wait for its client before the server closes it; "

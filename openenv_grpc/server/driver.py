@@ -20,6 +20,7 @@ over env processes.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -81,8 +82,8 @@ class Driver:
     """The envs of one stream (``size`` of them) and their episodes."""
 
     __slots__ = (
-        "_calling", "_calls", "_max_response", "_mode", "_seal", "_size", "_spec",
-        "_steppable", "_words", "all", "ends", "episode_ids", "phases", "step_counts",
+        "_calls", "_closing", "_held", "_max_response", "_mode", "_quiet", "_seal", "_size",
+        "_spec", "_steppable", "_words", "all", "ends", "episode_ids", "phases", "step_counts",
     )  # fmt: skip
 
     def __init__(
@@ -118,8 +119,14 @@ class Driver:
         self.step_counts = [0] * size
         #: Set when nothing is left to serve (closed, or not replaceable): the stream ends.
         self.ends = False
-        #: The indices of the reset or step under way (a refused batch call breaks them).
-        self._calling: Sequence[int] = ()
+        #: Several requests may be in flight at once on a vector stream: each env is held
+        #: by at most one of them (env index -> the request's id), from its check to its
+        #: answer, so nothing of one env is lost or reordered.
+        self._held: dict[int, int] = {}
+        #: Set while no env is held (a close waits for it).
+        self._quiet: asyncio.Event | None = None
+        #: The request id of a close under way: requests after it are refused.
+        self._closing: int | None = None
 
     @property
     def spec(self) -> EnvSpec:
@@ -160,6 +167,68 @@ class Driver:
             if (phase := phases[index]) not in steppable
         }
 
+    # -- requests in flight -----------------------------------------------------------------
+
+    def hold(self, indices: Sequence[int], request_id: int) -> None:
+        """Hold the envs of ``indices`` for request ``request_id`` until :meth:`let_go`.
+
+        Raises:
+            RequestError: FAILED_PRECONDITION, an env named is held by a request still in
+                flight, or a close is under way (nothing was done).
+        """
+        held = self._held
+        if self._closing is not None:
+            raise RequestError(
+                _FAILED_PRECONDITION,
+                f"the stream is closing (request {self._closing} closes it): nothing was done",
+            )
+        if held:
+            self._refuse_held(indices, held)
+        if self._quiet is not None:  # a close waits until nothing is held
+            self._quiet.clear()
+        if indices is self.all:  # every env: one entry stands for them all
+            held[-1] = request_id
+        else:
+            for index in indices:
+                held[index] = request_id
+
+    def _refuse_held(self, indices: Sequence[int], held: dict[int, int]) -> None:
+        """Raise if a request in flight holds an env of ``indices`` (``held`` not empty)."""
+        if -1 in held:  # a request in flight names every env
+            busy, owner = list(indices), {i: held[-1] for i in indices}
+        elif indices is self.all or not held.keys().isdisjoint(indices):
+            busy, owner = [i for i in indices if i in held], held
+        else:
+            return
+        named = ", ".join(f"env {i} (request {owner[i]})" for i in busy[:8])
+        more = f" and {len(busy) - 8} more" if len(busy) > 8 else ""
+        raise RequestError(
+            _FAILED_PRECONDITION,
+            f"{named}{more} still in flight: a request may name only envs that no request "
+            "in flight names; wait for its answer (nothing was done)",
+        )
+
+    def let_go(self, indices: Sequence[int]) -> None:
+        """Release the envs :meth:`hold` took."""
+        held = self._held
+        if indices is self.all:
+            held.pop(-1, None)
+        else:
+            for index in indices:
+                held.pop(index, None)
+        if not held and self._quiet is not None:
+            self._quiet.set()
+
+    async def closing(self, request_id: int) -> None:
+        """Refuse every request from now on and wait until no env is held (the requests in
+        flight are answered before the close)."""
+        self._closing = request_id
+        if not self._held:
+            return
+        if self._quiet is None:
+            self._quiet = asyncio.Event()
+        await self._quiet.wait()
+
     # -- commands ---------------------------------------------------------------------------
 
     async def step(self, args: StepArgs) -> tuple[BatchOutcome, int, float]:
@@ -171,8 +240,12 @@ class Driver:
             BatchRefused: the whole call failed (see :meth:`refused`).
         """
         started = time.perf_counter()
-        self._calling = indices = args.indices
-        outcome = await self._calls.step(args) if indices else BatchOutcome()
+        indices = args.indices
+        try:
+            outcome = await self._calls.step(args) if indices else BatchOutcome()
+        except BatchRefused as err:
+            err.indices = indices
+            raise
         seconds = time.perf_counter() - started
         return outcome, self._book_step(outcome), seconds
 
@@ -182,8 +255,11 @@ class Driver:
         Raises:
             BatchRefused: the whole call failed.
         """
-        self._calling = args.indices
-        outcome = await self._calls.reset(args)
+        try:
+            outcome = await self._calls.reset(args)
+        except BatchRefused as err:
+            err.indices = args.indices
+            raise
         chosen = dict(zip(args.indices, args.episode_ids, strict=True))
         phases, ids, counts = self.phases, self.episode_ids, self.step_counts
         for index, terminated, truncated in zip(
@@ -221,7 +297,6 @@ class Driver:
             if phases[index] not in CAPTURED_PHASE:
                 message = words.row(index, words.nothing_to_capture[phases[index]])
                 errors[index] = RowError(_FAILED_PRECONDITION, message)
-        self._calling = capture
         got, payload = (
             await self._states_within(capture, self._calls.snapshot)
             if capture
@@ -267,8 +342,11 @@ class Driver:
             else:
                 named.append(index)
                 captured.append(one)
-        self._calling = named
-        failed = await self._calls.restore(RestoreArgs(named, captured)) if named else {}
+        try:
+            failed = await self._calls.restore(RestoreArgs(named, captured)) if named else {}
+        except BatchRefused as err:
+            err.indices = named
+            raise
         phases, ids, counts = self.phases, self.episode_ids, self.step_counts
         for index, one in zip(named, captured, strict=True):
             if index not in failed:
@@ -309,7 +387,7 @@ class Driver:
             for index in range(self._size):
                 self._forget(index)
         elif err.broken and command not in ("state", "snapshot"):  # those change nothing
-            for index in self._calling:
+            for index in err.indices:
                 if self.phases[index] is not Phase.NO_EPISODE:
                     self.phases[index] = Phase.BROKEN
 

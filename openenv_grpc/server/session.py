@@ -151,6 +151,12 @@ class StreamOpening(Protocol):
         ...
 
     @property
+    def in_flight(self) -> int:
+        """Requests the stream may have in flight at once; 0: one at a time, in order
+        (a Session: the next request is read once the last one is answered)."""
+        ...
+
+    @property
     def response_class(self) -> type[Message]:
         """The stream's response message."""
         ...
@@ -173,6 +179,7 @@ class _OneEnv:
     """A Session stream: one slot, one env."""
 
     slots = 1
+    in_flight = 0
     request_class = pb.SessionRequest
     response_class = pb.SessionResponse
 
@@ -346,7 +353,11 @@ class SessionManager:
             live.ready = True
             if self._drain_deadline is not None:
                 live.notify(self._drain_notice(), self._notices)
-            held.reason = await self._loop(context, held.backend, live, opening)
+            if opening.in_flight:
+                pipelined = _Pipelined(self, context, held.backend, live, opening)
+                held.reason = await pipelined.run()
+            else:
+                held.reason = await self._loop(context, held.backend, live, opening)
         except asyncio.CancelledError:
             end_reason = live.end_reason
             if end_reason is None:
@@ -492,6 +503,28 @@ class SessionManager:
         )
         return response.SerializeToString()
 
+    def _over_cap(self, raw: bytes, opening: StreamOpening, in_flight: int) -> bytes:
+        """The in-band RESOURCE_EXHAUSTED for a request past the stream's cap on requests
+        in flight.
+
+        Raises:
+            UndecodableRequest: ``raw`` does not parse (no id to answer to).
+        """
+        try:
+            request = opening.request_class.FromString(raw)
+        except DecodeError as exc:
+            name = opening.request_class.DESCRIPTOR.full_name
+            raise UndecodableRequest(f"request is not a valid {name}: {exc}") from None
+        self._metrics.request_error(grpc.StatusCode.RESOURCE_EXHAUSTED.name)
+        response = opening.response_class(request_id=request.request_id)  # type: ignore[attr-defined]
+        response.error.code = _RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
+        response.error.message = (  # type: ignore[attr-defined]
+            f"{in_flight} requests already in flight on this stream, the most this server "
+            f"allows (--max-vector-in-flight, MAX_VECTOR_IN_FLIGHT = {opening.in_flight}): "
+            "wait for an answer before sending more; nothing was done, the stream goes on"
+        )
+        return response.SerializeToString()
+
     async def _refuse(self, context: _Context, admission: Admission, asked: int) -> None:
         if admission is Admission.DRAINING:
             await self.limiter.refuse(
@@ -600,6 +633,163 @@ class SessionManager:
             "environment is closed; finish the episode or move to another server"
         )
         return response.SerializeToString()
+
+
+class _Pipelined:
+    """A stream with several requests in flight (a VectorSession): one reader takes each
+    request as it comes and answers it in a task of its own; answers go out as each is
+    ready, one write at a time (the answers carry their request ids).
+
+    Up to ``opening.in_flight`` requests are in flight at once (read, not answered yet);
+    past that a request is answered RESOURCE_EXHAUSTED at once and the stream goes on.
+    Which envs each request may touch is the driver's business (``Driver.hold``). The
+    stream is idle (for the reaper) only while no request is being handled. After a
+    half-close the requests in flight are answered before the stream ends; a close's
+    answer (or any answer that ends the stream) is written last, after the others.
+    """
+
+    __slots__ = (
+        "_answering", "_backend", "_context", "_ended", "_lock", "_loop", "_manager",
+        "_opening", "_tasks", "_working", "live",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        manager: SessionManager,
+        context: _Context,
+        backend: SessionBackend,
+        live: _LiveSession,
+        opening: StreamOpening,
+    ) -> None:
+        self._manager = manager
+        self._context = context
+        self._backend = backend
+        self.live = live
+        self._opening = opening
+        self._loop = asyncio.get_running_loop()
+        #: How the stream ends, set once: ("eof",), ("ends", answer bytes), ("abort",
+        #: code, message) or ("raise", exception).
+        self._ended: asyncio.Future[tuple[object, ...]] = self._loop.create_future()
+        self._lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[None]] = set()
+        #: Requests read and not answered yet (the cap counts these).
+        self._answering = 0
+        #: Requests inside the backend (the stream is not idle while any is).
+        self._working = 0
+
+    async def run(self) -> str:
+        """Answer requests until the stream ends; returns how it ended."""
+        live = self.live
+        live.waiting_since = self._loop.time()
+        reader = self._loop.create_task(self._read_all())
+        try:
+            end = await self._ended
+            reader.cancel()
+            kind = end[0]
+            if kind == "abort":
+                self._cancel_all()
+                await self._context.abort(end[1], end[2])  # type: ignore[arg-type]
+            if kind == "raise":
+                self._cancel_all()
+                raise end[1]  # type: ignore[misc]
+            # A half-close or an ending answer: the other requests in flight first.
+            if self._tasks:
+                await asyncio.wait(list(self._tasks))
+            if kind == "eof":
+                return "client_ended"
+            await self._write(end[1])  # type: ignore[arg-type]
+            return "closed"  # nothing may follow the answer to a close
+        finally:
+            reader.cancel()
+            self._cancel_all()
+
+    def _cancel_all(self) -> None:
+        for task in list(self._tasks):
+            if task is not asyncio.current_task():
+                task.cancel()
+
+    def _end(self, *how: object) -> None:
+        if not self._ended.done():
+            self._ended.set_result(how)
+
+    async def _read_all(self) -> None:
+        read, live, cap = self._context.read, self.live, self._opening.in_flight
+        try:
+            while True:
+                raw: object = await read()
+                if raw is grpc.aio.EOF:
+                    # The client half-closed or cancelled: gRPC shows both as the end.
+                    self._end("eof")
+                    return
+                if self._answering >= cap:
+                    try:
+                        refusal = self._manager._over_cap(raw, self._opening, self._answering)  # type: ignore[arg-type]
+                    except UndecodableRequest as exc:
+                        self._end("abort", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                        return
+                    await self._write(refusal)
+                    continue
+                live.waiting_since = None
+                self._answering += 1
+                self._working += 1
+                task = self._loop.create_task(self._answer(raw))  # type: ignore[arg-type]
+                self._tasks.add(task)
+                task.add_done_callback(self._finished)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._end("raise", exc)
+
+    def _finished(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self._end("raise", task.exception())
+
+    async def _answer(self, raw: bytes) -> None:
+        manager, live = self._manager, self.live
+        try:
+            answer = await self._backend.handle(raw)
+        except UndecodableRequest as exc:
+            # No request id to answer to: the stream is out of sync, so end it.
+            self._end("abort", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            return
+        except SessionLostError as exc:
+            self._end("abort", grpc.StatusCode.UNAVAILABLE, f"session lost: {exc}")
+            return
+        finally:
+            self._answering -= 1  # before the write: a client that read it may send more
+            self._working -= 1
+            if not self._working:
+                live.waiting_since = self._loop.time()
+        manager._record(answer)
+        response = answer.response
+        if len(response) > manager._max_response:
+            # gRPC would end the stream; fail this request instead.
+            response = manager._too_large(raw, len(response), self._opening)
+        if answer.ends:
+            self._end("ends", response)
+            return
+        await self._write(response)
+
+    async def _write(self, response: bytes) -> None:
+        """Write one answer; never two writes at once (a drain notice included)."""
+        live, write = self.live, self._context.write
+        async with self._lock:
+            if live.side_write is not None:  # a notice is on its way: never overlap it
+                await live.side_write
+                live.side_write = None
+            live.writing = True
+            try:
+                await write(response)
+            finally:
+                live.writing = False
+            if live.deferred is not None:  # a notice arrived during our write
+                notice, live.deferred = live.deferred, None
+                live.writing = True
+                try:
+                    await write(notice)
+                finally:
+                    live.writing = False
 
 
 async def _write_quietly(context: _Context, message: bytes) -> None:

@@ -115,6 +115,8 @@ class VectorSessions:
         self._processes = processes
         #: Most envs one stream may hold.
         self.max_envs = manager.config.max_vector_envs
+        #: Requests one stream may have in flight at once.
+        self.in_flight = manager.config.max_vector_in_flight
         #: The env may answer a stream as one native batch (Info says so).
         self.native = natively_batched(manager.spec.env_class)
         #: A measured env's batch calls, by N: measured apart from its single calls (a
@@ -174,6 +176,8 @@ class _VectorOpening:
     def __init__(self, streams: VectorSessions, size: int, autoreset: AutoresetMode) -> None:
         self._streams = streams
         self.slots = size
+        #: Requests in flight at once on the stream (``--max-vector-in-flight``).
+        self.in_flight = streams.in_flight
         self._autoreset = autoreset
         self._driver: VectorView | None = None
 

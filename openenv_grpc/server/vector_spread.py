@@ -365,16 +365,19 @@ class SpreadBatchCalls:
             finally:
                 if block.rebuilding is rebuilding:
                     block.rebuilding = None
+        worker, env_id = block.worker, block.env_id
         try:
-            return await self._pool.call(
-                block.worker, block.env_id, Op.REQUEST, frame, envs=len(part[1])
-            )
+            return await self._pool.call(worker, env_id, Op.REQUEST, frame, envs=len(part[1]))
         except CallTimedOut as exc:
             code, why = _DEADLINE_EXCEEDED, f"{exc} (this call took too long)"
         except SessionLostError as exc:
             if self._session:  # the client cannot know which of its requests took effect
                 raise
             code, why = _UNAVAILABLE, str(exc)
+        message = f"{why}; a fresh environment took this one's place: reset it"
+        if block.rebuilding is not None or block.worker is not worker or block.env_id != env_id:
+            # Another request in flight on this block saw the loss first: one rebuild.
+            return None, RowError(code, message)
         # Answered now, not once the fresh block is made: with the process killed past
         # the step timeout, its replacement may take seconds to start.
         block.worker.envs.pop(block.env_id, None)
@@ -386,7 +389,6 @@ class SpreadBatchCalls:
                 f"{SESSION_WORDS.replaced}",
                 replaced=True,
             )
-        message = f"{why}; a fresh environment took this one's place: reset it"
         return None, RowError(code, message)
 
     async def _rebuild(self, block: _Block) -> None:

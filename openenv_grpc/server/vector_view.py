@@ -69,31 +69,43 @@ class VectorView:
             request = pb.VectorSessionRequest.FromString(raw)
         except DecodeError as exc:
             raise UndecodableRequest(f"request is not a valid {_REQUEST_NAME}: {exc}") from None
-        response = pb.VectorSessionResponse(request_id=request.request_id)
+        request_id = request.request_id
+        response = pb.VectorSessionResponse(request_id=request_id)
         command = request.WhichOneof("command")
+        driver = self._driver
+        held: Sequence[int] = ()
         try:
             if command == "step":
-                return await self._step(request.step, response)
+                held = self._hold(request.step.indices, request_id)
+                return await self._step(request.step, held, response)
             if command == "reset":
-                return await self._reset(request.reset, response)
+                held = self._hold(request.reset.indices, request_id)
+                return await self._reset(request.reset, held, response)
             if command == "state":
-                return await self._state(request.state, response)
+                held = self._hold(request.state.indices, request_id)
+                return await self._state(held, response)
             if command == "snapshot":
-                return await self._snapshot(request.snapshot, response)
+                held = self._hold(request.snapshot.indices, request_id)
+                return await self._snapshot(held, response)
             if command == "restore":
-                return await self._restore(request.restore, response)
+                held = self._hold(request.restore.indices, request_id)
+                return await self._restore(request.restore, held, response)
             if command == "close":
-                await self._driver.close_command()
+                await driver.closing(request_id)  # the requests in flight are answered first
+                await driver.close_command()
                 response.closed.SetInParent()
                 return Answer(response.SerializeToString(), Outcome.CLOSED, ends=True)
             raise RequestError(_INVALID_ARGUMENT, _EMPTY)
         except RequestError as err:
             return self._refusal(response, err.code, err.message, err.exception_type)
         except BatchRefused as err:
-            self._driver.refused(err, command)
+            driver.refused(err, command)
             return self._refusal(
                 response, err.code, err.message, err.exception_type, saturated=err.saturated
             )
+        finally:
+            if held:
+                driver.let_go(held)
 
     async def close(self) -> None:
         """Close every env, once (``backend.SessionBackend``)."""
@@ -101,7 +113,9 @@ class VectorView:
 
     # -- commands -------------------------------------------------------------------------
 
-    async def _step(self, command: pb.VectorStep, response: pb.VectorSessionResponse) -> Answer:
+    async def _step(
+        self, command: pb.VectorStep, indices: Sequence[int], response: pb.VectorSessionResponse
+    ) -> Answer:
         driver = self._driver
         if command.answer_mode not in _ANSWER_MODES:
             raise RequestError(
@@ -109,7 +123,6 @@ class VectorView:
                 f"answer_mode {command.answer_mode} is not known to this server "
                 "(VECTOR_ANSWER_MODE_ALL is)",
             )
-        indices = self._indices(command.indices)
         action_class = self._spec.types.action
         blocked: dict[int, RowError] = {}
         if command.HasField("batch_action"):
@@ -162,8 +175,9 @@ class VectorView:
         self._fill(response.result, outcome)
         return self._answer(response, Outcome.STEPPED, outcome.errors, seconds, stepped)
 
-    async def _reset(self, command: pb.VectorReset, response: pb.VectorSessionResponse) -> Answer:
-        indices = self._indices(command.indices)
+    async def _reset(
+        self, command: pb.VectorReset, indices: Sequence[int], response: pb.VectorSessionResponse
+    ) -> Answer:
         batch_form = command.batch_observation
         if batch_form:
             self._need_native("batch_observation")
@@ -202,9 +216,9 @@ class VectorView:
         self._fill(response.result, outcome)
         return self._answer(response, Outcome.RESET, outcome.errors)
 
-    async def _state(self, command: pb.VectorState, response: pb.VectorSessionResponse) -> Answer:
+    async def _state(self, indices: Sequence[int], response: pb.VectorSessionResponse) -> Answer:
         driver = self._driver
-        states, payload = await driver.state(self._indices(command.indices))
+        states, payload = await driver.state(indices)
         too_large = driver.too_large("state", payload)
         if too_large is not None:
             return self._oversize(response, too_large, Outcome.STATE, states.errors)
@@ -213,13 +227,11 @@ class VectorView:
         )
         return self._answer(response, Outcome.STATE, states.errors)
 
-    async def _snapshot(
-        self, command: pb.VectorSnapshot, response: pb.VectorSessionResponse
-    ) -> Answer:
+    async def _snapshot(self, indices: Sequence[int], response: pb.VectorSessionResponse) -> Answer:
         driver = self._driver
         answer = response.snapshots
         answer.SetInParent()
-        sealed = await driver.snapshot(self._indices(command.indices))
+        sealed = await driver.snapshot(indices)
         if sealed.too_large is not None:
             return self._oversize(response, sealed.too_large, Outcome.SNAPSHOT, sealed.errors)
         ids, counts = driver.episode_ids, driver.step_counts
@@ -230,9 +242,8 @@ class VectorView:
         return self._answer(response, Outcome.SNAPSHOT, sealed.errors)
 
     async def _restore(
-        self, command: pb.VectorRestore, response: pb.VectorSessionResponse
+        self, command: pb.VectorRestore, indices: Sequence[int], response: pb.VectorSessionResponse
     ) -> Answer:
-        indices = self._indices(command.indices)
         data = command.snapshots
         if len(data) != len(indices):
             raise RequestError(
@@ -323,6 +334,18 @@ class VectorView:
         )
 
     # -- validation -------------------------------------------------------------------------
+
+    def _hold(self, given: Sequence[int], request_id: int) -> Sequence[int]:
+        """The env indices a request names, checked and held for it until its answer
+        (several requests may be in flight on one stream, each on envs of its own).
+
+        Raises:
+            RequestError: bad indices (INVALID_ARGUMENT), or an env held by a request in
+                flight, or the stream closing (FAILED_PRECONDITION); nothing was done.
+        """
+        indices = self._indices(given)
+        self._driver.hold(indices, request_id)
+        return indices
 
     def _indices(self, given: Sequence[int]) -> Sequence[int]:
         """The env indices a request names (all when empty), checked.

@@ -901,6 +901,16 @@ class VectorSessionRequest(_message.Message):
     columnar: one row per env that answered, in index order; an env whose call failed has no
     row but an entry in `errors` (its neighbours still answer).
 
+    Several requests may be in flight on one stream, each on envs of its own (EnvPool's
+    asynchronous mode: two half-batches, one stepping while the client computes the other's
+    actions). The server answers each as it completes, so answers may come in another order
+    than their requests: match them by request_id. A request naming an env that a request in
+    flight names (for a close: any request after it) is refused as a whole with
+    FAILED_PRECONDITION naming the env and that request; nothing of one env is lost or
+    reordered. Past the server's cap on requests in flight (--max-vector-in-flight, 4 by
+    default) a request is refused with RESOURCE_EXHAUSTED; the stream goes on. A close is
+    answered after the requests in flight, and last.
+
     The field numbers of request_id, close, error and notice are those of SessionRequest and
     SessionResponse, so a notice or an error is the same bytes on both kinds of stream.
 

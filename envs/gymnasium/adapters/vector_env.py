@@ -92,6 +92,11 @@ class RemoteGymnasiumVectorEnv(VectorEnv[Any, Any, Any]):
             With one vector stream there is one channel.
         credentials: TLS channel credentials (see ``openenv_grpc.client.channel``).
         step_timeout: Seconds each remote reset/step may take (None: no limit).
+        batch_size: EnvPool's asynchronous mode when below ``num_envs`` (vector
+            transport only): :meth:`async_reset`, :meth:`send` and :meth:`recv` keep
+            ``num_envs / batch_size`` batches in flight on the one stream, so the server
+            steps one batch while the caller computes the actions of another. Default
+            ``num_envs`` (only the synchronous ``reset`` / ``step``).
         session_options: Passed to each session (``token``, ``retry``, ``metadata``).
 
     A reset seed ``s`` (an int) seeds sub-env ``i`` with ``s + i``, a list gives one seed
@@ -122,10 +127,22 @@ class RemoteGymnasiumVectorEnv(VectorEnv[Any, Any, Any]):
         channels: int = 1,
         credentials: grpc.ChannelCredentials | None = None,
         step_timeout: float | None = None,
+        batch_size: int | None = None,
         **session_options: Any,
     ) -> None:
         if num_envs < 1:
             raise ValueError(f"num_envs must be >= 1, got {num_envs}")
+        batch_size = num_envs if batch_size is None else batch_size
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int):
+            raise ValueError(f"batch_size must be an int, got {batch_size!r}")
+        if not 1 <= batch_size <= num_envs:
+            raise ValueError(f"batch_size must be 1 to num_envs={num_envs}, got {batch_size}")
+        if batch_size < num_envs and transport != "vector":
+            raise ValueError(
+                "batch_size < num_envs (EnvPool's async mode) needs transport='vector'"
+            )
+        #: The envs each :meth:`recv` returns (EnvPool's ``batch_size``).
+        self.batch_size = batch_size
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if backend is not None and (backend not in BACKENDS or transport != "vector"):
@@ -188,6 +205,8 @@ class RemoteGymnasiumVectorEnv(VectorEnv[Any, Any, Any]):
         self._ended = np.zeros(num_envs, dtype=np.bool_)
         # The latest batch (a partial reset returns the whole batch).
         self._last: Any = None
+        # async_reset() was called: send() may step.
+        self._async_reset = False
 
     # -- setup and teardown -------------------------------------------------------------
 
@@ -325,6 +344,95 @@ class RemoteGymnasiumVectorEnv(VectorEnv[Any, Any, Any]):
             self._infos(batch),
         )
 
+    # -- EnvPool's asynchronous calls (batch_size < num_envs) ---------------------------
+
+    def async_reset(self) -> None:
+        """Reset every sub-env (unseeded) without waiting: one request per batch of
+        ``batch_size`` envs (envs ``0..b-1``, ``b..2b-1``, ...); :meth:`recv` returns each
+        batch's first observations as it comes (EnvPool's ``async_reset``).
+
+        Raises:
+            RuntimeError: the env is closed, or requests are in flight already.
+            SessionLost: the stream ended.
+        """
+        stream = self._async_stream()
+        if stream.in_flight:
+            raise RuntimeError(
+                f"async_reset() with {stream.in_flight} requests in flight: recv() them first"
+            )
+        size = self.batch_size
+        stream.async_reset(
+            [range(k, min(k + size, self.num_envs)) for k in range(0, self.num_envs, size)]
+        )
+        self._ended[:] = False
+        self._async_reset = True
+
+    def send(self, actions: Any, env_id: Any = None) -> None:
+        """Step the sub-envs ``env_id`` (an array of indices, as ``info["env_id"]`` of a
+        :meth:`recv`; None: all) with one action row each, without waiting for the
+        answer (EnvPool's ``send``). The envs named must not be in flight already.
+
+        Raises:
+            RuntimeError: the env is closed, or was never reset.
+            ValueError: ``env_id`` repeats an index or is out of range.
+            ConversionError: the actions are not a batch of ``single_action_space``.
+            SessionLost: the stream ended.
+        """
+        stream = self._async_stream()
+        if self._last is None and not self._async_reset:
+            raise RuntimeError("reset the vector env (async_reset) before send()")
+        if env_id is None:
+            indices = np.arange(self.num_envs)
+        else:
+            indices = np.asarray(env_id, dtype=np.int64).reshape(-1)
+        order = np.argsort(indices, kind="stable")
+        ordered = indices[order]
+        if (
+            len(ordered) == 0
+            or ordered[0] < 0
+            or ordered[-1] >= self.num_envs
+            or (len(ordered) > 1 and (np.diff(ordered) == 0).any())
+        ):
+            raise ValueError(
+                f"env_id must name distinct sub-envs 0..{self.num_envs - 1}, got {indices.tolist()}"
+            )
+        if not (order == np.arange(len(order))).all():  # the wire wants increasing indices
+            actions = _take_rows(actions, order)
+        stream.send(actions, ordered.tolist())
+
+    def recv(
+        self,
+    ) -> tuple[
+        Any, npt.NDArray[np.float64], npt.NDArray[np.bool_], npt.NDArray[np.bool_], dict[str, Any]
+    ]:
+        """The rows of whichever batch sent (:meth:`send` or :meth:`async_reset`) is
+        answered first (EnvPool's ``recv``): ``(observations, rewards, terminations,
+        truncations, infos)`` with ``infos["env_id"]``, the sub-env of each row.
+
+        Raises:
+            RuntimeError: the env is closed, or nothing is in flight.
+            EnvError: the server refused the batch (e.g. FAILED_PRECONDITION: it named a
+                sub-env in flight), or one of its envs failed.
+            SessionLost: the stream ended.
+        """
+        stream = self._async_stream()
+        if not stream.in_flight:
+            raise RuntimeError("recv() with nothing in flight: send() or async_reset() first")
+        indices, batch = stream.recv()
+        ids = np.asarray(indices, dtype=np.int32)
+        self._ended[ids] = np.logical_or(batch.terminated, batch.truncated)
+        infos = self._infos(batch)
+        infos["env_id"] = ids
+        return batch.observations, batch.rewards, batch.terminated, batch.truncated, infos
+
+    def _async_stream(self) -> VectorStream:
+        if self.closed:
+            raise RuntimeError("the vector env is closed")
+        transport = self._transport
+        if not isinstance(transport, VectorStream):
+            raise RuntimeError("send/recv (EnvPool's async mode) need transport='vector'")
+        return transport
+
     def render(self) -> tuple[Any, ...] | None:
         """Every sub-env's current frame (``render_mode="rgb_array"``), else None."""
         if self.render_mode is None:
@@ -369,3 +477,12 @@ class RemoteGymnasiumVectorEnv(VectorEnv[Any, Any, Any]):
     def __repr__(self) -> str:
         env_id = getattr(getattr(self, "description", None), "env_id", "?")
         return f"RemoteGymnasiumVectorEnv({env_id}, num_envs={self.num_envs})"
+
+
+def _take_rows(actions: Any, order: npt.NDArray[np.int64]) -> Any:
+    """The rows of a batch of actions (arrays, or dicts / tuples of them) in ``order``."""
+    if isinstance(actions, dict):
+        return {key: _take_rows(value, order) for key, value in actions.items()}
+    if isinstance(actions, tuple):
+        return tuple(_take_rows(value, order) for value in actions)
+    return np.asarray(actions)[order]

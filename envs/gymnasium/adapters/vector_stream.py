@@ -148,7 +148,42 @@ class VectorStream:
         encode_stacked(action.value, actions, self._action_space)
         outcome = self._session.step_batch(action, timeout=self._timeout)
         _raise_first(outcome)
-        n = self._num_envs
+        return self._batch(outcome)
+
+    # -- EnvPool's asynchronous calls ---------------------------------------------------
+
+    def async_reset(self, groups: Sequence[Sequence[int]]) -> None:
+        """Send an unseeded reset of each group of envs (one request each), unanswered."""
+        for indices in groups:
+            self._session.send_reset(
+                indices=None if len(indices) == self._num_envs else list(indices), batch=True
+            )
+
+    def send(self, actions: Any, indices: Sequence[int]) -> None:
+        """Send a step of ``indices`` (increasing), one action row each, unanswered."""
+        action = GymnasiumAction()
+        encode_stacked(action.value, actions, self._action_space)
+        self._session.send_batch(action, None if len(indices) == self._num_envs else list(indices))
+
+    def recv(self) -> tuple[list[int], Batch]:
+        """The rows of whichever request sent is answered first, and their env indices.
+
+        Raises:
+            EnvError: the request was refused, or one of its envs failed.
+        """
+        outcome = self._session.recv(timeout=self._timeout)
+        _raise_first(outcome)
+        return list(outcome.indices), self._batch(outcome)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests sent and not received yet."""
+        return self._session.in_flight
+
+    def _batch(self, outcome: VectorOutcome[GymnasiumObservation]) -> Batch:
+        """A reset's or a step's rows as a :class:`Batch` (row r is env indices[r])."""
+        indices = outcome.indices
+        n = len(indices)
         batch = Batch(
             self._view(outcome.batch_payload, n),
             np.asarray(outcome.rewards, dtype=np.float64),
@@ -156,21 +191,21 @@ class VectorStream:
             np.asarray(outcome.truncated, dtype=np.bool_),
         )
         finals: Any = None
-        ended = [i for i, reset in enumerate(outcome.autoreset) if reset]
+        ended = [r for r, reset in enumerate(outcome.autoreset) if reset]
         if outcome.batch_final_payload is not None and ended:
             finals = self._view(outcome.batch_final_payload, len(ended))
-        final_row = {i: j for j, i in enumerate(ended)} if finals is not None else {}
+        final_row = {r: j for j, r in enumerate(ended)} if finals is not None else {}
         infos = outcome.infos
         if not infos and not final_row:
             return batch  # classic control: no row has an info
-        for i in range(n):
-            if i in final_row:  # SAME_STEP: the ended episode's last observation and info
+        for r, i in enumerate(indices):
+            if r in final_row:  # SAME_STEP: the ended episode's last observation and info
                 final_info = dict(outcome.final_infos.get(i, {}))
-                batch.infos.append((i, {"final_obs": _row(finals, final_row[i]),
+                batch.infos.append((r, {"final_obs": _row(finals, final_row[r]),
                                         "final_info": final_info}))  # fmt: skip
             info = infos.get(i)
-            if info is not None or i in final_row:
-                batch.infos.append((i, dict(info or {})))
+            if info is not None or r in final_row:
+                batch.infos.append((r, dict(info or {})))
         return batch
 
     def _view(self, payload: Any, rows: int) -> Any:
