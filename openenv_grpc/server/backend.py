@@ -16,7 +16,11 @@ Both views ask the one driver (``driver.py``).
 from __future__ import annotations
 
 import enum
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
+
+from google.protobuf.message import DecodeError, Message
+
+from openenv_grpc.server.errors import CODE_NAMES
 
 __all__ = [
     "Answer",
@@ -25,7 +29,11 @@ __all__ = [
     "SessionBackend",
     "SessionLostError",
     "UndecodableRequest",
+    "error_answer",
+    "parse_request",
 ]
+
+_RequestT = TypeVar("_RequestT", bound=Message)
 
 
 class EnvFactoryError(Exception):
@@ -34,6 +42,19 @@ class EnvFactoryError(Exception):
 
 class UndecodableRequest(Exception):
     """The request bytes are not a SessionRequest: the stream is out of sync."""
+
+
+def parse_request(raw: bytes, request_class: type[_RequestT]) -> _RequestT:
+    """One request of a stream, parsed.
+
+    Raises:
+        UndecodableRequest: ``raw`` is not a ``request_class`` (no id to answer to).
+    """
+    try:
+        return request_class.FromString(raw)
+    except DecodeError as exc:
+        name = request_class.DESCRIPTOR.full_name
+        raise UndecodableRequest(f"request is not a valid {name}: {exc}") from None
 
 
 class SessionLostError(Exception):
@@ -88,3 +109,25 @@ class SessionBackend(Protocol):
     async def close(self) -> None:
         """Close the env; once, surviving a raising ``close`` (it is logged)."""
         ...
+
+
+class Failure(Protocol):
+    """A request's failure as a whole (``errors.RequestError``, ``calls.BatchRefused``)."""
+
+    code: int
+    message: str
+    exception_type: str
+    saturated: bool
+
+
+def error_answer(response: Any, failure: Failure, ends: bool) -> Answer:
+    """``response`` (a SessionResponse or a VectorSessionResponse, its request id set)
+    answering ``failure`` in-band; ``ends``: the stream ends after it."""
+    response.ClearField("outcome")
+    error = response.error
+    error.code = failure.code
+    error.message = failure.message
+    error.exception_type = failure.exception_type
+    outcome = Outcome.SATURATED if failure.saturated else Outcome.FAILED
+    name = CODE_NAMES.get(failure.code, str(failure.code))
+    return Answer(response.SerializeToString(), outcome, 0.0, name, ends)

@@ -37,6 +37,7 @@ from openenv_grpc.server.backend import (
     SessionBackend,
     SessionLostError,
     UndecodableRequest,
+    parse_request,
 )
 from openenv_grpc.server.calls import LocalBatchCalls, local_calls
 from openenv_grpc.server.config import ServerConfig
@@ -510,11 +511,7 @@ class SessionManager:
         Raises:
             UndecodableRequest: ``raw`` does not parse (no id to answer to).
         """
-        try:
-            request = opening.request_class.FromString(raw)
-        except DecodeError as exc:
-            name = opening.request_class.DESCRIPTOR.full_name
-            raise UndecodableRequest(f"request is not a valid {name}: {exc}") from None
+        request = parse_request(raw, opening.request_class)
         self._metrics.request_error(grpc.StatusCode.RESOURCE_EXHAUSTED.name)
         response = opening.response_class(request_id=request.request_id)  # type: ignore[attr-defined]
         response.error.code = _RESOURCE_EXHAUSTED  # type: ignore[attr-defined]

@@ -14,14 +14,14 @@ from typing import Any
 
 import grpc
 from google.protobuf import struct_pb2
-from google.protobuf.message import DecodeError, Message
+from google.protobuf.message import Message
 
 from openenv_grpc.codec import info_to_struct
 from openenv_grpc.environment import AutoresetMode
-from openenv_grpc.server.backend import Answer, Outcome, UndecodableRequest
+from openenv_grpc.server.backend import Answer, Outcome, error_answer, parse_request
 from openenv_grpc.server.calls import BatchCalls, BatchRefused, ResetArgs, StepArgs
 from openenv_grpc.server.driver import Driver
-from openenv_grpc.server.errors import CODE_NAMES, RequestError, RowError
+from openenv_grpc.server.errors import RequestError, RowError
 from openenv_grpc.server.payloads import PayloadRefused, decode_payload, reset_problem
 from openenv_grpc.server.phases import SESSION_WORDS, Phase
 from openenv_grpc.server.snapshots import SnapshotSeal
@@ -33,7 +33,6 @@ __all__ = ["SessionView"]
 
 _INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 _FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION.value[0]
-_REQUEST_NAME = pb.SessionRequest.DESCRIPTOR.full_name
 _EMPTY = "empty request: set one of reset, step, state, snapshot, restore, close"
 #: The one row a Session's commands name.
 _ROW = (0,)
@@ -83,10 +82,7 @@ class SessionView:
             UndecodableRequest: ``raw`` is not a SessionRequest (no id to answer to).
             SessionLostError: the env is gone (its env process died).
         """
-        try:
-            request = pb.SessionRequest.FromString(raw)
-        except DecodeError as exc:
-            raise UndecodableRequest(f"request is not a valid {_REQUEST_NAME}: {exc}") from None
+        request = parse_request(raw, pb.SessionRequest)
         response = pb.SessionResponse(request_id=request.request_id)
         command = request.WhichOneof("command")
         seconds = 0.0
@@ -110,10 +106,10 @@ class SessionView:
             else:
                 raise RequestError(_INVALID_ARGUMENT, _EMPTY)
         except RequestError as err:
-            return self._error(response, err.code, err.message, err.exception_type, err.saturated)
+            return error_answer(response, err, self._driver.ends)
         except BatchRefused as err:
             self._driver.refused(err, command)
-            return self._error(response, err.code, err.message, err.exception_type, err.saturated)
+            return error_answer(response, err, self._driver.ends)
         return Answer(response.SerializeToString(), _OUTCOMES[command], seconds)
 
     async def close(self) -> None:
@@ -195,23 +191,6 @@ class SessionView:
                 result.info.CopyFrom(info)
             else:
                 info_to_struct(info, result.info)
-
-    def _error(
-        self,
-        response: pb.SessionResponse,
-        code: int,
-        message: str,
-        exception_type: str,
-        saturated: bool,
-    ) -> Answer:
-        response.ClearField("outcome")
-        error = response.error
-        error.code = code
-        error.message = message
-        error.exception_type = exception_type
-        outcome = Outcome.SATURATED if saturated else Outcome.FAILED
-        name = CODE_NAMES.get(code, str(code))
-        return Answer(response.SerializeToString(), outcome, 0.0, name, self._driver.ends)
 
 
 def _raise_row(errors: dict[int, RowError]) -> None:

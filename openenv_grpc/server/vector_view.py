@@ -17,7 +17,7 @@ import grpc
 from google.protobuf import any_pb2
 from google.protobuf.message import DecodeError, Message
 
-from openenv_grpc.server.backend import Answer, Outcome, UndecodableRequest
+from openenv_grpc.server.backend import Answer, Outcome, error_answer, parse_request
 from openenv_grpc.server.calls import BatchRefused, ResetArgs, StepArgs
 from openenv_grpc.server.driver import Driver
 from openenv_grpc.server.errors import CODE_NAMES, RequestError, RowError
@@ -32,7 +32,6 @@ __all__ = ["VectorView"]
 _INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 _FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION.value[0]
 _RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
-_REQUEST_NAME = pb.VectorSessionRequest.DESCRIPTOR.full_name
 _ANSWER_MODES = {pb.VECTOR_ANSWER_MODE_UNSPECIFIED, pb.VECTOR_ANSWER_MODE_ALL}
 _EMPTY = "empty request: set one of reset, step, state, snapshot, restore, close"
 
@@ -65,10 +64,7 @@ class VectorView:
             UndecodableRequest: ``raw`` is not a VectorSessionRequest (no id to answer to).
             SessionLostError: the envs are gone (their env processes died for good).
         """
-        try:
-            request = pb.VectorSessionRequest.FromString(raw)
-        except DecodeError as exc:
-            raise UndecodableRequest(f"request is not a valid {_REQUEST_NAME}: {exc}") from None
+        request = parse_request(raw, pb.VectorSessionRequest)
         request_id = request.request_id
         response = pb.VectorSessionResponse(request_id=request_id)
         command = request.WhichOneof("command")
@@ -97,12 +93,10 @@ class VectorView:
                 return Answer(response.SerializeToString(), Outcome.CLOSED, ends=True)
             raise RequestError(_INVALID_ARGUMENT, _EMPTY)
         except RequestError as err:
-            return self._refusal(response, err.code, err.message, err.exception_type)
+            return error_answer(response, err, driver.ends)
         except BatchRefused as err:
             driver.refused(err, command)
-            return self._refusal(
-                response, err.code, err.message, err.exception_type, saturated=err.saturated
-            )
+            return error_answer(response, err, driver.ends)
         finally:
             if held:
                 driver.let_go(held)
@@ -310,28 +304,6 @@ class VectorView:
             response.SerializeToString(), outcome, seconds, steps=steps,
             env_errors=(*codes, grpc.StatusCode.RESOURCE_EXHAUSTED.name),
         )  # fmt: skip
-
-    def _refusal(
-        self,
-        response: pb.VectorSessionResponse,
-        code: int,
-        message: str,
-        exception_type: str = "",
-        *,
-        saturated: bool = False,
-    ) -> Answer:
-        response.ClearField("outcome")
-        error = response.error
-        error.code = code
-        error.message = message
-        error.exception_type = exception_type
-        return Answer(
-            response.SerializeToString(),
-            Outcome.SATURATED if saturated else Outcome.FAILED,
-            0.0,
-            CODE_NAMES.get(code, str(code)),
-            self._driver.ends,
-        )
 
     # -- validation -------------------------------------------------------------------------
 
