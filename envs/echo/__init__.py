@@ -1,6 +1,5 @@
 """The echo environment: the reference environment of openenv-grpc."""
 
-from openenv_grpc_envs.echo.batch import EchoBatch, EchoBatchEnvironment
 from openenv_grpc_envs.echo.client import AsyncEchoEnv, AsyncEchoVectorEnv, EchoEnv, EchoVectorEnv
 from openenv_grpc_envs.echo.environment import EchoEnvironment
 from openenv_grpc_envs.echo.v1.echo_pb2 import (
@@ -14,8 +13,6 @@ __all__ = [
     "AsyncEchoEnv",
     "AsyncEchoVectorEnv",
     "EchoAction",
-    "EchoBatch",
-    "EchoBatchEnvironment",
     "EchoEnv",
     "EchoEnvironment",
     "EchoObservation",

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from openenv_grpc.tools.v1 import tools_pb2 as openenv__grpc_dot_tools_dot_v1_dot_tools__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$openenv_grpc_envs/echo/v1/echo.proto\x12\x19openenv_grpc_envs.echo.v1\x1a!openenv_grpc/tools/v1/tools.proto\"\xce\x01\n\nEchoAction\x12\x11\n\x07message\x18\x01 \x01(\tH\x00\x12:\n\nlist_tools\x18\x02 \x01(\x0b\x32$.openenv_grpc.tools.v1.ListToolsCallH\x00\x12\x34\n\ttool_call\x18\x03 \x01(\x0b\x32\x1f.openenv_grpc.tools.v1.ToolCallH\x00\x12\x33\n\x04rows\x18\x04 \x03(\x0b\x32%.openenv_grpc_envs.echo.v1.EchoActionB\x06\n\x04kind\"\xe3\x01\n\x0f\x45\x63hoObservation\x12\x16\n\x0e\x65\x63hoed_message\x18\x01 \x01(\t\x12\x16\n\x0emessage_length\x18\x02 \x01(\x04\x12.\n\x05tools\x18\x03 \x01(\x0b\x32\x1f.openenv_grpc.tools.v1.ToolList\x12\x36\n\x0btool_result\x18\x04 \x01(\x0b\x32!.openenv_grpc.tools.v1.ToolResult\x12\x38\n\x04rows\x18\x05 \x03(\x0b\x32*.openenv_grpc_envs.echo.v1.EchoObservation\"@\n\tEchoState\x12\x14\n\x0ctotal_length\x18\x01 \x01(\x04\x12\x0c\n\x04seed\x18\x02 \x01(\x04\x12\x0f\n\x07history\x18\x03 \x03(\t\"J\n\x10\x45\x63hoResetOptions\x12\x11\n\tmax_steps\x18\x01 \x01(\r\x12\x11\n\tstop_word\x18\x02 \x01(\t\x12\x10\n\x08greeting\x18\x03 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$openenv_grpc_envs/echo/v1/echo.proto\x12\x19openenv_grpc_envs.echo.v1\x1a!openenv_grpc/tools/v1/tools.proto\"\x99\x01\n\nEchoAction\x12\x11\n\x07message\x18\x01 \x01(\tH\x00\x12:\n\nlist_tools\x18\x02 \x01(\x0b\x32$.openenv_grpc.tools.v1.ListToolsCallH\x00\x12\x34\n\ttool_call\x18\x03 \x01(\x0b\x32\x1f.openenv_grpc.tools.v1.ToolCallH\x00\x42\x06\n\x04kind\"\xa9\x01\n\x0f\x45\x63hoObservation\x12\x16\n\x0e\x65\x63hoed_message\x18\x01 \x01(\t\x12\x16\n\x0emessage_length\x18\x02 \x01(\x04\x12.\n\x05tools\x18\x03 \x01(\x0b\x32\x1f.openenv_grpc.tools.v1.ToolList\x12\x36\n\x0btool_result\x18\x04 \x01(\x0b\x32!.openenv_grpc.tools.v1.ToolResult\"@\n\tEchoState\x12\x14\n\x0ctotal_length\x18\x01 \x01(\x04\x12\x0c\n\x04seed\x18\x02 \x01(\x04\x12\x0f\n\x07history\x18\x03 \x03(\t\"J\n\x10\x45\x63hoResetOptions\x12\x11\n\tmax_steps\x18\x01 \x01(\r\x12\x11\n\tstop_word\x18\x02 \x01(\t\x12\x10\n\x08greeting\x18\x03 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,11 +33,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'openenv_grpc_envs.echo.v1.e
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ECHOACTION']._serialized_start=103
-  _globals['_ECHOACTION']._serialized_end=309
-  _globals['_ECHOOBSERVATION']._serialized_start=312
-  _globals['_ECHOOBSERVATION']._serialized_end=539
-  _globals['_ECHOSTATE']._serialized_start=541
-  _globals['_ECHOSTATE']._serialized_end=605
-  _globals['_ECHORESETOPTIONS']._serialized_start=607
-  _globals['_ECHORESETOPTIONS']._serialized_end=681
+  _globals['_ECHOACTION']._serialized_end=256
+  _globals['_ECHOOBSERVATION']._serialized_start=259
+  _globals['_ECHOOBSERVATION']._serialized_end=428
+  _globals['_ECHOSTATE']._serialized_start=430
+  _globals['_ECHOSTATE']._serialized_end=494
+  _globals['_ECHORESETOPTIONS']._serialized_start=496
+  _globals['_ECHORESETOPTIONS']._serialized_end=570
 # @@protoc_insertion_point(module_scope)

@@ -31,7 +31,6 @@ class EchoAction(_message.Message):
     MESSAGE_FIELD_NUMBER: _builtins.int
     LIST_TOOLS_FIELD_NUMBER: _builtins.int
     TOOL_CALL_FIELD_NUMBER: _builtins.int
-    ROWS_FIELD_NUMBER: _builtins.int
     message: _builtins.str
     """The text to echo back."""
     @_builtins.property
@@ -42,23 +41,16 @@ class EchoAction(_message.Message):
     def tool_call(self) -> _tools_pb2.ToolCall:
         """Call one tool (its result arrives in the observation's tool_result)."""
 
-    @_builtins.property
-    def rows(self) -> _containers.RepeatedCompositeFieldContainer[Global___EchoAction]:
-        """Batch form (EchoBatchEnvironment's native batch on a vector stream): one action per
-        row, in the request's index order; the fields above are then unused.
-        """
-
     def __init__(
         self,
         *,
         message: _builtins.str = ...,
         list_tools: _tools_pb2.ListToolsCall | None = ...,
         tool_call: _tools_pb2.ToolCall | None = ...,
-        rows: _abc.Iterable[Global___EchoAction] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "list_tools", b"list_tools", "message", b"message", "tool_call", b"tool_call"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "list_tools", b"list_tools", "message", b"message", "rows", b"rows", "tool_call", b"tool_call"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "list_tools", b"list_tools", "message", b"message", "tool_call", b"tool_call"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["message", "list_tools", "tool_call"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
@@ -76,7 +68,6 @@ class EchoObservation(_message.Message):
     MESSAGE_LENGTH_FIELD_NUMBER: _builtins.int
     TOOLS_FIELD_NUMBER: _builtins.int
     TOOL_RESULT_FIELD_NUMBER: _builtins.int
-    ROWS_FIELD_NUMBER: _builtins.int
     echoed_message: _builtins.str
     """The message of the last action; after a reset, the reset greeting."""
     message_length: _builtins.int
@@ -89,12 +80,6 @@ class EchoObservation(_message.Message):
     def tool_result(self) -> _tools_pb2.ToolResult:
         """The result of the last action's tool call, if it was one."""
 
-    @_builtins.property
-    def rows(self) -> _containers.RepeatedCompositeFieldContainer[Global___EchoObservation]:
-        """Batch form (EchoBatchEnvironment's native batch): one observation per row, in the
-        answer's row order; the fields above are then unused.
-        """
-
     def __init__(
         self,
         *,
@@ -102,11 +87,10 @@ class EchoObservation(_message.Message):
         message_length: _builtins.int = ...,
         tools: _tools_pb2.ToolList | None = ...,
         tool_result: _tools_pb2.ToolResult | None = ...,
-        rows: _abc.Iterable[Global___EchoObservation] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["tool_result", b"tool_result", "tools", b"tools"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["echoed_message", b"echoed_message", "message_length", b"message_length", "rows", b"rows", "tool_result", b"tool_result", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["echoed_message", b"echoed_message", "message_length", b"message_length", "tool_result", b"tool_result", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
