@@ -288,9 +288,20 @@ class RayProvider(FleetProvider):
         import ray
 
         actor = self._actors[index]
+        old_pid = self.servers[index]["pid"]
         ray.get(actor.stop.remote(self.stop_timeout), timeout=self.stop_timeout + 30)
         ray.kill(actor, no_restart=False)
-        self.refresh()
+        # ray.kill returns before the actor is gone: until then `where` still answers the
+        # old server's (stopped) address. Ask until the restarted actor answers.
+        deadline = time.monotonic() + self.start_timeout
+        while True:
+            with contextlib.suppress(ray.exceptions.RayActorError):
+                left = max(1.0, deadline - time.monotonic())
+                if self.refresh(timeout=left)[index]["pid"] != old_pid:
+                    break
+            if time.monotonic() > deadline:
+                raise ProviderError(f"server {index} was not started again after its drain")
+            time.sleep(0.1)
         wait_serving(
             self.servers[index]["target"], self.health_service, self.start_timeout,
             credentials=self.credentials,
