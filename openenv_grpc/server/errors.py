@@ -18,6 +18,7 @@ from openenv_grpc.environment import InvalidAction
 __all__ = [
     "CODE_NAMES",
     "BadTransition",
+    "EnvExit",
     "RequestError",
     "RowError",
     "describe",
@@ -63,6 +64,17 @@ class BadTransition(Exception):
     """An env returned something else than its declared types (reported as INTERNAL)."""
 
 
+class EnvExit(Exception):
+    """Env code raised a ``BaseException`` that is no ``Exception`` (``SystemExit``,
+    ``KeyboardInterrupt``, ``GeneratorExit``, a class of its own). Left alone it would end
+    the server's event loop; raised by env code it is the env's failure, so the runner
+    carries it as this (INTERNAL), named as the env raised it (:func:`describe`)."""
+
+    def __init__(self, original: BaseException) -> None:
+        super().__init__(f"{type(original).__name__}: {original}")
+        self.original = original
+
+
 def row_error(exc: BaseException, what: str) -> RowError:
     """The error of one env whose ``what`` (reset, step, state, snapshot, restore) raised
     ``exc``; logged unless it is an :class:`InvalidAction` (a refusal, not a failure) or
@@ -80,11 +92,13 @@ def row_error(exc: BaseException, what: str) -> RowError:
 
 
 def describe(exc: BaseException) -> str:
-    """``"ValueError: bad seed"``."""
+    """``"ValueError: bad seed"`` (an :class:`EnvExit`: what the env raised)."""
+    if isinstance(exc, EnvExit):
+        exc = exc.original
     return f"{type(exc).__name__}: {exc}"
 
 
 def qualname(exc: BaseException) -> str:
     """The exception's class with its module, as ``Error.exception_type`` carries it."""
-    kind = type(exc)
+    kind = type(exc.original if isinstance(exc, EnvExit) else exc)
     return f"{kind.__module__}.{kind.__qualname__}"

@@ -24,14 +24,16 @@ import asyncio
 import concurrent.futures
 import contextlib
 import contextvars
+import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import Executor
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from openenv_grpc.environment import AnyEnvironment, Environment
 from openenv_grpc.server.env_threads import EnvCall, EnvThreadPool, Lifecycle
+from openenv_grpc.server.errors import EnvExit
 from openenv_grpc.server.placement import CallPlacement, CostGroup
 from openenv_grpc.server.spec import EnvSpec, ExecutionMode
 
@@ -52,6 +54,27 @@ class CreateTimeout(Exception):
 
 def _nothing() -> None:
     pass
+
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+
+def _contained(method: Callable[_P, Awaitable[_T]]) -> Callable[_P, Coroutine[Any, Any, _T]]:
+    """Env code's ``SystemExit``, ``KeyboardInterrupt`` (any ``BaseException`` that is no
+    ``Exception``) comes out of the runner as :class:`~openenv_grpc.server.errors.EnvExit`:
+    escaping a task, it would stop the server's event loop. Cancellation passes."""
+
+    @functools.wraps(method)
+    async def contained(*args: _P.args, **kwargs: _P.kwargs) -> _T:
+        try:
+            return await method(*args, **kwargs)
+        except (Exception, asyncio.CancelledError):
+            raise
+        except BaseException as exc:
+            raise EnvExit(exc) from exc
+
+    return contained
 
 
 class EnvRunner:
@@ -91,6 +114,7 @@ class EnvRunner:
         self._inflight: concurrent.futures.Future[Any] | None = None
 
     @classmethod
+    @_contained
     async def create(
         cls,
         spec: EnvSpec,
@@ -146,6 +170,7 @@ class EnvRunner:
             env, spec.mode, pool, lifecycle=lifecycle, release=release, placement=spec.placement
         )
 
+    @_contained
     async def call(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Call one of the env's methods and return its result (awaited if async).
 
@@ -179,6 +204,7 @@ class EnvRunner:
         name = getattr(method, "__name__", "call")
         return self._placement.group(cost_class, name)
 
+    @_contained
     async def call_within(
         self, timeout: float | None, method: Callable[..., Any], *args: Any, **kwargs: Any
     ) -> Any:
@@ -270,11 +296,14 @@ class EnvRunner:
     async def _aclose_then_release(self) -> None:
         try:
             await self.env.close()  # type: ignore[misc]
-        except Exception:
+        except asyncio.CancelledError:
+            raise
+        except BaseException:  # env code's SystemExit too: it is not the server's
             log.exception("closing an abandoned environment raised")
         finally:
             self._release()
 
+    @_contained
     async def close(self) -> None:
         """Close the env exactly once and free its slot; later calls do nothing.
 
@@ -434,5 +463,5 @@ def _submit_close(
 def _close_quietly(env: Any) -> None:
     try:
         env.close()
-    except Exception:
+    except BaseException:  # on a pool thread; env code's SystemExit included
         log.exception("closing an abandoned environment raised")

@@ -42,6 +42,7 @@ from openenv_grpc.server.backend import (
 from openenv_grpc.server.calls import LocalBatchCalls, local_calls
 from openenv_grpc.server.config import ServerConfig
 from openenv_grpc.server.env_process_pool import EnvProcessPool
+from openenv_grpc.server.errors import describe
 from openenv_grpc.server.limiter import Admission, SessionLimiter
 from openenv_grpc.server.logs import SESSION_ID
 from openenv_grpc.server.metrics import Metrics, MetricsTee
@@ -342,7 +343,7 @@ class SessionManager:
                 held.reason = "factory_error"
                 log.exception("environment factory raised")
                 # A worker process reports the factory's exception as text already.
-                detail = str(exc) if isinstance(exc, EnvFactoryError) else _describe(exc)
+                detail = str(exc) if isinstance(exc, EnvFactoryError) else describe(exc)
                 await context.abort(
                     grpc.StatusCode.INTERNAL, f"could not create the environment: {detail}"
                 )
@@ -793,7 +794,3 @@ async def _write_quietly(context: _Context, message: bytes) -> None:
     """Write ``message`` on a stream that may end meanwhile (then it is simply not sent)."""
     with contextlib.suppress(Exception):
         await context.write(message)
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"

@@ -18,6 +18,9 @@ options of the env's last reset by the client, and a fresh episode id.
 
 An env's exception becomes an error for its index only (``InvalidAction``:
 INVALID_ARGUMENT, the episode unchanged; anything else: INTERNAL); its neighbours answer.
+That includes what is no ``Exception``: a ``SystemExit`` or ``KeyboardInterrupt`` raised
+by env code is that env's failure, never the server's (a real Ctrl-C reaches the server
+as a signal, see app.py), so the loops catch ``BaseException`` around env code.
 
 Snapshots go per index too: ``snapshot(indices)`` returns each env's own bytes (the
 driver seals them with the bookkeeping, as for one env), ``restore(indices, states,
@@ -35,7 +38,7 @@ import dataclasses
 import functools
 import logging
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, cast
 
@@ -49,7 +52,7 @@ from openenv_grpc.environment import (
     Environment,
     Transition,
 )
-from openenv_grpc.server.errors import BadTransition, RowError, row_error
+from openenv_grpc.server.errors import BadTransition, EnvExit, RowError, row_error
 from openenv_grpc.server.placement import CallPlacement
 from openenv_grpc.server.spec import EnvSpec
 
@@ -231,7 +234,7 @@ class _Instances(VectorBatch):
         returned or raised)."""
         try:
             first = self._checked(_result(answer))
-        except Exception as exc:
+        except BaseException as exc:
             out.errors[index] = row_error(exc, "reset")
             return
         self._pending[index] = False
@@ -257,7 +260,7 @@ class LoopBatch(_Instances):
         ):
             try:
                 first: Any = envs[index].reset(seed=seed, episode_id=episode_id, options=option)
-            except Exception as exc:
+            except BaseException as exc:
                 first = exc
             self._reset_row(out, index, option, first)
         return out
@@ -304,7 +307,7 @@ class LoopBatch(_Instances):
                     else:
                         add(out, index, transition)
                     continue
-            except Exception as exc:
+            except BaseException as exc:
                 out.errors[index] = row_error(exc, "step")
                 continue
             rows(index)
@@ -320,7 +323,7 @@ class LoopBatch(_Instances):
         for index in indices:
             try:
                 state: Any = envs[index].state()
-            except Exception as exc:
+            except BaseException as exc:
                 state = exc
             _state_row(out, index, state, self._state)
         return out
@@ -367,7 +370,7 @@ class AsyncLoopBatch(_Instances):
                 indices, seeds, episode_ids, options, strict=True
             )
         ]
-        answers = await asyncio.gather(*calls, return_exceptions=True)
+        answers = await _gather(calls)
         out = BatchOutcome()
         for index, option, answer in zip(indices, options, answers, strict=True):
             self._reset_row(out, index, option, answer)
@@ -376,18 +379,14 @@ class AsyncLoopBatch(_Instances):
     async def step(
         self, indices: Sequence[int], actions: Sequence[Message], batch_form: bool = False
     ) -> BatchOutcome:
-        answers = await asyncio.gather(
-            *(
-                self._one_step(index, action)
-                for index, action in zip(indices, actions, strict=True)
-            ),
-            return_exceptions=True,
+        answers = await _gather(
+            self._one_step(index, action) for index, action in zip(indices, actions, strict=True)
         )
         out = BatchOutcome()
         for index, answer in zip(indices, answers, strict=True):
             try:
                 kind, transition, first, episode_id = _result(answer)
-            except Exception as exc:
+            except BaseException as exc:
                 out.errors[index] = row_error(exc, "step")
                 continue
             if kind == "same_step":
@@ -418,9 +417,7 @@ class AsyncLoopBatch(_Instances):
 
     async def state(self, indices: Sequence[int]) -> BatchStates:
         envs = self._envs
-        answers = await asyncio.gather(
-            *(envs[index].state() for index in indices), return_exceptions=True
-        )
+        answers = await _gather(envs[index].state() for index in indices)
         out = BatchStates()
         for index, answer in zip(indices, answers, strict=True):
             _state_row(out, index, answer, self._state)
@@ -428,9 +425,7 @@ class AsyncLoopBatch(_Instances):
 
     async def snapshot(self, indices: Sequence[int]) -> BatchStates:
         envs = self._envs
-        answers = await asyncio.gather(
-            *(envs[index].snapshot() for index in indices), return_exceptions=True
-        )
+        answers = await _gather(envs[index].snapshot() for index in indices)
         out = BatchStates()
         for index, answer in zip(indices, answers, strict=True):
             _snapshot_row(out, index, answer)
@@ -440,15 +435,14 @@ class AsyncLoopBatch(_Instances):
         self, indices: Sequence[int], states: Sequence[bytes], ended: Sequence[bool]
     ) -> dict[int, RowError]:
         envs = self._envs
-        answers = await asyncio.gather(
-            *(envs[index].restore(state) for index, state in zip(indices, states, strict=True)),
-            return_exceptions=True,
+        answers = await _gather(
+            envs[index].restore(state) for index, state in zip(indices, states, strict=True)
         )
         errors: dict[int, RowError] = {}
         for index, answer, over in zip(indices, answers, ended, strict=True):
             try:
                 _result(answer)
-            except Exception as exc:
+            except BaseException as exc:
                 errors[index] = row_error(exc, "restore")
                 continue
             self._restored(index, over)
@@ -460,7 +454,9 @@ class AsyncLoopBatch(_Instances):
         for env in self._envs:
             try:
                 await env.close()
-            except Exception as exc:
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:  # env code's SystemExit too (errors.ENV_FAULT)
                 log.exception("environment close() raised")
                 first = first or exc
         if first is not None:
@@ -504,7 +500,7 @@ class NativeBatch(VectorBatch):
         for index in indices:
             try:
                 state: Any = self._batch.state(index)
-            except Exception as exc:
+            except BaseException as exc:
                 state = exc
             _state_row(out, index, state, self._state)
         return out
@@ -651,7 +647,7 @@ def _state_row(out: BatchStates, index: int, answer: Any, expected: type[Message
     """One env's state, or its error (``answer`` is what its state() returned or raised)."""
     try:
         state = _result(answer)
-    except Exception as exc:
+    except BaseException as exc:
         out.errors[index] = row_error(exc, "state")
         return
     if not isinstance(state, expected):
@@ -667,7 +663,7 @@ def _snapshots(indices: Sequence[int], take: Callable[[int], Any]) -> BatchState
     for index in indices:
         try:
             data: Any = take(index)
-        except Exception as exc:
+        except BaseException as exc:
             data = exc
         _snapshot_row(out, index, data)
     return out
@@ -684,7 +680,7 @@ def _restores(
     for index, state, over in zip(indices, states, ended, strict=True):
         try:
             put(index, state, over)
-        except Exception as exc:
+        except BaseException as exc:
             errors[index] = row_error(exc, "restore")
     return errors
 
@@ -694,7 +690,7 @@ def _snapshot_row(out: BatchStates, index: int, answer: Any) -> None:
     or raised)."""
     try:
         data = _result(answer)
-    except Exception as exc:
+    except BaseException as exc:
         out.errors[index] = row_error(exc, "snapshot")
         return
     if not isinstance(data, bytes | bytearray):
@@ -706,6 +702,23 @@ def _snapshot_row(out: BatchStates, index: int, answer: Any) -> None:
         return
     out.rows.append(index)
     out.states.append(bytes(data))
+
+
+async def _gather(calls: Iterable[Awaitable[Any]]) -> list[Any]:
+    """Each env's call awaited at once: what each returned or raised, in order."""
+    return await asyncio.gather(*map(_kept, calls), return_exceptions=True)
+
+
+async def _kept(call: Awaitable[Any]) -> Any:
+    """Await one env's call inside its own task: asyncio re-raises a ``SystemExit`` or
+    ``KeyboardInterrupt`` that leaves a task out of the event loop, so env code's is
+    turned into an :class:`~openenv_grpc.server.errors.EnvExit` here, before it can."""
+    try:
+        return await call
+    except (Exception, asyncio.CancelledError):
+        raise
+    except BaseException as exc:
+        raise EnvExit(exc) from exc
 
 
 def _result(answer: Any) -> Any:
@@ -735,7 +748,7 @@ def _close_all(envs: Sequence[Any], *, reraise: bool = False) -> None:
     for env in envs:
         try:
             env.close()
-        except Exception as exc:
+        except BaseException as exc:
             log.exception("environment close() raised")
             first = first or exc
     if reraise and first is not None:

@@ -1,0 +1,181 @@
+"""Env code that raises what is no ``Exception`` -- ``SystemExit``, ``KeyboardInterrupt``,
+a ``BaseException`` of its own -- fails that env's call, never the server: the caller gets
+INTERNAL naming what was raised, the session (or the vector's other envs) go on, the
+server keeps serving, and no env or slot leaks. In process (inline, pooled, async envs)
+and ``--isolated``; from step, reset, close and the factory."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from openenv_grpc import EnvError, SessionRefused, VectorSession
+from openenv_grpc.testing import ServerProcess
+from openenv_grpc_envs.echo import EchoAction, EchoEnv
+
+pytestmark = pytest.mark.timeout(60)
+
+KINDS = {
+    "sysexit": ("SystemExit: 4", "builtins.SystemExit"),
+    "kbi": ("KeyboardInterrupt: env code, not a signal", "builtins.KeyboardInterrupt"),
+    "base": ("Custom: an env's own BaseException", "support.exiting_envs.Custom"),
+}
+SEEDS = {"sysexit": 1, "kbi": 2, "base": 3}
+TESTS = Path(__file__).resolve().parent
+
+
+class LedgerServer(ServerProcess):
+    """A server whose envs record their creation and close in ``ledger``."""
+
+    def __init__(self, env: str, args: list[str], extra: dict[str, str], ledger: Path) -> None:
+        self.ledger = ledger
+        super().__init__(
+            env, args, {"OPENENV_TEST_LEDGER": str(ledger), **extra}, pythonpath=[TESTS]
+        )
+
+    def open_envs(self) -> int:
+        return len(list(self.ledger.glob("*.open")))
+
+
+MODES = {
+    "inline": ("support.exiting_envs:InlineExitEnv", []),
+    "pooled": ("support.exiting_envs:PooledExitEnv", []),
+    "async": ("support.exiting_envs:AsyncExitEnv", []),
+    "isolated": ("support.exiting_envs:PooledExitEnv", ["--isolated", "1"]),
+}
+
+
+@pytest.fixture(scope="module", params=list(MODES))
+def server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LedgerServer]:
+    env, args = MODES[request.param]
+    ledger: Path = tmp_path_factory.mktemp(f"ledger-{request.param}")
+    started = LedgerServer(env, args, {}, ledger)
+    yield started
+    started.stop()
+
+
+def _serving(server: LedgerServer) -> None:
+    """The server still answers health and opens a session whose env works."""
+    assert server.proc.poll() is None, server.stderr()
+    assert server.health() == health_pb2.HealthCheckResponse.SERVING
+    with EchoEnv(server.target) as env:
+        env.reset()
+        assert env.step(EchoAction(message="still here")).observation.echoed_message == (
+            "still here"
+        )
+
+
+def _settled(server: LedgerServer) -> None:
+    """Every env made was closed once and no slot is held."""
+    server.wait_until(
+        lambda: server.active() == 0 and server.open_envs() == 0, timeout=15, what="envs closed"
+    )
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_step_that_raises_it_fails_that_step_only(server: LedgerServer, kind: str) -> None:
+    message, exception_type = KINDS[kind]
+    with EchoEnv(server.target) as env:
+        env.reset()
+        with pytest.raises(EnvError) as failed:
+            env.step(EchoAction(message=kind))
+        assert failed.value.code is grpc.StatusCode.INTERNAL
+        assert failed.value.message == f"step failed: {message}"
+        assert failed.value.exception_type == exception_type
+        # The episode failed; a reset starts a new one on the same session.
+        with pytest.raises(EnvError) as after:
+            env.step(EchoAction(message="hello"))
+        assert after.value.code is grpc.StatusCode.FAILED_PRECONDITION
+        env.reset()
+        assert env.step(EchoAction(message="hello")).observation.echoed_message == "hello"
+    _serving(server)
+    _settled(server)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_reset_that_raises_it_fails_that_reset_only(server: LedgerServer, kind: str) -> None:
+    message, exception_type = KINDS[kind]
+    with EchoEnv(server.target) as env:
+        with pytest.raises(EnvError) as failed:
+            env.reset(seed=SEEDS[kind])
+        assert failed.value.code is grpc.StatusCode.INTERNAL
+        assert failed.value.message == f"reset failed: {message}"
+        assert failed.value.exception_type == exception_type
+        env.reset()
+        assert env.step(EchoAction(message="again")).observation.echoed_message == "again"
+    _serving(server)
+    _settled(server)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_vector_envs_raise_fails_its_row_and_its_neighbours_answer(
+    server: LedgerServer, kind: str
+) -> None:
+    message, exception_type = KINDS[kind]
+    with VectorSession(server.target, 4) as envs:
+        envs.reset()
+        actions = [EchoAction(message=m) for m in ("a", kind, "c", "d")]
+        outcome = envs.step(actions)
+        assert list(outcome.indices) == [0, 2, 3]
+        assert [o.echoed_message for o in outcome.observations] == ["a", "c", "d"]
+        error = outcome.errors[1]
+        assert error.code is grpc.StatusCode.INTERNAL
+        assert error.message == f"step failed: {message}"
+        assert error.exception_type == exception_type
+        # The neighbours' episodes go on; the failed env takes a reset.
+        again = envs.step([EchoAction(message="e")] * 3, indices=[0, 2, 3])
+        assert list(again.indices) == [0, 2, 3] and not again.errors
+        envs.reset(indices=[1])
+        assert list(envs.step([EchoAction(message="f")], indices=[1]).indices) == [1]
+    _serving(server)
+    _settled(server)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_close_that_raises_it_is_answered_and_the_env_is_gone(
+    server: LedgerServer, kind: str
+) -> None:
+    message, exception_type = KINDS[kind]
+    env = EchoEnv(server.target)
+    env.open()
+    env.reset()
+    env.step(EchoAction(message=f"close:{kind}"))
+    with pytest.raises(EnvError) as failed:
+        env.close()
+    assert failed.value.code is grpc.StatusCode.INTERNAL
+    assert failed.value.message == f"close failed: {message}"
+    assert failed.value.exception_type == exception_type
+    _serving(server)
+    _settled(server)
+
+
+@pytest.mark.parametrize("mode", ["inline", "async", "isolated"])
+def test_a_factory_that_raises_it_refuses_the_open_and_frees_the_slot(
+    tmp_path: Path, mode: str
+) -> None:
+    env, args = MODES[mode]
+    # The first env of each process is made; every later one raises SystemExit.
+    server = LedgerServer(
+        env, [*args, "--max-concurrent-envs", "1"], {"FACTORY_EXIT": "sysexit"}, tmp_path
+    )
+    try:
+        first = EchoEnv(server.target)
+        first.open()
+        first.close()
+        for _ in range(2):  # the slot is given back each time: the second open is refused too
+            with pytest.raises(SessionRefused) as failed, EchoEnv(server.target):
+                pass
+            assert failed.value.code is grpc.StatusCode.INTERNAL
+            assert "could not create the environment" in failed.value.message
+            assert "SystemExit: 4" in failed.value.message
+        assert server.proc.poll() is None, server.stderr()
+        assert server.health() == health_pb2.HealthCheckResponse.SERVING
+        _settled(server)
+    finally:
+        server.stop()
