@@ -16,7 +16,10 @@ When an env process dies (a crash, or killed past the step timeout), only the en
 block are lost: the call that saw it answers UNAVAILABLE (DEADLINE_EXCEEDED when this
 call's own block hung) for each of those indices, a fresh sub-batch replaces the block on
 a live process (reset those envs to go on), and the other blocks' results come as usual.
-If no fresh sub-batch can be made, the stream ends (UNAVAILABLE).
+The block's envs that call did not name are fresh ones too: each is answered the same
+error by the next step, state or snapshot that names it (never run on an env that was not
+reset), until a reset or a restore gives it an episode again. If no fresh sub-batch can be
+made, the stream ends (UNAVAILABLE).
 
 A Session is the same path with one block of one env (``session=True``) and a Session's
 promises: its own call past the step timeout is refused DEADLINE_EXCEEDED and a fresh env
@@ -65,6 +68,7 @@ log = logging.getLogger(__name__)
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 _DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
 _INTERNAL = grpc.StatusCode.INTERNAL.value[0]
+_FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION.value[0]
 
 
 @dataclass(slots=True)
@@ -88,7 +92,7 @@ _Part = tuple[_Block, list[int], list[int]]
 class SpreadBatchCalls:
     """A stream's envs as blocks in the env processes (``BatchCalls``)."""
 
-    __slots__ = ("_autoreset", "_blocks", "_native", "_pool", "_session", "_starts")
+    __slots__ = ("_autoreset", "_blocks", "_lost", "_native", "_pool", "_session", "_starts")
 
     def __init__(
         self,
@@ -104,6 +108,9 @@ class SpreadBatchCalls:
         self._autoreset = autoreset
         self._native = native
         self._session = session
+        #: Envs of a lost block that the call which lost it did not name: their error,
+        #: until a reset or a restore names them (see the module's docstring).
+        self._lost: dict[int, RowError] = {}
 
     @classmethod
     async def open(
@@ -173,6 +180,7 @@ class SpreadBatchCalls:
                 block.rebuilding = None
 
     async def reset(self, args: ResetArgs) -> BatchOutcome:
+        self._found(args.indices)
         seeds, ids, options = args.seeds, args.episode_ids, args.wire_options
 
         def frame(positions: list[int], local: list[int]) -> bytes:
@@ -185,6 +193,9 @@ class SpreadBatchCalls:
 
     async def step(self, args: StepArgs) -> BatchOutcome:
         wire = args.wire
+
+        if args.batch_form and self._lost:
+            self._refuse_lost_batch(args.indices)
 
         def frame(positions: list[int], local: list[int]) -> bytes:
             if args.batch_form:  # one block: a native batch is never spread
@@ -206,6 +217,7 @@ class SpreadBatchCalls:
         )  # fmt: skip
 
     async def restore(self, args: RestoreArgs) -> dict[int, RowError]:
+        self._found(args.indices)  # a restore gives a fresh env an episode, as a reset does
         captured = args.captured
 
         def frame(positions: list[int], local: list[int]) -> bytes:
@@ -218,7 +230,7 @@ class SpreadBatchCalls:
         errors: dict[int, RowError] = {}
         for part, (status, payload) in zip(parts, answers, strict=True):
             if status is None:  # the block was lost: its envs are fresh ones now
-                errors.update(self._lost(part, args.indices, payload))
+                errors.update(self._lost_rows(part, args.indices, payload))
                 continue
             response = pb.VectorSessionResponse.FromString(payload)
             if status != Status.ANSWER:
@@ -235,12 +247,12 @@ class SpreadBatchCalls:
     ) -> BatchStates:
         """A state or snapshot call: each block's part (``frame(local indices)``),
         together, the answers (``read(response, block start)``) in index order."""
-        parts = self._split(indices)
-        answers = await asyncio.gather(*(self._call(what, part, frame(part[2])) for part in parts))
         out = BatchStates()
+        parts = self._split(indices, out.errors)
+        answers = await asyncio.gather(*(self._call(what, part, frame(part[2])) for part in parts))
         for part, (status, payload) in zip(parts, answers, strict=True):
             if status is None:  # the block was lost: its envs are fresh ones now
-                out.errors.update(self._lost(part, indices, payload))
+                out.errors.update(self._lost_rows(part, indices, payload))
                 continue
             response = pb.VectorSessionResponse.FromString(payload)
             if status != Status.ANSWER:
@@ -311,14 +323,14 @@ class SpreadBatchCalls:
     async def _outcomes(self, what: str, indices: Sequence[int], frame: Any) -> BatchOutcome:
         """Send each block its part (``frame(positions, local indices)``), together, and
         gather the answers in index order."""
-        parts = self._split(indices)
+        out = BatchOutcome()
+        parts = self._split(indices, out.errors)
         answers = await asyncio.gather(
             *(self._call(what, part, frame(part[1], part[2])) for part in parts)
         )
-        out = BatchOutcome()
         for part, (status, payload) in zip(parts, answers, strict=True):
             if status is None:
-                out.errors.update(self._lost(part, indices, payload))
+                out.errors.update(self._lost_rows(part, indices, payload))
                 continue
             response = pb.VectorSessionResponse.FromString(payload)
             if status != Status.ANSWER:
@@ -332,12 +344,19 @@ class SpreadBatchCalls:
             _merge(out, read_outcome(response.result, part[0].start))
         return out
 
-    def _split(self, indices: Sequence[int]) -> list[_Part]:
-        """The call's indices, block by block (only blocks with envs in the call)."""
+    def _split(
+        self, indices: Sequence[int], lost: dict[int, RowError] | None = None
+    ) -> list[_Part]:
+        """The call's indices, block by block (only blocks with envs in the call); with
+        ``lost``, the envs of a lost block not reset since are left out, their errors put
+        there."""
         parts: list[_Part] = []
         starts, blocks = self._starts, self._blocks
         current: _Part | None = None
         for position, index in enumerate(indices):
+            if lost is not None and self._lost and index in self._lost:
+                lost[index] = self._lost[index]
+                continue
             block = blocks[bisect.bisect_right(starts, index) - 1]
             if current is None or current[0] is not block:
                 current = (block, [], [])
@@ -380,6 +399,16 @@ class SpreadBatchCalls:
             return None, RowError(code, message)
         # Answered now, not once the fresh block is made: with the process killed past
         # the step timeout, its replacement may take seconds to start.
+        # Its other envs are fresh ones too; they learn it when next named.
+        named = {block.start + local for local in part[2]}
+        gone = RowError(
+            _UNAVAILABLE,
+            f"its env process was lost during a {what} of other envs ({why}); a fresh "
+            "environment took this one's place: reset it",
+        )
+        for index in range(block.start, block.start + block.size):
+            if index not in named:
+                self._lost[index] = gone
         block.worker.envs.pop(block.env_id, None)
         block.rebuilding = asyncio.get_running_loop().create_task(self._rebuild(block))
         if self._session:
@@ -418,8 +447,29 @@ class SpreadBatchCalls:
             block.start, block.start + block.size - 1, worker.process.pid,
         )  # fmt: skip
 
+    def _found(self, indices: Sequence[int]) -> None:
+        """A reset or restore names these envs: none of them is lost any more."""
+        if self._lost:
+            for index in indices:
+                self._lost.pop(index, None)
+
+    def _refuse_lost_batch(self, indices: Sequence[int]) -> None:
+        """A batch-form step steps every env it names or none.
+
+        Raises:
+            BatchRefused: FAILED_PRECONDITION, some of ``indices`` are lost envs.
+        """
+        lost = [index for index in indices if index in self._lost]
+        if lost:
+            named = ", ".join(map(str, lost[:8])) + (" ..." if len(lost) > 8 else "")
+            raise BatchRefused(
+                _FAILED_PRECONDITION,
+                f"envs {named} are fresh ones since their env process was lost: reset them "
+                "(a batch_action steps every env it names; nothing was done)",
+            )
+
     @staticmethod
-    def _lost(part: _Part, indices: Sequence[int], error: RowError) -> dict[int, RowError]:
+    def _lost_rows(part: _Part, indices: Sequence[int], error: RowError) -> dict[int, RowError]:
         return {indices[k]: error for k in part[1]}
 
 

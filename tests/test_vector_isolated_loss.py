@@ -1,0 +1,82 @@
+"""``--isolated``: when a call loses an env process, the envs of its block that the call
+did not name are fresh ones too. Each is told so (UNAVAILABLE, "reset it") by the next
+step, state or snapshot that names it -- never stepped unreset as if its episode went on
+-- until a reset or a restore gives it an episode again."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import grpc
+import pytest
+
+from openenv_grpc import VectorSession
+from openenv_grpc_envs.echo import EchoAction, EchoVectorEnv
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _say(*messages: str) -> list[EchoAction]:
+    return [EchoAction(message=m) for m in messages]
+
+
+def _pids(outcome) -> list[int]:  # type: ignore[no-untyped-def]
+    return [int(o.echoed_message) for o in outcome.observations]
+
+
+def test_the_unnamed_envs_of_a_lost_block_say_so_until_reset(start_server) -> None:
+    server = start_server("support.envs:FaultyEnv", "--isolated", "2")
+    with VectorSession(server.target, 4) as envs:
+        envs.reset()
+        before = _pids(envs.step(_say("pid", "pid", "pid", "pid")))
+        assert before[0] == before[1] != before[2] == before[3]  # blocks [0, 1] and [2, 3]
+        # A step of env 0 alone kills the process that holds envs 0 and 1.
+        out = envs.step(_say("exit"), indices=[0])
+        assert out.indices == [] and out.errors[0].code is grpc.StatusCode.UNAVAILABLE
+        # Env 1 was not named, but its env is a fresh one: a step says so, not an echo.
+        out = envs.step(_say("b", "c", "d"), indices=[1, 2, 3])
+        assert out.indices == [2, 3] and out.step_counts == [2, 2]
+        error = out.errors[1]
+        assert error.code is grpc.StatusCode.UNAVAILABLE
+        assert error.message.startswith("its env process was lost during a step of other envs")
+        assert error.message.endswith("a fresh environment took this one's place: reset it")
+        # Told once: from now on it is an env with no episode, as env 0 is.
+        again = envs.step(_say("b"), indices=[1])
+        assert again.errors[1].code is grpc.StatusCode.FAILED_PRECONDITION
+        envs.reset(indices=[0, 1])
+        after = _pids(envs.step(_say("pid", "pid", "pid", "pid")))
+        assert after[0] == after[1] != before[0] and after[2:] == before[2:]
+        assert envs.step_counts == [1, 1, 3, 3]
+    # Six envs were made; the two of the killed process died with it, the rest closed.
+    server.wait_until(lambda: server.active() == 0 and server.closed_envs() == 4)
+    assert server.created() == 6
+
+
+def test_a_state_or_snapshot_of_an_unnamed_lost_env_says_so(start_server) -> None:
+    server = start_server("support.envs:FaultyEnv", "--isolated", "2")
+    with VectorSession(server.target, 4) as envs:
+        envs.reset()
+        envs.step(_say("exit"), indices=[2])  # envs 2 and 3 live in the process it kills
+        with pytest.raises(Exception) as failed:
+            envs.states(indices=[3])
+        assert "reset it" in str(failed.value)
+        # Told once; the other block's envs were never touched.
+        assert envs.step(_say("a", "b"), indices=[0, 1]).step_counts == [1, 1]
+        envs.reset(indices=[2, 3])
+        assert envs.step(_say("c", "d"), indices=[2, 3]).step_counts == [1, 1]
+    server.wait_until(lambda: server.active() == 0)
+
+
+def test_a_restore_gives_a_lost_env_its_episode_back(start_server) -> None:
+    server = start_server("support.envs:SnapshotEchoEnv", "--isolated", "2")
+    with EchoVectorEnv(server.target, 4) as envs:
+        envs.reset(seeds=1)
+        pids = _pids(envs.step(_say("pid", "pid", "pid", "pid")))
+        snapshot = envs.snapshot(indices=[1])[0]
+        os.kill(pids[0], signal.SIGKILL)  # the process of envs 0 and 1
+        out = envs.step(_say("a"), indices=[0])
+        assert out.errors[0].code is grpc.StatusCode.UNAVAILABLE
+        envs.restore([snapshot], indices=[1])  # env 1 was lost unnamed: a restore revives it
+        assert envs.step(_say("b"), indices=[1]).step_counts == [2]
+    server.wait_until(lambda: server.active() == 0)
