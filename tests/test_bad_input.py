@@ -679,7 +679,7 @@ def test_vector_open_headers_are_strict(server, metadata, message: str) -> None:
 def test_n_in_other_scripts_digits_is_not_a_number() -> None:
     """A client library refuses to send non-ASCII metadata, but a raw HTTP/2 peer can:
     str.isdecimal() took fullwidth and Arabic-Indic digits as N."""
-    from openenv_grpc.server.vector_session import read_open
+    from openenv_grpc.server.service import read_open
 
     for text in ("\uff18", "\u0668", b"\xef\xbc\x98"):
         with pytest.raises(ValueError, match="must be a whole number of envs"):

@@ -37,7 +37,6 @@ from openenv_grpc.server.session import SessionManager
 from openenv_grpc.server.snapshots import KeyRing, SnapshotSeal
 from openenv_grpc.server.spec import EnvSpec
 from openenv_grpc.server.tls import server_credentials
-from openenv_grpc.server.vector_session import VectorSessions
 from openenv_grpc.server.workers import serve_workers
 
 __all__ = ["EnvServer", "serve"]
@@ -182,12 +181,11 @@ class EnvServer:
             self._processes.start()
         self._sessions = SessionManager(
             self.spec, self.config, self._pool, limiter,
-            activity=Activity(), prometheus=prometheus, processes=self._processes,
-            lifecycle=self._lifecycle, snapshots=self.snapshots,
+            activity=Activity(), prometheus=prometheus, lifecycle=self._lifecycle,
+            snapshots=self.snapshots,
         )  # fmt: skip
         server = grpc.aio.server(options=grpc_options(self.config), interceptors=interceptors)
-        vectors = VectorSessions(self._sessions, self._processes)
-        add_env_service(EnvServicer(self._sessions, vectors), server)
+        add_env_service(EnvServicer(self._sessions, self._processes), server)
         self._health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(

@@ -1,31 +1,74 @@
-"""The EnvService servicer: wires the three RPCs to the session manager, the vector
-streams and the spec."""
+"""The EnvService: its three RPCs, and what each kind of stream opens.
+
+A ``Session`` stream opens one env; a ``VectorSession`` stream reads N
+(``openenv-num-envs``) and the autoreset mode (``openenv-autoreset``) from the call's
+metadata first, so a bad value is refused (INVALID_ARGUMENT) before any slot is taken or
+any env exists. Either is then handed to the session manager (``session.py``) as the
+sessions it holds -- one, or N admitted all or nothing -- with the same admission, idle
+timeout, drain notice and ending, every env closed and every slot freed once. What backs
+a stream's envs is decided here: a batch in this process (``calls.local_calls``: a
+Session's one plain instance, or a vector's native batch or loop), or, with
+``--isolated``, blocks in the env processes (``vector_spread.py``).
+"""
 
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
+import re
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
 
 import grpc
 
 from openenv_grpc._version import __version__
-from openenv_grpc.metadata import PROTOCOL, SERVICE_NAME
-from openenv_grpc.server.session import SessionManager
-from openenv_grpc.server.vector_session import AUTORESET_MODES, VectorSessions
+from openenv_grpc.environment import AutoresetMode
+from openenv_grpc.metadata import (
+    AUTORESET_KEY,
+    AUTORESET_VALUES,
+    BATCH_KEY,
+    NUM_ENVS_KEY,
+    PROTOCOL,
+    SERVICE_NAME,
+)
+from openenv_grpc.server.backend import SessionBackend
+from openenv_grpc.server.calls import BatchCalls
+from openenv_grpc.server.driver import Driver
+from openenv_grpc.server.env_process_pool import EnvProcessPool
+from openenv_grpc.server.phases import SESSION_WORDS, VECTOR_WORDS
+from openenv_grpc.server.placement import CallPlacement, batch_threshold
+from openenv_grpc.server.session import Held, SessionManager
+from openenv_grpc.server.session_view import SessionView
+from openenv_grpc.server.vector_batch import natively_batched
+from openenv_grpc.server.vector_spread import SpreadBatchCalls
+from openenv_grpc.server.vector_view import VectorView
 from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
 
-__all__ = ["PROTOCOL", "SERVICE_NAME", "EnvServicer", "add_env_service"]
+__all__ = ["PROTOCOL", "SERVICE_NAME", "EnvServicer", "add_env_service", "read_open"]
+
+_Context = grpc.aio.ServicerContext[bytes, bytes]
+
+#: Vector sizes whose batch calls are measured apart (a measured env; more go to the pool).
+_MAX_PLACEMENTS = 64
 
 
 class EnvServicer(pb_grpc.EnvServiceServicer):
-    """Session streams go to the session manager, VectorSession streams to the vector
-    streams (which hand them to the same manager); Info is answered from the spec."""
+    """Opens Session and VectorSession streams and hands them to the session manager;
+    answers Info from the spec."""
 
-    def __init__(self, sessions: SessionManager, vectors: VectorSessions) -> None:
+    def __init__(self, sessions: SessionManager, processes: EnvProcessPool | None) -> None:
         self._sessions = sessions
-        self._vectors = vectors
+        #: The env processes (``--isolated``), or None: envs live in this process.
+        self._processes = processes
         spec = sessions.spec
+        config = sessions.config
+        #: The env may answer a vector stream as one native batch (Info says so).
+        self._native = natively_batched(spec.env_class)
+        self._max_envs = config.max_vector_envs
+        #: A measured env's batch calls, by N: measured apart from its single calls (a
+        #: batch call costs N of them), shared by the streams of one size.
+        self._placements: dict[int, CallPlacement] = {}
+        self._one_env = _SessionOpening(self)
         # Everything but the capacity is fixed: build it once, copy it per call.
         self._info = pb.InfoResponse(
             env_name=spec.name,
@@ -41,8 +84,8 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
             server_pid=os.getpid(),
             vector=pb.VectorSupport(
                 supported=True,
-                native_batch=vectors.native,
-                max_envs_per_stream=vectors.max_envs,
+                native_batch=self._native,
+                max_envs_per_stream=self._max_envs,
                 autoreset_modes=AUTORESET_MODES,
                 snapshots=True,
             ),
@@ -54,22 +97,26 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
             snapshots.max_bytes = seal.limit
             snapshots.signing_key_id = seal.keys.signing.id
             snapshots.ephemeral_key = seal.keys.ephemeral
-        self._workers = sessions.config.workers
+        self._workers = config.workers
 
     async def Session(  # type: ignore[override]
         self,
         request_iterator: AsyncIterator[bytes],
-        context: grpc.aio.ServicerContext[bytes, bytes],
+        context: _Context,
     ) -> None:
         # The manager reads with context.read(): cheaper than the async iterator.
-        await self._sessions.serve(context)
+        await self._sessions.run(context, self._one_env)
 
     async def VectorSession(  # type: ignore[override]
         self,
         request_iterator: AsyncIterator[bytes],
-        context: grpc.aio.ServicerContext[bytes, bytes],
+        context: _Context,
     ) -> None:
-        await self._vectors.serve(context)
+        try:
+            size, autoreset = read_open(context.invocation_metadata(), self._max_envs)
+        except ValueError as exc:
+            await self._sessions.limiter.refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        await self._sessions.run(context, _VectorOpening(self, size, autoreset))
 
     async def Info(
         self,
@@ -85,6 +132,170 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
         response.capacity.workers = self._workers
         self._sessions.activity.fill(response.activity, limiter)
         return response
+
+    # -- what backs a stream's envs -------------------------------------------------------
+
+    async def open_session(self, held: Held) -> SessionBackend:
+        """A fresh env for one Session: a block of one in an env process when isolated,
+        else a loop batch of one plain instance here."""
+        manager = self._sessions
+        if self._processes is not None:
+            spread = await SpreadBatchCalls.open(
+                self._processes, 1, AutoresetMode.DISABLED, False, session=True
+            )
+            return SessionView(manager.spec, spread, manager.snapshots)
+        # From here the runner frees the session's slot: when its env is closed, when the
+        # factory fails, or -- open cancelled -- once the factory returns and its env closes.
+        held.owns_slot = False
+        calls = await manager.local_calls(
+            1, AutoresetMode.DISABLED, manager.spec.placement, SESSION_WORDS, native=False
+        )
+        return SessionView(manager.spec, calls, manager.snapshots)
+
+    async def open_vector(self, held: Held, size: int, autoreset: AutoresetMode) -> VectorView:
+        """The envs of one VectorSession of ``size`` envs: its batch built here, or its
+        blocks spread over the env processes.
+
+        Raises:
+            Exception: what building the envs raised.
+        """
+        manager = self._sessions
+        calls: BatchCalls
+        if self._processes is not None:
+            calls = await SpreadBatchCalls.open(self._processes, size, autoreset, self._native)
+        else:
+            # As for a Session: from here the runner frees the stream's slots.
+            held.owns_slot = False
+            calls = await manager.local_calls(size, autoreset, self._placement(size), VECTOR_WORDS)
+        driver = Driver(
+            manager.spec, size, autoreset, calls, VECTOR_WORDS, manager.snapshots,
+            max_response=manager.config.max_message_bytes,
+        )  # fmt: skip
+        return VectorView(driver)
+
+    def _placement(self, size: int) -> CallPlacement | None:
+        """Where a measured env's batch calls of ``size`` envs run (None: the pool, also
+        beyond :data:`_MAX_PLACEMENTS` sizes; not a measured env: unused), against the
+        threshold of a batch of that size (``placement.batch_threshold``)."""
+        measured = self._sessions.spec.placement
+        if measured is None:
+            return None
+        found = self._placements.get(size)
+        if found is None and len(self._placements) < _MAX_PLACEMENTS:
+            name = f"{self._sessions.spec.name} (vector of {size})"
+            threshold = batch_threshold(measured.threshold, size)
+            found = self._placements[size] = CallPlacement(threshold, name)
+        return found
+
+
+class _SessionOpening:
+    """A Session stream, for :meth:`SessionManager.run`: one slot, one env."""
+
+    slots = 1
+    in_flight = 0
+    request_class = pb.SessionRequest
+    response_class = pb.SessionResponse
+
+    def __init__(self, service: EnvServicer) -> None:
+        self._service = service
+
+    async def open(self, held: Held) -> SessionBackend:
+        return await self._service.open_session(held)
+
+    def headers(self) -> tuple[tuple[str, str], ...]:
+        return ()
+
+
+class _VectorOpening:
+    """A VectorSession stream, for :meth:`SessionManager.run`: N slots, N envs."""
+
+    request_class = pb.VectorSessionRequest
+    response_class = pb.VectorSessionResponse
+
+    def __init__(self, service: EnvServicer, size: int, autoreset: AutoresetMode) -> None:
+        self._service = service
+        self.slots = size
+        #: Requests in flight at once on the stream (``--max-vector-in-flight``).
+        self.in_flight = service._sessions.config.max_vector_in_flight
+        self._autoreset = autoreset
+        self._view: VectorView | None = None
+
+    async def open(self, held: Held) -> SessionBackend:
+        self._view = await self._service.open_vector(held, self.slots, self._autoreset)
+        return self._view
+
+    def headers(self) -> tuple[tuple[str, str], ...]:
+        native = self._view is not None and self._view.native
+        return ((BATCH_KEY, "native" if native else "loop"),)
+
+
+# -- a VectorSession's open, from its metadata ----------------------------------------------
+
+_MODES = {
+    "next_step": AutoresetMode.NEXT_STEP,
+    "same_step": AutoresetMode.SAME_STEP,
+    "disabled": AutoresetMode.DISABLED,
+}
+
+#: The modes as Info lists them.
+AUTORESET_MODES = (
+    pb.AUTORESET_MODE_NEXT_STEP,
+    pb.AUTORESET_MODE_SAME_STEP,
+    pb.AUTORESET_MODE_DISABLED,
+)
+
+
+def read_open(metadata: Iterable[tuple[str, Any]] | None, most: int) -> tuple[int, AutoresetMode]:
+    """N and the autoreset mode of a VectorSession open, from its call metadata.
+
+    Raises:
+        ValueError: N is missing, given more than once, not plain decimal digits (no sign,
+            space or other characters), below 1 or above ``most``; or the mode is given
+            more than once or is not one of next_step, same_step, disabled.
+    """
+    raw = _one(metadata, NUM_ENVS_KEY)
+    if raw is None:
+        raise ValueError(f"a VectorSession needs the number of envs in the {NUM_ENVS_KEY} metadata")
+    if not _DIGITS.fullmatch(raw):
+        raise ValueError(f"{NUM_ENVS_KEY} must be a whole number of envs, got {raw[:32]!r}")
+    size = int(raw) if len(raw) <= _MAX_DIGITS else most + 1
+    if size < 1 or size > most:
+        shown = str(size) if len(raw) <= _MAX_DIGITS else f"{raw[:_MAX_DIGITS]}..."
+        raise ValueError(
+            f"{NUM_ENVS_KEY} is {shown}: a vector stream holds 1 to {most} envs on this server "
+            "(--max-vector-envs)"
+        )
+    mode_text = _one(metadata, AUTORESET_KEY)
+    if mode_text is None:
+        mode_text = "next_step"
+    if mode_text.lower() not in _MODES:
+        raise ValueError(
+            f"{AUTORESET_KEY} must be one of {', '.join(AUTORESET_VALUES)}, got {mode_text[:32]!r}"
+        )
+    return size, _MODES[mode_text.lower()]
+
+
+#: What N may look like: ASCII digits only (str.isdecimal would take " 8 " once stripped,
+#: and other scripts' digits).
+_DIGITS = re.compile(r"[0-9]+")
+#: Digits beyond this are refused as too many envs before int() sees them.
+_MAX_DIGITS = 10
+
+
+def _one(metadata: Iterable[tuple[str, Any]] | None, key: str) -> str | None:
+    """The one value of ``key`` in the call's metadata (None: absent).
+
+    Raises:
+        ValueError: ``key`` came more than once (which one would win is the proxy's or
+            the client library's choice, so none does).
+    """
+    values = [value for name, value in metadata or () if name == key]
+    if len(values) > 1:
+        raise ValueError(f"{key} was sent {len(values)} times: send it once")
+    if not values:
+        return None
+    value = values[0]
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
 def add_env_service(servicer: EnvServicer, server: grpc.aio.Server) -> None:

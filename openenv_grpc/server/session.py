@@ -1,5 +1,5 @@
 """The stream lifecycle: from admission to close, for a Session stream (one environment
-instance) and for a VectorSession stream (N of them, see ``vector_session.py``).
+instance) and for a VectorSession stream (N of them); what each opens is ``service.py``'s.
 
 Every path that ends a stream goes through :meth:`SessionManager.run`'s ``finally``:
 the client closes or cancels, its process dies, keepalive drops the connection, the idle
@@ -41,18 +41,15 @@ from openenv_grpc.server.backend import (
 )
 from openenv_grpc.server.calls import LocalBatchCalls, local_calls
 from openenv_grpc.server.config import ServerConfig
-from openenv_grpc.server.env_process_pool import EnvProcessPool
 from openenv_grpc.server.errors import describe
 from openenv_grpc.server.limiter import Admission, SessionLimiter
 from openenv_grpc.server.logs import SESSION_ID
 from openenv_grpc.server.metrics import Metrics, MetricsTee
-from openenv_grpc.server.phases import SESSION_WORDS, Words
+from openenv_grpc.server.phases import Words
 from openenv_grpc.server.placement import CallPlacement
 from openenv_grpc.server.runner import CreateTimeout
-from openenv_grpc.server.session_view import SessionView
 from openenv_grpc.server.snapshots import SnapshotSeal
 from openenv_grpc.server.spec import EnvSpec
-from openenv_grpc.server.vector_spread import SpreadBatchCalls
 from openenv_grpc.v1 import session_pb2 as pb
 
 __all__ = ["CLOSE_BUDGET", "Held", "SessionManager", "StreamOpening"]
@@ -177,24 +174,6 @@ class StreamOpening(Protocol):
         ...
 
 
-class _OneEnv:
-    """A Session stream: one slot, one env."""
-
-    slots = 1
-    in_flight = 0
-    request_class = pb.SessionRequest
-    response_class = pb.SessionResponse
-
-    def __init__(self, manager: SessionManager) -> None:
-        self._manager = manager
-
-    async def open(self, held: Held) -> SessionBackend:
-        return await self._manager._open_backend(held)
-
-    def headers(self) -> tuple[tuple[str, str], ...]:
-        return ()
-
-
 class SessionManager:
     """Admits, runs and ends every session of one server process."""
 
@@ -207,11 +186,9 @@ class SessionManager:
         *,
         activity: Activity | None = None,
         prometheus: Metrics | None = None,
-        processes: EnvProcessPool | None = None,
         lifecycle: Executor | None = None,
         snapshots: SnapshotSeal | None = None,
     ) -> None:
-        self._processes = processes
         #: Seals and opens this server's snapshots (None: the driver's default).
         self.snapshots = snapshots
         self.spec = spec
@@ -243,7 +220,6 @@ class SessionManager:
         #: Longest an env call may take; the server's setting wins over the env's own.
         self._call_timeout = config.call_timeout(spec.env_class.step_timeout)
         self._max_response = config.max_message_bytes
-        self._one_env = _OneEnv(self)
 
     @property
     def call_timeout(self) -> float | None:
@@ -284,25 +260,6 @@ class SessionManager:
             lifecycle=self._lifecycle, release=limiter.release,
             reserve=limiter.acquire_for_replacement,
         )  # fmt: skip
-
-    async def _open_backend(self, held: Held) -> SessionBackend:
-        """A fresh env for one session: in an env process when isolated, else here."""
-        if self._processes is not None:  # a block of one env on the spread path
-            spread = await SpreadBatchCalls.open(
-                self._processes, 1, AutoresetMode.DISABLED, False, session=True
-            )
-            return SessionView(self.spec, spread, self.snapshots)
-        # From here the runner frees the session's slot: when its env is closed, when the
-        # factory fails, or -- open cancelled -- once the factory returns and its env closes.
-        held.owns_slot = False
-        calls = await self.local_calls(
-            1, AutoresetMode.DISABLED, self.spec.placement, SESSION_WORDS, native=False
-        )
-        return SessionView(self.spec, calls, self.snapshots)
-
-    async def serve(self, context: _Context) -> None:
-        """Run one Session stream, given its RPC context, to its end."""
-        await self.run(context, self._one_env)
 
     async def run(self, context: _Context, opening: StreamOpening) -> None:
         """Run one stream of any kind, given its RPC context, to its end: admit its slots
