@@ -25,7 +25,7 @@ from openenv_grpc.server.errors import RowError, describe, qualname
 from openenv_grpc.server.limiter import NoSlot
 from openenv_grpc.server.phases import VECTOR_WORDS, Words
 from openenv_grpc.server.placement import CallPlacement
-from openenv_grpc.server.runner import EnvRunner, PoolSaturated
+from openenv_grpc.server.runner import CloseAbandoned, EnvRunner, PoolSaturated
 from openenv_grpc.server.snapshots import Captured
 from openenv_grpc.server.spec import EnvSpec
 from openenv_grpc.server.vector_batch import BatchOutcome, BatchStates, VectorBatch, batch_spec
@@ -177,6 +177,8 @@ class BatchCalls(Protocol):
 
         Raises:
             Exception: what an env's ``close`` raised (closed all the same).
+            BatchRefused: DEADLINE_EXCEEDED, the close ran past its timeout and was given
+                up on (the stream ends), wherever the envs live.
         """
         ...
 
@@ -257,7 +259,10 @@ class LocalBatchCalls:
         await self._runner.close_quietly()
 
     async def close_strictly(self) -> None:
-        await self._runner.close()
+        try:
+            await self._runner.close()
+        except CloseAbandoned as exc:  # answered as an isolated hung close is
+            raise BatchRefused(_DEADLINE_EXCEEDED, str(exc), ends=True) from None
 
     async def _call(self, what: str, envs: int, method: Any, *args: Any) -> Any:
         timeout = None if self._timeout is None else self._timeout * max(envs, 1)

@@ -37,7 +37,7 @@ from openenv_grpc.server.errors import EnvExit
 from openenv_grpc.server.placement import CallPlacement, CostGroup
 from openenv_grpc.server.spec import EnvSpec, ExecutionMode
 
-__all__ = ["CreateTimeout", "EnvRunner", "PoolSaturated", "RunnerFactory"]
+__all__ = ["CloseAbandoned", "CreateTimeout", "EnvRunner", "PoolSaturated", "RunnerFactory"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,11 @@ class PoolSaturated(Exception):
 class CreateTimeout(Exception):
     """The env's factory ran past the lifecycle timeout: the open fails; the env, if it is
     ever born, is closed then (its slot is held until then)."""
+
+
+class CloseAbandoned(Exception):
+    """The env's close ran past the lifecycle timeout and was given up on: the env is
+    gone for the session, and keeps its slot until its close returns."""
 
 
 def _nothing() -> None:
@@ -312,6 +317,7 @@ class EnvRunner:
 
         Raises:
             Exception: whatever the env's ``close`` raised (it still counts as closed).
+            CloseAbandoned: the close ran past the lifecycle timeout (pooled envs).
         """
         if self._closed:
             return
@@ -346,7 +352,10 @@ class EnvRunner:
             assert isinstance(lifecycle, Lifecycle) and isinstance(future, EnvCall)
             lifecycle.abandon_close(future)
             future.add_done_callback(lambda _: _release_from_thread(self._loop, self._release))
-            return
+            raise CloseAbandoned(
+                f"close did not finish within {timeout:g}s (--lifecycle-timeout); the "
+                "environment was abandoned and its slot is freed when its close returns"
+            )
         try:
             waiter.result()
         finally:
@@ -357,7 +366,7 @@ class EnvRunner:
         skip it), logging what the env's ``close`` raised instead of raising it."""
         try:
             await asyncio.shield(self.close())
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, CloseAbandoned):  # (the lifecycle logged it)
             pass
         except Exception:
             log.exception("environment close() raised; its session ended anyway")
