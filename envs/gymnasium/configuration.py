@@ -7,7 +7,9 @@ render mode and the backend; equal configurations reuse the running env(s).
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +27,7 @@ from openenv_grpc_envs.gymnasium.v1.gymnasium_pb2 import (
 
 __all__ = [
     "ENV_ID_VARIABLE",
+    "MAX_KWARGS_VARIABLE",
     "RENDER_MODES",
     "RESERVED_KWARGS",
     "Config",
@@ -45,6 +48,17 @@ RESERVED_KWARGS = frozenset(
 #: ``frame_skip``), with the largest value a client may set: an env step cannot be
 #: interrupted once running, so ``frameskip=1e9`` would hold a server thread for good.
 STEP_WORK_KWARGS = {"frameskip": 64, "frame_skip": 64}
+
+#: The server environment variable bounding a client's kwargs, in bytes of compact JSON
+#: (``0``: no bound). A constructor argument's size can make each env cost without bound:
+#: a 63 KB FrozenLake ``desc`` (251 x 251) builds a ~123 MiB transition table per env.
+MAX_KWARGS_VARIABLE = "GYM_MAX_KWARGS_BYTES"
+#: Room for every registered option and for maps of up to 62 x 62 cells (~7 MiB per env,
+#: measured with tracemalloc; 251 x 251 held ~123 MiB).
+DEFAULT_MAX_KWARGS_BYTES = 4096
+#: kwargs whose name says they point at the server's files (MuJoCo's ``xml_file``, ...):
+#: what the server reads is the operator's to choose, never a client's.
+_PATH_KWARG_ENDINGS = ("file", "path", "dir", "directory", "root")
 
 #: The render modes a client may ask for ("" = none): the server has no display, so only
 #: frames it can hand back (GymnasiumState.frame).
@@ -119,6 +133,7 @@ def config_for(
             f"kwargs {reserved} are not allowed (use the render_mode and max_episode_steps fields)"
         )
     _check_step_work(kwargs)
+    _check_kwargs_size(kwargs)
     if options.render_mode not in RENDER_MODES:
         raise InvalidAction(
             f"render_mode {options.render_mode!r} is not served (the server has no display): "
@@ -219,6 +234,50 @@ def _check_step_work(kwargs: dict[str, Any]) -> None:
                 f"kwargs {key}={value!r}: must be a whole number from 1 to {bound}: "
                 "it multiplies the work of every step"
             )
+
+
+def _check_kwargs_size(kwargs: dict[str, Any]) -> None:
+    """Refuse kwargs that name the server's files, and kwargs larger than the server allows
+    (:data:`MAX_KWARGS_VARIABLE`): their size can make every env cost without bound.
+
+    Raises:
+        InvalidAction: a path-like kwarg, or kwargs over the bound.
+    """
+    paths = sorted(key for key in kwargs if _names_a_path(key))
+    if paths:
+        raise InvalidAction(
+            f"kwargs {paths} are not allowed: a client cannot choose files on the server"
+        )
+    if not kwargs:
+        return
+    limit = max_kwargs_bytes()
+    size = len(json.dumps(kwargs, separators=(",", ":")).encode())
+    if limit and size > limit:
+        raise InvalidAction(
+            f"kwargs are {size} bytes (as JSON), over this server's limit of {limit} bytes "
+            f"({MAX_KWARGS_VARIABLE}): a constructor argument's size can make every env "
+            "cost without bound"
+        )
+
+
+def _names_a_path(key: str) -> bool:
+    """``xml_file``, ``model_path``, ``data_dir``, ``path`` -- not ``profile``."""
+    last = key.lower().replace("-", "_").rsplit("_", 1)[-1]
+    return last in _PATH_KWARG_ENDINGS
+
+
+def max_kwargs_bytes() -> int:
+    """The server's bound on a client's kwargs (:data:`MAX_KWARGS_VARIABLE`; 0: none).
+
+    Raises:
+        InvalidAction: the variable is not a whole number of bytes, 0 or more.
+    """
+    raw = os.environ.get(MAX_KWARGS_VARIABLE, "").strip()
+    if not raw:
+        return DEFAULT_MAX_KWARGS_BYTES
+    if not raw.isascii() or not raw.isdigit():
+        raise InvalidAction(f"the server's {MAX_KWARGS_VARIABLE}={raw[:32]!r} is not a number")
+    return int(raw)
 
 
 def _plain(obj: Any) -> Any:
