@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import grpc
 import pytest
@@ -79,4 +80,31 @@ def test_a_restore_gives_a_lost_env_its_episode_back(start_server) -> None:
         assert out.errors[0].code is grpc.StatusCode.UNAVAILABLE
         envs.restore([snapshot], indices=[1])  # env 1 was lost unnamed: a restore revives it
         assert envs.step(_say("b"), indices=[1]).step_counts == [2]
+    server.wait_until(lambda: server.active() == 0)
+
+
+def test_requests_in_flight_that_lost_the_same_block_are_each_told_once(
+    start_server, tmp_path
+) -> None:
+    server = start_server("support.envs:FaultyEnv", "--isolated", "2")
+    with VectorSession(server.target, 4) as envs:
+        envs.reset()
+        pids = _pids(envs.step(_say("pid", "pid", "pid", "pid")))
+        gate = tmp_path / "gate"
+        envs.send(_say(f"gate:{gate}"), indices=[0])  # holds the process of envs 0 and 1
+        envs.send(_say("y"), indices=[1])  # queued behind it in the same process
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "gate.entered").exists():
+            assert time.monotonic() < deadline, "the gated step never started"
+            time.sleep(0.01)
+        os.kill(pids[0], signal.SIGKILL)
+        answers = [envs.recv(timeout=30), envs.recv(timeout=30)]
+        for answer in answers:
+            (index,) = answer.errors
+            assert answer.errors[index].code is grpc.StatusCode.UNAVAILABLE
+        assert sorted(i for a in answers for i in a.errors) == [0, 1]
+        # Each was told by its own answer: a state of either is a fresh env's, not an error.
+        assert len(envs.states(indices=[0, 1])) == 2
+        envs.reset(indices=[0, 1])
+        assert envs.step(_say("a", "b"), indices=[0, 1]).step_counts == [1, 1]
     server.wait_until(lambda: server.active() == 0)

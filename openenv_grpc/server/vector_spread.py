@@ -18,7 +18,8 @@ call's own block hung) for each of those indices, a fresh sub-batch replaces the
 a live process (reset those envs to go on), and the other blocks' results come as usual.
 The block's envs that call did not name are fresh ones too: each is answered the same
 error by the next step, state or snapshot that names it (never run on an env that was not
-reset), until a reset or a restore gives it an episode again. If no fresh sub-batch can be
+reset), once, unless a reset or a restore gave it an episode before; from then on the
+driver knows it has none. If no fresh sub-batch can be
 made, the stream ends (UNAVAILABLE).
 
 A Session is the same path with one block of one env (``session=True``) and a Session's
@@ -348,14 +349,14 @@ class SpreadBatchCalls:
         self, indices: Sequence[int], lost: dict[int, RowError] | None = None
     ) -> list[_Part]:
         """The call's indices, block by block (only blocks with envs in the call); with
-        ``lost``, the envs of a lost block not reset since are left out, their errors put
-        there."""
+        ``lost``, the envs of a lost block not told since are left out, their errors put
+        there (the driver then forgets their episodes)."""
         parts: list[_Part] = []
         starts, blocks = self._starts, self._blocks
         current: _Part | None = None
         for position, index in enumerate(indices):
             if lost is not None and self._lost and index in self._lost:
-                lost[index] = self._lost[index]
+                lost[index] = self._lost.pop(index)  # told once: then it has no episode
                 continue
             block = blocks[bisect.bisect_right(starts, index) - 1]
             if current is None or current[0] is not block:
@@ -396,6 +397,9 @@ class SpreadBatchCalls:
         message = f"{why}; a fresh environment took this one's place: reset it"
         if block.rebuilding is not None or block.worker is not worker or block.env_id != env_id:
             # Another request in flight on this block saw the loss first: one rebuild.
+            # This call's envs are told here, so they are not told again later.
+            for local in part[2]:
+                self._lost.pop(block.start + local, None)
             return None, RowError(code, message)
         # Answered now, not once the fresh block is made: with the process killed past
         # the step timeout, its replacement may take seconds to start.
