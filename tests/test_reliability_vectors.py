@@ -133,9 +133,13 @@ def test_envpool_kwargs_cannot_end_or_swell_the_server(start_server) -> None:
         options.kwargs.update(kwargs)
         answer = stream.reset([pb.ResetCommand(options=pack(options))] * 2)
         assert answer.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0], kwargs
-        # frame_skip is bounded for every backend (it multiplies a step's work) before
-        # the EnvPool allowlist is consulted.
-        why = "multiplies the work of every step" if "frame_skip" in kwargs else "EnvPool kwarg"
+        # frame_skip is bounded for every backend (it multiplies a step's work), and kwargs
+        # naming the server's files are refused, before the EnvPool allowlist is consulted.
+        why = (
+            "multiplies the work of every step" if "frame_skip" in kwargs
+            else "cannot choose files on the server" if "base_path" in kwargs
+            else "EnvPool kwarg"
+        )  # fmt: skip
         assert why in answer.error.message, answer.error.message
         assert server.proc.poll() is None, f"{kwargs} ended the server"
     # Other families' settings are not served at all (MiniGrid's size=2 or
