@@ -12,7 +12,7 @@ import time
 import grpc
 import pytest
 
-from openenv_grpc import VectorSession
+from openenv_grpc import EnvError, VectorSession
 from openenv_grpc_envs.echo import EchoAction, EchoVectorEnv
 
 pytestmark = pytest.mark.timeout(60)
@@ -108,3 +108,51 @@ def test_requests_in_flight_that_lost_the_same_block_are_each_told_once(
         envs.reset(indices=[0, 1])
         assert envs.step(_say("a", "b"), indices=[0, 1]).step_counts == [1, 1]
     server.wait_until(lambda: server.active() == 0)
+
+
+def test_a_refused_reset_leaves_a_lost_env_lost(start_server) -> None:
+    server = start_server("support.exiting_envs:PooledExitEnv", "--isolated", "2")
+    with VectorSession(server.target, 4) as envs:
+        envs.reset()
+        envs.step(_say("exit"), indices=[0])  # env 1, not named, is lost with env 0
+        refused = envs.reset(seeds=[5], indices=[1])  # the env refuses this reset
+        assert refused.errors[1].code is grpc.StatusCode.INVALID_ARGUMENT
+        # No episode began: env 1 is still a fresh env that was never reset.
+        out = envs.step(_say("b"), indices=[1])
+        assert out.indices == [] and out.errors[1].code is grpc.StatusCode.UNAVAILABLE
+        assert out.errors[1].message.endswith("reset it")
+        envs.reset(indices=[0, 1])
+        assert envs.step(_say("a", "b"), indices=[0, 1]).step_counts == [1, 1]
+    server.wait_until(lambda: server.active() == 0)
+
+
+def test_a_state_that_finds_its_env_process_gone_ends_the_episode(start_server) -> None:
+    server = start_server("support.exiting_envs:PooledExitEnv", "--isolated", "2")
+    with VectorSession(server.target, 4) as envs:
+        envs.reset()
+        pids = _pids(envs.step(_say("pid", "pid", "pid", "pid")))
+        os.kill(pids[0], signal.SIGKILL)  # the process of envs 0 and 1, from outside
+        with pytest.raises(EnvError) as failed:
+            envs.states(indices=[0])
+        assert failed.value.code is grpc.StatusCode.UNAVAILABLE
+        # The state told env 0 its env is fresh: a step now is refused, never run on it.
+        out = envs.step(_say("a"), indices=[0])
+        assert out.errors[0].code is grpc.StatusCode.FAILED_PRECONDITION
+        # Env 1 was not named by the state: its first request learns it.
+        out = envs.step(_say("b", "c", "d"), indices=[1, 2, 3])
+        assert out.indices == [2, 3] and out.errors[1].code is grpc.StatusCode.UNAVAILABLE
+        envs.reset(indices=[0, 1])
+        assert envs.step(_say("a", "b"), indices=[0, 1]).step_counts == [1, 1]
+    server.wait_until(lambda: server.active() == 0)
+
+
+def test_a_hung_blocks_envs_are_told_it_was_their_own_call(start_server) -> None:
+    server = start_server("support.envs:FaultyEnv", "--isolated", "2", "--step-timeout", "0.5")
+    with VectorSession(server.target, 4) as envs:
+        envs.reset()
+        out = envs.step(_say("sleep:30", "x"), indices=[0, 1])
+        assert out.errors[0].code is grpc.StatusCode.DEADLINE_EXCEEDED
+        assert out.errors[0].message == (
+            "the call did not finish within 0.5s; the environment's worker process was "
+            "stopped; a fresh environment took this one's place: reset it"
+        )

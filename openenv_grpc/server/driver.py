@@ -277,7 +277,9 @@ class Driver:
         Raises:
             BatchRefused: the whole call failed.
         """
-        return await self._states_within(indices, self._calls.state)
+        got = await self._states_within(indices, self._calls.state)
+        self._forget_replaced(got[0].errors)
+        return got
 
     async def snapshot(self, indices: Sequence[int]) -> Sealed:
         """Capture each env of ``indices``, sealed with its bookkeeping; no episode changes.
@@ -303,6 +305,7 @@ class Driver:
             else (BatchStates(), 0)
         )
         errors.update(got.errors)
+        self._forget_replaced(got.errors)
         out.too_large = self.too_large("snapshot", payload)
         if out.too_large is not None:
             return out
@@ -529,6 +532,13 @@ class Driver:
                 if not keep:
                     self.phases[index] = Phase.BROKEN
             elif error.code in _REPLACED:  # a fresh env took its place
+                self._forget(index)
+
+    def _forget_replaced(self, errors: dict[int, RowError]) -> None:
+        """A state or snapshot found envs replaced by fresh ones (their process was lost):
+        their episodes are gone. (Other failures of those calls change no episode.)"""
+        for index, error in errors.items():
+            if error.code in _REPLACED:
                 self._forget(index)
 
     def _forget(self, index: int) -> None:

@@ -181,7 +181,7 @@ class SpreadBatchCalls:
                 block.rebuilding = None
 
     async def reset(self, args: ResetArgs) -> BatchOutcome:
-        self._found(args.indices)
+        lost = self._found(args.indices)  # a fresh env's reset may start its episode
         seeds, ids, options = args.seeds, args.episode_ids, args.wire_options
 
         def frame(positions: list[int], local: list[int]) -> bytes:
@@ -190,7 +190,14 @@ class SpreadBatchCalls:
                 [options[k] for k in positions], args.batch_form,
             )  # fmt: skip
 
-        return await self._outcomes("reset", args.indices, frame)
+        try:
+            out = await self._outcomes("reset", args.indices, frame)
+        except BaseException:
+            self._lost.update(lost)  # nothing was done: they are still lost
+            raise
+        # Only a reset that succeeded gave a lost env an episode; a refused one did not.
+        self._lost.update((i, e) for i, e in lost.items() if i in out.errors)
+        return out
 
     async def step(self, args: StepArgs) -> BatchOutcome:
         wire = args.wire
@@ -218,7 +225,16 @@ class SpreadBatchCalls:
         )  # fmt: skip
 
     async def restore(self, args: RestoreArgs) -> dict[int, RowError]:
-        self._found(args.indices)  # a restore gives a fresh env an episode, as a reset does
+        lost = self._found(args.indices)  # a restore gives a fresh env an episode, too
+        try:
+            errors = await self._restore(args)
+        except BaseException:
+            self._lost.update(lost)
+            raise
+        self._lost.update((i, e) for i, e in lost.items() if i in errors)
+        return errors
+
+    async def _restore(self, args: RestoreArgs) -> dict[int, RowError]:
         captured = args.captured
 
         def frame(positions: list[int], local: list[int]) -> bytes:
@@ -388,8 +404,8 @@ class SpreadBatchCalls:
         worker, env_id = block.worker, block.env_id
         try:
             return await self._pool.call(worker, env_id, Op.REQUEST, frame, envs=len(part[1]))
-        except CallTimedOut as exc:
-            code, why = _DEADLINE_EXCEEDED, f"{exc} (this call took too long)"
+        except CallTimedOut as exc:  # this call's own block hung
+            code, why = _DEADLINE_EXCEEDED, str(exc)
         except SessionLostError as exc:
             if self._session:  # the client cannot know which of its requests took effect
                 raise
@@ -451,11 +467,16 @@ class SpreadBatchCalls:
             block.start, block.start + block.size - 1, worker.process.pid,
         )  # fmt: skip
 
-    def _found(self, indices: Sequence[int]) -> None:
-        """A reset or restore names these envs: none of them is lost any more."""
+    def _found(self, indices: Sequence[int]) -> dict[int, RowError]:
+        """A reset or restore names these envs: take them off the lost list (returned, for
+        the caller to put back those whose reset or restore failed)."""
+        found: dict[int, RowError] = {}
         if self._lost:
             for index in indices:
-                self._lost.pop(index, None)
+                error = self._lost.pop(index, None)
+                if error is not None:
+                    found[index] = error
+        return found
 
     def _refuse_lost_batch(self, indices: Sequence[int]) -> None:
         """A batch-form step steps every env it names or none.
