@@ -293,18 +293,30 @@ class EnvProcessPool:
             "the environment's worker process was stopped: another session's call on it "
             f"did not finish within {limit:g}s",
             culprit=call,
+            culprit_message=f"the call did not finish within {limit:g}s; the environment's "
+            "worker process was stopped",
         )
 
-    def _lost(self, worker: _Worker, how: str, message: str, culprit: _Call | None = None) -> None:
-        """The worker is gone: fail what it owed, reclaim its leftovers, replace it."""
+    def _lost(
+        self,
+        worker: _Worker,
+        how: str,
+        message: str,
+        culprit: _Call | None = None,
+        culprit_message: str = "",
+    ) -> None:
+        """The worker is gone: fail what it owed (``culprit``, the call that hung, with its
+        own message), reclaim its leftovers, replace it."""
         if not worker.alive:
             return
         self._disconnect(worker)
         worker.gone = message
         for call in worker.owed:
             if not call.future.done():
-                error = CallTimedOut if call is culprit else SessionLostError
-                call.future.set_exception(error(message))
+                if call is culprit:
+                    call.future.set_exception(CallTimedOut(culprit_message))
+                else:
+                    call.future.set_exception(SessionLostError(message))
         worker.owed.clear()
         lost = sum(worker.envs.values())
         log.error("env worker pid %s %s: %d envs lost", worker.process.pid, how, lost)
