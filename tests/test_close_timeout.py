@@ -78,3 +78,39 @@ def test_a_client_that_ends_with_a_hung_close_is_not_told(start_server, tmp_path
     assert "environment close() raised" not in server.stderr()
     gate.touch()
     server.wait_until(lambda: server.active() == 0 and server.closed_envs() == 1, 30)
+
+
+def test_an_async_envs_hung_close_is_cancelled_and_deadline_exceeded(start_server) -> None:
+    server = start_server(
+        "support.exiting_envs:HangingCloseAsyncEnv", "--lifecycle-timeout", "1",
+        "--max-concurrent-envs", "1",
+    )  # fmt: skip
+    env = EchoEnv(server.target)
+    env.open()
+    env.reset()
+    env.step(EchoAction(message="hang-close"))
+    with pytest.raises(EnvError) as failed:
+        env.close()
+    assert failed.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
+    assert failed.value.message == (
+        "close did not finish within 1s (--lifecycle-timeout); it was cancelled"
+    )
+    # Cancelled, not left running: nothing holds the slot.
+    server.wait_until(lambda: Path(f"{server.ledger}.cancelled").exists(), 10, "the cancel")
+    server.wait_until(lambda: server.active() == 0, 10, "the slot freed")
+    with EchoEnv(server.target) as again:
+        again.reset()
+
+
+def test_a_vector_of_async_envs_whose_close_hangs_is_deadline_exceeded(start_server) -> None:
+    server = start_server("support.exiting_envs:HangingCloseAsyncEnv", "--lifecycle-timeout", "1")
+    envs = VectorSession(server.target, 2)
+    envs.open()
+    envs.reset()
+    envs.step([EchoAction(message="hang-close"), EchoAction(message="x")])
+    with pytest.raises(EnvError) as failed:
+        envs.close()
+    assert failed.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
+    server.wait_until(lambda: server.active() == 0, 10, "the slots freed")
+    # The envs close at once: the hung one held back no other (it was cancelled).
+    assert server.closed_envs() == 1 and Path(f"{server.ledger}.cancelled").exists()

@@ -13,7 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from openenv_grpc import EnvError, SessionRefused, VectorSession
+from openenv_grpc import EnvError, SessionLost, SessionRefused, VectorSession
 from openenv_grpc.testing import ServerProcess
 from openenv_grpc_envs.echo import EchoAction, EchoEnv
 
@@ -174,8 +174,81 @@ def test_a_factory_that_raises_it_refuses_the_open_and_frees_the_slot(
             assert failed.value.code is grpc.StatusCode.INTERNAL
             assert "could not create the environment" in failed.value.message
             assert "SystemExit: 4" in failed.value.message
+            assert "EnvExit" not in failed.value.message
         assert server.proc.poll() is None, server.stderr()
         assert server.health() == health_pb2.HealthCheckResponse.SERVING
         _settled(server)
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("isolated", [False, True], ids=["in-process", "isolated"])
+@pytest.mark.parametrize("kind", [*KINDS, "genexit"])
+def test_a_native_batch_call_that_raises_it_is_answered(
+    tmp_path: Path, kind: str, isolated: bool
+) -> None:
+    """The whole batch call raises (a native batch, on the pool): INTERNAL for the
+    request, the stream goes on. A GeneratorExit left bare on a pool thread's future went
+    unanswered (the awaiting task closed its coroutines instead)."""
+    args = ["--isolated", "1"] if isolated else []
+    server = LedgerServer("support.exiting_envs:ExitingBatchEnv", args, {}, tmp_path)
+    try:
+        with VectorSession(server.target, 3) as envs:
+            assert envs.native
+            envs.reset()
+            with pytest.raises(EnvError) as failed:
+                envs.step_batch(EchoAction(message=kind), timeout=20)
+            assert failed.value.code is grpc.StatusCode.INTERNAL
+            expected = KINDS[kind][0] if kind in KINDS else "GeneratorExit: an env's GeneratorExit"
+            assert failed.value.message == f"step failed: {expected}"
+            envs.reset()
+            out = envs.step_batch(EchoAction(message="a\nb\nc"), timeout=20)
+            assert out.batch_observation.echoed_message == "a\nb\nc"
+        _serving(server)
+        _settled(server)
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_an_async_envs_own_task_that_raises_it_does_not_stop_the_server(
+    tmp_path: Path, kind: str
+) -> None:
+    server = LedgerServer("support.exiting_envs:TaskExitEnv", [], {}, tmp_path)
+    try:
+        with EchoEnv(server.target) as env:
+            env.reset()
+            assert env.step(EchoAction(message=f"task:{kind}")).observation.echoed_message == (
+                "spawned"
+            )
+            message = KINDS[kind][0]
+            server.wait_until(lambda: f"EnvExit: {message}" in server.stderr(), 15, "the task")
+            assert env.step(EchoAction(message="after")).observation.echoed_message == "after"
+        _serving(server)
+        _settled(server)
+    finally:
+        server.stop()
+
+
+def test_a_reclaim_hook_that_raises_it_is_called_after_every_death(tmp_path: Path) -> None:
+    ledger = tmp_path / "ledger"
+    ledger.mkdir()
+    server = LedgerServer("support.exiting_envs:ExitingReclaimEnv", ["--isolated", "1"], {}, ledger)
+    try:
+        reclaims = Path(f"{ledger}.reclaims")
+
+        def calls() -> int:
+            return len(reclaims.read_text().split()) if reclaims.exists() else 0
+
+        server.wait_until(lambda: calls() >= 1, 15, "the hook at start")
+        for death in range(1, 4):
+            before = calls()
+            with EchoEnv(server.target) as env:
+                env.reset()
+                with pytest.raises(SessionLost):
+                    env.step(EchoAction(message="exit"))
+            server.wait_until(lambda b=before: calls() > b, 30, f"the hook after death {death}")
+        assert "reclaim_orphans() raised" in server.stderr()
+        _serving(server)
     finally:
         server.stop()

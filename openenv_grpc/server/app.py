@@ -32,6 +32,7 @@ from openenv_grpc.server.metrics import PrometheusMetrics
 from openenv_grpc.server.metrics_endpoint import MetricsEndpoint
 from openenv_grpc.server.orphans import reclaim_orphans_quietly
 from openenv_grpc.server.request_deadline import UnaryRequestDeadline
+from openenv_grpc.server.runner import contain_tasks
 from openenv_grpc.server.service import EnvServicer, add_env_service
 from openenv_grpc.server.session import SessionManager
 from openenv_grpc.server.snapshots import KeyRing, SnapshotSeal
@@ -267,6 +268,7 @@ async def _serve(
     # Handlers first: a SIGTERM that arrives as soon as the server is up must drain it.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    contain_tasks(loop)  # env code's own tasks cannot stop the loop
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     port = await server.start()

@@ -177,12 +177,15 @@ class ServerConfig:
     )  # fmt: skip
     lifecycle_timeout: float = setting(
         60.0, variable="LIFECYCLE_TIMEOUT", flag="--lifecycle-timeout", minimum=0,
-        help="seconds a pooled env's factory or close() may take; `0` = no limit",
+        help="seconds a pooled env's factory or close(), or an async env's close(), may "
+        "take; `0` = no limit",
         details="creates and closes run on pools of their own (`--env-threads` each), so a "
         "hung close never delays an open. A factory past it fails that open with "
         "`DEADLINE_EXCEEDED` (its env, if ever born, is closed then). A close past it is "
         "abandoned (logged, its daemon thread no longer counted against the pool): the "
-        "env still exists, so it keeps its slot of the capacity until its close returns",
+        "env still exists, so it keeps its slot of the capacity until its close returns; "
+        "an async env's close is cancelled instead. A close command so given up on is "
+        "answered `DEADLINE_EXCEEDED`",
     )  # fmt: skip
     inline_threshold_ms: float = setting(
         1.0, variable="INLINE_THRESHOLD_MS", flag="--inline-threshold-ms", minimum=0,

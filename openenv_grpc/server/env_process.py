@@ -49,6 +49,7 @@ from openenv_grpc.server.calls import (
 )
 from openenv_grpc.server.errors import describe, qualname
 from openenv_grpc.server.phases import SESSION_WORDS, VECTOR_WORDS
+from openenv_grpc.server.runner import contain_tasks
 from openenv_grpc.server.spec import EnvSpec, ExecutionMode
 from openenv_grpc.server.vector_frames import (
     fill_errors,
@@ -137,6 +138,7 @@ async def _serve(
     call_timeout: float | None,
     side: socket.socket | None = None,
 ) -> None:
+    contain_tasks(asyncio.get_running_loop())  # env code's own tasks cannot stop it
     spec = EnvSpec.from_factory(factory)
     # Pooled envs are thread-safe across instances (in-process, their calls run on a
     # pool): those may be closed on the side while another instance's call runs.
@@ -247,7 +249,7 @@ async def _create(
         return Status.REFUSED, str(exc).encode()
     except Exception as exc:
         log.exception("environment factory raised")
-        return Status.FAILED, f"{type(exc).__name__}: {exc}".encode()
+        return Status.FAILED, describe(exc).encode()
 
 
 async def _block_answer(calls: LocalBatchCalls, spec: EnvSpec, payload: bytes) -> tuple[int, bytes]:

@@ -29,6 +29,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from openenv_grpc.server.errors import EnvExit
+
 __all__ = ["EnvCall", "EnvThreadPool", "Lifecycle"]
 
 log = logging.getLogger(__name__)
@@ -134,8 +136,13 @@ class EnvThreadPool(concurrent.futures.Executor):
                     self._busy += 1
                 try:
                     result = fn(*args, **kwargs)
-                except BaseException as exc:  # as ThreadPoolExecutor: the caller sees it
+                except Exception as exc:  # as ThreadPoolExecutor: the caller sees it
                     future.set_exception(exc)
+                except BaseException as exc:
+                    # Env code's SystemExit or GeneratorExit, carried as an Exception: a
+                    # bare one, thrown into the awaiting task, could end the event loop or
+                    # leave the request unanswered (errors.EnvExit).
+                    future.set_exception(EnvExit(exc))
                 else:
                     future.set_result(result)
                 finally:

@@ -8,8 +8,10 @@ neighbours answer). What an env raised becomes a row error in one place
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from typing import NamedTuple
+from collections.abc import Awaitable
+from typing import NamedTuple, TypeVar
 
 import grpc
 
@@ -21,6 +23,7 @@ __all__ = [
     "EnvExit",
     "RequestError",
     "RowError",
+    "contained",
     "describe",
     "qualname",
     "row_error",
@@ -73,6 +76,21 @@ class EnvExit(Exception):
     def __init__(self, original: BaseException) -> None:
         super().__init__(f"{type(original).__name__}: {original}")
         self.original = original
+
+
+_T = TypeVar("_T")
+
+
+async def contained(call: Awaitable[_T]) -> _T:
+    """Await env code inside the task that runs it: asyncio re-raises a ``SystemExit`` or
+    ``KeyboardInterrupt`` that leaves a task out of the event loop, so env code's is
+    turned into an :class:`EnvExit` here, before it can. Cancellation passes."""
+    try:
+        return await call
+    except (Exception, asyncio.CancelledError):
+        raise
+    except BaseException as exc:
+        raise EnvExit(exc) from exc
 
 
 def row_error(exc: BaseException, what: str) -> RowError:

@@ -23,7 +23,7 @@ def reclaim_orphans_quietly(env_class: type[Any]) -> None:
     """Call ``env_class.reclaim_orphans()``; log what it raises instead of raising it."""
     try:
         env_class.reclaim_orphans()
-    except Exception:
+    except BaseException:  # env code's SystemExit too: the reaper must outlive it
         log.exception("%s.reclaim_orphans() raised", env_class.__qualname__)
 
 

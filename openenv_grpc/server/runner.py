@@ -33,11 +33,18 @@ from typing import Any, ParamSpec, TypeVar
 
 from openenv_grpc.environment import AnyEnvironment, Environment
 from openenv_grpc.server.env_threads import EnvCall, EnvThreadPool, Lifecycle
-from openenv_grpc.server.errors import EnvExit
+from openenv_grpc.server.errors import EnvExit, contained
 from openenv_grpc.server.placement import CallPlacement, CostGroup
 from openenv_grpc.server.spec import EnvSpec, ExecutionMode
 
-__all__ = ["CloseAbandoned", "CreateTimeout", "EnvRunner", "PoolSaturated", "RunnerFactory"]
+__all__ = [
+    "CloseAbandoned",
+    "CreateTimeout",
+    "EnvRunner",
+    "PoolSaturated",
+    "RunnerFactory",
+    "contain_tasks",
+]
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +78,7 @@ def _contained(method: Callable[_P, Awaitable[_T]]) -> Callable[_P, Coroutine[An
     escaping a task, it would stop the server's event loop. Cancellation passes."""
 
     @functools.wraps(method)
-    async def contained(*args: _P.args, **kwargs: _P.kwargs) -> _T:
+    async def run(*args: _P.args, **kwargs: _P.kwargs) -> _T:
         try:
             return await method(*args, **kwargs)
         except (Exception, asyncio.CancelledError):
@@ -79,7 +86,19 @@ def _contained(method: Callable[_P, Awaitable[_T]]) -> Callable[_P, Coroutine[An
         except BaseException as exc:
             raise EnvExit(exc) from exc
 
-    return contained
+    return run
+
+
+def contain_tasks(loop: asyncio.AbstractEventLoop) -> None:
+    """Make every task on ``loop`` run its coroutine under ``errors.contained``: a task an
+    async env starts itself (``asyncio.create_task`` in its step) that raises
+    ``SystemExit`` or ``KeyboardInterrupt`` would otherwise stop the server's loop. Its
+    failure is then logged as the task's unretrieved exception, an ``EnvExit``."""
+
+    def factory(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> asyncio.Task[Any]:
+        return asyncio.Task(contained(coro), loop=loop, **kwargs)
+
+    loop.set_task_factory(factory)
 
 
 class EnvRunner:
@@ -329,8 +348,20 @@ class EnvRunner:
         if self._mode in _OFF_LOOP:
             await self._close_off_loop()
             return
+        lifecycle = self._lifecycle
+        timeout = lifecycle.timeout if isinstance(lifecycle, Lifecycle) else None
         try:
-            await self.call(self.env.close)
+            if self._mode is ExecutionMode.ASYNC and timeout is not None:
+                # An async close can be given up on: it is cancelled, nothing keeps running.
+                try:
+                    await asyncio.wait_for(self.env.close(), timeout)  # type: ignore[arg-type]
+                except asyncio.TimeoutError:
+                    raise CloseAbandoned(
+                        f"close did not finish within {timeout:g}s (--lifecycle-timeout); "
+                        "it was cancelled"
+                    ) from None
+            else:  # an inline env's close runs on the loop: it cannot be interrupted
+                await self.call(self.env.close)
         finally:
             self._release()
 

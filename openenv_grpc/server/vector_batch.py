@@ -52,7 +52,7 @@ from openenv_grpc.environment import (
     Environment,
     Transition,
 )
-from openenv_grpc.server.errors import BadTransition, EnvExit, RowError, row_error
+from openenv_grpc.server.errors import BadTransition, RowError, contained, row_error
 from openenv_grpc.server.placement import CallPlacement
 from openenv_grpc.server.spec import EnvSpec
 
@@ -449,18 +449,15 @@ class AsyncLoopBatch(_Instances):
         return errors
 
     async def close(self) -> None:
-        """Close every env (each once); see :meth:`LoopBatch.close`."""
-        first: BaseException | None = None
-        for env in self._envs:
-            try:
-                await env.close()
-            except asyncio.CancelledError:
-                raise
-            except BaseException as exc:  # env code's SystemExit too (errors.ENV_FAULT)
-                log.exception("environment close() raised")
-                first = first or exc
-        if first is not None:
-            raise first
+        """Close every env (each once), all at once: one close that hangs holds back no
+        other (a timeout cancels only the ones still closing); see :meth:`LoopBatch.close`.
+        """
+        answers = await _gather(env.close() for env in self._envs)
+        failed = [answer for answer in answers if isinstance(answer, BaseException)]
+        for exc in failed:
+            log.error("environment close() raised", exc_info=exc)
+        if failed:
+            raise failed[0]
 
 
 class NativeBatch(VectorBatch):
@@ -705,20 +702,9 @@ def _snapshot_row(out: BatchStates, index: int, answer: Any) -> None:
 
 
 async def _gather(calls: Iterable[Awaitable[Any]]) -> list[Any]:
-    """Each env's call awaited at once: what each returned or raised, in order."""
-    return await asyncio.gather(*map(_kept, calls), return_exceptions=True)
-
-
-async def _kept(call: Awaitable[Any]) -> Any:
-    """Await one env's call inside its own task: asyncio re-raises a ``SystemExit`` or
-    ``KeyboardInterrupt`` that leaves a task out of the event loop, so env code's is
-    turned into an :class:`~openenv_grpc.server.errors.EnvExit` here, before it can."""
-    try:
-        return await call
-    except (Exception, asyncio.CancelledError):
-        raise
-    except BaseException as exc:
-        raise EnvExit(exc) from exc
+    """Each env's call awaited at once: what each returned or raised, in order (each in a
+    task of its own, so env code's SystemExit is contained there: ``errors.contained``)."""
+    return await asyncio.gather(*map(contained, calls), return_exceptions=True)
 
 
 def _result(answer: Any) -> Any:
