@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -32,7 +31,14 @@ import grpc
 from openenv_grpc.environment import AutoresetMode
 from openenv_grpc.server.calls import BatchCalls, BatchRefused, ResetArgs, RestoreArgs, StepArgs
 from openenv_grpc.server.errors import RequestError, RowError, describe, qualname
-from openenv_grpc.server.phases import CAPTURED_PHASE, RESTORED_PHASE, Phase, Words, ended_phase
+from openenv_grpc.server.phases import (
+    CAPTURED_PHASE,
+    RESTORED_PHASE,
+    Phase,
+    Words,
+    ended_phase,
+    new_episode_id,
+)
 from openenv_grpc.server.snapshots import (
     Captured,
     SnapshotRefused,
@@ -491,7 +497,7 @@ class Driver:
         ids, new_ids = self.episode_ids, outcome.new_episode_ids
         autoreset = [index for index, auto in enumerate(marks) if auto]
         for index in autoreset:  # a new episode began: the row's observation is its first
-            ids[index] = new_ids.get(index) or uuid.uuid4().hex
+            ids[index] = new_ids.get(index) or new_episode_id()
         if self._mode is AutoresetMode.SAME_STEP:
             return self._size  # SAME_STEP's autoreset rows also took the ending step
         return self._size - len(autoreset)
@@ -514,7 +520,7 @@ class Driver:
             outcome.rows, outcome.terminated, outcome.truncated, marks, strict=True
         ):
             if auto:  # a new episode began: the row's observation is its first
-                ids[index] = new_ids.get(index) or uuid.uuid4().hex
+                ids[index] = new_ids.get(index) or new_episode_id()
                 counts[index] = 0
                 phases[index] = Phase.RUNNING
                 stepped += same_step  # SAME_STEP's row also took the ending step

@@ -9,6 +9,8 @@ index and speaks of "the stream" (:data:`SESSION_WORDS`, :data:`VECTOR_WORDS`).
 from __future__ import annotations
 
 import enum
+import itertools
+import os
 from dataclasses import dataclass
 
 from openenv_grpc.server.snapshots import phase_codes
@@ -21,6 +23,7 @@ __all__ = [
     "Phase",
     "Words",
     "ended_phase",
+    "new_episode_id",
 ]
 
 
@@ -43,6 +46,27 @@ def ended_phase(terminated: bool, truncated: bool) -> Phase:
     if truncated:
         return Phase.TRUNCATED
     return Phase.RUNNING
+
+
+def new_episode_id() -> str:
+    """A fresh episode's id, unique in this server: 32 hex digits, a random prefix of the
+    process and a counter (uuid4 cost ~2 µs an id, ~6 per message of 64 CartPoles
+    autoresetting; this ~0.2 µs). Ids name episodes; they are no secret (snapshots are
+    signed)."""
+    return f"{_prefix}{next(_counter):016x}"
+
+
+def _reseed() -> None:
+    """A forked server process (``--workers``) gets ids of its own."""
+    global _prefix, _counter
+    _prefix = os.urandom(8).hex()
+    _counter = itertools.count()
+
+
+_prefix = ""
+_counter = itertools.count()
+_reseed()
+os.register_at_fork(after_in_child=_reseed)
 
 
 @dataclass(frozen=True, slots=True)

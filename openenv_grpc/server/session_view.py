@@ -9,7 +9,6 @@ Session's own (``phases.SESSION_WORDS``).
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 import grpc
@@ -23,7 +22,7 @@ from openenv_grpc.server.calls import BatchCalls, BatchRefused, ResetArgs, StepA
 from openenv_grpc.server.driver import Driver
 from openenv_grpc.server.errors import RequestError, RowError
 from openenv_grpc.server.payloads import PayloadRefused, decode_payload, reset_problem
-from openenv_grpc.server.phases import SESSION_WORDS, Phase
+from openenv_grpc.server.phases import SESSION_WORDS, Phase, new_episode_id
 from openenv_grpc.server.snapshots import SnapshotSeal
 from openenv_grpc.server.spec import EnvSpec
 from openenv_grpc.server.vector_batch import BatchOutcome
@@ -138,7 +137,7 @@ class SessionView:
         if command.HasField("options"):
             options = _decode(command.options, self._options_class, "reset options")
             wire = command.options
-        episode_id = command.episode_id if command.HasField("episode_id") else uuid.uuid4().hex
+        episode_id = command.episode_id if command.HasField("episode_id") else new_episode_id()
         seed = command.seed if command.HasField("seed") else None
         args = ResetArgs(_ROW, (seed,), (episode_id,), (options,), (wire,), False)
         self._fill(await self._driver.reset(args), result)

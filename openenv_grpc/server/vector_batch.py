@@ -37,7 +37,6 @@ import asyncio
 import dataclasses
 import functools
 import logging
-import uuid
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, cast
@@ -53,6 +52,7 @@ from openenv_grpc.environment import (
     Transition,
 )
 from openenv_grpc.server.errors import BadTransition, RowError, contained, row_error
+from openenv_grpc.server.phases import new_episode_id
 from openenv_grpc.server.placement import CallPlacement
 from openenv_grpc.server.spec import EnvSpec
 
@@ -283,7 +283,7 @@ class LoopBatch(_Instances):
             try:
                 if pending[index]:  # NEXT_STEP: this step starts the next episode
                     pending[index] = False
-                    episode_id = uuid.uuid4().hex
+                    episode_id = new_episode_id()
                     first = env.reset(
                         seed=None, episode_id=episode_id, options=self._options[index]
                     )
@@ -299,7 +299,7 @@ class LoopBatch(_Instances):
                 ended = transition.terminated or transition.truncated
                 if ended or transition.info or out.autoreset is not None:
                     if same_step and ended:
-                        episode_id = uuid.uuid4().hex
+                        episode_id = new_episode_id()
                         first = env.reset(
                             seed=None, episode_id=episode_id, options=self._options[index]
                         )
@@ -403,13 +403,13 @@ class AsyncLoopBatch(_Instances):
         env = self._envs[index]
         if self._pending[index]:
             self._pending[index] = False
-            episode_id = uuid.uuid4().hex
+            episode_id = new_episode_id()
             options = self._options[index]
             first = await env.reset(seed=None, episode_id=episode_id, options=options)
             return "next_step", self._checked(first), None, episode_id
         transition = self._checked(await env.step(action))
         if self._same_step and (transition.terminated or transition.truncated):
-            episode_id = uuid.uuid4().hex
+            episode_id = new_episode_id()
             options = self._options[index]
             first = await env.reset(seed=None, episode_id=episode_id, options=options)
             return "same_step", transition, self._checked(first), episode_id
@@ -537,10 +537,9 @@ class NativeBatch(VectorBatch):
         rows = [index for index in indices if index not in failed]
         count = len(rows)
         out = BatchOutcome(rows=rows)
-        # map(): the same conversions as a comprehension, without a Python frame per row.
-        out.rewards = list(map(float, _column(transition.rewards, count, "rewards")))
-        out.terminated = list(map(bool, _column(transition.terminated, count, "terminated")))
-        out.truncated = list(map(bool, _column(transition.truncated, count, "truncated")))
+        out.rewards = _as_list(_column(transition.rewards, count, "rewards"), float, "f")
+        out.terminated = _as_list(_column(transition.terminated, count, "terminated"), bool, "b")
+        out.truncated = _as_list(_column(transition.truncated, count, "truncated"), bool, "b")
         if transition.infos is not None:
             for index, info in zip(rows, _column(transition.infos, count, "infos"), strict=True):
                 if info:
@@ -551,8 +550,8 @@ class NativeBatch(VectorBatch):
         else:
             out.observations = self._split(observation, count, "observation")
         marks = transition.reset if resets else None
-        if marks is not None and any(_column(marks, count, "reset")):
-            out.autoreset = [bool(mark) for mark in marks]
+        if marks is not None and any(_as_list(_column(marks, count, "reset"), bool, "b")):
+            out.autoreset = _as_list(marks, bool, "b")
             ended = [index for index, mark in zip(rows, out.autoreset, strict=True) if mark]
             final = transition.final_observation
             if final is not None:
@@ -720,6 +719,17 @@ def _column(values: Any, count: int, what: str) -> Sequence[Any]:
         got = "none" if values is None else len(values)
         raise BadTransition(f"batch returned {got} {what} for {count} rows")
     return cast(Sequence[Any], values)
+
+
+def _as_list(values: Sequence[Any], kind: type, dtype_kind: str) -> list[Any]:
+    """A native batch's column as a list of ``kind`` (float or bool): a numpy array of
+    that kind converts in C (``tolist``), ten times faster than a call per row."""
+    dtype = getattr(values, "dtype", None)
+    if dtype is not None and dtype.kind == dtype_kind and getattr(values, "ndim", 0) == 1:
+        listed: list[Any] = values.tolist()  # type: ignore[attr-defined]
+        return listed
+    # map(): the same conversion as a comprehension, without a Python frame per row.
+    return list(map(kind, values))
 
 
 def _wrong_type(what: str, value: object, expected: type[Message]) -> str:

@@ -9,7 +9,6 @@ result, with per-env errors by index.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,7 +21,7 @@ from openenv_grpc.server.calls import BatchRefused, ResetArgs, StepArgs
 from openenv_grpc.server.driver import Driver
 from openenv_grpc.server.errors import CODE_NAMES, RequestError, RowError
 from openenv_grpc.server.payloads import PayloadRefused, decode_payload, reset_problem
-from openenv_grpc.server.phases import Phase
+from openenv_grpc.server.phases import Phase, new_episode_id
 from openenv_grpc.server.vector_batch import BatchOutcome
 from openenv_grpc.server.vector_frames import fill_errors, fill_result, fill_states
 from openenv_grpc.v1 import session_pb2 as pb
@@ -184,7 +183,7 @@ class VectorView:
                 "when indices is empty), or none",
             )
         seeds: list[int | None] = [None] * count
-        episode_ids = [uuid.uuid4().hex for _ in range(count)]
+        episode_ids = [new_episode_id() for _ in range(count)]
         options: list[Message | None] = [None] * count
         wire: list[any_pb2.Any | None] = [None] * count
         options_class = self._spec.types.reset_options
