@@ -211,6 +211,11 @@ def _bounds(space: spaces.Space[Any]) -> tuple[Any, Any]:
 def _outside_rows(array: Array, space: spaces.Space[Any]) -> npt.NDArray[np.bool_]:
     """Per row, whether any element lies outside the space (NaN does)."""
     low, high = _bounds(space)
+    if array.dtype.kind in "iub":  # no NaN in integers: no error-state switch needed
+        outside: npt.NDArray[np.bool_] = np.asarray((array < low) | (array > high))
+        if outside.ndim > 1:
+            outside = np.asarray(outside.reshape(len(array), -1).any(axis=1))
+        return outside
     with np.errstate(invalid="ignore"):
         inside: npt.NDArray[np.bool_] = np.asarray((array >= low) & (array <= high))
     if inside.ndim > 1:
