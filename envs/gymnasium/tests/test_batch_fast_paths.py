@@ -86,3 +86,40 @@ def test_books_of_whole_and_partial_steps_agree(mode: AutoresetMode) -> None:
     assert whole._steps.max() > 0
     whole.close()
     halves.close()
+
+
+def test_a_batch_view_reuses_the_last_layout_only_where_it_fits() -> None:
+    """The vector stream parses a batch observation's wire layout once and matches the
+    next ones against it; any other layout (rows, dtype, a second field) is parsed."""
+    from google.protobuf import any_pb2
+
+    from openenv_grpc_envs.gymnasium.adapters.vector_stream import VectorStream
+    from openenv_grpc_envs.gymnasium.batch_convert import view_observation_bytes
+    from openenv_grpc_envs.gymnasium.v1.gymnasium_pb2 import GymnasiumObservation
+
+    space = spaces.Box(-10.0, 10.0, (4,), np.float32)
+    stream = VectorStream.__new__(VectorStream)  # only its view of batches is used here
+    stream._observation_space = space
+    stream._layout = None
+    rng = np.random.default_rng(2)
+
+    def payload(array: np.ndarray) -> any_pb2.Any:  # type: ignore[type-arg]
+        observation = GymnasiumObservation()
+        encode_stacked(observation.value, array, spaces.Box(-10.0, 10.0, array.shape[1:],
+                                                            array.dtype))  # fmt: skip
+        packed = any_pb2.Any()
+        packed.Pack(observation)
+        return packed
+
+    for rows, dtype in [(8, np.float32), (8, np.float32), (3, np.float32), (8, np.float32),
+                        (4, np.float64), (8, np.float32)]:  # fmt: skip
+        array = rng.standard_normal((rows, 4)).astype(dtype)
+        message = payload(array)
+        want = view_observation_bytes(message.value)
+        assert want is not None
+        if dtype is np.float64:  # another dtype: the last layout does not fit it
+            assert stream._layout is not None and not stream._layout.fits(message.value)
+            continue
+        got = stream._view(message, rows)
+        assert got.dtype == want.dtype and got.shape == (rows, 4) and not got.flags.writeable
+        assert got.tolist() == array.tolist()
