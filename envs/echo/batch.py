@@ -47,6 +47,8 @@ class EchoBatch(
         self._history: list[deque[str]] = [deque(maxlen=HISTORY) for _ in range(size)]
         #: Per env: its episode ended at its last step (NEXT_STEP resets it at the next).
         self._ended = [False] * size
+        #: The envs whose options can end an episode (a step limit or a stop word).
+        self._limited: set[int] = set()
 
     def reset(
         self,
@@ -58,6 +60,10 @@ class EchoBatch(
         for index, seed, option in zip(indices, seeds, options, strict=True):
             given = option if option is not None else EchoResetOptions()
             self._limits[index] = (given.max_steps, given.stop_word, given.greeting or "ready")
+            if given.max_steps or given.stop_word:
+                self._limited.add(index)
+            else:
+                self._limited.discard(index)
             greetings.append(self._restart(index))
             self._seeds[index] = seed or 0
         count = len(indices)
@@ -83,6 +89,20 @@ class EchoBatch(
                 f"{len(messages)} messages for {len(indices)} envs: give one per env named, "
                 "in index order"
             )
+        if not self._limited and True not in self._ended:
+            # No env named can end its episode now (no limits, no autoreset due): the
+            # rows are the columns as they came, the books three list operations each.
+            given = list(messages)
+            lengths = list(map(len, given))
+            if not lengths or max(lengths) <= MAX_MESSAGE_CHARS:
+                steps, totals, history = self._steps, self._totals, self._history
+                for index, message, length in zip(indices, given, lengths, strict=True):
+                    steps[index] += 1
+                    totals[index] += length
+                    history[index].append(message)
+                flags = [False] * len(given)
+                observation = EchoBatchObservation(echoed_messages=given, message_lengths=lengths)
+                return BatchTransition(observation, [0.1 * n for n in lengths], flags, flags)
         echoed: list[str] = []
         rewards: list[float] = []
         terminated: list[bool] = []

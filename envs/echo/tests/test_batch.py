@@ -35,9 +35,11 @@ def _one(message: str) -> EchoBatchAction:
     return EchoBatchAction(messages=[message])
 
 
-def _play(envs: VectorSession, batch: bool, rounds: int) -> list[tuple[object, ...]]:
+def _play(
+    envs: VectorSession, batch: bool, rounds: int, options: EchoResetOptions | None = OPTIONS
+) -> list[tuple[object, ...]]:
     """The script's answers row by row: (index, echo, reward, flags, mark, step count)."""
-    first = envs.reset(seeds=5, options=OPTIONS, batch=batch)
+    first = envs.reset(seeds=5, options=options, batch=batch)
     answers: list[tuple[object, ...]] = [tuple(first.indices)]
     for messages in SCRIPT[:rounds]:
         if batch:
@@ -78,6 +80,26 @@ def test_the_batch_answers_as_the_loop_over_one_env_instances(start_server, mode
     assert got == want
     if mode == "next_step":  # env 1 ended at "halt", env 0 and 2 at max_steps=3
         assert got[2] == (1, "halt", pytest.approx(0.4), True, False, False, 1)
+    batched.wait_until(lambda: batched.active() == 0)
+
+
+def test_envs_without_limits_answer_as_the_loop_too(start_server) -> None:
+    """No step limit or stop word on any env (the batch's short path), then one env
+    given a limit (the long path for all), then none again."""
+    batched, looped = start_server(BATCH), start_server(LOOP)
+    answers = []
+    for target, batch in ((batched.target, True), (looped.target, False)):
+        with EchoBatchVectorEnv(target, 3) as envs:
+            got = _play(envs, batch, len(SCRIPT), options=None)
+            envs.reset(options=[None, EchoResetOptions(max_steps=1), None], indices=[0, 1, 2])
+            got.append(tuple(envs.step([_one("p"), _one("q"), _one("r")]).truncated))
+            got.append(tuple(envs.step([_one("s"), _one("t"), _one("u")]).autoreset))
+            envs.reset(indices=[1])
+            got.append(tuple(envs.step([_one("v"), _one("w"), _one("x")]).step_counts))
+            got.append(tuple(envs.states()))
+            answers.append(got)
+    assert answers[0] == answers[1]
+    assert answers[0][-4:-1] == [(False, True, False), (False, True, False), (3, 1, 3)]
     batched.wait_until(lambda: batched.active() == 0)
 
 
