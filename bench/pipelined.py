@@ -11,6 +11,9 @@ processes on loopback, unlimited capacity):
 
 * ``echo-1`` / ``echo-2``: ``VectorSession`` of 64 echo envs: ``step`` (one request in
   flight) against ``send`` / ``recv`` of two halves of 32 (two in flight).
+* ``echo-native-1`` / ``echo-native-2``: the same with the echo bench env's native batch
+  (``openenv_grpc_envs.echo.batch``: one action and one observation message for all
+  rows, no ``Any`` per env): the protocol's floor per env-step.
 * ``sync``: Gymnasium's in-process ``SyncVectorEnv`` of 64 CartPole-v1 (the bar).
 * ``gym-1`` / ``gym-2``: ``RemoteGymnasiumVectorEnv`` of 64, Gymnasium backend: ``step``
   against ``batch_size=32`` (``send(actions, env_id)`` / ``recv()``, two in flight);
@@ -50,6 +53,8 @@ from bench.systems import cpu_seconds, machine_busy
 RESULTS = Path(__file__).resolve().parent / "results"
 N = 64
 HALF = N // 2
+#: The echo bench env whose vector streams are one native batch.
+ECHO_NATIVE = "openenv_grpc_envs.echo.batch:EchoBatchEnvironment"
 
 
 @contextmanager
@@ -67,7 +72,7 @@ def serve(env: str) -> Iterator[tuple[str, int]]:
             line = process.stdout.readline()
             if not line:
                 break
-            if f"serving {env} on" in line:
+            if "openenv-grpc: serving " in line and " on " in line:
                 target = line.split(" on ", 1)[1].split()[0]
                 break
         if not target:
@@ -233,6 +238,52 @@ class EchoTwo(EchoOne):
             self.envs.recv()
 
 
+class EchoNative(Loop):
+    """The echo bench env's native batch: one action and one observation message for all
+    rows, no ``Any`` per env (``openenv_grpc_envs.echo.batch``)."""
+
+    def __init__(self, name: str, envs: Any, pid: int) -> None:
+        super().__init__(name, pid)
+        from openenv_grpc_envs.echo.batch import EchoBatchAction
+
+        self.envs = envs
+        self.action = EchoBatchAction(messages=["x"] * N)
+        self.half = EchoBatchAction(messages=["x"] * HALF)
+        envs.reset(batch=True)
+
+    def run(self, deadline: float) -> int:
+        envs, action, steps = self.envs, self.action, 0
+        while time.monotonic() < deadline:
+            envs.step_batch(action)
+            steps += 1
+        return steps * N
+
+    def close(self) -> None:
+        self.envs.close()
+
+
+class EchoNativeTwo(EchoNative):
+    """The native batch in two halves, both in flight (``send_batch`` / ``recv``)."""
+
+    halves = EchoTwo.halves
+
+    def prime(self) -> None:
+        for ids in self.halves:
+            self.envs.send_batch(self.half, ids)
+
+    def run(self, deadline: float) -> int:
+        envs, half, steps = self.envs, self.half, 0
+        while time.monotonic() < deadline:
+            outcome = envs.recv()
+            envs.send_batch(half, outcome.indices)
+            steps += 1
+        return steps * HALF
+
+    def settle(self) -> None:
+        for _ in range(2):
+            self.envs.recv()
+
+
 def window(loop: Loop, seconds: float) -> dict[str, float]:
     loop.prime()
     pid = loop.server_pid
@@ -319,6 +370,22 @@ def main(argv: list[str] | None = None) -> int:
             report["runs"].append({"env": "echo", "policy_ms": 0, "rows": found})
             for row in found:
                 log(json.dumps({"env": "echo", **row}))
+        with serve(ECHO_NATIVE) as (target, pid):
+            from openenv_grpc_envs.echo.batch import EchoBatchVectorEnv
+
+            loops = [EchoNative("echo-native-1", EchoBatchVectorEnv(target, N).__enter__(), pid)]
+            if not args.one_only:
+                loops.append(
+                    EchoNativeTwo("echo-native-2", EchoBatchVectorEnv(target, N).__enter__(), pid)
+                )
+            try:
+                found = rows(measure(loops, args.seconds, args.rounds))
+            finally:
+                for loop in loops:
+                    loop.close()
+            report["runs"].append({"env": "echo-native", "policy_ms": 0, "rows": found})
+            for row in found:
+                log(json.dumps({"env": "echo-native", **row}))
     with serve("gymnasium") as (target, pid):
         for ms in args.policy_ms:
             policy = Policy(ms)

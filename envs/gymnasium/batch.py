@@ -179,7 +179,8 @@ class GymnasiumBatch(
             raise InvalidAction(str(exc)) from None
         errors: dict[int, Exception] = {}
         disabled = self.autoreset is AutoresetMode.DISABLED
-        ended = self._ended[np.asarray(indices, dtype=np.intp)]
+        whole = len(indices) == self.size  # every env, in order: no index array
+        ended = self._ended.copy() if whole else self._ended[np.asarray(indices, dtype=np.intp)]
         refused = outside | ended if disabled else outside
         if refused.any():
             for row in np.flatnonzero(refused):
@@ -355,24 +356,24 @@ class GymnasiumBatch(
         """Step counts, returns and flags per env (for ``state`` and autoreset)."""
         if not rows.indices:
             return
-        index = np.asarray(rows.indices, dtype=np.intp)
+        # Every env in order (the common case): slices, no index array to build.
+        index: Any = (
+            slice(None)
+            if len(rows.indices) == self.size
+            else np.asarray(rows.indices, dtype=np.intp)
+        )
+        steps = self._steps[index] + 1
+        returns = self._returns[index] + np.asarray(rows.rewards, dtype=np.float64)
+        reset = np.asarray(rows.reset, dtype=np.bool_) if rows.reset is not None else None
+        if reset is not None:
+            # NEXT_STEP: reset instead of stepped; SAME_STEP: stepped, then reset. Either
+            # way the row starts a new episode.
+            steps[reset] = 0
+            returns[reset] = 0.0
+        self._steps[index] = steps
+        self._returns[index] = returns
         terminated = np.asarray(rows.terminated, dtype=np.bool_)
         truncated = np.asarray(rows.truncated, dtype=np.bool_)
-        rewards = np.asarray(rows.rewards, dtype=np.float64)
-        reset = np.asarray(rows.reset, dtype=np.bool_) if rows.reset is not None else None
-        if reset is not None and self.autoreset is AutoresetMode.NEXT_STEP:
-            self._steps[index[reset]] = 0  # reset instead of stepped: a new episode
-            self._returns[index[reset]] = 0.0
-            self._steps[index[~reset]] += 1
-            self._returns[index[~reset]] += rewards[~reset]
-        elif reset is not None:  # SAME_STEP: the episode ended and a new one began
-            self._steps[index] += 1
-            self._returns[index] += rewards
-            self._steps[index[reset]] = 0
-            self._returns[index[reset]] = 0.0
-        else:
-            self._steps[index] += 1
-            self._returns[index] += rewards
         self._terminated[index] = terminated
         self._truncated[index] = truncated
         ended = terminated | truncated

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -211,6 +212,11 @@ def _bounds(space: spaces.Space[Any]) -> tuple[Any, Any]:
 def _outside_rows(array: Array, space: spaces.Space[Any]) -> npt.NDArray[np.bool_]:
     """Per row, whether any element lies outside the space (NaN does)."""
     low, high = _bounds(space)
+    if array.dtype.kind in "iub":  # no NaN in integers: no error-state switch needed
+        outside: npt.NDArray[np.bool_] = np.asarray((array < low) | (array > high))
+        if outside.ndim > 1:
+            outside = np.asarray(outside.reshape(len(array), -1).any(axis=1))
+        return outside
     with np.errstate(invalid="ignore"):
         inside: npt.NDArray[np.bool_] = np.asarray((array >= low) & (array <= high))
     if inside.ndim > 1:
@@ -406,6 +412,49 @@ def view_observation_bytes(data: bytes) -> Array | None:
     Raises:
         ConversionError: the bytes are not a well-formed message of that shape.
     """
+    layout = observation_layout(data)
+    return None if layout is None else layout.view(data)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorLayout:
+    """Where the one tensor of a serialized ``GymnasiumObservation`` lies in its bytes.
+
+    The bytes around the tensor's data (``head``: before it, ``tail``: after it) decide
+    everything else: another message with the same length, head and tail holds a tensor
+    of the same dtype and shape at the same place (its data is opaque to the parse), so a
+    stream whose observations keep their layout parses one message and matches the rest.
+    """
+
+    size: int
+    start: int
+    end: int
+    dtype: np.dtype[Any]
+    dims: tuple[int, ...]
+    head: bytes
+    tail: bytes
+
+    def fits(self, data: bytes) -> bool:
+        """``data`` has this layout (same length and bytes around the tensor's data)."""
+        return (
+            len(data) == self.size
+            and data[: self.start] == self.head
+            and data[self.end :] == self.tail
+        )
+
+    def view(self, data: bytes) -> Array:
+        """The tensor of ``data`` (a message that :meth:`fits`), a read-only view."""
+        count = (self.end - self.start) // self.dtype.itemsize
+        return np.frombuffer(data, self.dtype, count, self.start).reshape(self.dims)
+
+
+def observation_layout(data: bytes) -> TensorLayout | None:
+    """The :class:`TensorLayout` of a serialized ``GymnasiumObservation`` whose value is
+    one tensor, or None for any other value (see :func:`view_observation_bytes`).
+
+    Raises:
+        ConversionError: the bytes are not a well-formed message of that shape.
+    """
     value = _last_message(data, 0, len(data), 1)
     tensor = _last_message(data, *value, 2) if value is not None else None
     if tensor is None:
@@ -425,13 +474,13 @@ def view_observation_bytes(data: bytes) -> Array | None:
         elif number == 3 and end >= 0:
             dtype = data[start:end].decode("ascii", "replace")
     if dtype not in _DTYPE_NAMES:  # to_numpy raises, naming the dtype
-        return to_numpy(Tensor(dtype=dtype), what="observation")
+        to_numpy(Tensor(dtype=dtype), what="observation")
     # The shape is int64 on the wire: a varint of 2**63 or more is a negative dimension.
     shape = [dim - (1 << 64) if dim >> 63 else dim for dim in shape]
-    view = memoryview(data)[body[0] : body[1]]
+    start, end = body
     dt = np.dtype(dtype).newbyteorder("<")
-    dims = check_tensor(shape, dt, len(view), "observation")  # before numpy sees it
-    return np.frombuffer(view, dtype=dt).reshape(dims)
+    dims = check_tensor(shape, dt, end - start, "observation")  # before numpy sees it
+    return TensorLayout(len(data), start, end, dt, tuple(dims), data[:start], data[end:])
 
 
 _DTYPE_NAMES = frozenset(

@@ -147,6 +147,9 @@ class EnvPoolEnvs:
         self._last = np.zeros((size, *(self.observation_space.shape or ())),
                               dtype=self.observation_space.dtype)  # fmt: skip
         self._seen = np.zeros(size, dtype=np.bool_)
+        #: The ids of every env, for a step of all of them (read only: EnvPool reads it).
+        self._all = np.arange(size, dtype=np.int32)
+        self._all.flags.writeable = False
         #: Whether a reset has happened since the pool was made (the first may be partial).
         self.fresh = True
 
@@ -165,7 +168,8 @@ class EnvPoolEnvs:
         return rows
 
     def step(self, indices: Sequence[int], actions: Any, resetting: Sequence[bool]) -> Rows:
-        ids = np.asarray(indices, dtype=np.int32)
+        whole = len(indices) == len(self._all)  # every env, in order
+        ids = self._all if whole else np.asarray(indices, dtype=np.int32)
         batch = np.asarray(actions, dtype=self._action_dtype)
         observations, rewards, terminated, truncated, info = self._pool.step(batch, ids)
         observations = self._reorder(observations, info, ids)
@@ -220,6 +224,10 @@ class EnvPoolEnvs:
         return observations[order]
 
     def _remember(self, indices: Sequence[int], observations: Any) -> None:
+        if len(indices) == len(self._seen):  # every env, in order: no index array
+            self._last[:] = observations
+            self._seen[:] = True
+            return
         self._last[indices] = observations
         self._seen[indices] = True
 

@@ -123,7 +123,12 @@ class VectorView:
                 raise RequestError(_INVALID_ARGUMENT, "give actions or batch_action, not both")
             self._need_native("batch_action")
             decoded: Any = _decode(command.batch_action, action_class, "batch_action")
-            cannot = [(i, why) for i in indices if (why := driver.cannot_step(i)) is not None]
+            # One pass in C for the common case where every env named may step.
+            cannot = (
+                [(i, why) for i in indices if (why := driver.cannot_step(i)) is not None]
+                if driver.blocked(indices)
+                else []
+            )
             if cannot:  # a batch-form action cannot leave out a row: refuse it all
                 raise RequestError(
                     _FAILED_PRECONDITION,
@@ -280,7 +285,9 @@ class VectorView:
         seconds: float = 0.0,
         steps: int = 0,
     ) -> Answer:
-        codes = tuple(CODE_NAMES.get(e.code, str(e.code)) for e in errors.values())
+        codes = (
+            tuple(CODE_NAMES.get(e.code, str(e.code)) for e in errors.values()) if errors else ()
+        )
         return Answer(response.SerializeToString(), outcome, seconds, steps=steps, env_errors=codes)
 
     def _oversize(

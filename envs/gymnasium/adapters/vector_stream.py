@@ -22,9 +22,10 @@ from openenv_grpc import EnvError, VectorOutcome
 from openenv_grpc_envs.gymnasium import convert
 from openenv_grpc_envs.gymnasium.adapters.transport import BACKENDS, Batch
 from openenv_grpc_envs.gymnasium.batch_convert import (
+    TensorLayout,
     encode_stacked,
+    observation_layout,
     view_batch,
-    view_observation_bytes,
 )
 from openenv_grpc_envs.gymnasium.client import GymnasiumVectorEnv
 from openenv_grpc_envs.gymnasium.convert import ConversionError
@@ -68,6 +69,8 @@ class VectorStream:
         # Blocking calls from the caller's thread: no thread hop per step.
         self._num_envs = num_envs
         self._timeout = timeout
+        #: Where the last batch observation's tensor lay in its message (see _view).
+        self._layout: TensorLayout | None = None
         self._options = GymnasiumResetOptions()
         self._options.CopyFrom(options)
         if backend is not None:
@@ -219,12 +222,17 @@ class VectorStream:
         if payload is None:
             raise ConversionError("observation: the server answered without a batch")
         data = payload.value
-        array = view_observation_bytes(data)
         space = self._observation_space
-        if array is not None and isinstance(space, _LEAF_SPACES):
+        expected: tuple[int, ...] | None = None
+        if isinstance(space, _LEAF_SPACES):  # one tensor: a view into the bytes
             expected = (rows, *(() if isinstance(space, spaces.Discrete) else space.shape))
-            if array.shape == expected:
-                return array
+            layout = self._layout
+            if layout is not None and layout.dims == expected and layout.fits(data):
+                return layout.view(data)  # the layout of the last batch: no parse
+        layout = observation_layout(data)  # checks the bytes whatever the space
+        if expected is not None and layout is not None and layout.dims == expected:
+            self._layout = layout
+            return layout.view(data)
         return view_batch(GymnasiumObservation.FromString(data).value, space, rows)
 
     def frames(self) -> tuple[Any, ...]:
