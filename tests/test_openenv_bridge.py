@@ -43,13 +43,35 @@ def bridged(ref: str, *args: str) -> ServerProcess:
     return ServerProcess(f"--openenv={ref}", list(args), pythonpath=[TESTS])
 
 
+#: The module's bridged servers, one per (ref, args), shared by its tests.
+_SERVERS: dict[tuple[str, ...], ServerProcess] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_the_modules_servers() -> Iterator[None]:
+    yield
+    while _SERVERS:
+        _SERVERS.popitem()[1].stop()
+
+
 @contextlib.contextmanager
 def serving(ref: str, *args: str) -> Iterator[ServerProcess]:
-    server = bridged(ref, *args)
+    """The module's one server for ``ref`` and ``args``, started on first use (a bridged
+    start imports OpenEnv: seconds). A test gets it with no session open; one that fails,
+    or leaves a session open, has it stopped, and the next test starts another."""
+    key = (ref, *args)
+    server = _SERVERS.get(key)
+    if server is None or server.proc.poll() is not None:
+        server = _SERVERS[key] = bridged(ref, *args)
     try:
         yield server
-    finally:
-        server.stop()
+    except BaseException:
+        _SERVERS.pop(key).stop()
+        raise
+    try:
+        server.wait_until(lambda: server.active() == 0, what="the test's sessions closed")
+    except Exception:  # sessions left open, or an Info this test cannot read: a new one
+        _SERVERS.pop(key).stop()
 
 
 @contextlib.contextmanager
