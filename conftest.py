@@ -149,7 +149,9 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "slow: heavy (containers, proxies, browsers, fuzzers, attacks): not in test-fast"
     )
     config.addinivalue_line(
-        "markers", "fresh_server: starts a server per test (set by conftest): not in test-fast"
+        "markers",
+        "fresh_server: starts a server of its own (set by conftest for start_server and an "
+        "unshared `server`; by hand on tests that start ServerProcess): not in test-fast",
     )
 
 

@@ -230,6 +230,7 @@ def test_mcp_env_tools_through_the_bridge() -> None:
             assert env.state().step_count == 7
 
 
+@pytest.mark.fresh_server  # OpenEnv's own uvicorn server per case: make test
 @pytest.mark.parametrize(
     ("ref", "app", "reset", "actions"),
     [
@@ -306,6 +307,7 @@ def test_same_answers_as_openenvs_own_server(
         assert first["info"] == {} and first["stats"]["big"] == 2**60 + 1
 
 
+@pytest.mark.fresh_server  # its own OpenEnv-bridged server (seconds of imports): make test
 def test_isolated_workers_rebuild_the_types() -> None:
     with serving(ECHO, "--isolated", "1") as server:
         EchoEnv = described_session(server.target)
@@ -314,6 +316,7 @@ def test_isolated_workers_rebuild_the_types() -> None:
             assert env.step(EchoEnv.Action(message="abc")).observation.message_length == 3
 
 
+@pytest.mark.fresh_server  # its own OpenEnv-bridged server (seconds of imports): make test
 def test_isolated_workers_serve_the_envs_app_and_keep_the_episode_after_an_error() -> None:
     with serving("support.openenv_envs.apps:board_app", "--isolated", "1") as server:
         Board = described_session(server.target)

@@ -163,6 +163,7 @@ def _exchange(url: str, calls: list[tuple[str, Any]]) -> list[dict[str, Any]]:
         return out
 
 
+@pytest.mark.fresh_server  # OpenEnv's own uvicorn server and a bridged one: make test
 def test_a_bridged_env_answers_exactly_what_openenv_answers() -> None:
     calls: list[tuple[str, Any]] = [
         ("reset", {"seed": 3}),
@@ -177,6 +178,7 @@ def test_a_bridged_env_answers_exactly_what_openenv_answers() -> None:
         wait_for(lambda: server.active() == 0, "the session closed")
 
 
+@pytest.mark.fresh_server  # its own OpenEnv-bridged server (seconds of imports): make test
 def test_a_bridged_env_with_reset_kwargs_nested_models_and_maps() -> None:
     with serving(WAREHOUSE) as (_server, url), GenericEnvClient(base_url=url).sync() as env:
         first = env.reset(seed=1, difficulty=2)
@@ -209,6 +211,7 @@ def test_capacity_refusal_is_openenv_s_capacity_error_and_shared_with_grpc() -> 
             assert env.step({"message": "still mine"}).observation["echoed_message"]
 
 
+@pytest.mark.fresh_server  # a server of its own: make test
 def test_the_auth_token_is_the_grpc_one() -> None:
     token = "gateway-secret-token"
     with serving("echo", extra_env={"AUTH_TOKEN": token}) as (_server, url):
@@ -267,6 +270,7 @@ def test_frames_that_are_not_json_or_of_no_known_type_get_openenv_errors() -> No
         wait_for(lambda: server.active() == 0, "closed by the close frame")
 
 
+@pytest.mark.fresh_server  # a server of its own: make test
 def test_isolated_envs_work_and_several_workers_are_refused() -> None:
     with (
         serving("echo", "--isolated", "1") as (_server, url),
@@ -283,6 +287,7 @@ def test_isolated_envs_work_and_several_workers_are_refused() -> None:
     assert "--openenv-port serves from one process: use --workers 1" in done.stderr
 
 
+@pytest.mark.fresh_server  # a server of its own: make test
 def test_a_taken_openenv_port_ends_the_server() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -315,6 +320,7 @@ async def _mcp_session(url: str) -> dict[str, Any]:
         return {"tools": tools, "reset_done": reset.done, "calls": calls}
 
 
+@pytest.mark.fresh_server  # OpenEnv's own uvicorn server and a bridged one: make test
 def test_mcp_tool_client_against_a_bridged_mcp_env_answers_as_openenv() -> None:
     with openenv_server("mcp_echo_app") as theirs:
         expected = asyncio.run(_mcp_session(theirs))
