@@ -58,14 +58,21 @@ test: system-deps lint proto-check buf-breaking pytest
 ## (in-process tests, and server tests sharing one server per module or class); no
 ## containers, proxies, browsers, other languages, training, fuzzers or attack floods
 test-fast: lint $(VENV)/.installed
-	$(PY) -m pytest -q -m "not slow and not fresh_server"
+	$(PY) -m pytest -q -m "not slow and not fresh_server" $(FAST_XDIST)
 
 ## system-deps: the Debian packages the tests need (Node, Go + grpc-go, protoc, Chromium), if missing
 system-deps:
 	bash scripts/install_system_deps.sh
 
+# Most tests wait on servers, so more workers than cores pay; conftest.py keeps each file
+# (and the files sharing dockerd or the coding sandboxes) on one worker. TEST_WORKERS=0: serial.
+# test-fast is mostly CPU (in-process tests, and each xdist worker collects the suite): 2.
+TEST_WORKERS ?= 4
+FAST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+FAST_XDIST := $(if $(filter 0,$(FAST_WORKERS)),,-n $(FAST_WORKERS) --dist loadgroup)
 pytest: $(VENV)/.installed $(NODE_CLIENT) $(BUF)
-	$(PY) -m pytest
+	$(PY) -m pytest $(XDIST)
 
 # The Node client's dependencies (exact versions from its package-lock.json).
 $(NODE_CLIENT): clients/node/package.json clients/node/package-lock.json

@@ -149,7 +149,9 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "slow: heavy (containers, proxies, browsers, fuzzers, attacks): not in test-fast"
     )
     config.addinivalue_line(
-        "markers", "fresh_server: starts a server per test (set by conftest): not in test-fast"
+        "markers",
+        "fresh_server: starts a server of its own (set by conftest for start_server and an "
+        "unshared `server`; by hand on tests that start ServerProcess): not in test-fast",
     )
 
 
@@ -170,7 +172,41 @@ SLOW_FILES = frozenset({
     "tests/test_slurm.py", "tests/test_ray.py", "tests/test_fleet.py",
     "envs/coding/tests/test_reliability_sandbox.py", "envs/coding/tests/test_coding.py",
 })  # fmt: skip
+#: Test files that share what the machine has once, by group: the private dockerd (the
+#: container tests and the swarm's images), and the coding env's registry, cgroups, uid
+#: leases and kernel keys (a coding server reclaims what dead servers left there). Under
+#: pytest-xdist (``make test``) a group's files run one after another on one worker.
+MACHINE_GROUPS = {
+    "tests/test_docker.py": "docker", "tests/test_swarm.py": "docker",
+    "envs/coding/tests/": "coding",
+}  # fmt: skip
 ROOT = Path(__file__).resolve().parent
+
+
+def xdist_group(path: str) -> str:
+    """The pytest-xdist work unit of a test file: its machine group, else the file itself
+    (so its module-scoped servers start once, on one worker)."""
+    for prefix, group in MACHINE_GROUPS.items():
+        if path.startswith(prefix):
+            return group
+    return path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup`` (``make test``): each worker takes whole files, and a machine
+    group's files all go to one worker. pytest-xdist's own loadgroup reads marks into node
+    ids in a way pytest 9 no longer keeps (it sets ``_nodeid``), so the groups are made
+    here from the paths, with its file scheduler (largest units first)."""
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroupScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group(nodeid.split("::", 1)[0])
+
+    return FileGroupScheduling(config, log)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

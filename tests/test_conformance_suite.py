@@ -64,6 +64,7 @@ def run_suite(tmp_path: Path, env: str, extra: str = "") -> set[str]:
     return failed
 
 
+@pytest.mark.fresh_server  # a pytest run of the suite, with its servers: make test
 @pytest.mark.parametrize(
     ("env", "caught_by"),
     [
@@ -91,10 +92,12 @@ def test_a_broken_env_fails_the_suite(
         assert failed == caught_by
 
 
+@pytest.mark.fresh_server  # a pytest run of the suite, with its servers: make test
 def test_an_env_with_snapshots_passes_the_whole_suite(tmp_path: Path) -> None:
     assert run_suite(tmp_path, "SnapshotEchoEnv", "snapshots = True") == set()
 
 
+@pytest.mark.fresh_server  # a pytest run of the suite, with its servers: make test
 @pytest.mark.parametrize(
     ("env", "caught_by"),
     [

@@ -43,13 +43,35 @@ def bridged(ref: str, *args: str) -> ServerProcess:
     return ServerProcess(f"--openenv={ref}", list(args), pythonpath=[TESTS])
 
 
+#: The module's bridged servers, one per (ref, args), shared by its tests.
+_SERVERS: dict[tuple[str, ...], ServerProcess] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_the_modules_servers() -> Iterator[None]:
+    yield
+    while _SERVERS:
+        _SERVERS.popitem()[1].stop()
+
+
 @contextlib.contextmanager
 def serving(ref: str, *args: str) -> Iterator[ServerProcess]:
-    server = bridged(ref, *args)
+    """The module's one server for ``ref`` and ``args``, started on first use (a bridged
+    start imports OpenEnv: seconds). A test gets it with no session open; one that fails,
+    or leaves a session open, has it stopped, and the next test starts another."""
+    key = (ref, *args)
+    server = _SERVERS.get(key)
+    if server is None or server.proc.poll() is not None:
+        server = _SERVERS[key] = bridged(ref, *args)
     try:
         yield server
-    finally:
-        server.stop()
+    except BaseException:
+        _SERVERS.pop(key).stop()
+        raise
+    try:
+        server.wait_until(lambda: server.active() == 0, what="the test's sessions closed")
+    except Exception:  # sessions left open, or an Info this test cannot read: a new one
+        _SERVERS.pop(key).stop()
 
 
 @contextlib.contextmanager
@@ -208,6 +230,7 @@ def test_mcp_env_tools_through_the_bridge() -> None:
             assert env.state().step_count == 7
 
 
+@pytest.mark.fresh_server  # OpenEnv's own uvicorn server per case: make test
 @pytest.mark.parametrize(
     ("ref", "app", "reset", "actions"),
     [
@@ -284,6 +307,7 @@ def test_same_answers_as_openenvs_own_server(
         assert first["info"] == {} and first["stats"]["big"] == 2**60 + 1
 
 
+@pytest.mark.fresh_server  # its own OpenEnv-bridged server (seconds of imports): make test
 def test_isolated_workers_rebuild_the_types() -> None:
     with serving(ECHO, "--isolated", "1") as server:
         EchoEnv = described_session(server.target)
@@ -292,6 +316,7 @@ def test_isolated_workers_rebuild_the_types() -> None:
             assert env.step(EchoEnv.Action(message="abc")).observation.message_length == 3
 
 
+@pytest.mark.fresh_server  # its own OpenEnv-bridged server (seconds of imports): make test
 def test_isolated_workers_serve_the_envs_app_and_keep_the_episode_after_an_error() -> None:
     with serving("support.openenv_envs.apps:board_app", "--isolated", "1") as server:
         Board = described_session(server.target)

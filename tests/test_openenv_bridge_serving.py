@@ -38,6 +38,7 @@ def bridged(ref: str, *args: str) -> ServerProcess:
     return ServerProcess(f"--openenv={ref}", list(args), pythonpath=[TESTS])
 
 
+@pytest.mark.fresh_server  # its own OpenEnv-bridged server (seconds of imports): make test
 def test_the_envs_own_app_serves_with_its_create_app_types() -> None:
     """As uvicorn takes it: the module's create_app call names the env, the models
     (its step says only the base classes) and the env's name."""
@@ -69,6 +70,7 @@ def test_base_annotated_env_class_is_refused_naming_the_fix(
     assert "--openenv pkg.server.app:app" in err and "--action MODULE:ACTION" in err
 
 
+@pytest.mark.fresh_server  # its own OpenEnv-bridged server (seconds of imports): make test
 def test_action_and_observation_options_serve_a_base_annotated_class() -> None:
     server = bridged(
         f"{BOARD}:BoardEnvironment",
@@ -123,6 +125,7 @@ def test_serve_help_lists_the_model_options() -> None:
         assert option in done.stdout
 
 
+@pytest.mark.fresh_server  # its own OpenEnv-bridged server (seconds of imports): make test
 def test_the_console_script_imports_from_the_current_directory(tmp_path: Path) -> None:
     """``openenv-grpc serve --openenv server.my_environment:MyEnvironment`` from the env's
     folder, as ``uvicorn server.app:app`` works there (the console script's sys.path
@@ -152,6 +155,7 @@ def test_the_console_script_imports_from_the_current_directory(tmp_path: Path) -
         process.wait(10)
 
 
+@pytest.mark.fresh_server  # its own OpenEnv-bridged server (seconds of imports): make test
 def test_capacity_guard_holds_for_an_adapter_served_without_serve_config() -> None:
     """openenv_environment(..., action=, observation=) served as a plain ENV at
     --max-concurrent-envs 8: the env is not concurrency-safe, so capacity 1."""
@@ -172,6 +176,7 @@ def test_capacity_guard_holds_for_an_adapter_served_without_serve_config() -> No
         server.stop()
 
 
+@pytest.mark.fresh_server  # a server of its own: make test
 @pytest.mark.parametrize(("env", "goes_on"), [("ForgivingEchoEnv", True), ("StrictEchoEnv", False)])
 def test_a_native_env_opts_into_openenvs_step_error_rule(env: str, goes_on: bool) -> None:
     server = ServerProcess(f"support.step_errors:{env}", pythonpath=[TESTS])
@@ -193,6 +198,7 @@ def test_a_native_env_opts_into_openenvs_step_error_rule(env: str, goes_on: bool
         server.stop()
 
 
+@pytest.mark.fresh_server  # its own OpenEnv-bridged server (seconds of imports): make test
 def test_an_async_env_blocking_its_loop_freezes_neither_health_nor_drain() -> None:
     """reset_async calls time.sleep(60): the server's loop is not the env's, so health,
     Info and another session answer meanwhile, and a SIGTERM drain ends within its
@@ -226,7 +232,11 @@ def test_an_async_env_blocking_its_loop_freezes_neither_health_nor_drain() -> No
         began = time.monotonic()
         code = server.proc.wait(2 + 3 + 10)  # the bound, plus slack for a loaded machine
         assert code in (0, 1)
-        assert "drained" in server.stderr() + "".join(server.stdout_lines)
+        # stdout's last lines reach stdout_lines through a reader thread after the exit.
+        server.wait_until(
+            lambda: "drained" in server.stderr() + "".join(server.stdout_lines),
+            what="the drain's last line",
+        )
         print(f"drain with a blocked env took {time.monotonic() - began:.2f}s")
         thread.join(10)
         assert errors  # the stuck reset got an answer (the stream ended), not silence
@@ -234,6 +244,7 @@ def test_an_async_env_blocking_its_loop_freezes_neither_health_nor_drain() -> No
         server.stop()
 
 
+@pytest.mark.fresh_server  # a server of its own: make test
 @pytest.mark.parametrize(("env", "goes_on"), [("ForgivingEchoEnv", True), ("StrictEchoEnv", False)])
 def test_the_step_error_rule_holds_on_a_vector_stream(env: str, goes_on: bool) -> None:
     from openenv_grpc import VectorSession
@@ -255,6 +266,7 @@ def test_the_step_error_rule_holds_on_a_vector_stream(env: str, goes_on: bool) -
         server.stop()
 
 
+@pytest.mark.fresh_server  # its own OpenEnv-bridged server (seconds of imports): make test
 def test_fields_named_like_protobuf_methods_work_through_the_described_client() -> None:
     """SerializeToString, ListFields, CopyFrom, DESCRIPTOR as pydantic field names: on the
     wire they are name_ (so the generated classes keep their methods), and the env sees

@@ -51,17 +51,42 @@ def gateway_url(server: ServerProcess) -> str:
     raise AssertionError(f"no gateway line; stderr:\n{server.stderr()}")
 
 
+#: The module's servers, one per (env, args, extra environment), shared by its tests.
+_SERVERS: dict[tuple[str, ...], tuple[ServerProcess, str]] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_the_modules_servers() -> Iterator[None]:
+    yield
+    while _SERVERS:
+        _SERVERS.popitem()[1][0].stop()
+
+
 @contextlib.contextmanager
 def serving(
     env: str, *args: str, extra_env: dict[str, str] | None = None
 ) -> Iterator[tuple[ServerProcess, str]]:
-    server = ServerProcess(
-        env, ["--openenv-port", "0", *args], extra_env=extra_env, pythonpath=[TESTS]
-    )
+    """The module's one server (and its gateway URL) for these settings, started on first
+    use. A test gets it with no session open (counters are the server's since its start:
+    tests compare them with what they read first); one that fails, or leaves a session
+    open, has it stopped, and the next test starts another."""
+    key = (env, *args, *sorted(f"{k}={v}" for k, v in (extra_env or {}).items()))
+    shared = _SERVERS.get(key)
+    if shared is None or shared[0].proc.poll() is not None:
+        server = ServerProcess(
+            env, ["--openenv-port", "0", *args], extra_env=extra_env, pythonpath=[TESTS]
+        )
+        shared = _SERVERS[key] = (server, gateway_url(server))
+    server = shared[0]
     try:
-        yield server, gateway_url(server)
-    finally:
-        server.stop()
+        yield shared
+    except BaseException:
+        _SERVERS.pop(key)[0].stop()
+        raise
+    try:
+        wait_for(lambda: server.active() == 0, "the test's sessions closed")
+    except Exception:  # sessions left open, or an Info without the token: a new one
+        _SERVERS.pop(key)[0].stop()
 
 
 def wait_for(predicate: Callable[[], bool], what: str) -> None:
@@ -74,6 +99,7 @@ def wait_for(predicate: Callable[[], bool], what: str) -> None:
 
 def test_generic_client_sync_against_a_native_env() -> None:
     with serving("echo") as (server, url):
+        before = server.info().activity
         with GenericEnvClient(base_url=url).sync() as env:
             first = env.reset(seed=1)
             assert first.observation["echoed_message"] == "ready" and first.done is False
@@ -102,7 +128,8 @@ def test_generic_client_sync_against_a_native_env() -> None:
             assert env.state()["step_count"] == 2
         wait_for(lambda: server.active() == 0, "the session closed with the client")
         activity = server.info().activity
-        assert activity.sessions_opened == 1 and activity.steps == 2  # counted as gRPC's
+        assert activity.sessions_opened - before.sessions_opened == 1  # counted as gRPC's
+        assert activity.steps - before.steps == 2
 
 
 def test_generic_client_async_many_sessions_at_once() -> None:
@@ -118,9 +145,10 @@ def test_generic_client_async_many_sessions_at_once() -> None:
         return await asyncio.gather(*(play(url, i) for i in range(4)))
 
     with serving("echo") as (server, url):
+        opened = server.info().activity.sessions_opened
         assert asyncio.run(main(url)) == [(f"{i}-2", 3) for i in range(4)]
         wait_for(lambda: server.active() == 0, "every session closed")
-        assert server.info().activity.sessions_opened == 4
+        assert server.info().activity.sessions_opened - opened == 4
 
 
 def _exchange(url: str, calls: list[tuple[str, Any]]) -> list[dict[str, Any]]:
@@ -135,6 +163,7 @@ def _exchange(url: str, calls: list[tuple[str, Any]]) -> list[dict[str, Any]]:
         return out
 
 
+@pytest.mark.fresh_server  # OpenEnv's own uvicorn server and a bridged one: make test
 def test_a_bridged_env_answers_exactly_what_openenv_answers() -> None:
     calls: list[tuple[str, Any]] = [
         ("reset", {"seed": 3}),
@@ -149,6 +178,7 @@ def test_a_bridged_env_answers_exactly_what_openenv_answers() -> None:
         wait_for(lambda: server.active() == 0, "the session closed")
 
 
+@pytest.mark.fresh_server  # its own OpenEnv-bridged server (seconds of imports): make test
 def test_a_bridged_env_with_reset_kwargs_nested_models_and_maps() -> None:
     with serving(WAREHOUSE) as (_server, url), GenericEnvClient(base_url=url).sync() as env:
         first = env.reset(seed=1, difficulty=2)
@@ -181,6 +211,7 @@ def test_capacity_refusal_is_openenv_s_capacity_error_and_shared_with_grpc() -> 
             assert env.step({"message": "still mine"}).observation["echoed_message"]
 
 
+@pytest.mark.fresh_server  # a server of its own: make test
 def test_the_auth_token_is_the_grpc_one() -> None:
     token = "gateway-secret-token"
     with serving("echo", extra_env={"AUTH_TOKEN": token}) as (_server, url):
@@ -211,9 +242,10 @@ def test_a_client_that_vanishes_frees_its_session() -> None:
         socket_.transport.abort()  # no close frame: the TCP connection just goes
 
     with serving("echo") as (server, url):
+        opened = server.info().activity.sessions_opened
         asyncio.run(vanish(url.replace("http://", "ws://") + "/ws"))
         wait_for(lambda: server.active() == 0, "the vanished client's session closed")
-        assert server.info().activity.sessions_opened == 1
+        assert server.info().activity.sessions_opened - opened == 1
 
 
 def test_frames_that_are_not_json_or_of_no_known_type_get_openenv_errors() -> None:
@@ -238,6 +270,7 @@ def test_frames_that_are_not_json_or_of_no_known_type_get_openenv_errors() -> No
         wait_for(lambda: server.active() == 0, "closed by the close frame")
 
 
+@pytest.mark.fresh_server  # a server of its own: make test
 def test_isolated_envs_work_and_several_workers_are_refused() -> None:
     with (
         serving("echo", "--isolated", "1") as (_server, url),
@@ -254,6 +287,7 @@ def test_isolated_envs_work_and_several_workers_are_refused() -> None:
     assert "--openenv-port serves from one process: use --workers 1" in done.stderr
 
 
+@pytest.mark.fresh_server  # a server of its own: make test
 def test_a_taken_openenv_port_ends_the_server() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -286,14 +320,17 @@ async def _mcp_session(url: str) -> dict[str, Any]:
         return {"tools": tools, "reset_done": reset.done, "calls": calls}
 
 
+@pytest.mark.fresh_server  # OpenEnv's own uvicorn server and a bridged one: make test
 def test_mcp_tool_client_against_a_bridged_mcp_env_answers_as_openenv() -> None:
     with openenv_server("mcp_echo_app") as theirs:
         expected = asyncio.run(_mcp_session(theirs))
     with serving(MCP_ECHO) as (server, url):
+        opened = server.info().activity.sessions_opened
         assert asyncio.run(_mcp_session(url)) == expected
         assert expected["calls"]["echo_message"] == "hi"
         wait_for(lambda: server.active() == 0, "session/close freed the slot")
-        assert server.info().activity.sessions_opened == 1  # HTTP /mcp and /ws: one session
+        # HTTP /mcp and /ws: one session
+        assert server.info().activity.sessions_opened - opened == 1
 
 
 def test_mcp_tool_client_against_a_native_tools_env() -> None:

@@ -64,6 +64,7 @@ def kill(server: ServerProcess) -> None:
     server.proc.wait(10)
 
 
+@pytest.mark.fresh_server  # servers of its own, killed and replaced: make test
 def test_a_killed_server_is_replaced_at_its_address_and_the_episode_goes_on(
     servers: list[ServerProcess], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -93,6 +94,7 @@ def test_a_killed_server_is_replaced_at_its_address_and_the_episode_goes_on(
     assert len(lines) == 1 and f"at step {KILL_AFTER}" in lines[0], lines
 
 
+@pytest.mark.fresh_server  # servers of its own, killed and replaced: make test
 @pytest.mark.parametrize("how", ["sigkill", "drain"])
 def test_an_async_session_moves_to_the_fallback_target(
     servers: list[ServerProcess], how: str
@@ -123,6 +125,7 @@ def test_an_async_session_moves_to_the_fallback_target(
     fallback.wait_until(lambda: fallback.active() == 0, what="the recovered session closed")
 
 
+@pytest.mark.fresh_server  # servers of its own, killed and replaced: make test
 def test_an_isolated_env_process_that_dies_is_recovered_on_the_same_server(
     servers: list[ServerProcess],
 ) -> None:
@@ -140,6 +143,7 @@ def test_an_isolated_env_process_that_dies_is_recovered_on_the_same_server(
     assert trajectory == undisturbed(server.target, messages)
 
 
+@pytest.mark.fresh_server  # servers of its own, killed and replaced: make test
 def test_an_env_without_snapshots_is_recovered_from_its_seeded_reset(
     servers: list[ServerProcess], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -162,6 +166,7 @@ def test_an_env_without_snapshots_is_recovered_from_its_seeded_reset(
         assert trajectory == [_entry(reference, m) for m in MESSAGES]
 
 
+@pytest.mark.fresh_server  # servers of its own, killed and replaced: make test
 def test_what_cannot_be_recovered_is_raised_as_the_loss(servers: list[ServerProcess]) -> None:
     unseeded = serve(NO_SNAPSHOTS)
     servers.append(unseeded)
@@ -188,6 +193,7 @@ def test_what_cannot_be_recovered_is_raised_as_the_loss(servers: list[ServerProc
     assert trajectory == undisturbed(servers[-1].target)
 
 
+@pytest.mark.fresh_server  # servers of its own, killed and replaced: make test
 def test_a_fallback_without_the_key_is_passed_over(servers: list[ServerProcess]) -> None:
     first = serve()
     wrong_key = ServerProcess(
@@ -205,6 +211,7 @@ def test_a_fallback_without_the_key_is_passed_over(servers: list[ServerProcess])
     assert wrong_key.active() == 0  # the refused attempt left nothing open there
 
 
+@pytest.mark.fresh_server  # servers of its own, killed and replaced: make test
 def test_a_failed_snapshot_keeps_the_actions_and_the_episode_still_recovers(
     servers: list[ServerProcess], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -225,6 +232,7 @@ def test_a_failed_snapshot_keeps_the_actions_and_the_episode_still_recovers(
     assert trajectory == undisturbed(fallback.target, messages)
 
 
+@pytest.mark.fresh_server  # servers of its own, killed and replaced: make test
 def test_a_replay_that_diverges_is_logged_and_goes_on(
     servers: list[ServerProcess], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -244,6 +252,7 @@ def test_a_replay_that_diverges_is_logged_and_goes_on(
     )
 
 
+@pytest.mark.fresh_server  # servers of its own, killed and replaced: make test
 def test_a_replayed_action_refused_elsewhere_is_raised_as_the_loss(
     servers: list[ServerProcess],
 ) -> None:

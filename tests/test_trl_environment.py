@@ -251,6 +251,7 @@ def test_act_results_are_the_observation_as_json_never_protobuf_text(
         assert set(step) == set(first)  # every field of the observation, by name
 
 
+@pytest.mark.fresh_server  # its own OpenEnv-bridged server (seconds of imports): make test
 def test_a_bridged_openenv_env_offers_no_metadata_and_answers_json(tmp_path: Path) -> None:
     server = ServerProcess(
         "--openenv=support.openenv_envs.warehouse:WarehouseEnvironment",

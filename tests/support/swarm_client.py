@@ -163,7 +163,10 @@ def ingress(params: dict[str, Any]) -> dict[str, Any]:
         params,
         endpoint="ingress",
         health_interval=1,
-        start_timeout=params.get("start_timeout", 12),
+        # The bound covers the replicas' start and then the mesh's health wait (which
+        # fails on a kernel without IPVS); 12 s was too short for the replicas alone
+        # on a loaded 2-core machine ("0 of 2 replicas serving after 12s").
+        start_timeout=params.get("start_timeout", 30),
         extra_env=REPLICA_TAGGED_CAPACITY,
     )
     out: dict[str, Any] = {"name": p.name, "ipvs": os.path.exists("/proc/sys/net/ipv4/vs")}

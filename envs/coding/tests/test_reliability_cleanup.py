@@ -376,6 +376,9 @@ def degraded() -> Iterator[ServerProcess]:
     server.stop()
 
 
+# slow: a real server building and removing 10,000 levels x 100,000 entries, twice (minutes
+# of syscalls on a loaded 2-core VM): left to `make test`.
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["full", "degraded"])
 def test_a_deep_wide_tree_does_not_break_reset_or_close(
     kind: str, request: pytest.FixtureRequest, outside: Path
@@ -421,6 +424,7 @@ def _kill_and_reclaim(
     return _serve(extra_env)
 
 
+@pytest.mark.slow  # two real servers and a 3,000-level tree: left to `make test`
 def test_a_killed_servers_deep_trees_are_reclaimed_by_the_next_server(outside: Path) -> None:
     servers = [_serve()]
     try:
