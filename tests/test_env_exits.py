@@ -17,7 +17,9 @@ from openenv_grpc import EnvError, SessionLost, SessionRefused, VectorSession
 from openenv_grpc.testing import ServerProcess
 from openenv_grpc_envs.echo import EchoAction, EchoEnv
 
-pytestmark = pytest.mark.timeout(60)
+# The module's servers (one per mode) are shared by its tests; the tests that start a
+# server of their own say so (fresh_server).
+pytestmark = [pytest.mark.timeout(60), pytest.mark.shared_server]
 
 KINDS = {
     "sysexit": ("SystemExit: 4", "builtins.SystemExit"),
@@ -155,6 +157,7 @@ def test_a_close_that_raises_it_is_answered_and_the_env_is_gone(
     _settled(server)
 
 
+@pytest.mark.fresh_server
 @pytest.mark.parametrize("mode", ["inline", "async", "isolated"])
 def test_a_factory_that_raises_it_refuses_the_open_and_frees_the_slot(
     tmp_path: Path, mode: str
@@ -182,6 +185,7 @@ def test_a_factory_that_raises_it_refuses_the_open_and_frees_the_slot(
         server.stop()
 
 
+@pytest.mark.fresh_server
 @pytest.mark.parametrize("isolated", [False, True], ids=["in-process", "isolated"])
 @pytest.mark.parametrize("kind", [*KINDS, "genexit"])
 def test_a_native_batch_call_that_raises_it_is_answered(
@@ -210,6 +214,7 @@ def test_a_native_batch_call_that_raises_it_is_answered(
         server.stop()
 
 
+@pytest.mark.fresh_server
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_an_async_envs_own_task_that_raises_it_does_not_stop_the_server(
     tmp_path: Path, kind: str
@@ -230,6 +235,7 @@ def test_an_async_envs_own_task_that_raises_it_does_not_stop_the_server(
         server.stop()
 
 
+@pytest.mark.fresh_server
 def test_a_reclaim_hook_that_raises_it_is_called_after_every_death(tmp_path: Path) -> None:
     ledger = tmp_path / "ledger"
     ledger.mkdir()

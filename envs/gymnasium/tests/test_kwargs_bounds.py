@@ -17,7 +17,7 @@ from openenv_grpc import EnvError
 from openenv_grpc.testing import ServerProcess
 from openenv_grpc_envs.gymnasium import GymnasiumAction, GymnasiumEnv, GymnasiumResetOptions, Value
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.shared_server]
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +79,7 @@ def test_a_kwarg_that_only_sounds_like_a_path_is_left_to_gymnasium(server: Serve
         )
 
 
+@pytest.mark.fresh_server
 def test_the_operator_sets_the_bound(tmp_path: Any) -> None:
     process = ServerProcess("gymnasium", [], {"GYM_MAX_KWARGS_BYTES": "0"})
     try:
