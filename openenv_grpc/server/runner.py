@@ -194,9 +194,9 @@ class EnvRunner:
             env, spec.mode, pool, lifecycle=lifecycle, release=release, placement=spec.placement
         )
 
-    @_contained
-    async def call(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Call one of the env's methods and return its result (awaited if async).
+    async def _call(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Call one of the env's methods and return its result (awaited if async); see
+        :attr:`call`, the same with env code's exceptions contained.
 
         Raises:
             Exception: whatever the method (or a measured env's ``cost_class()``) raised.
@@ -220,6 +220,10 @@ class EnvRunner:
             return await method(*args, **kwargs)
         self._inflight = future = self._pool.submit(_here().run, method, *args, **kwargs)
         return await asyncio.wrap_future(future)
+
+    #: :meth:`_call` with env code's SystemExit and kin contained (``_contained``); the
+    #: runner's own contained entries call ``_call``, so a step is wrapped once.
+    call = _contained(_call)
 
     def _group(self, method: Callable[..., Any]) -> CostGroup:
         """The cost group ``method``'s call belongs to now."""
@@ -246,7 +250,7 @@ class EnvRunner:
             PoolSaturated: the call was still queued for a thread after ``timeout``.
         """
         if timeout is None or self._mode is ExecutionMode.INLINE:
-            return await self.call(method, *args, **kwargs)
+            return await self._call(method, *args, **kwargs)
         if self._mode is ExecutionMode.ASYNC:
             try:
                 return await asyncio.wait_for(method(*args, **kwargs), timeout)  # cancelled
@@ -361,7 +365,7 @@ class EnvRunner:
                         "it was cancelled"
                     ) from None
             else:  # an inline env's close runs on the loop: it cannot be interrupted
-                await self.call(self.env.close)
+                await self._call(self.env.close)
         finally:
             self._release()
 
