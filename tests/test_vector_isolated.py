@@ -14,15 +14,8 @@ import grpc
 
 from openenv_grpc import VectorSession
 from openenv_grpc_envs.echo import EchoAction, EchoVectorEnv
+from support.echo_rows import echoed_pids, say
 from support.raw_vector import RawVector
-
-
-def _say(*messages: str) -> list[EchoAction]:
-    return [EchoAction(message=m) for m in messages]
-
-
-def _pids(outcome) -> list[int]:  # type: ignore[no-untyped-def]
-    return [int(o.echoed_message) for o in outcome.observations]
 
 
 def test_a_vectors_envs_are_spread_over_the_env_processes_and_step_in_parallel(
@@ -31,14 +24,14 @@ def test_a_vectors_envs_are_spread_over_the_env_processes_and_step_in_parallel(
     server = start_server("support.envs:FaultyEnv", "--isolated", "2")
     with VectorSession(server.target, 4) as envs:
         envs.reset()
-        pids = _pids(envs.step(_say("pid", "pid", "pid", "pid")))
+        pids = echoed_pids(envs.step(say("pid", "pid", "pid", "pid")))
         assert pids[0] == pids[1] and pids[2] == pids[3] and pids[0] != pids[2]
         assert server.proc.pid not in pids
         assert server.created() == 4 and server.active() == 4
         # Envs 0 and 2 live in different processes and each waits for the other to start:
         # they can only both answer if the two processes step at the same time.
         meet = f"meet:{tmp_path}:2"
-        out = envs.step(_say(meet, "x", meet, "y"))
+        out = envs.step(say(meet, "x", meet, "y"))
         assert out.errors == {}, out.errors
         assert out.indices == [0, 1, 2, 3] and out.step_counts == [2, 2, 2, 2]
         assert envs.states(indices=[1, 2]) == [envs.state(1), envs.state(2)]
@@ -50,23 +43,23 @@ def test_a_crashed_env_process_loses_only_its_envs_and_the_stream_goes_on(start_
     with VectorSession(server.target, 4) as envs, EchoVectorEnv(server.target, 2) as other:
         envs.reset()
         other.reset()
-        before = _pids(envs.step(_say("pid", "pid", "pid", "pid")))
-        out = envs.step(_say("exit", "x", "y", "z"))  # env 0's process dies mid-step
+        before = echoed_pids(envs.step(say("pid", "pid", "pid", "pid")))
+        out = envs.step(say("exit", "x", "y", "z"))  # env 0's process dies mid-step
         assert out.indices == [2, 3] and out.step_counts == [2, 2]
         for index in (0, 1):
             assert out.errors[index].code is grpc.StatusCode.UNAVAILABLE
             assert "reset it" in out.errors[index].message
         # Envs 0 and 1 are fresh ones now: they answer once reset.
-        refused = envs.step(_say("a", "b", "c", "d"))
+        refused = envs.step(say("a", "b", "c", "d"))
         assert refused.indices == [2, 3]
         assert refused.errors[0].code is grpc.StatusCode.FAILED_PRECONDITION
         envs.reset(indices=[0, 1])
-        after = _pids(envs.step(_say("pid", "pid", "pid", "pid")))
+        after = echoed_pids(envs.step(say("pid", "pid", "pid", "pid")))
         assert after[0] == after[1] != before[0] and after[2:] == before[2:]
         assert envs.step_counts == [1, 1, 4, 4]
         # The other stream's envs on the dead process were lost and replaced too, or
         # lived on the other process: either way it answers.
-        answered = other.step(_say("p", "q"))
+        answered = other.step(say("p", "q"))
         assert len(answered.indices) + len(answered.errors) == 2
     server.wait_until(lambda: server.active() == 0)
 
@@ -75,12 +68,12 @@ def test_a_hung_block_answers_deadline_exceeded_for_its_envs_only(start_server) 
     server = start_server("support.envs:FaultyEnv", "--isolated", "2", "--step-timeout", "0.5")
     with VectorSession(server.target, 4) as envs:
         envs.reset()
-        out = envs.step(_say("sleep:30", "x", "y", "z"))  # killed at 0.5 s, not after 30
+        out = envs.step(say("sleep:30", "x", "y", "z"))  # killed at 0.5 s, not after 30
         assert out.indices == [2, 3]
         for index in (0, 1):
             assert out.errors[index].code is grpc.StatusCode.DEADLINE_EXCEEDED
         envs.reset(indices=[0, 1])
-        assert envs.step(_say("a", "b", "c", "d")).step_counts == [1, 1, 2, 2]
+        assert envs.step(say("a", "b", "c", "d")).step_counts == [1, 1, 2, 2]
 
 
 def test_a_native_batch_lives_in_one_env_process(start_server) -> None:
@@ -91,7 +84,7 @@ def test_a_native_batch_lives_in_one_env_process(start_server) -> None:
         out = envs.step_batch(EchoAction(message="a\nb\nc"))
         assert out.batch_observation is not None
         assert out.batch_observation.echoed_message == "a\nb\nc"
-        assert envs.step(_say("x", "y", "z"), indices=None).step_counts == [2, 2, 2]
+        assert envs.step(say("x", "y", "z"), indices=None).step_counts == [2, 2, 2]
     server.wait_until(lambda: server.closed_envs() == 3 and server.active() == 0)
 
 
@@ -134,5 +127,5 @@ def test_an_env_process_dying_during_the_open_is_unavailable_and_leaves_nothing(
     server.wait_until(lambda: server.active() == 0, what="both slots freed")
     with VectorSession(server.target, 2) as envs:  # a fresh env process serves the next open
         envs.reset()
-        assert envs.step(_say("a", "b")).step_counts == [1, 1]
+        assert envs.step(say("a", "b")).step_counts == [1, 1]
     server.wait_until(lambda: server.active() == 0)
