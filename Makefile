@@ -67,7 +67,7 @@ system-deps:
 # Most tests wait on servers, so more workers than cores pay; conftest.py keeps each file
 # (and the files sharing dockerd or the coding sandboxes) on one worker. TEST_WORKERS=0: serial.
 # test-fast is mostly CPU (in-process tests, and each xdist worker collects the suite): 2.
-TEST_WORKERS ?= 4
+TEST_WORKERS ?= 2
 FAST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 FAST_XDIST := $(if $(filter 0,$(FAST_WORKERS)),,-n $(FAST_WORKERS) --dist loadgroup)
