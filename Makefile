@@ -65,7 +65,8 @@ system-deps:
 	bash scripts/install_system_deps.sh
 
 # Most tests wait on servers, but timing-bound ones flaked with 4 workers on 2 cores: 2 here
-# (and the files sharing dockerd or the coding sandboxes) on one worker. TEST_WORKERS=0: serial.
+# conftest.py keeps each file (and the files sharing dockerd or the coding sandboxes) on one
+# worker. TEST_WORKERS=0: serial.
 # test-fast is mostly CPU (in-process tests, and each xdist worker collects the suite): 2.
 TEST_WORKERS ?= 2
 FAST_WORKERS ?= 2
