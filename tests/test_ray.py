@@ -24,6 +24,8 @@ from typing import Any
 
 import pytest
 
+from support.procs import running
+
 pytestmark = pytest.mark.timeout(420)
 
 TESTS = Path(__file__).resolve().parent
@@ -37,6 +39,19 @@ ADDRESS = f"127.0.0.1:{PORT}"
 NODES = 3
 NETNS_PREFIX = "oeg-ray-"
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DISABLE_IMPORT_WARNING": "1"}
+#: Runs ``ray start`` for each node and stays the daemons' parent: a subreaper that never
+#: reaps, as systemd --user is, or a pytest worker after a coding test. A worker's own
+#: raylet-death check (its parent turned pid 1) never fires under one; the actor's must.
+KEEPER = """
+import ctypes, json, signal, subprocess, sys
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+for args in json.loads(sys.argv[1]):
+    done = subprocess.run(args, capture_output=True, text=True, timeout=180)
+    if done.returncode:
+        sys.exit(f"ray start failed:\\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+print("started", flush=True)
+signal.pause()
+"""
 
 
 class RayCluster:
@@ -46,6 +61,7 @@ class RayCluster:
         self.netns = f"{NETNS_PREFIX}{os.getpid()}"
         self.temp = Path(tempfile.mkdtemp(prefix="oeg-ray-"))
         self.nodes = nodes
+        self.keeper: subprocess.Popen[str] | None = None
 
     @staticmethod
     def cleanup_leftovers() -> None:
@@ -56,18 +72,11 @@ class RayCluster:
             if name.startswith(NETNS_PREFIX) and not Path(f"/proc/{owner}").exists():
                 stale = RayCluster.__new__(RayCluster)
                 stale.netns, stale.temp, stale.nodes = name, Path(tempfile.mkdtemp()), 0
+                stale.keeper = None
                 stale.teardown()
 
     def nsenter(self) -> list[str]:
         return ["nsenter", f"--net=/run/netns/{self.netns}"]
-
-    def _ray(self, *args: str) -> None:
-        done = subprocess.run(
-            [*self.nsenter(), RAY, *args],
-            env={**os.environ, **RAY_ENV}, capture_output=True, text=True, timeout=180,
-        )  # fmt: skip
-        if done.returncode != 0:
-            raise RuntimeError(f"ray {args[0]} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
 
     def start(self) -> None:
         subprocess.run(["ip", "netns", "add", self.netns], check=True)
@@ -76,12 +85,19 @@ class RayCluster:
             "--node-ip-address=127.0.0.1", "--num-cpus=1", "--disable-usage-stats",
             "--object-store-memory=80000000",
         ]  # fmt: skip
-        self._ray(
-            "start", "--head", f"--port={PORT}", "--include-dashboard=false",
+        head = [
+            RAY, "start", "--head", f"--port={PORT}", "--include-dashboard=false",
             f"--temp-dir={self.temp}", *common,
+        ]  # fmt: skip
+        workers = [[RAY, "start", f"--address={ADDRESS}", *common]] * (self.nodes - 1)
+        self.keeper = subprocess.Popen(
+            [*self.nsenter(), PYTHON, "-c", KEEPER, json.dumps([head, *workers])],
+            env={**os.environ, **RAY_ENV}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True,
         )  # fmt: skip
-        for _ in range(self.nodes - 1):
-            self._ray("start", f"--address={ADDRESS}", *common)
+        assert self.keeper.stdout is not None and self.keeper.stderr is not None
+        if self.keeper.stdout.readline().strip() != "started":
+            raise RuntimeError(f"the cluster did not start:\n{self.keeper.stderr.read()}")
 
     def pids(self) -> list[int]:
         if not Path(f"/run/netns/{self.netns}").exists():
@@ -114,6 +130,8 @@ class RayCluster:
             deadline = time.monotonic() + 10
             while (pids := self.pids()) and time.monotonic() < deadline:
                 time.sleep(0.1)
+        if self.keeper is not None:
+            self.keeper.wait(10)
         if Path(f"/run/netns/{self.netns}").exists():
             subprocess.run(["ip", "netns", "delete", self.netns], check=False)
         shutil.rmtree(self.temp, ignore_errors=True)
@@ -205,7 +223,7 @@ def _spread_and_node_loss() -> dict[str, Any]:
         after = provider.servers[1]
         with Fleet(provider) as fleet:
             result["drained"] = {
-                "old_gone": not Path(f"/proc/{before['pid']}").exists(),
+                "old_gone": not running(before["pid"]),
                 "same_node": after["node_id"] == before["node_id"],
                 "serving": after["target"] in fleet.healthy(),
             }
@@ -231,7 +249,7 @@ def _spread_and_node_loss() -> dict[str, Any]:
                 if index == 4:  # the node goes: its raylet, then (with it) its server
                     os.kill(victim["raylet_pid"], signal.SIGKILL)
                     killed = time.monotonic()
-                    while Path(f"/proc/{victim['pid']}").exists():
+                    while running(victim["pid"]):
                         assert time.monotonic() < killed + 90, "the node's server lives on"
                         time.sleep(0.05)
                     result["server_gone_after_s"] = round(time.monotonic() - killed, 2)
@@ -265,7 +283,7 @@ def _spread_and_node_loss() -> dict[str, Any]:
     finally:
         provider.stop()
     time.sleep(0.5)
-    result["alive_servers_after_stop"] = [p for p in server_pids if Path(f"/proc/{p}").exists()]
+    result["alive_servers_after_stop"] = [p for p in server_pids if running(p)]
     ray.init(address=ADDRESS, log_to_driver=False)
     result["actors_after_stop"] = len(
         [a for a in ray._private.state.actors().values() if a["State"] != "DEAD"]

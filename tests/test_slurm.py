@@ -23,6 +23,8 @@ from typing import Any
 
 import pytest
 
+from support.procs import running
+
 pytestmark = pytest.mark.timeout(300)
 
 TESTS = Path(__file__).resolve().parent
@@ -160,7 +162,7 @@ def _pid(env: Any) -> int:
 def _leftovers(provider: Any, pids: set[int], workdir: Path) -> dict[str, Any]:
     queue = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True)
     return {
-        "alive_servers_after_stop": [p for p in pids if Path(f"/proc/{p}").exists()],
+        "alive_servers_after_stop": [p for p in pids if running(p)],
         "jobs_after_stop": queue.stdout.strip(),
         "workdir_left": workdir.exists(),
     }
@@ -330,7 +332,7 @@ def _recipe() -> dict[str, Any]:
         "nodes": nodes,
         "serving": serving,
         "jobs_after_stop": "",
-        "alive_servers_after_stop": [p for p in pids if Path(f"/proc/{p}").exists()],
+        "alive_servers_after_stop": [p for p in pids if running(p)],
     }
 
 

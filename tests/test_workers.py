@@ -12,6 +12,7 @@ from openenv_grpc.client.channel import AioChannelPool
 from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
 from openenv_grpc_envs.echo import AsyncEchoEnv, EchoAction
+from support.procs import running
 
 
 async def _worker_of(channel) -> tuple[int, int]:  # type: ignore[no-untyped-def]
@@ -100,13 +101,7 @@ def test_workers_do_not_outlive_a_killed_supervisor(start_server) -> None:
     os.kill(server.proc.pid, signal.SIGKILL)  # not the group: only the supervisor
 
     def gone() -> bool:
-        for pid in workers:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                continue
-            return False
-        return True
+        return not any(running(pid) for pid in workers)
 
     server.wait_until(gone, timeout=40, what="the orphaned workers to drain and exit")
 

@@ -14,7 +14,9 @@ ones (see :mod:`openenv_grpc.client.fleet`).
 
 Restarts: an actor whose server exits ends itself, and Ray restarts it (``max_restarts``)
 in its bundle -- a new server on a new port; :meth:`refresh` reads the targets again.
-A node lost with its raylet takes its actor and (by the parent-death signal) its server.
+A node lost with its raylet takes its actor and its server: the actor watches its raylet
+(its parent) and drains the server when it goes, and the parent-death signal covers an
+actor that dies first.
 :meth:`stop` drains every server (SIGTERM: NOT_SERVING, sessions get the grace period)
 and then kills the actors and removes the placement group; nothing is left on the
 cluster. Needs the ``ray`` extra.
@@ -41,6 +43,8 @@ from openenv_grpc.providers.base import FleetProvider, ProviderError, wait_servi
 __all__ = ["RayProvider", "ServerActor"]
 
 _PR_SET_PDEATHSIG = 1
+#: How often an actor looks whether its raylet is still its parent.
+_RAYLET_POLL_SECONDS = 0.25
 
 
 def _die_with_parent() -> None:
@@ -58,6 +62,7 @@ class ServerActor:
         extra_env: Added to the worker's environment for the child.
         host: Listen address (None: this node's IP as Ray sees it).
         start_timeout: Seconds to wait for the child's serving line.
+        stop_timeout: Seconds the child may drain when the raylet is lost.
     """
 
     def __init__(
@@ -66,6 +71,7 @@ class ServerActor:
         extra_env: Mapping[str, str],
         host: str | None,
         start_timeout: float,
+        stop_timeout: float = 30.0,
     ) -> None:
         import ray
 
@@ -86,6 +92,9 @@ class ServerActor:
             self._proc.kill()
             raise ProviderError(f"server did not announce a port: {command}")
         threading.Thread(target=self._watch, daemon=True).start()
+        threading.Thread(
+            target=self._watch_raylet, args=(os.getppid(), stop_timeout), daemon=True
+        ).start()
         self._node_id = ray.get_runtime_context().get_node_id()
 
     def _read(self, announced: threading.Event) -> None:
@@ -102,6 +111,18 @@ class ServerActor:
         self._proc.wait()
         if not self._stopping:
             os._exit(1)
+
+    def _watch_raylet(self, raylet: int, stop_timeout: float) -> None:
+        """The raylet died (its node is lost): drain the server and end this actor.
+
+        Ray's worker notices a dead raylet by being reparented to pid 1; under a subreaper
+        (systemd --user, a container's init that is not pid 1) it never is, and the actor
+        and its server would live on, serving from a node the cluster has written off.
+        """
+        while os.getppid() == raylet:
+            time.sleep(_RAYLET_POLL_SECONDS)
+        self.stop(stop_timeout)
+        os._exit(1)
 
     def where(self) -> dict[str, Any]:
         """target, node_id, server pid and raylet pid (the worker's parent) of this actor."""
@@ -237,7 +258,9 @@ class RayProvider(FleetProvider):
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         self._placement, placement_group_bundle_index=index
                     ),
-                ).remote(self.command, self.extra_env, self.host, self.start_timeout)
+                ).remote(
+                    self.command, self.extra_env, self.host, self.start_timeout, self.stop_timeout
+                )
                 for index in range(count)
             ]
             self.refresh()
