@@ -9,7 +9,9 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -22,6 +24,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 
 import openenv_grpc
 from openenv_grpc import (
+    AsyncVectorSession,
     CapacityError,
     EnvError,
     Session,
@@ -141,6 +144,37 @@ def test_idle_timeout_frees_slot_closes_env_and_client_gets_deadline_exceeded(
         idle.abort()
         busy.abort()
     _wait_released(server, 2)
+
+
+@pytest.mark.parametrize("stream", ["session", "vector"])
+def test_a_write_racing_the_servers_end_still_reports_the_servers_status(
+    start_server, stream: str
+) -> None:
+    """The async client writes on a stream whose end its loop has not yet read: gRPC
+    refuses the write and grpc.aio says INTERNAL ("Internal error from Core"), which can
+    replace the server's status (grpc/grpc#36066). The caller gets the server's status.
+
+    Blocking the client's loop past the idle timeout opens that window every time."""
+    server = start_server("support.envs:CountingEchoEnv", "--idle-timeout", "0.5")
+    envs = 1 if stream == "session" else 2
+
+    async def go() -> SessionLost:
+        async with aio_channel(server.target) as channel:
+            client: Any = AsyncEchoEnv(channel) if envs == 1 else AsyncVectorSession(channel, 2)
+            async with client:
+                await client.reset()
+                # The loop cannot run while the server reaps the stream and sends its status.
+                server.wait_until(lambda: server.closed_envs() == envs, 10.0, "idle reaped")
+                time.sleep(0.5)  # noqa: ASYNC251 (the point: the loop is blocked)
+                action = EchoAction(message="too late")
+                with pytest.raises(SessionLost) as lost:
+                    await client.step(action if envs == 1 else [action] * envs)
+                return lost.value
+
+    lost = asyncio.run(go())
+    assert lost.code is grpc.StatusCode.DEADLINE_EXCEEDED, lost
+    assert "idle" in lost.message
+    _wait_released(server, envs)
 
 
 def test_idle_timeout_slot_is_reusable_at_capacity(start_server) -> None:

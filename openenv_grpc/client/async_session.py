@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Generic, overload
 import grpc
 
 from openenv_grpc.client import session_core
+from openenv_grpc.client.aio_status import EndStatus, write_request
 from openenv_grpc.client.channel import aio_channel
 from openenv_grpc.client.errors import SessionLost, SessionRefused, SessionTimeout
 from openenv_grpc.client.outcome import Restored, StepOutcome
@@ -46,6 +47,8 @@ class AsyncStream(session_core.StreamBase):
         super().__init__(target, **options)
         #: A read left running by a timed-out request; its answer is stale when it comes.
         self._pending: asyncio.Future[Any] | None = None
+        #: How the open stream ended, as the server said (see :mod:`.aio_status`).
+        self._ended: EndStatus | None = None
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -90,6 +93,7 @@ class AsyncStream(session_core.StreamBase):
         """One attempt: None once admitted, else the refusal (see :meth:`Session._open_once`)."""
         core = self._core
         call: _Call = core.open_stream()
+        self._ended = EndStatus(call)
         if core.admit(call, await call.initial_metadata()):
             return None
         return core.refused(await call.code(), await call.details(), await call.trailing_metadata())
@@ -131,13 +135,8 @@ class AsyncStream(session_core.StreamBase):
         if self._core.must_reopen():
             await self.open()
         call: _Call = self._core.open_call()
-        try:
-            await call.write(request)
-        except grpc.aio.AioRpcError as exc:
-            error = _write_failure(exc)
-        except asyncio.InvalidStateError:  # written after the stream finished cleanly
-            error = lost(await call.code(), await call.details())
-        else:
+        error = await write_request(call, request, self._ended)
+        if error is None:
             try:
                 while (response := await self._read(call, timeout)) is not grpc.aio.EOF:
                     if not self._core.protocol.is_stale(response, request):
@@ -277,16 +276,3 @@ class AsyncSession(
 
 
 AsyncSession._generic_origin = AsyncSession
-
-
-def _write_failure(exc: grpc.aio.AioRpcError) -> SessionLost:
-    """A failed write means the server had already ended the stream. grpc.aio then
-    replaces the server's status with its own INTERNAL ("Internal error from Core"), so
-    the server's reason (e.g. draining) is lost; report what is known."""
-    if exc.code() is grpc.StatusCode.INTERNAL:
-        return lost(
-            grpc.StatusCode.UNAVAILABLE,
-            "the server ended the session before the request was sent (it may be draining "
-            f"or have closed the session; gRPC: {exc.details()})",
-        )
-    return lost(exc.code(), exc.details())

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any, Generic, NoReturn
 
 import grpc
 
-from openenv_grpc.client.async_session import AsyncStream, _write_failure
+from openenv_grpc.client.aio_status import write_request
+from openenv_grpc.client.async_session import AsyncStream
 from openenv_grpc.client.errors import SessionLost, SessionTimeout
 from openenv_grpc.client.outcome import Restored
 from openenv_grpc.client.protocol import lost
@@ -127,12 +128,9 @@ class AsyncVectorSession(
             self._inbox.clear()
             await self.open()
         call = core.open_call()
-        try:
-            await call.write(request)
-        except grpc.aio.AioRpcError as exc:
-            await self._lose(_write_failure(exc))
-        except asyncio.InvalidStateError:  # written after the stream finished cleanly
-            await self._lose(lost(await call.code(), await call.details()))
+        error = await write_request(call, request, self._ended)
+        if error is not None:
+            await self._lose(error)
 
     async def _answer(self, wanted: int | None, deadline: float | None) -> Any:
         """The answer to request ``wanted`` (None: to any request of :meth:`send`).
