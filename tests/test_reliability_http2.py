@@ -332,26 +332,26 @@ def test_a_unary_request_that_never_completes_is_let_go_after_its_deadline(
     before the handler runs: 16 streams each sending all of an 8 MiB request but its last
     KiB held +1 GiB over 8 connections for as long as the client kept them (an outside
     attack on this round's fixes). Now each such call ends DEADLINE_EXCEEDED once its
-    request has not arrived within REQUEST_ARRIVAL_SECONDS, and the memory goes back."""
-    from openenv_grpc.server.request_deadline import REQUEST_ARRIVAL_SECONDS
-
+    request has not arrived within --request-arrival-timeout, and the memory goes back."""
+    arrival = 2.0
     # Health is open to all with AUTH_TOKEN set; Info is, on a server without one.
     token = None if path == INFO_PATH else "s3cret"
     server = start_server(
-        "support.envs:CountingEchoEnv", extra_env={"AUTH_TOKEN": token} if token else {}
-    )
+        "support.envs:CountingEchoEnv", "--request-arrival-timeout", str(arrival),
+        extra_env={"AUTH_TOKEN": token} if token else {},
+    )  # fmt: skip
     pid = server.proc.pid
     fetch_info(server.target, token=token)  # warm-up
     baseline = rss_mib(pid)
     sender = SlowSender(server.target, 16, 4 * 2**20, path=path)
     try:
-        sender.push(REQUEST_ARRIVAL_SECONDS)
+        sender.push(arrival)
         # The connection stays up (PINGs answered): only the deadline can end the calls.
         server.wait_until(lambda: (sender.idle(0.2), len(sender.ended) == 16)[1], 60, "16 ended")
         held = rss_mib(pid) - baseline
     finally:
         sender.close()
-    expected = f"status 4: the request did not arrive within {REQUEST_ARRIVAL_SECONDS:g} s"
+    expected = f"status 4: the request did not arrive within {arrival:g} s"
     assert set(sender.ended.values()) == {expected}
     server.wait_until(lambda: rss_mib(pid) - baseline <= 24, 30, "the memory given back")
     print(f"\nHTTP2 unary slow sender {path}: ended 16/16, RSS +{held:.1f} MiB before the trim")

@@ -167,7 +167,7 @@ class EnvServer:
         interceptors: list[grpc.aio.ServerInterceptor] = (
             [TokenAuthInterceptor(self.config.auth_token)] if self.config.auth_token else []
         )
-        interceptors.append(UnaryRequestDeadline())
+        interceptors.append(UnaryRequestDeadline(self.config.request_arrival_timeout))
         limiter = SessionLimiter(self.config.capacity)
         prometheus: PrometheusMetrics | None = None
         if self.config.metrics_port >= 0:

@@ -133,6 +133,16 @@ class ServerConfig:
         help="seconds a session may wait for its client before the server closes it; "
         "`0` = forever",
     )  # fmt: skip
+    request_arrival_timeout: float = setting(
+        10.0, variable="REQUEST_ARRIVAL_TIMEOUT", flag="--request-arrival-timeout", above=0,
+        help="seconds the request of a unary call (Info, health Check and Watch) may take to "
+        "arrive",
+        details="grpc.aio reads such a request whole before answering, so a client that "
+        "never sends its last bytes would hold up to `--max-message-bytes` for as long as "
+        "it kept the connection; past this the call ends `DEADLINE_EXCEEDED` and what "
+        "arrived is let go. A probe's request takes microseconds. Session and "
+        "VectorSession streams have `--idle-timeout` instead",
+    )  # fmt: skip
     grace_period: float = setting(
         25.0, variable="GRACE_PERIOD", flag="--grace", minimum=0,
         help="seconds running sessions get after SIGTERM/SIGINT",

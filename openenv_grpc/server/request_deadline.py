@@ -5,8 +5,8 @@ long that may take: a client that announces a large request and never sends its 
 bytes holds up to ``--max-request-bytes`` for as long as it keeps the connection alive
 (health calls are exempt from ``AUTH_TOKEN``, so anyone could). This interceptor serves
 such methods as request-streaming calls that take their one request within
-:data:`REQUEST_ARRIVAL_SECONDS`, or end with ``DEADLINE_EXCEEDED`` and let go of what
-arrived. Session and VectorSession streams have the idle timeout instead.
+``--request-arrival-timeout`` seconds, or end with ``DEADLINE_EXCEEDED`` and let go of
+what arrived. Session and VectorSession streams have the idle timeout instead.
 """
 
 from __future__ import annotations
@@ -17,10 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
-__all__ = ["REQUEST_ARRIVAL_SECONDS", "UnaryRequestDeadline"]
-
-#: Seconds a unary call's request may take to arrive (a probe's takes microseconds).
-REQUEST_ARRIVAL_SECONDS = 10.0
+__all__ = ["UnaryRequestDeadline"]
 
 _Req = TypeVar("_Req")
 _Res = TypeVar("_Res")
@@ -31,7 +28,7 @@ if TYPE_CHECKING:  # generic only in the type stubs, not at run time
 class UnaryRequestDeadline(grpc.aio.ServerInterceptor):
     """Serves every unary-request method with a deadline on its request's arrival."""
 
-    def __init__(self, seconds: float = REQUEST_ARRIVAL_SECONDS) -> None:
+    def __init__(self, seconds: float) -> None:
         self._seconds = seconds
 
     async def intercept_service(
