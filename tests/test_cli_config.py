@@ -56,6 +56,7 @@ def test_from_env_parses_every_variable() -> None:
         "MAX_REQUEST_BYTES": "512",
         "ENV_THREADS": "2",
         "LIFECYCLE_TIMEOUT": "7.5",
+        "REQUEST_ARRIVAL_TIMEOUT": "3.5",
         "INLINE_THRESHOLD_MS": "0.25",
         "RETRY_PUSHBACK_MS": "250",
         "KEEPALIVE_TIME": "4.5",
@@ -93,6 +94,7 @@ def test_from_env_parses_every_variable() -> None:
         max_request_bytes=512,
         env_threads=2,
         lifecycle_timeout=7.5,
+        request_arrival_timeout=3.5,
         inline_threshold_ms=0.25,
         retry_pushback_ms=250,
         keepalive_time=4.5,
@@ -186,6 +188,7 @@ def test_from_env_bad_value_raises_value_error_naming_the_variable(var: str, raw
         ("MAX_PENDING_CALLS", "-5", "max_pending_calls"),
         ("MAX_VECTOR_IN_FLIGHT", "0", "max_vector_in_flight"),
         ("MAX_VECTOR_IN_FLIGHT", "1025", "max_vector_in_flight"),
+        ("REQUEST_ARRIVAL_TIMEOUT", "0", "request_arrival_timeout"),
     ],
 )
 def test_from_env_out_of_range_is_rejected(var: str, raw: str, field: str) -> None:
