@@ -83,8 +83,14 @@ def test_an_oversize_vector_answer_keeps_the_event_loop_free(start_server) -> No
     checker = threading.Thread(target=check_health, daemon=True)
     checker.start()
     server.wait_until(lambda: bool(answered), what="a first health answer")
-    windows = []
-    for _ in range(5):
+    windows: list[tuple[float, float]] = []
+
+    def answered_during() -> list[float]:
+        return [t for t, _ in answered if any(a < t < b for a, b in windows)]
+
+    # Up to 20 commands, until health answers landed inside them: on a loaded machine the
+    # checker's thread may not be scheduled within the first few windows at all.
+    while len(windows) < 20 and (len(windows) < 5 or not answered_during()):
         began = time.monotonic()
         answer = stream.send(pb.VectorSessionRequest(state=pb.VectorState()))
         windows.append((began, time.monotonic()))
@@ -93,9 +99,10 @@ def test_an_oversize_vector_answer_keeps_the_event_loop_free(start_server) -> No
     checker.join(timeout=60)
     assert not checker.is_alive()
     assert {status for _, status in answered} == {health_pb2.HealthCheckResponse.SERVING}
-    during = [t for t, _ in answered if any(a < t < b for a, b in windows)]
-    assert during, f"no health answer while the commands ran ({len(answered)} in all)"
-    assert _state_calls(server) <= 5 * (4 + LIMIT // STATE_CHARS + 2)
+    assert answered_during(), (
+        f"no health answer while {len(windows)} commands ran ({len(answered)} in all)"
+    )
+    assert _state_calls(server) <= len(windows) * (4 + LIMIT // STATE_CHARS + 2)
     stream.end()
 
 
