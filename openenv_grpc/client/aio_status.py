@@ -53,7 +53,10 @@ class EndStatus:
     def _done(self, call: Any) -> None:
         if self.status is not None:
             return
-        code, details = _ready(call.code()), _ready(call.details())
+        try:
+            code, details = _ready(call.code()), _ready(call.details())
+        except Exception:  # never break grpc.aio's own callbacks; the write says INTERNAL
+            return
         if code is not None and (code, details) != _PLACEHOLDER:
             self.status = (code, details or "")
             self.known.set()
