@@ -171,6 +171,7 @@ def test_a_factory_that_raises_it_refuses_the_open_and_frees_the_slot(
         first = EchoEnv(server.target)
         first.open()
         first.close()
+        _settled(server)  # the slot is given back once the stream has ended, just after
         for _ in range(2):  # the slot is given back each time: the second open is refused too
             with pytest.raises(SessionRefused) as failed, EchoEnv(server.target):
                 pass
