@@ -28,6 +28,7 @@ from openenv_grpc.client import (
     VectorSession,
     fetch_info,
 )
+from openenv_grpc.codec import frame_array
 from openenv_grpc.environment import (
     AsyncEnvironment,
     AutoresetMode,
@@ -68,6 +69,7 @@ __all__ = [
     "VectorSession",
     "__version__",
     "fetch_info",
+    "frame_array",
     "serve",
 ]
 

@@ -20,6 +20,7 @@ __all__ = [
     "TYPE_URL_PREFIX",
     "PayloadError",
     "file_descriptor_set",
+    "frame_array",
     "info_from_struct",
     "info_to_struct",
     "pack",
@@ -149,6 +150,24 @@ def value_to_python(value: struct_pb2.Value) -> Any:
     if kind == "list_value":
         return [value_to_python(item) for item in value.list_value.values]
     return None
+
+
+def frame_array(frame: Any) -> Any:
+    """A rendered image (a ``Frame`` from ``render()``) as a numpy array of dtype uint8,
+    shape (height, width, channels), as Gymnasium's ``rgb_array`` render mode gives it.
+
+    Raises:
+        ValueError: the frame is text, or its pixels do not fill its shape.
+    """
+    import numpy as np  # numpy is no core dependency: only this needs it
+
+    if frame.WhichOneof("content") != "image":
+        raise ValueError("the frame is text, not an image: read frame.text")
+    image = frame.image
+    shape = (image.height, image.width, image.channels)
+    if len(image.pixels) != image.height * image.width * image.channels:
+        raise ValueError(f"{len(image.pixels)} pixel bytes do not fill an image of {shape}")
+    return np.frombuffer(image.pixels, dtype=np.uint8).reshape(shape)
 
 
 def file_descriptor_set(*message_classes: type[Message]) -> descriptor_pb2.FileDescriptorSet:

@@ -28,9 +28,11 @@ import enum
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from google.protobuf.message import Message
+
+from openenv_grpc.v1.session_pb2 import Frame
 
 __all__ = [
     "AsyncEnvironment",
@@ -39,7 +41,9 @@ __all__ = [
     "BatchTransition",
     "Environment",
     "EnvironmentTypes",
+    "ImageArray",
     "InvalidAction",
+    "Rendering",
     "Transition",
     "message_types",
 ]
@@ -48,6 +52,24 @@ ActionT = TypeVar("ActionT", bound=Message)
 ObservationT = TypeVar("ObservationT", bound=Message)
 StateT = TypeVar("StateT", bound=Message)
 ResetOptionsT = TypeVar("ResetOptionsT", bound=Message)
+
+
+class ImageArray(Protocol):
+    """An image as an array: a numpy array of dtype uint8 and shape (height, width) or
+    (height, width, channels), channels 1, 3 or 4 -- what Gymnasium's ``rgb_array``
+    render mode returns."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> Any: ...
+
+    def tobytes(self) -> bytes: ...
+
+
+#: What :meth:`Environment.render` returns: text, an image array, or a ready Frame.
+Rendering = str | ImageArray | Frame
 
 
 @dataclass(slots=True)
@@ -258,6 +280,19 @@ class Environment(_EnvironmentBase[ActionT, ObservationT, StateT, ResetOptionsT]
         """
         raise NotImplementedError
 
+    def render(self) -> Rendering:
+        """Optional: a picture of the environment as it is now, for people and video
+        recorders (the client's ``render()``; Gymnasium's ``rgb_array`` and ``ansi``
+        render modes): an image array (uint8, height x width [x channels]) or text. It
+        must change nothing in the episode.
+
+        Raises:
+            NotImplementedError: the default: this env does not render (UNIMPLEMENTED
+                in-band, the session goes on); raise it with the reason when only some
+                configurations render.
+        """
+        raise NotImplementedError(f"{type(self).__qualname__} does not render")
+
     @classmethod
     def make_batch(
         cls, size: int, autoreset: AutoresetMode
@@ -312,6 +347,10 @@ class AsyncEnvironment(_EnvironmentBase[ActionT, ObservationT, StateT, ResetOpti
     async def restore(self, snapshot: bytes) -> None:
         """See :meth:`Environment.restore`."""
         raise NotImplementedError
+
+    async def render(self) -> Rendering:
+        """See :meth:`Environment.render`."""
+        raise NotImplementedError(f"{type(self).__qualname__} does not render")
 
 
 class AutoresetMode(enum.Enum):
@@ -438,6 +477,14 @@ class BatchEnvironment(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
                 episode is unchanged (INVALID_ARGUMENT for that index).
         """
         raise NotImplementedError("this environment's native batch cannot restore one env")
+
+    def render(self, index: int) -> Rendering:
+        """Optional: a picture of env ``index`` (see :meth:`Environment.render`).
+
+        Raises:
+            NotImplementedError: the default (UNIMPLEMENTED for that index, saying why).
+        """
+        raise NotImplementedError(f"{type(self).__qualname__} does not render")
 
     def join_actions(self, actions: Sequence[ActionT]) -> ActionT:
         """One batch-form action from one action per env (a client that sent one payload

@@ -167,7 +167,7 @@ def test_empty_envelope_is_invalid_argument_with_request_id(server, channel) -> 
         assert error.code == INVALID_ARGUMENT
         assert (
             error.message
-            == "empty request: set one of reset, step, state, snapshot, restore, close"
+            == "empty request: set one of reset, step, state, close, snapshot, restore, render"
         )
         assert error.exception_type == ""
         neighbour.check()

@@ -30,12 +30,13 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
 
 from openenv_grpc import AutoresetMode, BatchEnvironment, BatchTransition, InvalidAction
+from openenv_grpc.environment import Rendering
 from openenv_grpc_envs.gymnasium.backends import BatchBackend, Rows
 from openenv_grpc_envs.gymnasium.batch_convert import (
     decode_batch,
@@ -59,7 +60,13 @@ from openenv_grpc_envs.gymnasium.v1.gymnasium_pb2 import (
     GymnasiumState,
 )
 
-__all__ = ["BACKEND_VARIABLE", "STATE_OBSERVATION_BYTES", "GymnasiumBatch", "default_backend"]
+__all__ = [
+    "BACKEND_VARIABLE",
+    "STATE_OBSERVATION_BYTES",
+    "GymnasiumBatch",
+    "default_backend",
+    "rendered",
+]
 
 #: The server environment variable choosing the backend when a reset does not.
 BACKEND_VARIABLE = "GYM_VECTOR_BACKEND"
@@ -224,6 +231,16 @@ class GymnasiumBatch(
         if isinstance(frame, np.ndarray):
             fill_tensor(state.frame, frame)
         return state
+
+    def render(self, index: int) -> Rendering:
+        """Env ``index``'s current frame (``GymnasiumEnvironment.render``).
+
+        Raises:
+            InvalidAction: no env runs yet. NotImplementedError: made without rendering.
+        """
+        if self._backend is None:
+            raise InvalidAction("no env runs yet: reset first, then render")
+        return rendered(self._backend.render(index))
 
     def snapshot(self, index: int) -> bytes:
         """Env ``index``'s episode, in ``GymnasiumEnvironment.snapshot``'s format.
@@ -430,3 +447,17 @@ def _take(batch: Any, keep: npt.NDArray[np.bool_]) -> Any:
 
 def _no_rows() -> Rows:
     return Rows([], [], False, [], [], [])
+
+
+def rendered(frame: Any) -> Rendering:
+    """A gymnasium env's frame, as ``render()`` answers it.
+
+    Raises:
+        NotImplementedError: there is none: the env was made without rendering.
+    """
+    if frame is None:
+        raise NotImplementedError(
+            "the env was made without rendering: reset it with the reset option "
+            'render_mode="rgb_array"'
+        )
+    return cast(Rendering, frame)  # an RGB array: gymnasium's render() is untyped

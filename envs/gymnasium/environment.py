@@ -14,7 +14,8 @@ import gymnasium
 import numpy as np
 
 from openenv_grpc import AutoresetMode, Environment, InvalidAction, Transition
-from openenv_grpc_envs.gymnasium.batch import GymnasiumBatch, default_backend
+from openenv_grpc.environment import Rendering
+from openenv_grpc_envs.gymnasium.batch import GymnasiumBatch, default_backend, rendered
 from openenv_grpc_envs.gymnasium.configuration import (
     ENV_ID_VARIABLE,
     Config,
@@ -215,6 +216,17 @@ class GymnasiumEnvironment(
         self._seed, self._steps, self._return = episode.seed, episode.steps, episode.episode_return
         self._terminated, self._truncated = episode.terminated, episode.truncated
         self._last_observation = recorded.last_observation
+
+    def render(self) -> Rendering:
+        """The env's current frame (uint8, height x width x 3).
+
+        Raises:
+            InvalidAction: no env runs yet (reset first).
+            NotImplementedError: the env was made without ``render_mode="rgb_array"``.
+        """
+        if self._env is None:
+            raise InvalidAction("no env runs yet: reset first, then render")
+        return rendered(self._env.render() if self._env.render_mode == "rgb_array" else None)
 
     def close(self) -> None:
         env, self._env = self._env, None

@@ -525,6 +525,16 @@ class OpenSpielEnvironment(
             terminal=terminal,
         )
 
+    def render(self) -> str:
+        """The board as OpenSpiel prints it (``str(state)``).
+
+        Raises:
+            InvalidAction: no game runs yet (reset first).
+        """
+        if self._episode is None:
+            raise InvalidAction("no game runs yet: reset first, then render")
+        return str(self._episode.state)
+
     def snapshot(self) -> bytes:
         """The episode as JSON: the game's name and parameters, who plays which seat, the
         seed and step count, the generators' states (chance, for games with explicit

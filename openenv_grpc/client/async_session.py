@@ -214,6 +214,13 @@ class AsyncSession(
         response = await self._roundtrip(protocol.state_request(), timeout)
         return protocol.state_result(response)  # type: ignore[no-any-return]
 
+    async def render(self, *, timeout: float | None = None) -> pb.Frame:
+        """A picture of the environment; see :meth:`Session.render`."""
+        if self._recovering is not None:
+            return await self._recovering.render(timeout)
+        protocol = self._core.protocol
+        return protocol.render_result(await self._roundtrip(protocol.render_request(), timeout))
+
     async def snapshot(self, *, timeout: float | None = None) -> bytes:
         """The current episode as bytes; see :meth:`Session.snapshot`."""
         if self._recovering is not None:

@@ -23,6 +23,7 @@ from openenv_grpc.client.vector_core import VectorBase
 from openenv_grpc.client.vector_outcome import VectorOutcome
 from openenv_grpc.client.vector_protocol import EpisodeIds, Indices, Options, Seeds
 from openenv_grpc.environment import AutoresetMode
+from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:  # only the type checker needs these
@@ -196,6 +197,13 @@ class AsyncVectorSession(
         protocol = self._core.protocol
         answer = await self._roundtrip(protocol.snapshot_request(indices), timeout)
         return protocol.snapshots(answer)
+
+    async def render(
+        self, indices: Indices = None, *, timeout: float | None = None
+    ) -> list[pb.Frame]:
+        """A picture of each env named; see :meth:`VectorSession.render`."""
+        protocol = self._core.protocol
+        return protocol.frames(await self._roundtrip(protocol.render_request(indices), timeout))
 
     async def restore(
         self, snapshots: Sequence[bytes], *, indices: Indices = None, timeout: float | None = None

@@ -200,6 +200,11 @@ class SessionProtocol(StreamProtocol):
         request.snapshot.SetInParent()
         return request
 
+    def render_request(self) -> pb.SessionRequest:
+        request: pb.SessionRequest = self._envelope()
+        request.render.SetInParent()
+        return request
+
     def restore_request(self, data: bytes) -> pb.SessionRequest:
         """Raises TypeError: ``data`` is not bytes (nothing is sent)."""
         if not isinstance(data, bytes | bytearray | memoryview):
@@ -231,6 +236,10 @@ class SessionProtocol(StreamProtocol):
     def snapshot_result(self, response: pb.SessionResponse) -> bytes:
         result = self._outcome(response, "snapshot")
         return bytes(result.snapshot)
+
+    def render_result(self, response: pb.SessionResponse) -> pb.Frame:
+        result: pb.RenderResult = self._outcome(response, "rendered")
+        return result.frame
 
     def restore_result(self, response: pb.SessionResponse) -> Restored:
         result = self._outcome(response, "restored")

@@ -198,6 +198,11 @@ class RecoveringCalls:
         _, state = await self._call(protocol.state_request, protocol.state_result, timeout)
         return state
 
+    async def render(self, timeout: float | None) -> pb.Frame:
+        protocol = self._protocol
+        _, frame = await self._call(protocol.render_request, protocol.render_result, timeout)
+        return frame  # type: ignore[no-any-return]
+
     async def snapshot(self, timeout: float | None) -> bytes:
         protocol = self._protocol
         _, data = await self._call(protocol.snapshot_request, protocol.snapshot_result, timeout)

@@ -303,6 +303,21 @@ class Session(
         request = self._core.protocol.state_request()
         return self._core.protocol.state_result(self._roundtrip(request, timeout))  # type: ignore[no-any-return]
 
+    def render(self, *, timeout: float | None = None) -> pb.Frame:
+        """A picture of the environment as it is now: ``frame.image`` (uint8 pixels,
+        height x width x channels; :func:`openenv_grpc.frame_array` makes it a numpy
+        array) or ``frame.text``. The episode is not changed.
+
+        Raises:
+            EnvError: UNIMPLEMENTED, the env does not render (or not as configured: the
+                message says why); INTERNAL, its render raised. The episode goes on.
+            SessionLost: the stream ended. SessionTimeout: no answer within ``timeout``.
+        """
+        if self._recovering is not None:
+            return run_blocking(self._recovering.render(timeout))
+        request = self._core.protocol.render_request()
+        return self._core.protocol.render_result(self._roundtrip(request, timeout))
+
     def snapshot(self, *, timeout: float | None = None) -> bytes:
         """The current episode as bytes this client keeps (the env's own bytes plus the
         episode id, step count and phase, signed by the server): :meth:`restore` them on

@@ -24,6 +24,7 @@ from openenv_grpc.client.vector_core import VectorBase
 from openenv_grpc.client.vector_outcome import VectorOutcome
 from openenv_grpc.client.vector_protocol import EpisodeIds, Indices, Options, Seeds
 from openenv_grpc.environment import AutoresetMode
+from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:  # only the type checker needs these
@@ -272,6 +273,20 @@ class VectorSession(SyncStream, VectorBase, Generic[ActionT, ObservationT, State
         protocol = self._core.protocol
         request = protocol.snapshot_request(indices)
         return protocol.snapshots(self._roundtrip(request, timeout))
+
+    def render(self, indices: Indices = None, *, timeout: float | None = None) -> list[pb.Frame]:
+        """A picture of each env named (all by default), in index order; see
+        :meth:`Session.render`. No episode changes.
+
+        Raises:
+            VectorEnvError: some envs drew nothing (``errors`` by index: UNIMPLEMENTED,
+                the env does not render; INTERNAL, its render raised).
+            EnvError: the request was refused (bad indices; RESOURCE_EXHAUSTED: the whole
+                answer is over the message limit, ask for fewer envs at a time).
+            SessionLost: the stream ended. SessionTimeout: no answer within ``timeout``.
+        """
+        protocol = self._core.protocol
+        return protocol.frames(self._roundtrip(protocol.render_request(indices), timeout))
 
     def restore(
         self, snapshots: Sequence[bytes], *, indices: Indices = None, timeout: float | None = None

@@ -153,6 +153,12 @@ class VectorProtocol(StreamProtocol):
         self._named(indices, request.snapshot.indices)
         return request
 
+    def render_request(self, indices: Indices) -> pb.VectorSessionRequest:
+        request: pb.VectorSessionRequest = self._envelope()
+        request.render.SetInParent()
+        self._named(indices, request.render.indices)
+        return request
+
     def restore_request(
         self, snapshots: Sequence[bytes], indices: Indices
     ) -> pb.VectorSessionRequest:
@@ -284,6 +290,19 @@ class VectorProtocol(StreamProtocol):
         if result.errors:
             raise VectorEnvError("snapshot", _errors(result.errors), list(result.indices))
         return [bytes(entry.snapshot) for entry in result.snapshots]
+
+    def frames(self, response: pb.VectorSessionResponse) -> list[pb.Frame]:
+        """The answer to a render command: one frame per env named, in index order.
+
+        Raises:
+            VectorEnvError: some envs drew nothing (the others' frames are dropped: ask
+                again for those).
+            EnvError: the request was refused.
+        """
+        result: pb.VectorFrames = self._outcome(response, "frames")
+        if result.errors:
+            raise VectorEnvError("render", _errors(result.errors), list(result.indices))
+        return [entry.frame for entry in result.frames]
 
     def restored(self, response: pb.VectorSessionResponse) -> list[Restored]:
         """The answer to a restore command: where each env named now is, in index order.

@@ -6,11 +6,9 @@ backend says what it answered (:class:`Answer`): the session records the metrics
 that, and ends the stream after a close, so no flag or metrics sink is relayed through
 the layers below it.
 
-A Session's backend is :class:`~openenv_grpc.server.session_view.SessionView` (the env in
-this process) or :class:`~openenv_grpc.server.env_process_pool.EnvProcessBackend` (the env
-in an env process of ``--isolated``; a SessionView runs there). A VectorSession stream's
-backend is :class:`~openenv_grpc.server.vector_view.VectorView`, wherever its envs run.
-Both views ask the one driver (``driver.py``).
+A Session's backend is :class:`~openenv_grpc.server.session_view.SessionView`, a
+VectorSession stream's :class:`~openenv_grpc.server.vector_view.VectorView`, wherever
+their envs run (``--isolated`` or not); both views ask the one driver (``driver.py``).
 """
 
 from __future__ import annotations
@@ -62,17 +60,13 @@ class SessionLostError(Exception):
 
 
 class Outcome(enum.IntEnum):
-    """What a request was answered with (small ints: env processes send them as is, below
-    the end-of-stream bit 8 of their status byte)."""
+    """What a request was answered with, as far as the session's metrics care."""
 
-    RESET = 0  # a reset's first observation
+    ANSWERED = 0  # any other command's answer (a reset, a state, a snapshot, ...)
     STEPPED = 1  # a completed step (counted in Info's activity and Prometheus)
-    STATE = 2  # the env's state
     CLOSED = 3  # the env is closed: the stream ends after this answer
     FAILED = 4  # an in-band error; Answer.error names its code
     SATURATED = 5  # RESOURCE_EXHAUSTED: the call never got an env thread in time
-    SNAPSHOT = 6  # a snapshot of the episode
-    RESTORED = 7  # the session continues from a snapshot
 
 
 class Answer(NamedTuple):

@@ -158,10 +158,9 @@ class BatchCalls(Protocol):
 
     async def step(self, args: StepArgs) -> BatchOutcome: ...
 
-    async def state(self, indices: Sequence[int]) -> BatchStates: ...
-
-    async def snapshot(self, indices: Sequence[int]) -> BatchStates:
-        """Each env's own snapshot bytes (unsealed), or its error."""
+    async def query(self, name: str, indices: Sequence[int]) -> BatchStates:
+        """Each env's answer to query ``name`` (``queries.py``; a snapshot's bytes come
+        unsealed), or its error."""
         ...
 
     async def restore(self, args: RestoreArgs) -> dict[int, RowError]:
@@ -239,13 +238,9 @@ class LocalBatchCalls:
         )  # fmt: skip
         return result
 
-    async def state(self, indices: Sequence[int]) -> BatchStates:
-        result: BatchStates = await self._call("state", len(indices), self._batch.state, indices)
-        return result
-
-    async def snapshot(self, indices: Sequence[int]) -> BatchStates:
+    async def query(self, name: str, indices: Sequence[int]) -> BatchStates:
         batch = self._batch
-        result: BatchStates = await self._call("snapshot", len(indices), batch.snapshot, indices)
+        result: BatchStates = await self._call(name, len(indices), batch.query, name, indices)
         return result
 
     async def restore(self, args: RestoreArgs) -> dict[int, RowError]:

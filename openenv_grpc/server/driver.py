@@ -21,6 +21,7 @@ over env processes.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -39,6 +40,7 @@ from openenv_grpc.server.phases import (
     ended_phase,
     new_episode_id,
 )
+from openenv_grpc.server.queries import QUERIES
 from openenv_grpc.server.snapshots import (
     Captured,
     SnapshotRefused,
@@ -277,13 +279,14 @@ class Driver:
         self._book_errors(outcome.errors)
         return outcome
 
-    async def state(self, indices: Sequence[int]) -> tuple[BatchStates, int]:
-        """The states of ``indices`` and their bytes (see :meth:`_states_within`).
+    async def query(self, name: str, indices: Sequence[int]) -> tuple[BatchStates, int]:
+        """Each env's answer to query ``name`` (``queries.py``) and their bytes, read no
+        further than the message limit (see :meth:`_states_within`); no episode changes.
 
         Raises:
             BatchRefused: the whole call failed.
         """
-        got = await self._states_within(indices, self._calls.state)
+        got = await self._states_within(indices, functools.partial(self._calls.query, name))
         self._forget_replaced(got[0].errors)
         return got
 
@@ -306,7 +309,7 @@ class Driver:
                 message = words.row(index, words.nothing_to_capture[phases[index]])
                 errors[index] = RowError(_FAILED_PRECONDITION, message)
         got, payload = (
-            await self._states_within(capture, self._calls.snapshot)
+            await self._states_within(capture, functools.partial(self._calls.query, "snapshot"))
             if capture
             else (BatchStates(), 0)
         )
@@ -395,7 +398,7 @@ class Driver:
         if err.replaced or err.ends:
             for index in range(self._size):
                 self._forget(index)
-        elif err.broken and command not in ("state", "snapshot"):  # those change nothing
+        elif err.broken and command not in QUERIES:  # a query changes no episode
             for index in err.indices:
                 if self.phases[index] is not Phase.NO_EPISODE:
                     self.phases[index] = Phase.BROKEN
@@ -436,8 +439,8 @@ class Driver:
         indices: Sequence[int],
         read: Callable[[Sequence[int]], Awaitable[BatchStates]],
     ) -> tuple[BatchStates, int]:
-        """The states (or, with ``read=self._calls.snapshot``, the snapshots) of
-        ``indices`` and their bytes, read no further than the message limit: a first call
+        """What ``read`` (one query over some envs) answers for ``indices``, and its
+        bytes, read no further than the message limit: a first call
         about a few envs measures one's size, the next ones name as many envs as fit in
         what is left of the limit (all the others, usually). Once over the limit the envs
         not read yet are left alone, so one small request never makes the envs build much

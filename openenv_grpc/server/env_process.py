@@ -51,13 +51,7 @@ from openenv_grpc.server.errors import describe, qualname
 from openenv_grpc.server.phases import SESSION_WORDS, VECTOR_WORDS
 from openenv_grpc.server.runner import contain_tasks
 from openenv_grpc.server.spec import EnvSpec, ExecutionMode
-from openenv_grpc.server.vector_frames import (
-    fill_errors,
-    fill_result,
-    fill_snapshots,
-    fill_states,
-    read_restore,
-)
+from openenv_grpc.server.vector_frames import fill_errors, fill_result, fill_rows, read_restore
 from openenv_grpc.v1 import session_pb2 as pb
 
 __all__ = [
@@ -294,17 +288,15 @@ async def _block_answer(calls: LocalBatchCalls, spec: EnvSpec, payload: bytes) -
             )
             outcome = await calls.reset(args_reset)
             fill_result(response.result, outcome, spec.observation_url, (), ())
-        elif command == "snapshot":  # the envs' own bytes: the front seals them
-            snapshots = await calls.snapshot(list(request.snapshot.indices))
-            fill_snapshots(response.snapshots, snapshots)
         elif command == "restore":  # authenticated by the front already
             indices, captured = read_restore(request.restore)
             failed = await calls.restore(RestoreArgs(indices, captured))
             response.restored.SetInParent()
             fill_errors(response.restored.errors, failed)
-        else:
-            states = await calls.state(list(request.state.indices))
-            fill_states(response.states, states, spec.state_url, None, None)
+        else:  # a query (queries.py); a snapshot's bytes are sealed by the front
+            name = str(command)
+            rows = await calls.query(name, list(getattr(request, name).indices))
+            fill_rows(response.snapshots, rows)
     except PayloadError as exc:  # the front checked the payloads: not expected
         response.ClearField("outcome")
         response.error.code = grpc.StatusCode.INVALID_ARGUMENT.value[0]

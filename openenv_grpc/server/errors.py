@@ -37,6 +37,8 @@ CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 _INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 _INTERNAL = grpc.StatusCode.INTERNAL.value[0]
 _UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED.value[0]
+#: The methods every env implements: a NotImplementedError there is a bug (INTERNAL).
+_REQUIRED = frozenset({"reset", "step", "state", "close"})
 
 
 class RequestError(Exception):
@@ -94,12 +96,13 @@ async def contained(call: Awaitable[_T]) -> _T:
 
 
 def row_error(exc: BaseException, what: str) -> RowError:
-    """The error of one env whose ``what`` (reset, step, state, snapshot, restore) raised
-    ``exc``; logged unless it is an :class:`InvalidAction` (a refusal, not a failure) or
-    a snapshot or restore the env cannot do (``NotImplementedError``: UNIMPLEMENTED)."""
+    """The error of one env whose ``what`` (reset, step, state, or a method an env may
+    leave out: snapshot, restore, ...) raised ``exc``; logged unless it is an
+    :class:`InvalidAction` (a refusal, not a failure) or an optional method the env
+    cannot do (``NotImplementedError``: UNIMPLEMENTED)."""
     if isinstance(exc, InvalidAction):
         return RowError(_INVALID_ARGUMENT, str(exc), qualname(exc))
-    if isinstance(exc, NotImplementedError) and what in ("snapshot", "restore"):
+    if isinstance(exc, NotImplementedError) and what not in _REQUIRED:
         # An env that snapshots some configurations only says which it cannot do.
         why = str(exc) or "this environment cannot do it now"
         return RowError(_UNIMPLEMENTED, f"{what} is not supported: {why}; the episode goes on")

@@ -32,16 +32,11 @@ __all__ = ["SessionView"]
 
 _INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 _FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION.value[0]
-_EMPTY = "empty request: set one of reset, step, state, snapshot, restore, close"
+_EMPTY = "empty request: set one of " + ", ".join(
+    field.name for field in pb.SessionRequest.DESCRIPTOR.oneofs_by_name["command"].fields
+)
 #: The one row a Session's commands name.
 _ROW = (0,)
-_OUTCOMES = {
-    "reset": Outcome.RESET,
-    "step": Outcome.STEPPED,
-    "state": Outcome.STATE,
-    "snapshot": Outcome.SNAPSHOT,
-    "restore": Outcome.RESTORED,
-}
 
 
 class SessionView:
@@ -98,6 +93,8 @@ class SessionView:
                 await self._snapshot(response.snapshot)
             elif command == "restore":
                 await self._restore(request.restore, response.restored)
+            elif command == "render":
+                await self._render(response.rendered)
             elif command == "close":
                 await self._driver.close_command()
                 response.closed.SetInParent()
@@ -109,7 +106,8 @@ class SessionView:
         except BatchRefused as err:
             self._driver.refused(err, command)
             return error_answer(response, err, self._driver.ends)
-        return Answer(response.SerializeToString(), _OUTCOMES[command], seconds)
+        outcome = Outcome.STEPPED if command == "step" else Outcome.ANSWERED
+        return Answer(response.SerializeToString(), outcome, seconds)
 
     async def close(self) -> None:
         """Close the env, once (``backend.SessionBackend``)."""
@@ -144,7 +142,7 @@ class SessionView:
 
     async def _state(self, result: pb.StateResult) -> None:
         driver = self._driver
-        states, _ = await driver.state(_ROW)
+        states, _ = await driver.query("state", _ROW)
         _raise_row(states.errors)
         result.state.type_url = self._state_url
         result.state.value = states.states[0]
@@ -157,6 +155,14 @@ class SessionView:
         sealed = await driver.snapshot(_ROW)
         _raise_row(sealed.errors)
         result.snapshot = sealed.snapshots[0]
+        result.episode_id = driver.episode_ids[0]
+        result.step_count = driver.step_counts[0]
+
+    async def _render(self, result: pb.RenderResult) -> None:
+        driver = self._driver
+        frames, _ = await driver.query("render", _ROW)
+        _raise_row(frames.errors)
+        result.frame.MergeFromString(frames.states[0])
         result.episode_id = driver.episode_ids[0]
         result.step_count = driver.step_counts[0]
 

@@ -2,8 +2,9 @@
 the env's own native batch (:meth:`Environment.make_batch`).
 
 A vector stream's envs are one object, a :class:`VectorBatch`, with ``reset`` / ``step`` /
-``state`` / ``close`` over env indices; each call returns a :class:`BatchOutcome` (rows,
-observations already serialized, rewards, flags, infos, autoreset marks, per-env errors).
+``query`` / ``restore`` / ``close`` over env indices; a reset or step returns a
+:class:`BatchOutcome` (rows, observations already serialized, rewards, flags, infos,
+autoreset marks, per-env errors).
 The session runs each whole call where the env's execution mode says -- one
 :class:`~openenv_grpc.server.runner.EnvRunner` holds the batch -- so inline envs are
 stepped in one pass on the event loop, pooled ones in one thread hop for the whole batch
@@ -22,7 +23,7 @@ That includes what is no ``Exception``: a ``SystemExit`` or ``KeyboardInterrupt`
 by env code is that env's failure, never the server's (a real Ctrl-C reaches the server
 as a signal, see app.py), so the loops catch ``BaseException`` around env code.
 
-Snapshots go per index too: ``snapshot(indices)`` returns each env's own bytes (the
+Snapshots go per index too: ``query("snapshot", indices)`` returns each env's own bytes (the
 driver seals them with the bookkeeping, as for one env), ``restore(indices, states,
 ended)`` hands each env the bytes the driver authenticated; an env that cannot answers
 UNIMPLEMENTED for its index (``NotImplementedError``, with its reason). A restored env
@@ -41,7 +42,6 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, cast
 
-import grpc
 from google.protobuf.message import Message
 
 from openenv_grpc.environment import (
@@ -49,11 +49,13 @@ from openenv_grpc.environment import (
     BatchEnvironment,
     BatchTransition,
     Environment,
+    EnvironmentTypes,
     Transition,
 )
 from openenv_grpc.server.errors import BadTransition, RowError, contained, row_error
 from openenv_grpc.server.phases import new_episode_id
 from openenv_grpc.server.placement import CallPlacement
+from openenv_grpc.server.queries import QUERIES, wrong_type
 from openenv_grpc.server.spec import EnvSpec
 
 __all__ = [
@@ -69,8 +71,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-_INTERNAL = grpc.StatusCode.INTERNAL.value[0]
 
 
 @dataclass(slots=True)
@@ -102,8 +102,8 @@ class BatchOutcome:
 
 @dataclass(slots=True)
 class BatchStates:
-    """What a state (or snapshot) call returned: serialized states (or the envs' own
-    snapshot bytes) for ``rows``, and the envs whose call raised."""
+    """What a query (``queries.py``) returned: each env's encoded answer for ``rows``
+    (a serialized state, the env's own snapshot bytes), and the envs whose call failed."""
 
     rows: list[int] = field(default_factory=list)
     states: list[bytes] = field(default_factory=list)
@@ -114,8 +114,8 @@ class VectorBatch:
     """The envs of one vector stream (the session calls its methods through one runner).
 
     ``reset(indices, seeds, episode_ids, options, batch_form)`` and ``step(indices,
-    actions, batch_form)`` return a :class:`BatchOutcome`; ``state(indices)`` and
-    ``snapshot(indices)`` a :class:`BatchStates`; ``restore(indices, states, ended)`` the
+    actions, batch_form)`` return a :class:`BatchOutcome`; ``query(name, indices)`` (a
+    per-env query, ``queries.py``) a :class:`BatchStates`; ``restore(indices, states, ended)`` the
     per-index errors (every other index was restored); ``close()`` closes every env.
     Methods are coroutines in :class:`AsyncLoopBatch`. Raising (rather than answering per
     index) means the whole call failed: ``InvalidAction`` refuses it, anything else breaks
@@ -155,7 +155,7 @@ class _Instances(VectorBatch):
             raise
         self._envs = envs
         self._observation = spec.types.observation
-        self._state = spec.types.state
+        self._types = spec.types
         self._same_step = autoreset is AutoresetMode.SAME_STEP
         self._next_step = autoreset is AutoresetMode.NEXT_STEP
         #: NEXT_STEP: the env's episode ended, so its next step resets it instead.
@@ -177,7 +177,7 @@ class _Instances(VectorBatch):
             )
         if not isinstance(transition.observation, self._observation):
             raise BadTransition(
-                _wrong_type("observation", transition.observation, self._observation)
+                wrong_type("observation", transition.observation, self._observation)
             )
         return transition
 
@@ -221,6 +221,15 @@ class _Instances(VectorBatch):
         if ended.info:
             out.final_infos[index] = ended.info
         out.new_episode_ids[index] = episode_id
+
+    def _restart(self, index: int) -> tuple[Any, str]:
+        """Autoreset env ``index``: start its next episode unseeded, with the options of its
+        last reset by the client and a fresh id. Returns what its ``reset`` returned (a
+        coroutine, for an asyncio env) and the id. The one place an autoreset is made."""
+        self._pending[index] = False
+        episode_id = new_episode_id()
+        env = self._envs[index]
+        return env.reset(seed=None, episode_id=episode_id, options=self._options[index]), episode_id
 
     def _restored(self, index: int, ended: bool) -> None:
         """Env ``index`` took a snapshot: its autoreset bookkeeping follows it."""
@@ -282,11 +291,7 @@ class LoopBatch(_Instances):
             env = envs[index]
             try:
                 if pending[index]:  # NEXT_STEP: this step starts the next episode
-                    pending[index] = False
-                    episode_id = new_episode_id()
-                    first = env.reset(
-                        seed=None, episode_id=episode_id, options=self._options[index]
-                    )
+                    first, episode_id = self._restart(index)
                     add(out, index, checked(first), auto=True)
                     out.new_episode_ids[index] = episode_id
                     continue
@@ -299,10 +304,7 @@ class LoopBatch(_Instances):
                 ended = transition.terminated or transition.truncated
                 if ended or transition.info or out.autoreset is not None:
                     if same_step and ended:
-                        episode_id = new_episode_id()
-                        first = env.reset(
-                            seed=None, episode_id=episode_id, options=self._options[index]
-                        )
+                        first, episode_id = self._restart(index)
                         self._add_same_step(out, index, transition, checked(first), episode_id)
                     else:
                         add(out, index, transition)
@@ -317,20 +319,9 @@ class LoopBatch(_Instances):
             truncated(False)
         return out
 
-    def state(self, indices: Sequence[int]) -> BatchStates:
-        out = BatchStates()
+    def query(self, name: str, indices: Sequence[int]) -> BatchStates:
         envs = self._envs
-        for index in indices:
-            try:
-                state: Any = envs[index].state()
-            except BaseException as exc:
-                state = exc
-            _state_row(out, index, state, self._state)
-        return out
-
-    def snapshot(self, indices: Sequence[int]) -> BatchStates:
-        envs = self._envs
-        return _snapshots(indices, lambda index: envs[index].snapshot())
+        return _queried(name, indices, lambda index: getattr(envs[index], name)(), self._types)
 
     def restore(
         self, indices: Sequence[int], states: Sequence[bytes], ended: Sequence[bool]
@@ -400,35 +391,21 @@ class AsyncLoopBatch(_Instances):
     async def _one_step(self, index: int, action: Message) -> tuple[str, Transition[Any], Any, str]:
         """One env's part of a step: (what happened, the transition, the first transition
         of a SAME_STEP autoreset, the new episode's id)."""
-        env = self._envs[index]
         if self._pending[index]:
-            self._pending[index] = False
-            episode_id = new_episode_id()
-            options = self._options[index]
-            first = await env.reset(seed=None, episode_id=episode_id, options=options)
-            return "next_step", self._checked(first), None, episode_id
-        transition = self._checked(await env.step(action))
+            call, episode_id = self._restart(index)
+            return "next_step", self._checked(await call), None, episode_id
+        transition = self._checked(await self._envs[index].step(action))
         if self._same_step and (transition.terminated or transition.truncated):
-            episode_id = new_episode_id()
-            options = self._options[index]
-            first = await env.reset(seed=None, episode_id=episode_id, options=options)
-            return "same_step", transition, self._checked(first), episode_id
+            call, episode_id = self._restart(index)
+            return "same_step", transition, self._checked(await call), episode_id
         return "step", transition, None, ""
 
-    async def state(self, indices: Sequence[int]) -> BatchStates:
+    async def query(self, name: str, indices: Sequence[int]) -> BatchStates:
         envs = self._envs
-        answers = await _gather(envs[index].state() for index in indices)
+        answers = await _gather(getattr(envs[index], name)() for index in indices)
         out = BatchStates()
         for index, answer in zip(indices, answers, strict=True):
-            _state_row(out, index, answer, self._state)
-        return out
-
-    async def snapshot(self, indices: Sequence[int]) -> BatchStates:
-        envs = self._envs
-        answers = await _gather(envs[index].snapshot() for index in indices)
-        out = BatchStates()
-        for index, answer in zip(indices, answers, strict=True):
-            _snapshot_row(out, index, answer)
+            _query_row(out, name, index, answer, self._types)
         return out
 
     async def restore(
@@ -474,7 +451,7 @@ class NativeBatch(VectorBatch):
         self._batch = batch
         self._cost_class: Any = getattr(batch, "cost_class", None)
         self._observation = spec.types.observation
-        self._state = spec.types.state
+        self._types = spec.types
 
     def reset(
         self,
@@ -492,18 +469,8 @@ class NativeBatch(VectorBatch):
         action = actions if batch_form else batch.join_actions(actions)
         return self._outcome(indices, batch.step(indices, action), batch_form, resets=True)
 
-    def state(self, indices: Sequence[int]) -> BatchStates:
-        out = BatchStates()
-        for index in indices:
-            try:
-                state: Any = self._batch.state(index)
-            except BaseException as exc:
-                state = exc
-            _state_row(out, index, state, self._state)
-        return out
-
-    def snapshot(self, indices: Sequence[int]) -> BatchStates:
-        return _snapshots(indices, self._batch.snapshot)
+    def query(self, name: str, indices: Sequence[int]) -> BatchStates:
+        return _queried(name, indices, getattr(self._batch, name), self._types)
 
     def restore(
         self, indices: Sequence[int], states: Sequence[bytes], ended: Sequence[bool]
@@ -571,7 +538,7 @@ class NativeBatch(VectorBatch):
 
     def _observed(self, observation: Any, what: str) -> Message:
         if not isinstance(observation, self._observation):
-            raise BadTransition(_wrong_type(what, observation, self._observation))
+            raise BadTransition(wrong_type(what, observation, self._observation))
         return observation
 
     def _split(self, observation: Message, count: int, what: str) -> list[bytes]:
@@ -639,29 +606,17 @@ def batch_spec(
     return dataclasses.replace(spec, factory=factory, env_class=batch_class, placement=placement)
 
 
-def _state_row(out: BatchStates, index: int, answer: Any, expected: type[Message]) -> None:
-    """One env's state, or its error (``answer`` is what its state() returned or raised)."""
-    try:
-        state = _result(answer)
-    except BaseException as exc:
-        out.errors[index] = row_error(exc, "state")
-        return
-    if not isinstance(state, expected):
-        out.errors[index] = RowError(_INTERNAL, _wrong_type("state", state, expected))
-        return
-    out.rows.append(index)
-    out.states.append(state.SerializeToString())
-
-
-def _snapshots(indices: Sequence[int], take: Callable[[int], Any]) -> BatchStates:
-    """``take(index)`` (one env's snapshot) for each index, one after the other."""
+def _queried(
+    name: str, indices: Sequence[int], ask: Callable[[int], Any], types: EnvironmentTypes
+) -> BatchStates:
+    """``ask(index)`` (one env's answer to query ``name``) for each index, in turn."""
     out = BatchStates()
     for index in indices:
         try:
-            data: Any = take(index)
+            answer: Any = ask(index)
         except BaseException as exc:
-            data = exc
-        _snapshot_row(out, index, data)
+            answer = exc
+        _query_row(out, name, index, answer, types)
     return out
 
 
@@ -681,23 +636,16 @@ def _restores(
     return errors
 
 
-def _snapshot_row(out: BatchStates, index: int, answer: Any) -> None:
-    """One env's snapshot bytes, or its error (``answer``: what its snapshot() returned
-    or raised)."""
+def _query_row(
+    out: BatchStates, name: str, index: int, answer: Any, types: EnvironmentTypes
+) -> None:
+    """One env's encoded answer, or its error (``answer``: what it returned or raised)."""
     try:
-        data = _result(answer)
+        out.states.append(QUERIES[name].encode(_result(answer), types))
     except BaseException as exc:
-        out.errors[index] = row_error(exc, "snapshot")
-        return
-    if not isinstance(data, bytes | bytearray):
-        out.errors[index] = RowError(
-            _INTERNAL,
-            f"environment returned a {type(data).__qualname__} from snapshot(), not bytes; "
-            "the episode goes on",
-        )
+        out.errors[index] = row_error(exc, name)
         return
     out.rows.append(index)
-    out.states.append(bytes(data))
 
 
 async def _gather(calls: Iterable[Awaitable[Any]]) -> list[Any]:
@@ -730,13 +678,6 @@ def _as_list(values: Sequence[Any], kind: type, dtype_kind: str) -> list[Any]:
         return listed
     # map(): the same conversion as a comprehension, without a Python frame per row.
     return list(map(kind, values))
-
-
-def _wrong_type(what: str, value: object, expected: type[Message]) -> str:
-    return (
-        f"environment returned a {type(value).__qualname__} {what}, "
-        f"declared {expected.DESCRIPTOR.full_name}"
-    )
 
 
 def _close_all(envs: Sequence[Any], *, reraise: bool = False) -> None:

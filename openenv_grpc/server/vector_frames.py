@@ -9,11 +9,13 @@ outcome in a ``VectorResult``, and the front reads it back (:func:`read_outcome`
 front and env process, ``episode_ids`` holds only the ids of episodes the sub-batch
 autoreset ("" for the other rows) and ``step_counts`` is empty: the front keeps the books.
 
-Snapshots are sealed and opened in the front, which keeps the bookkeeping they carry:
-between front and env process a ``VectorSnapshots`` answer carries each env's own bytes
-(unsigned, in ``SnapshotResult.snapshot``), and a ``VectorRestore`` frame carries each
-env's authenticated part as an unsigned ``SnapshotBody`` (its ``env_state`` and
-``phase``), never bytes the client sent that the front did not check.
+A per-env query (``queries.py``: state, snapshot) goes as its own command with local
+indices, and every query's answer comes back as a ``VectorSnapshots``: each env's encoded
+bytes in ``SnapshotResult.snapshot`` (a state serialized, an env's own snapshot bytes,
+unsigned). Snapshots are sealed and opened in the front, which keeps the bookkeeping they
+carry: a ``VectorRestore`` frame carries each env's authenticated part as an unsigned
+``SnapshotBody`` (its ``env_state`` and ``phase``), never bytes the client sent that the
+front did not check.
 """
 
 from __future__ import annotations
@@ -33,17 +35,15 @@ from openenv_grpc.v1 import snapshot_pb2
 __all__ = [
     "fill_errors",
     "fill_result",
-    "fill_snapshots",
+    "fill_rows",
     "fill_states",
+    "query_frame",
     "read_errors",
     "read_outcome",
     "read_restore",
-    "read_snapshots",
-    "read_states",
+    "read_rows",
     "reset_frame",
     "restore_frame",
-    "snapshot_frame",
-    "state_frame",
     "step_frame",
 ]
 
@@ -118,39 +118,27 @@ def fill_states(
     result: pb.VectorStates, states: BatchStates, url: str, ids: Any, counts: Any
 ) -> None:
     """Copy ``states`` into ``result``; ``ids`` and ``counts`` map an env index to its
-    episode id and step count (empty mappings between front and env process)."""
+    episode id and step count."""
     result.indices.extend(states.rows)
     add = result.states.add
     for index, state in zip(states.rows, states.states, strict=True):
-        entry = add()
-        if ids:
-            entry.episode_id = ids[index]
-            entry.step_count = counts[index]
+        entry = add(episode_id=ids[index], step_count=counts[index])
         entry.state.type_url = url
         entry.state.value = state
     fill_errors(result.errors, states.errors)
 
 
-def read_states(result: pb.VectorStates, offset: int) -> BatchStates:
-    """A sub-batch's states from its env process, indices moved by ``offset``."""
-    return BatchStates(
-        rows=[index + offset for index in result.indices],
-        states=[entry.state.value for entry in result.states],
-        errors=read_errors(result.errors, offset),
-    )
-
-
-def fill_snapshots(result: pb.VectorSnapshots, snapshots: BatchStates) -> None:
-    """An env process's answer to a snapshot frame: the envs' own bytes, unsealed."""
-    result.indices.extend(snapshots.rows)
+def fill_rows(result: pb.VectorSnapshots, rows: BatchStates) -> None:
+    """An env process's answer to a query frame: each env's encoded bytes."""
+    result.indices.extend(rows.rows)
     add = result.snapshots.add
-    for data in snapshots.states:
+    for data in rows.states:
         add(snapshot=data)
-    fill_errors(result.errors, snapshots.errors)
+    fill_errors(result.errors, rows.errors)
 
 
-def read_snapshots(result: pb.VectorSnapshots, offset: int) -> BatchStates:
-    """A sub-batch's snapshot bytes from its env process, indices moved by ``offset``."""
+def read_rows(result: pb.VectorSnapshots, offset: int) -> BatchStates:
+    """A sub-batch's answer to a query from its env process, indices moved by ``offset``."""
     return BatchStates(
         rows=[index + offset for index in result.indices],
         states=[entry.snapshot for entry in result.snapshots],
@@ -234,17 +222,12 @@ def reset_frame(
     return request.SerializeToString()
 
 
-def state_frame(indices: Sequence[int]) -> bytes:
-    """A state command for a sub-batch's local ``indices``."""
+def query_frame(name: str, indices: Sequence[int]) -> bytes:
+    """Query ``name`` (its command field) for a sub-batch's local ``indices``."""
     request = pb.VectorSessionRequest(request_id=1)
-    request.state.indices.extend(indices)
-    return request.SerializeToString()
-
-
-def snapshot_frame(indices: Sequence[int]) -> bytes:
-    """A snapshot command for a sub-batch's local ``indices``."""
-    request = pb.VectorSessionRequest(request_id=1)
-    request.snapshot.indices.extend(indices)
+    command = getattr(request, name)
+    command.SetInParent()
+    command.indices.extend(indices)
     return request.SerializeToString()
 
 

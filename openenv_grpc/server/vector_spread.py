@@ -35,7 +35,7 @@ import asyncio
 import bisect
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,14 +50,12 @@ from openenv_grpc.server.errors import RowError
 from openenv_grpc.server.phases import SESSION_WORDS
 from openenv_grpc.server.vector_batch import BatchOutcome, BatchStates
 from openenv_grpc.server.vector_frames import (
+    query_frame,
     read_errors,
     read_outcome,
-    read_snapshots,
-    read_states,
+    read_rows,
     reset_frame,
     restore_frame,
-    snapshot_frame,
-    state_frame,
     step_frame,
 )
 from openenv_grpc.v1 import session_pb2 as pb
@@ -212,17 +210,26 @@ class SpreadBatchCalls:
 
         return await self._outcomes("step", args.indices, frame)
 
-    async def state(self, indices: Sequence[int]) -> BatchStates:
-        return await self._gathered(
-            "state", indices, state_frame, lambda r, offset: read_states(r.states, offset)
+    async def query(self, name: str, indices: Sequence[int]) -> BatchStates:
+        """Each block's part of the query, together; the answers in index order (the
+        env processes answer a snapshot's own bytes: the front seals them)."""
+        out = BatchStates()
+        parts = self._split(indices, out.errors)
+        answers = await asyncio.gather(
+            *(self._call(name, part, query_frame(name, part[2])) for part in parts)
         )
-
-    async def snapshot(self, indices: Sequence[int]) -> BatchStates:
-        # The env processes answer the envs' own bytes; the front seals them.
-        return await self._gathered(
-            "snapshot", indices, snapshot_frame,
-            lambda r, offset: read_snapshots(r.snapshots, offset),
-        )  # fmt: skip
+        for part, (status, payload) in zip(parts, answers, strict=True):
+            if status is None:  # the block was lost: its envs are fresh ones now
+                out.errors.update(self._lost_rows(part, indices, payload))
+                continue
+            response = pb.VectorSessionResponse.FromString(payload)
+            if status != Status.ANSWER:
+                raise _refusal(status, response)
+            got = read_rows(response.snapshots, part[0].start)
+            out.rows.extend(got.rows)
+            out.states.extend(got.states)
+            out.errors.update(got.errors)
+        return out
 
     async def restore(self, args: RestoreArgs) -> dict[int, RowError]:
         lost = self._found(args.indices)  # a restore gives a fresh env an episode, too
@@ -254,31 +261,6 @@ class SpreadBatchCalls:
                 raise _refusal(status, response)
             errors.update(read_errors(response.restored.errors, part[0].start))
         return errors
-
-    async def _gathered(
-        self,
-        what: str,
-        indices: Sequence[int],
-        frame: Callable[[list[int]], bytes],
-        read: Callable[[pb.VectorSessionResponse, int], BatchStates],
-    ) -> BatchStates:
-        """A state or snapshot call: each block's part (``frame(local indices)``),
-        together, the answers (``read(response, block start)``) in index order."""
-        out = BatchStates()
-        parts = self._split(indices, out.errors)
-        answers = await asyncio.gather(*(self._call(what, part, frame(part[2])) for part in parts))
-        for part, (status, payload) in zip(parts, answers, strict=True):
-            if status is None:  # the block was lost: its envs are fresh ones now
-                out.errors.update(self._lost_rows(part, indices, payload))
-                continue
-            response = pb.VectorSessionResponse.FromString(payload)
-            if status != Status.ANSWER:
-                raise _refusal(status, response)
-            got = read(response, part[0].start)
-            out.rows.extend(got.rows)
-            out.states.extend(got.states)
-            out.errors.update(got.errors)
-        return out
 
     async def close(self) -> None:
         await self._close_all()

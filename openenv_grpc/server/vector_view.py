@@ -32,7 +32,9 @@ _INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 _FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION.value[0]
 _RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 _ANSWER_MODES = {pb.VECTOR_ANSWER_MODE_UNSPECIFIED, pb.VECTOR_ANSWER_MODE_ALL}
-_EMPTY = "empty request: set one of reset, step, state, snapshot, restore, close"
+_EMPTY = "empty request: set one of " + ", ".join(
+    field.name for field in pb.VectorSessionRequest.DESCRIPTOR.oneofs_by_name["command"].fields
+)
 
 
 class VectorView:
@@ -85,6 +87,9 @@ class VectorView:
             if command == "restore":
                 held = self._hold(request.restore.indices, request_id)
                 return await self._restore(request.restore, held, response)
+            if command == "render":
+                held = self._hold(request.render.indices, request_id)
+                return await self._render(held, response)
             if command == "close":
                 await driver.closing(request_id)  # the requests in flight are answered first
                 await driver.close_command()
@@ -210,20 +215,20 @@ class VectorView:
         outcome = await self._driver.reset(args)
         too_large = self._driver.too_large("reset", _result_bytes(outcome))
         if too_large is not None:
-            return self._oversize(response, too_large, Outcome.RESET, outcome.errors)
+            return self._oversize(response, too_large, Outcome.ANSWERED, outcome.errors)
         self._fill(response.result, outcome)
-        return self._answer(response, Outcome.RESET, outcome.errors)
+        return self._answer(response, Outcome.ANSWERED, outcome.errors)
 
     async def _state(self, indices: Sequence[int], response: pb.VectorSessionResponse) -> Answer:
         driver = self._driver
-        states, payload = await driver.state(indices)
+        states, payload = await driver.query("state", indices)
         too_large = driver.too_large("state", payload)
         if too_large is not None:
-            return self._oversize(response, too_large, Outcome.STATE, states.errors)
+            return self._oversize(response, too_large, Outcome.ANSWERED, states.errors)
         fill_states(
             response.states, states, self._state_url, driver.episode_ids, driver.step_counts
         )
-        return self._answer(response, Outcome.STATE, states.errors)
+        return self._answer(response, Outcome.ANSWERED, states.errors)
 
     async def _snapshot(self, indices: Sequence[int], response: pb.VectorSessionResponse) -> Answer:
         driver = self._driver
@@ -231,13 +236,29 @@ class VectorView:
         answer.SetInParent()
         sealed = await driver.snapshot(indices)
         if sealed.too_large is not None:
-            return self._oversize(response, sealed.too_large, Outcome.SNAPSHOT, sealed.errors)
+            return self._oversize(response, sealed.too_large, Outcome.ANSWERED, sealed.errors)
         ids, counts = driver.episode_ids, driver.step_counts
         for index, one in zip(sealed.rows, sealed.snapshots, strict=True):
             answer.indices.append(index)
             answer.snapshots.add(snapshot=one, episode_id=ids[index], step_count=counts[index])
         fill_errors(answer.errors, sealed.errors)
-        return self._answer(response, Outcome.SNAPSHOT, sealed.errors)
+        return self._answer(response, Outcome.ANSWERED, sealed.errors)
+
+    async def _render(self, indices: Sequence[int], response: pb.VectorSessionResponse) -> Answer:
+        driver = self._driver
+        frames, payload = await driver.query("render", indices)
+        too_large = driver.too_large("render", payload)
+        if too_large is not None:
+            return self._oversize(response, too_large, Outcome.ANSWERED, frames.errors)
+        answer = response.frames
+        answer.SetInParent()
+        ids, counts = driver.episode_ids, driver.step_counts
+        for index, frame in zip(frames.rows, frames.states, strict=True):
+            answer.indices.append(index)
+            entry = answer.frames.add(episode_id=ids[index], step_count=counts[index])
+            entry.frame.MergeFromString(frame)
+        fill_errors(answer.errors, frames.errors)
+        return self._answer(response, Outcome.ANSWERED, frames.errors)
 
     async def _restore(
         self, command: pb.VectorRestore, indices: Sequence[int], response: pb.VectorSessionResponse
@@ -264,7 +285,7 @@ class VectorView:
                 truncated=phase is Phase.TRUNCATED,
             )
         fill_errors(answer.errors, restored.errors)
-        return self._answer(response, Outcome.RESTORED, restored.errors)
+        return self._answer(response, Outcome.ANSWERED, restored.errors)
 
     # -- the wire ---------------------------------------------------------------------------
 

@@ -144,6 +144,7 @@ class SessionRequest(_message.Message):
     CLOSE_FIELD_NUMBER: _builtins.int
     SNAPSHOT_FIELD_NUMBER: _builtins.int
     RESTORE_FIELD_NUMBER: _builtins.int
+    RENDER_FIELD_NUMBER: _builtins.int
     request_id: _builtins.int
     """Client-chosen id, echoed by the response to this request. Number requests from 1 and
     count up: proto3 leaves 0 off the wire, and 0 is the id of notices
@@ -175,6 +176,10 @@ class SessionRequest(_message.Message):
     def restore(self) -> Global___RestoreCommand:
         """Continue from a snapshot (answered with a RestoreResult)."""
 
+    @_builtins.property
+    def render(self) -> Global___RenderCommand:
+        """Draw the environment as it is now (answered with a RenderResult)."""
+
     def __init__(
         self,
         *,
@@ -185,12 +190,13 @@ class SessionRequest(_message.Message):
         close: Global___CloseCommand | None = ...,
         snapshot: Global___SnapshotCommand | None = ...,
         restore: Global___RestoreCommand | None = ...,
+        render: Global___RenderCommand | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["close", b"close", "command", b"command", "reset", b"reset", "restore", b"restore", "snapshot", b"snapshot", "state", b"state", "step", b"step"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["close", b"close", "command", b"command", "render", b"render", "reset", b"reset", "restore", b"restore", "snapshot", b"snapshot", "state", b"state", "step", b"step"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["close", b"close", "command", b"command", "request_id", b"request_id", "reset", b"reset", "restore", b"restore", "snapshot", b"snapshot", "state", b"state", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["close", b"close", "command", b"command", "render", b"render", "request_id", b"request_id", "reset", b"reset", "restore", b"restore", "snapshot", b"snapshot", "state", b"state", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_command: _TypeAlias = _typing.Literal["reset", "step", "state", "close", "snapshot", "restore"]  # noqa: Y015
+    _WhichOneofReturnType_command: _TypeAlias = _typing.Literal["reset", "step", "state", "close", "snapshot", "restore", "render"]  # noqa: Y015
     _WhichOneofArgType_command: _TypeAlias = _typing.Literal["command", b"command"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_command) -> _WhichOneofReturnType_command | None: ...
 
@@ -354,6 +360,28 @@ class RestoreCommand(_message.Message):
 Global___RestoreCommand: _TypeAlias = RestoreCommand  # noqa: Y015
 
 @_typing.final
+class RenderCommand(_message.Message):
+    """RenderCommand asks for a picture of the environment as it is now: what Gymnasium's
+    render() returns, an RGB array or, for a text env, its text. The episode is not
+    changed. In-band errors, the session going on: UNIMPLEMENTED for an env that does not
+    render (or not as configured; the message says why), INTERNAL when its render raised
+    or returned no frame, RESOURCE_EXHAUSTED for a frame over the message limit.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RenderCommand: _TypeAlias = RenderCommand  # noqa: Y015
+
+@_typing.final
 class SessionResponse(_message.Message):
     """SessionResponse answers exactly one SessionRequest, or is a notice (request_id 0).
     A response that would exceed --max-message-bytes (a huge observation, info or state
@@ -371,6 +399,7 @@ class SessionResponse(_message.Message):
     NOTICE_FIELD_NUMBER: _builtins.int
     SNAPSHOT_FIELD_NUMBER: _builtins.int
     RESTORED_FIELD_NUMBER: _builtins.int
+    RENDERED_FIELD_NUMBER: _builtins.int
     request_id: _builtins.int
     """The request_id of the request this answers; 0 for a notice. Clients that predate
     notices drop them as the late answer to an earlier request.
@@ -403,6 +432,10 @@ class SessionResponse(_message.Message):
     def restored(self) -> Global___RestoreResult:
         """The answer to a restore command."""
 
+    @_builtins.property
+    def rendered(self) -> Global___RenderResult:
+        """The answer to a render command."""
+
     def __init__(
         self,
         *,
@@ -414,12 +447,13 @@ class SessionResponse(_message.Message):
         notice: Global___Notice | None = ...,
         snapshot: Global___SnapshotResult | None = ...,
         restored: Global___RestoreResult | None = ...,
+        rendered: Global___RenderResult | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["closed", b"closed", "error", b"error", "notice", b"notice", "outcome", b"outcome", "restored", b"restored", "result", b"result", "snapshot", b"snapshot", "state", b"state"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["closed", b"closed", "error", b"error", "notice", b"notice", "outcome", b"outcome", "rendered", b"rendered", "restored", b"restored", "result", b"result", "snapshot", b"snapshot", "state", b"state"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["closed", b"closed", "error", b"error", "notice", b"notice", "outcome", b"outcome", "request_id", b"request_id", "restored", b"restored", "result", b"result", "snapshot", b"snapshot", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["closed", b"closed", "error", b"error", "notice", b"notice", "outcome", b"outcome", "rendered", b"rendered", "request_id", b"request_id", "restored", b"restored", "result", b"result", "snapshot", b"snapshot", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["result", "state", "closed", "error", "notice", "snapshot", "restored"]  # noqa: Y015
+    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["result", "state", "closed", "error", "notice", "snapshot", "restored", "rendered"]  # noqa: Y015
     _WhichOneofArgType_outcome: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_outcome) -> _WhichOneofReturnType_outcome | None: ...
 
@@ -631,6 +665,105 @@ class RestoreResult(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RestoreResult: _TypeAlias = RestoreResult  # noqa: Y015
+
+@_typing.final
+class RenderResult(_message.Message):
+    """RenderResult carries a picture of the environment."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FRAME_FIELD_NUMBER: _builtins.int
+    EPISODE_ID_FIELD_NUMBER: _builtins.int
+    STEP_COUNT_FIELD_NUMBER: _builtins.int
+    episode_id: _builtins.str
+    """The id of the current episode; empty before the first reset."""
+    step_count: _builtins.int
+    """Steps taken in the current episode."""
+    @_builtins.property
+    def frame(self) -> Global___Frame:
+        """The picture."""
+
+    def __init__(
+        self,
+        *,
+        frame: Global___Frame | None = ...,
+        episode_id: _builtins.str = ...,
+        step_count: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["frame", b"frame"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["episode_id", b"episode_id", "frame", b"frame", "step_count", b"step_count"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RenderResult: _TypeAlias = RenderResult  # noqa: Y015
+
+@_typing.final
+class Frame(_message.Message):
+    """Frame is one picture of an environment: an image or text."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IMAGE_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    text: _builtins.str
+    """Text: an ANSI or plain-text rendering."""
+    @_builtins.property
+    def image(self) -> Global___Image:
+        """An image."""
+
+    def __init__(
+        self,
+        *,
+        image: Global___Image | None = ...,
+        text: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "image", b"image", "text", b"text"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "image", b"image", "text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_content: _TypeAlias = _typing.Literal["image", "text"]  # noqa: Y015
+    _WhichOneofArgType_content: _TypeAlias = _typing.Literal["content", b"content"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_content) -> _WhichOneofReturnType_content | None: ...
+
+Global___Frame: _TypeAlias = Frame  # noqa: Y015
+
+@_typing.final
+class Image(_message.Message):
+    """Image is an 8-bit image, row-major: `height` rows of `width` pixels of `channels` bytes
+    (1: grey, 3: RGB, 4: RGBA). A numpy array of shape (height, width, channels) and dtype
+    uint8 is `pixels` as is.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEIGHT_FIELD_NUMBER: _builtins.int
+    WIDTH_FIELD_NUMBER: _builtins.int
+    CHANNELS_FIELD_NUMBER: _builtins.int
+    PIXELS_FIELD_NUMBER: _builtins.int
+    height: _builtins.int
+    """Rows."""
+    width: _builtins.int
+    """Pixels per row."""
+    channels: _builtins.int
+    """Bytes per pixel: 1, 3 or 4."""
+    pixels: _builtins.bytes
+    """height * width * channels bytes."""
+    def __init__(
+        self,
+        *,
+        height: _builtins.int = ...,
+        width: _builtins.int = ...,
+        channels: _builtins.int = ...,
+        pixels: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["channels", b"channels", "height", b"height", "pixels", b"pixels", "width", b"width"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Image: _TypeAlias = Image  # noqa: Y015
 
 @_typing.final
 class Error(_message.Message):
@@ -928,6 +1061,7 @@ class VectorSessionRequest(_message.Message):
     CLOSE_FIELD_NUMBER: _builtins.int
     SNAPSHOT_FIELD_NUMBER: _builtins.int
     RESTORE_FIELD_NUMBER: _builtins.int
+    RENDER_FIELD_NUMBER: _builtins.int
     request_id: _builtins.int
     """Client-chosen id, echoed by the response; numbered from 1 as for SessionRequest."""
     @_builtins.property
@@ -954,6 +1088,10 @@ class VectorSessionRequest(_message.Message):
     def restore(self) -> Global___VectorRestore:
         """Continue some or all envs from snapshots (answered with VectorRestored)."""
 
+    @_builtins.property
+    def render(self) -> Global___VectorRender:
+        """Draw some or all envs as they are now (answered with VectorFrames)."""
+
     def __init__(
         self,
         *,
@@ -964,12 +1102,13 @@ class VectorSessionRequest(_message.Message):
         close: Global___CloseCommand | None = ...,
         snapshot: Global___VectorSnapshot | None = ...,
         restore: Global___VectorRestore | None = ...,
+        render: Global___VectorRender | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["close", b"close", "command", b"command", "reset", b"reset", "restore", b"restore", "snapshot", b"snapshot", "state", b"state", "step", b"step"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["close", b"close", "command", b"command", "render", b"render", "reset", b"reset", "restore", b"restore", "snapshot", b"snapshot", "state", b"state", "step", b"step"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["close", b"close", "command", b"command", "request_id", b"request_id", "reset", b"reset", "restore", b"restore", "snapshot", b"snapshot", "state", b"state", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["close", b"close", "command", b"command", "render", b"render", "request_id", b"request_id", "reset", b"reset", "restore", b"restore", "snapshot", b"snapshot", "state", b"state", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_command: _TypeAlias = _typing.Literal["reset", "step", "state", "close", "snapshot", "restore"]  # noqa: Y015
+    _WhichOneofReturnType_command: _TypeAlias = _typing.Literal["reset", "step", "state", "close", "snapshot", "restore", "render"]  # noqa: Y015
     _WhichOneofArgType_command: _TypeAlias = _typing.Literal["command", b"command"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_command) -> _WhichOneofReturnType_command | None: ...
 
@@ -1161,6 +1300,34 @@ class VectorRestore(_message.Message):
 Global___VectorRestore: _TypeAlias = VectorRestore  # noqa: Y015
 
 @_typing.final
+class VectorRender(_message.Message):
+    """VectorRender asks for a picture of each env of `indices`: per env what a Session's
+    RenderCommand answers, with its codes, in-band and per env (its neighbours answer). No
+    episode is changed. An answer over --max-message-bytes is the whole request's
+    RESOURCE_EXHAUSTED error: ask for fewer envs at a time.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDICES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def indices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The envs to draw, strictly increasing; empty means all."""
+
+    def __init__(
+        self,
+        *,
+        indices: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["indices", b"indices"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___VectorRender: _TypeAlias = VectorRender  # noqa: Y015
+
+@_typing.final
 class VectorSessionResponse(_message.Message):
     """VectorSessionResponse answers exactly one VectorSessionRequest, or is a notice (request_id 0). A
     response over --max-message-bytes is replaced by an Error with code RESOURCE_EXHAUSTED
@@ -1177,6 +1344,7 @@ class VectorSessionResponse(_message.Message):
     NOTICE_FIELD_NUMBER: _builtins.int
     SNAPSHOTS_FIELD_NUMBER: _builtins.int
     RESTORED_FIELD_NUMBER: _builtins.int
+    FRAMES_FIELD_NUMBER: _builtins.int
     request_id: _builtins.int
     """The request_id of the request this answers; 0 for a notice."""
     @_builtins.property
@@ -1213,6 +1381,10 @@ class VectorSessionResponse(_message.Message):
     def restored(self) -> Global___VectorRestored:
         """The answer to a restore command."""
 
+    @_builtins.property
+    def frames(self) -> Global___VectorFrames:
+        """The answer to a render command."""
+
     def __init__(
         self,
         *,
@@ -1224,12 +1396,13 @@ class VectorSessionResponse(_message.Message):
         notice: Global___Notice | None = ...,
         snapshots: Global___VectorSnapshots | None = ...,
         restored: Global___VectorRestored | None = ...,
+        frames: Global___VectorFrames | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["closed", b"closed", "error", b"error", "notice", b"notice", "outcome", b"outcome", "restored", b"restored", "result", b"result", "snapshots", b"snapshots", "states", b"states"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["closed", b"closed", "error", b"error", "frames", b"frames", "notice", b"notice", "outcome", b"outcome", "restored", b"restored", "result", b"result", "snapshots", b"snapshots", "states", b"states"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["closed", b"closed", "error", b"error", "notice", b"notice", "outcome", b"outcome", "request_id", b"request_id", "restored", b"restored", "result", b"result", "snapshots", b"snapshots", "states", b"states"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["closed", b"closed", "error", b"error", "frames", b"frames", "notice", b"notice", "outcome", b"outcome", "request_id", b"request_id", "restored", b"restored", "result", b"result", "snapshots", b"snapshots", "states", b"states"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["result", "states", "closed", "error", "notice", "snapshots", "restored"]  # noqa: Y015
+    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["result", "states", "closed", "error", "notice", "snapshots", "restored", "frames"]  # noqa: Y015
     _WhichOneofArgType_outcome: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_outcome) -> _WhichOneofReturnType_outcome | None: ...
 
@@ -1591,6 +1764,65 @@ class VectorRestored(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___VectorRestored: _TypeAlias = VectorRestored  # noqa: Y015
+
+@_typing.final
+class VectorFrames(_message.Message):
+    """VectorFrames carries the picture of each env of a render command that answered."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ErrorsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.int
+        @_builtins.property
+        def value(self) -> Global___Error: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.int = ...,
+            value: Global___Error | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    INDICES_FIELD_NUMBER: _builtins.int
+    FRAMES_FIELD_NUMBER: _builtins.int
+    ERRORS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def indices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The env index of each entry of `frames`."""
+
+    @_builtins.property
+    def frames(self) -> _containers.RepeatedCompositeFieldContainer[Global___RenderResult]:
+        """The picture of each env, with its episode id and step count."""
+
+    @_builtins.property
+    def errors(self) -> _containers.MessageMap[_builtins.int, Global___Error]:
+        """The envs that drew nothing, keyed by env index (see RenderCommand); their episodes go
+        on.
+        """
+
+    def __init__(
+        self,
+        *,
+        indices: _abc.Iterable[_builtins.int] | None = ...,
+        frames: _abc.Iterable[Global___RenderResult] | None = ...,
+        errors: _abc.Mapping[_builtins.int, Global___Error] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["errors", b"errors", "frames", b"frames", "indices", b"indices"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___VectorFrames: _TypeAlias = VectorFrames  # noqa: Y015
 
 @_typing.final
 class VectorSupport(_message.Message):

@@ -1,0 +1,90 @@
+"""The per-env queries: commands that read something of each env they name and change no
+episode (``state``, ``snapshot``, ``render``).
+
+A query is the env method of its name, called with no argument (a native batch's with the
+env's index). What it returned is checked and serialized here, once for every batch kind
+and placement; a wrong type is that env's INTERNAL error, its neighbours answer. The
+query's name is also its command field in both streams' requests, so the way from a view
+to the envs and back (``calls.py``, ``vector_spread.py``, ``vector_frames.py``,
+``env_process.py``) is one path for every query: a new one is an entry here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from google.protobuf.message import Message
+
+from openenv_grpc.environment import EnvironmentTypes
+from openenv_grpc.server.errors import BadTransition
+from openenv_grpc.v1.session_pb2 import Frame
+
+__all__ = ["QUERIES", "Query", "wrong_type"]
+
+
+@dataclass(frozen=True, slots=True)
+class Query:
+    """One per-env query: its name (env method and command field) and its encoder."""
+
+    name: str
+    #: What the env returned -> the bytes its row carries.
+    #: Raises BadTransition when the env broke its contract.
+    encode: Callable[[Any, EnvironmentTypes], bytes]
+
+
+def wrong_type(what: str, value: object, expected: type[Message]) -> str:
+    return (
+        f"environment returned a {type(value).__qualname__} {what}, "
+        f"declared {expected.DESCRIPTOR.full_name}"
+    )
+
+
+def _state(value: Any, types: EnvironmentTypes) -> bytes:
+    if not isinstance(value, types.state):
+        raise BadTransition(wrong_type("state", value, types.state))
+    return value.SerializeToString()
+
+
+def _snapshot(value: Any, types: EnvironmentTypes) -> bytes:
+    """An env's own snapshot bytes (the driver seals them with the bookkeeping)."""
+    if not isinstance(value, bytes | bytearray):
+        raise BadTransition(
+            f"environment returned a {type(value).__qualname__} from snapshot(), not bytes; "
+            "the episode goes on"
+        )
+    return bytes(value)
+
+
+def _frame(value: Any, types: EnvironmentTypes) -> bytes:
+    """A serialized ``Frame`` from what ``render()`` returned: text, a uint8 image array
+    of shape (height, width[, channels]) with 1, 3 or 4 channels, or a Frame."""
+    if isinstance(value, Frame):
+        return value.SerializeToString()
+    if isinstance(value, str):
+        return Frame(text=value).SerializeToString()
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is None or dtype is None or not hasattr(value, "tobytes"):
+        raise BadTransition(
+            f"environment returned a {type(value).__qualname__} from render(), not text or "
+            "an image array"
+        )
+    shape = tuple(shape)
+    channels = shape[2] if len(shape) == 3 else 1
+    if str(dtype) != "uint8" or len(shape) not in (2, 3) or channels not in (1, 3, 4):
+        raise BadTransition(
+            f"environment returned an image of shape {shape} and dtype {dtype} from "
+            "render(); a frame is uint8, (height, width) or (height, width, 1 | 3 | 4)"
+        )
+    frame = Frame()
+    image = frame.image
+    image.height, image.width, image.channels = shape[0], shape[1], channels
+    image.pixels = value.tobytes()  # C order whatever the array's layout
+    return frame.SerializeToString()
+
+
+QUERIES: dict[str, Query] = {
+    query.name: query
+    for query in (Query("state", _state), Query("snapshot", _snapshot), Query("render", _frame))
+}
