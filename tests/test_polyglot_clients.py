@@ -181,6 +181,7 @@ def test_openspiel_games_to_the_end(
         assert episode["terminated"] is True and episode["truncated"] is False
         assert episode["steps"] == episode["state_step_count"] >= 1
         assert episode["state_ok"] is True and episode["game"].startswith(game)
+        assert episode["board_ok"] is True  # render's text is the state's board
         assert episode["reward"] == pytest.approx(episode["returns"][0])
     codes = _codes(summary)
     assert codes.pop("step before reset") == FAILED_PRECONDITION

@@ -196,6 +196,7 @@ async function playOpenSpiel(session, args, summary) {
       reward += result.reward;
     }
     const { state, step_count } = await session.state();
+    const { frame } = await session.render();
     summary.episodes.push({
       episode_id: result.episode_id,
       steps: result.step_count,
@@ -206,6 +207,7 @@ async function playOpenSpiel(session, args, summary) {
       state_step_count: step_count,
       state_ok: state.terminal === result.observation.terminal && state.game !== '',
       game: state.game,
+      board_ok: frame.text !== '' && frame.text === state.state_string,
     });
   }
 }

@@ -243,6 +243,16 @@ class Session extends Stream {
   }
 
   /**
+   * Returns {frame, episode_id, step_count}: a picture of the env, `frame.text` or
+   * `frame.image` ({height, width, channels, pixels: Buffer}). In-band errors:
+   * UNIMPLEMENTED (the env does not render), INTERNAL (its render raised).
+   */
+  async render() {
+    const { rendered } = await this._request('render', {});
+    return rendered;
+  }
+
+  /**
    * Captures the current episode; returns the snapshot as a Buffer (signed by the server,
    * opaque here): restore() it on this session, another one, or any server of the same env
    * and version that holds the key. Rejects with an EnvError: UNIMPLEMENTED (the env has no

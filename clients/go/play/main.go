@@ -41,6 +41,7 @@ type episode struct {
 	StateStepCount uint64    `json:"state_step_count"`
 	StateOK        bool      `json:"state_ok"`
 	Game           string    `json:"game,omitempty"`
+	BoardOK        *bool     `json:"board_ok,omitempty"`
 }
 
 type capacity struct {
@@ -241,11 +242,17 @@ func playOpenSpiel(s *session.Session, o options, sum *summary) error {
 		if err := st.State.UnmarshalTo(&state); err != nil {
 			return err
 		}
+		rendered, err := s.Render()
+		if err != nil {
+			return err
+		}
+		board := rendered.GetFrame().GetText()
+		boardOK := board != "" && board == state.StateString
 		sum.Episodes = append(sum.Episodes, episode{
 			EpisodeID: result.EpisodeId, Steps: result.StepCount, Reward: reward,
 			Terminated: result.Terminated, Truncated: result.Truncated, Returns: obs.Returns,
 			StateStepCount: st.StepCount, StateOK: state.Terminal == obs.Terminal && state.Game != "",
-			Game: state.Game,
+			Game: state.Game, BoardOK: &boardOK,
 		})
 	}
 	return nil

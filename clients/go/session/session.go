@@ -203,6 +203,16 @@ func (s *Session) State() (*pb.StateResult, error) {
 	return resp.GetState(), nil
 }
 
+// Render returns a picture of the env: its Frame's text or 8-bit image.
+func (s *Session) Render() (*pb.RenderResult, error) {
+	cmd := &pb.RenderCommand{}
+	resp, err := s.do(&pb.SessionRequest{Command: &pb.SessionRequest_Render{Render: cmd}})
+	if err != nil {
+		return nil, err
+	}
+	return resp.GetRendered(), nil
+}
+
 // Close closes the env (the server confirms) and ends the stream.
 func (s *Session) Close() error {
 	defer s.cancel()
