@@ -18,13 +18,29 @@ import numpy as np
 import pytest
 
 from openenv_grpc import frame_array
-from openenv_grpc.client import EnvError, VectorEnvError
+from openenv_grpc.client import EnvError, Recovery, SessionLost, VectorEnvError
 from openenv_grpc.testing import ServerProcess
 from openenv_grpc_envs.echo import EchoAction, EchoEnv, EchoVectorEnv
 from openenv_grpc_envs.gymnasium import GymnasiumEnv, GymnasiumResetOptions, GymnasiumVectorEnv
 from openenv_grpc_envs.gymnasium.convert import to_numpy
 from openenv_grpc_envs.openspiel import OpenSpielEnv, OpenSpielResetOptions
-from support.rendering import FLOAT_IMAGE, IMAGE, NO_FRAME, NOT_HERE, RAISES, WIDE, WIDE_TEXT
+from support.rendering import (
+    COUNTED_WIDE,
+    EMPTY_FRAME,
+    EXITS,
+    FLOAT_IMAGE,
+    IMAGE,
+    LYING_ARRAY,
+    NEGATIVE_SHAPE,
+    NO_FRAME,
+    NOT_HERE,
+    RAISES,
+    SEVEN_CHANNELS,
+    SHORT_PIXELS,
+    WIDE,
+    WIDE_TEXT,
+    ZERO_SIZE,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,6 +52,14 @@ INTERNAL = grpc.StatusCode.INTERNAL
 RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 PLACEMENTS = ["in_process", "isolated"]
 
+#: A uint8 image array of this shape is refused, naming it.
+def _bad_shape(shape: str, dtype: str = "uint8") -> str:
+    return (
+        f"environment returned an image of shape {shape} and dtype {dtype} from render(); "
+        "a frame is uint8, (height, width) or (height, width, 1 | 3 | 4)"
+    )
+
+
 #: seed -> the code and the message of its render's in-band error.
 FAILURES = {
     NO_FRAME: (INTERNAL, "environment returned a int from render(), not text or an image array"),
@@ -44,11 +68,20 @@ FAILURES = {
         UNIMPLEMENTED,
         "render is not supported: this configuration draws nothing; the episode goes on",
     ),
-    FLOAT_IMAGE: (
+    FLOAT_IMAGE: (INTERNAL, _bad_shape("(2, 3, 3)", "float32")),
+    EMPTY_FRAME: (INTERNAL, "environment returned an empty Frame from render(): no frame"),
+    SHORT_PIXELS: (
         INTERNAL,
-        "environment returned an image of shape (2, 3, 3) and dtype float32 from render(); "
-        "a frame is uint8, (height, width) or (height, width, 1 | 3 | 4)",
+        "environment rendered 3 pixel bytes for an image of 100 x 100 x 3",
     ),
+    SEVEN_CHANNELS: (
+        INTERNAL,
+        "environment rendered an image of 1 x 1 x 7; an image has rows, pixels per row, "
+        "and 1, 3 or 4 channels",
+    ),
+    ZERO_SIZE: (INTERNAL, _bad_shape("(0, 0, 3)")),
+    LYING_ARRAY: (INTERNAL, "environment rendered 5 pixel bytes for an image of 2 x 3 x 3"),
+    NEGATIVE_SHAPE: (INTERNAL, _bad_shape("(-1, 3)")),
 }
 
 
@@ -145,6 +178,8 @@ def test_a_vector_renders_per_env_and_a_failing_env_keeps_its_neighbours(
             envs.render()
         failed = caught.value
         assert failed.done == [0, 2, 6]
+        assert sorted(failed.results) == [0, 2, 6]  # the neighbours' frames come along
+        assert [failed.results[i] for i in (0, 2, 6)] == frames
         assert sorted(failed.errors) == [1, 3, 4, 5]
         for index, error in failed.errors.items():
             code, message = FAILURES[seeds[index]]
@@ -184,6 +219,49 @@ def test_frames_over_the_message_limit_refuse_the_request_and_fewer_fit(
         assert [len(frame.text) for frame in envs.render(indices=[3, 4])] == [WIDE, WIDE]
         assert not envs.step(say(8)).errors
     server.settled()
+
+
+def test_frames_past_small_ones_are_read_no_further_than_the_limit_allows(
+    servers: dict[str, Ledgered],
+) -> None:
+    """Envs 0-3 draw a few bytes, 4-11 5,000 each (16 KiB limit): the first read (4 envs)
+    says little of the others, so the next reads at most as many again. Four wide frames
+    are made, not all eight, before the request is refused."""
+    server = servers["tight"]
+    renders = Path(f"{server.ledger}.renders")
+    with EchoVectorEnv(server.target, 12) as envs:
+        envs.reset(seeds=[0] * 4 + [COUNTED_WIDE] * 8)
+        with pytest.raises(EnvError) as caught:
+            envs.render()
+        assert caught.value.code == RESOURCE_EXHAUSTED
+        assert renders.read_text().count("render") == 4
+        assert [len(frame.text) for frame in envs.render(indices=[4, 5, 6])] == [WIDE] * 3
+    server.settled()
+
+
+def test_a_render_that_ends_its_env_process_is_not_retried_past_two_recoveries(
+    tmp_path: Path,
+) -> None:
+    """With recovery, a call that loses the stream is made again on a fresh one; a
+    render that kills its env process each time is given up on after two recoveries
+    (three exits), not repeated for ``within`` seconds. (A server of its own: envs of a
+    killed process never record their close.)"""
+    server = Ledgered(RENDERING, tmp_path / "ledger", "--isolated", "2")
+    try:
+        exits = Path(f"{server.ledger}.exits")
+        with EchoEnv(server.target, recovery=Recovery(every=1, within=30)) as env:
+            env.reset(seed=EXITS)
+            with pytest.raises(SessionLost) as caught:
+                env.render()
+            assert "this call lost the stream again after 2 recoveries" in caught.value.message
+            assert env.recoveries == 2
+        assert exits.read_text().count("exit") == 3
+        with EchoEnv(server.target) as env:  # the server goes on, env processes replaced
+            env.reset(seed=0)
+            assert env.render().text == "steps=0"
+        server.wait_until(lambda: server.active() == 0)
+    finally:
+        server.stop()
 
 
 def test_an_env_without_render_is_unimplemented_on_both_streams(

@@ -8,6 +8,8 @@ exception derives from that too, so ``except TimeoutError`` keeps working.
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 
 __all__ = [
@@ -82,7 +84,13 @@ class VectorEnvError(EnvError):
     the message names every failed index. The stream goes on.
     """
 
-    def __init__(self, what: str, errors: dict[int, EnvError], done: list[int]) -> None:
+    def __init__(
+        self,
+        what: str,
+        errors: dict[int, EnvError],
+        done: list[int],
+        results: dict[int, Any] | None = None,
+    ) -> None:
         first = errors[min(errors)]
         described = "; ".join(
             f"env {index}: {error.code.name}: {error.message}"
@@ -95,6 +103,9 @@ class VectorEnvError(EnvError):
         self.errors = errors
         #: The indices that succeeded, increasing.
         self.done = done
+        #: What the envs that succeeded answered, by index, where the call reads
+        #: something (a render's frames, a snapshot's bytes); else empty.
+        self.results: dict[int, Any] = results or {}
 
 
 class SessionLost(OpenEnvError):

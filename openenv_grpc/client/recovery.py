@@ -263,14 +263,25 @@ class RecoveringCalls:
             EnvError, SessionTimeout: as the call itself raises them.
         """
         deadline: float | None = None
+        recovered = 0
         while True:
             request = build()
             try:
                 return request, decode(await self._io._io_roundtrip(request, timeout))
             except SessionLost as lost:
+                if recovered >= _MAX_RETRIES:
+                    # The same call lost a fresh stream each time: it may be what kills
+                    # the server (or its env process); making it again would only repeat
+                    # that, and take the neighbours there down with it.
+                    raise _gave_up(
+                        lost,
+                        f"this call lost the stream again after {recovered} recoveries; it "
+                        "is not made again (it may be what ends the stream)",
+                    ) from None
                 if deadline is None:
                     deadline = time.monotonic() + self._recovery.within
                 await self._recover(lost, timeout, replay, deadline)
+                recovered += 1
 
     async def _recover(
         self, lost: SessionLost, timeout: float | None, replay: bool, deadline: float
@@ -364,6 +375,11 @@ class RecoveringCalls:
 
 def _trace(outcome: StepOutcome[Any]) -> tuple[float, bool, bool]:
     return outcome.reward, outcome.terminated, outcome.truncated
+
+
+#: Recoveries one call may cause: past them, a call that lost each fresh stream is given
+#: up on (it may be what ends the stream).
+_MAX_RETRIES = 2
 
 
 def _gave_up(lost: SessionLost, why: str) -> SessionLost:

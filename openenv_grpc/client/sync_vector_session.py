@@ -280,7 +280,8 @@ class VectorSession(SyncStream, VectorBase, Generic[ActionT, ObservationT, State
 
         Raises:
             VectorEnvError: some envs drew nothing (``errors`` by index: UNIMPLEMENTED,
-                the env does not render; INTERNAL, its render raised).
+                the env does not render; INTERNAL, its render raised); the others'
+                frames are its ``results``, by index.
             EnvError: the request was refused (bad indices; RESOURCE_EXHAUSTED: the whole
                 answer is over the message limit, ask for fewer envs at a time).
             SessionLost: the stream ended. SessionTimeout: no answer within ``timeout``.

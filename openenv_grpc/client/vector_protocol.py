@@ -283,26 +283,32 @@ class VectorProtocol(StreamProtocol):
 
         Raises:
             VectorEnvError: some envs could not be captured (the others' snapshots are
-                dropped: ask again for those).
+                its ``results``, by index).
             EnvError: the request was refused.
         """
         result: pb.VectorSnapshots = self._outcome(response, "snapshots")
+        snapshots = [bytes(entry.snapshot) for entry in result.snapshots]
         if result.errors:
-            raise VectorEnvError("snapshot", _errors(result.errors), list(result.indices))
-        return [bytes(entry.snapshot) for entry in result.snapshots]
+            done = list(result.indices)
+            raise VectorEnvError(
+                "snapshot", _errors(result.errors), done, dict(zip(done, snapshots))
+            )
+        return snapshots
 
     def frames(self, response: pb.VectorSessionResponse) -> list[pb.Frame]:
         """The answer to a render command: one frame per env named, in index order.
 
         Raises:
-            VectorEnvError: some envs drew nothing (the others' frames are dropped: ask
-                again for those).
+            VectorEnvError: some envs drew nothing (the others' frames are its
+                ``results``, by index).
             EnvError: the request was refused.
         """
         result: pb.VectorFrames = self._outcome(response, "frames")
+        frames = [entry.frame for entry in result.frames]
         if result.errors:
-            raise VectorEnvError("render", _errors(result.errors), list(result.indices))
-        return [entry.frame for entry in result.frames]
+            done = list(result.indices)
+            raise VectorEnvError("render", _errors(result.errors), done, dict(zip(done, frames)))
+        return frames
 
     def restored(self, response: pb.VectorSessionResponse) -> list[Restored]:
         """The answer to a restore command: where each env named now is, in index order.

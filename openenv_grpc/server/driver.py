@@ -440,11 +440,14 @@ class Driver:
         read: Callable[[Sequence[int]], Awaitable[BatchStates]],
     ) -> tuple[BatchStates, int]:
         """What ``read`` (one query over some envs) answers for ``indices``, and its
-        bytes, read no further than the message limit: a first call
-        about a few envs measures one's size, the next ones name as many envs as fit in
-        what is left of the limit (all the others, usually). Once over the limit the envs
-        not read yet are left alone, so one small request never makes the envs build much
-        more than one message of them (N envs' frames or snapshots would be N times one)."""
+        bytes, read no further than the message limit: a first call about a few envs
+        measures their answers' size, each next one names as many envs as would fit in
+        what is left of the limit at the largest answer seen, but never more than were
+        read so far (envs that failed or answered little say nothing of the others).
+        Once over the limit the envs not read yet are left alone, so one small request
+        never makes the envs build much more than one message of them (N envs' frames or
+        snapshots would be N times one): at most about twice the limit, or the envs read
+        so far again when the first ones answered little."""
         limit, count = self._max_response, len(indices)
         if limit is None or count <= _STATE_PROBE:
             states = await read(indices)
@@ -452,17 +455,20 @@ class Driver:
         out = BatchStates()
         payload = start = 0
         chunk = _STATE_PROBE
+        largest = 0
         while start < count:
             part = await read(indices[start : start + chunk])
             out.rows.extend(part.rows)
             out.states.extend(part.states)
             out.errors.update(part.errors)
-            payload += sum(map(len, part.states))
+            sizes = list(map(len, part.states))
+            payload += sum(sizes)
+            largest = max(largest, *sizes, 0)
             start += chunk
             if payload > limit:
                 break
-            per_env = payload / start
-            chunk = count if not per_env else int((limit - payload) / per_env) + 1
+            fits = count if not largest else int((limit - payload) / largest) + 1
+            chunk = max(1, min(fits, start))
         return out, payload
 
     # -- bookkeeping ----------------------------------------------------------------------

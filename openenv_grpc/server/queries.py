@@ -11,6 +11,7 @@ to the envs and back (``calls.py``, ``vector_spread.py``, ``vector_frames.py``,
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -60,10 +61,18 @@ def _snapshot(value: Any, types: EnvironmentTypes) -> bytes:
 def _frame(value: Any, types: EnvironmentTypes) -> bytes:
     """A serialized ``Frame`` from what ``render()`` returned: text, a uint8 image array
     of shape (height, width[, channels]) with 1, 3 or 4 channels, or a Frame."""
-    if isinstance(value, Frame):
-        return value.SerializeToString()
     if isinstance(value, str):
         return Frame(text=value).SerializeToString()
+    frame = value if isinstance(value, Frame) else _from_array(value)
+    content = frame.WhichOneof("content")
+    if content is None:
+        raise BadTransition("environment returned an empty Frame from render(): no frame")
+    if content == "image":
+        _check_image(frame.image)
+    return frame.SerializeToString()
+
+
+def _from_array(value: Any) -> Frame:
     shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
     if shape is None or dtype is None or not hasattr(value, "tobytes"):
         raise BadTransition(
@@ -72,7 +81,12 @@ def _frame(value: Any, types: EnvironmentTypes) -> bytes:
         )
     shape = tuple(shape)
     channels = shape[2] if len(shape) == 3 else 1
-    if str(dtype) != "uint8" or len(shape) not in (2, 3) or channels not in (1, 3, 4):
+    if (
+        str(dtype) != "uint8"
+        or len(shape) not in (2, 3)
+        or not all(_side(side) for side in shape)
+        or channels not in (1, 3, 4)
+    ):
         raise BadTransition(
             f"environment returned an image of shape {shape} and dtype {dtype} from "
             "render(); a frame is uint8, (height, width) or (height, width, 1 | 3 | 4)"
@@ -81,7 +95,33 @@ def _frame(value: Any, types: EnvironmentTypes) -> bytes:
     image = frame.image
     image.height, image.width, image.channels = shape[0], shape[1], channels
     image.pixels = value.tobytes()  # C order whatever the array's layout
-    return frame.SerializeToString()
+    return frame
+
+
+def _check_image(image: Any) -> None:
+    """The image keeps ``Image``'s promises: 1, 3 or 4 channels, and its pixels fill it."""
+    sides = (image.height, image.width, image.channels)
+    if not (image.height and image.width and image.channels in (1, 3, 4)):
+        raise BadTransition(
+            f"environment rendered an image of {sides[0]} x {sides[1]} x {sides[2]}; an "
+            "image has rows, pixels per row, and 1, 3 or 4 channels"
+        )
+    if len(image.pixels) != image.height * image.width * image.channels:
+        raise BadTransition(
+            f"environment rendered {len(image.pixels)} pixel bytes for an image of "
+            f"{sides[0]} x {sides[1]} x {sides[2]}"
+        )
+
+
+#: Rows or pixels per row an image may have (Image's fields are uint32).
+_MAX_SIDE = 1 << 31
+
+
+def _side(side: object) -> bool:
+    """One of an image array's dimensions is a whole number in range (numpy's too)."""
+    if not isinstance(side, numbers.Integral) or isinstance(side, bool):
+        return False
+    return 0 < int(side) < _MAX_SIDE
 
 
 QUERIES: dict[str, Query] = {

@@ -364,8 +364,10 @@ class RenderCommand(_message.Message):
     """RenderCommand asks for a picture of the environment as it is now: what Gymnasium's
     render() returns, an RGB array or, for a text env, its text. The episode is not
     changed. In-band errors, the session going on: UNIMPLEMENTED for an env that does not
-    render (or not as configured; the message says why), INTERNAL when its render raised
-    or returned no frame, RESOURCE_EXHAUSTED for a frame over the message limit.
+    render (or not as configured; the message says why), INVALID_ARGUMENT when it cannot
+    render now (e.g. before its first reset), INTERNAL when its render raised or returned
+    no frame (an empty Frame, an image its pixels do not fill, or other than 1, 3 or 4
+    channels), RESOURCE_EXHAUSTED for a frame over the message limit.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
