@@ -52,6 +52,7 @@ INTERNAL = grpc.StatusCode.INTERNAL
 RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 PLACEMENTS = ["in_process", "isolated"]
 
+
 #: A uint8 image array of this shape is refused, naming it.
 def _bad_shape(shape: str, dtype: str = "uint8") -> str:
     return (

@@ -291,7 +291,7 @@ class VectorProtocol(StreamProtocol):
         if result.errors:
             done = list(result.indices)
             raise VectorEnvError(
-                "snapshot", _errors(result.errors), done, dict(zip(done, snapshots))
+                "snapshot", _errors(result.errors), done, dict(zip(done, snapshots, strict=False))
             )
         return snapshots
 
@@ -307,7 +307,9 @@ class VectorProtocol(StreamProtocol):
         frames = [entry.frame for entry in result.frames]
         if result.errors:
             done = list(result.indices)
-            raise VectorEnvError("render", _errors(result.errors), done, dict(zip(done, frames)))
+            raise VectorEnvError(
+                "render", _errors(result.errors), done, dict(zip(done, frames, strict=False))
+            )
         return frames
 
     def restored(self, response: pb.VectorSessionResponse) -> list[Restored]:
