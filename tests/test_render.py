@@ -19,6 +19,7 @@ import pytest
 
 from openenv_grpc import frame_array
 from openenv_grpc.client import EnvError, Recovery, SessionLost, VectorEnvError
+from openenv_grpc.client.errors import InvalidRequest
 from openenv_grpc.testing import ServerProcess
 from openenv_grpc_envs.echo import EchoAction, EchoEnv, EchoVectorEnv
 from openenv_grpc_envs.gymnasium import GymnasiumEnv, GymnasiumResetOptions, GymnasiumVectorEnv
@@ -200,6 +201,11 @@ def test_bad_render_indices_refuse_the_request_and_the_stream_goes_on(
             with pytest.raises(EnvError) as caught:
                 envs.render(indices=indices)
             assert caught.value.code == INVALID_ARGUMENT
+        for bad in ([-1], [2**32], [1.5], ["01"]):  # no env index: refused, nothing sent
+            with pytest.raises(InvalidRequest, match="indices must be env indices"):
+                envs.render(indices=bad)  # type: ignore[list-item]
+            with pytest.raises(InvalidRequest, match="indices must be env indices"):
+                envs.step(say(1), indices=bad)  # type: ignore[list-item]
         assert [frame.text for frame in envs.render()] == ["steps=0"] * 3
     server.settled()
 

@@ -120,7 +120,7 @@ class VectorProtocol(StreamProtocol):
         step = request.step
         step.SetInParent()
         if indices is not None:
-            step.indices.extend(indices)
+            _extend_indices(step.indices, indices)
         add, pinned = step.actions.add, self._types.action
         if pinned is not None and all(type(action) is pinned for action in actions):
             url = type_url(pinned)  # the common case: one type, checked once per call
@@ -136,7 +136,7 @@ class VectorProtocol(StreamProtocol):
         request: pb.VectorSessionRequest = self._envelope()
         step = request.step
         if indices is not None:
-            step.indices.extend(indices)
+            _extend_indices(step.indices, indices)
         pack_typed(step.batch_action, action, self._types.action, "batch action")
         return request
 
@@ -144,7 +144,7 @@ class VectorProtocol(StreamProtocol):
         request: pb.VectorSessionRequest = self._envelope()
         request.state.SetInParent()
         if indices is not None:
-            request.state.indices.extend(indices)
+            _extend_indices(request.state.indices, indices)
         return request
 
     def snapshot_request(self, indices: Indices) -> pb.VectorSessionRequest:
@@ -186,7 +186,7 @@ class VectorProtocol(StreamProtocol):
     def _named(self, indices: Indices, target: Any) -> Sequence[int]:
         if indices is None:
             return range(self.num_envs)
-        target.extend(indices)
+        _extend_indices(target, indices)
         return indices
 
     # -- answers ----------------------------------------------------------------------
@@ -363,3 +363,19 @@ def _errors(errors: Any) -> dict[int, EnvError]:
         index: EnvError(status_code(error.code), error.message, error.exception_type)
         for index, error in errors.items()
     }
+
+
+def _extend_indices(target: Any, indices: Sequence[int]) -> None:
+    """Put ``indices`` in a request's index list.
+
+    Raises:
+        InvalidRequest: one is no env index (negative, too large, not a whole number);
+            nothing is sent.
+    """
+    try:
+        target.extend(indices)
+    except (TypeError, ValueError) as exc:
+        shown = list(indices)[:8]
+        raise InvalidRequest(
+            f"indices must be env indices, whole numbers from 0, got {shown!r}: {exc}"
+        ) from None
