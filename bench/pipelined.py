@@ -23,8 +23,10 @@ processes on loopback, unlimited capacity):
 matmul (half of it per half-batch), from which the actions are taken, as a policy would:
 that is where overlap matters. Windows of every system are interleaved (``--rounds``), so
 a burst of other load hits all alike; a ratio is the median of the per-round ratios.
-Each row gives env-steps/s, client and server CPU per env-step and the machine's other
-CPU. Numbers are measured, never asserted; results go to ``bench/results/pipelined-*.json``.
+Each row gives env-steps/s, client and server CPU per env-step, the machine's other
+CPU and how often the server's measured placement moved env calls back to its thread pool
+during the system's windows (``moves_to_pool``, read from the server's log). Numbers are
+measured, never asserted; results go to ``bench/results/pipelined-*.json``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -57,6 +60,24 @@ HALF = N // 2
 ECHO_NATIVE = "openenv_grpc_envs.echo.batch:EchoBatchEnvironment"
 
 
+#: The server's log lines of measured placement moving a group (see server/placement.py).
+MOVED_TO_POOL = "move to the thread pool"
+MOVED_TO_LOOP = "now run on the event loop"
+#: Each served child's placement moves so far, by pid (read from its log by a thread).
+MOVES: dict[int, dict[str, int]] = {}
+
+
+def _drain(pid: int, stream: Any) -> None:
+    """Read a child server's log to its end (so it never blocks on a full pipe), counting
+    measured placement's moves of env calls between the event loop and the thread pool."""
+    moves = MOVES.setdefault(pid, {"to_pool": 0, "to_loop": 0})
+    for line in stream:
+        if MOVED_TO_POOL in line:
+            moves["to_pool"] += 1
+        elif MOVED_TO_LOOP in line:
+            moves["to_loop"] += 1
+
+
 @contextmanager
 def serve(env: str) -> Iterator[tuple[str, int]]:
     """A child ``openenv-grpc serve ENV`` on a free loopback port: (target, pid)."""
@@ -77,6 +98,7 @@ def serve(env: str) -> Iterator[tuple[str, int]]:
                 break
         if not target:
             raise RuntimeError(f"the {env} server did not start")
+        threading.Thread(target=_drain, args=(process.pid, process.stdout), daemon=True).start()
         yield target, process.pid
     finally:
         process.terminate()
@@ -290,14 +312,16 @@ def window(loop: Loop, seconds: float) -> dict[str, float]:
     server0 = cpu_seconds(pid) if pid else 0.0
     wall0, busy0 = time.monotonic(), machine_busy()
     me0 = cpu_seconds(os.getpid(), tree=False)
+    moved0 = MOVES.get(pid or 0, {}).get("to_pool", 0)
     steps = loop.run(wall0 + seconds)
     wall = time.monotonic() - wall0
     client = cpu_seconds(os.getpid(), tree=False) - me0
     server = (cpu_seconds(pid) - server0) if pid else 0.0
     other = machine_busy() - busy0 - client - server
     loop.settle()
+    moved = MOVES.get(pid or 0, {}).get("to_pool", 0) - moved0
     return {"env_steps": steps, "wall": wall, "client": client, "server": server,
-            "other": max(other, 0.0)}  # fmt: skip
+            "other": max(other, 0.0), "moves_to_pool": moved}  # fmt: skip
 
 
 def measure(loops: list[Loop], seconds: float, rounds: int) -> dict[str, list[dict[str, float]]]:
@@ -333,6 +357,7 @@ def rows(windows: dict[str, list[dict[str, float]]]) -> list[dict[str, Any]]:
             "client_cpu_us_per_env_step": round(total["client"] / total["env_steps"] * 1e6, 2),
             "server_cpu_us_per_env_step": round(total["server"] / total["env_steps"] * 1e6, 2),
             "other_cpu_cores": round(total["other"] / total["wall"], 2),
+            "moves_to_pool": int(total["moves_to_pool"]),
         })  # fmt: skip
     return out
 
