@@ -65,17 +65,23 @@ MOVED_TO_POOL = "move to the thread pool"
 MOVED_TO_LOOP = "now run on the event loop"
 #: Each served child's placement moves so far, by pid (read from its log by a thread).
 MOVES: dict[int, dict[str, int]] = {}
+#: The log lines of those moves, by pid (what the slow call took, wall and CPU).
+MOVE_LINES: dict[int, list[str]] = {}
 
 
 def _drain(pid: int, stream: Any) -> None:
     """Read a child server's log to its end (so it never blocks on a full pipe), counting
     measured placement's moves of env calls between the event loop and the thread pool."""
     moves = MOVES.setdefault(pid, {"to_pool": 0, "to_loop": 0})
+    lines = MOVE_LINES.setdefault(pid, [])
     for line in stream:
         if MOVED_TO_POOL in line:
             moves["to_pool"] += 1
         elif MOVED_TO_LOOP in line:
             moves["to_loop"] += 1
+        else:
+            continue
+        lines.append(line.strip()[-400:])
 
 
 @contextmanager
@@ -440,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
                                    "policy_repeats": policy.repeats, "rows": found})  # fmt: skip
             for row in found:
                 log(json.dumps({"env": "CartPole-v1", "policy_ms": ms, **row}))
+        report["placement_log"] = MOVE_LINES.get(pid, [])
     RESULTS.mkdir(exist_ok=True)
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S")
     path = RESULTS / f"pipelined-{stamp}.json"
