@@ -5,6 +5,7 @@ measured side by side in one run.
     python -m bench.pipelined                         # echo + CartPole, ~2 minutes
     python -m bench.pipelined --seconds 6 --rounds 3 --policy-ms 1
     python -m bench.pipelined --num-envs 128 --skip-echo   # two batches of 64 in flight
+    python -m bench.pipelined --skip-echo --base-tree /tmp/base  # before/after, one run
 
 Systems, each a closed loop over one stream (servers are child ``openenv-grpc serve``
 processes on loopback, unlimited capacity):
@@ -22,9 +23,12 @@ processes on loopback, unlimited capacity):
 ``--policy-ms P`` makes the trainer spend about P ms of CPU per N rows on a fixed numpy
 matmul (half of it per half-batch), from which the actions are taken, as a policy would:
 that is where overlap matters. Windows of every system are interleaved (``--rounds``), so
-a burst of other load hits all alike; a ratio is the median of the per-round ratios.
-Each row gives env-steps/s, client and server CPU per env-step and the machine's other
-CPU. Numbers are measured, never asserted; results go to ``bench/results/pipelined-*.json``.
+a burst of other load hits all alike (every other round runs them in reverse order); a
+ratio is the median of the per-round ratios.
+Each row gives env-steps/s, client and server CPU per env-step, the machine's other
+CPU and how often the server's measured placement moved env calls back to its thread pool
+during the system's windows (``moves_to_pool``, read from the server's log). Numbers are
+measured, never asserted; results go to ``bench/results/pipelined-*.json``.
 """
 
 from __future__ import annotations
@@ -35,9 +39,10 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -57,13 +62,42 @@ HALF = N // 2
 ECHO_NATIVE = "openenv_grpc_envs.echo.batch:EchoBatchEnvironment"
 
 
+#: The server's log lines of measured placement moving a group (see server/placement.py).
+MOVED_TO_POOL = "move to the thread pool"
+MOVED_TO_LOOP = "now run on the event loop"
+#: Each served child's placement moves so far, by pid (read from its log by a thread).
+MOVES: dict[int, dict[str, int]] = {}
+#: The log lines of those moves, by pid (what the slow call took, wall and CPU).
+MOVE_LINES: dict[int, list[str]] = {}
+
+
+def _drain(pid: int, stream: Any) -> None:
+    """Read a child server's log to its end (so it never blocks on a full pipe), counting
+    measured placement's moves of env calls between the event loop and the thread pool."""
+    moves = MOVES.setdefault(pid, {"to_pool": 0, "to_loop": 0})
+    lines = MOVE_LINES.setdefault(pid, [])
+    for line in stream:
+        if MOVED_TO_POOL in line:
+            moves["to_pool"] += 1
+        elif MOVED_TO_LOOP in line:
+            moves["to_loop"] += 1
+        else:
+            continue
+        lines.append(line.strip()[-400:])
+
+
 @contextmanager
-def serve(env: str) -> Iterator[tuple[str, int]]:
-    """A child ``openenv-grpc serve ENV`` on a free loopback port: (target, pid)."""
+def serve(env: str, tree: str | None = None) -> Iterator[tuple[str, int]]:
+    """A child ``openenv-grpc serve ENV`` on a free loopback port: (target, pid). With
+    ``tree``, the server runs that checkout's code (its directory first on the path; it
+    needs ``openenv_grpc_envs`` importable there, e.g. a symlink to ``envs``)."""
     command = [sys.executable, "-m", "openenv_grpc.cli", "serve", env, "--port", "0",
                "--max-concurrent-envs", "0"]  # fmt: skip
+    environ = None
+    if tree is not None:
+        environ = {**os.environ, "PYTHONPATH": tree}
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True)  # fmt: skip
+                               text=True, cwd=tree, env=environ)  # fmt: skip
     try:
         assert process.stdout is not None
         target = ""
@@ -77,6 +111,7 @@ def serve(env: str) -> Iterator[tuple[str, int]]:
                 break
         if not target:
             raise RuntimeError(f"the {env} server did not start")
+        threading.Thread(target=_drain, args=(process.pid, process.stdout), daemon=True).start()
         yield target, process.pid
     finally:
         process.terminate()
@@ -290,22 +325,24 @@ def window(loop: Loop, seconds: float) -> dict[str, float]:
     server0 = cpu_seconds(pid) if pid else 0.0
     wall0, busy0 = time.monotonic(), machine_busy()
     me0 = cpu_seconds(os.getpid(), tree=False)
+    moved0 = MOVES.get(pid or 0, {}).get("to_pool", 0)
     steps = loop.run(wall0 + seconds)
     wall = time.monotonic() - wall0
     client = cpu_seconds(os.getpid(), tree=False) - me0
     server = (cpu_seconds(pid) - server0) if pid else 0.0
     other = machine_busy() - busy0 - client - server
     loop.settle()
+    moved = MOVES.get(pid or 0, {}).get("to_pool", 0) - moved0
     return {"env_steps": steps, "wall": wall, "client": client, "server": server,
-            "other": max(other, 0.0)}  # fmt: skip
+            "other": max(other, 0.0), "moves_to_pool": moved}  # fmt: skip
 
 
 def measure(loops: list[Loop], seconds: float, rounds: int) -> dict[str, list[dict[str, float]]]:
     out: dict[str, list[dict[str, float]]] = {loop.name: [] for loop in loops}
     for loop in loops:  # warm up
         window(loop, 0.5)
-    for _ in range(rounds):
-        for loop in loops:
+    for round_ in range(rounds):  # every other round in reverse: no system always last
+        for loop in loops if round_ % 2 == 0 else loops[::-1]:
             out[loop.name].append(window(loop, seconds / rounds))
     return out
 
@@ -330,9 +367,11 @@ def rows(windows: dict[str, list[dict[str, float]]]) -> list[dict[str, Any]]:
             "env_steps_per_s": round(total["env_steps"] / total["wall"]),
             "ratio_to_sync": None if name.startswith("echo") else ratio(name, "sync"),
             "two_over_one": ratio(name, pair) if pair else None,
+            "over_base": ratio(name, f"base:{name}"),  # with --base-tree (None without)
             "client_cpu_us_per_env_step": round(total["client"] / total["env_steps"] * 1e6, 2),
             "server_cpu_us_per_env_step": round(total["server"] / total["env_steps"] * 1e6, 2),
             "other_cpu_cores": round(total["other"] / total["wall"], 2),
+            "moves_to_pool": int(total["moves_to_pool"]),
         })  # fmt: skip
     return out
 
@@ -349,6 +388,15 @@ def main(argv: list[str] | None = None) -> int:
         help="only one request in flight (sync, echo-1, gym-1, envpool-1): e.g. to compare "
         "against a server that predates send/recv, running this file from its checkout",
     )  # fmt: skip
+    parser.add_argument(
+        "--base-tree", metavar="DIR",
+        help="also serve the gymnasium env from this checkout (before/after side by side: "
+        "base:envpool-1/-2 in the same interleaved rounds; its openenv_grpc_envs must import "
+        "from DIR, e.g. a symlink to envs)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--base-gym", action="store_true", help="with --base-tree: base:gym-1/-2 as well"
+    )
     args = parser.parse_args(argv)
     global N, HALF
     N, HALF = args.num_envs, args.num_envs // 2
@@ -386,15 +434,19 @@ def main(argv: list[str] | None = None) -> int:
             report["runs"].append({"env": "echo-native", "policy_ms": 0, "rows": found})
             for row in found:
                 log(json.dumps({"env": "echo-native", **row}))
-    with serve("gymnasium") as (target, pid):
+    with ExitStack() as servers:
+        target, pid = servers.enter_context(serve("gymnasium"))
+        base_target, base_pid = "", 0
+        if args.base_tree:
+            base_target, base_pid = servers.enter_context(serve("gymnasium", args.base_tree))
         for ms in args.policy_ms:
             policy = Policy(ms)
 
-            def remote(backend: str, batch: int) -> Any:
+            def remote(backend: str, batch: int, at: str = target) -> Any:
                 if batch == N:  # no batch_size argument: also for older clients
-                    return RemoteGymnasiumVectorEnv(target, N, "CartPole-v1", backend=backend)
+                    return RemoteGymnasiumVectorEnv(at, N, "CartPole-v1", backend=backend)
                 return RemoteGymnasiumVectorEnv(
-                    target, N, "CartPole-v1", backend=backend, batch_size=batch
+                    at, N, "CartPole-v1", backend=backend, batch_size=batch
                 )
 
             loops = [
@@ -406,6 +458,16 @@ def main(argv: list[str] | None = None) -> int:
             if not args.one_only:
                 loops.insert(2, GymTwo("gym-2", remote("gymnasium", HALF), policy, pid))
                 loops.append(GymTwo("envpool-2", remote("envpool", HALF), policy, pid))
+            if args.base_tree:  # the same systems served by the other checkout, each
+                at = base_target  # right after its counterpart
+                backends = ("envpool", "gym") if args.base_gym else ("envpool",)
+                for name in [loop.name for loop in loops if loop.name.startswith(backends)]:
+                    backend = "envpool" if name.startswith("envpool") else "gymnasium"
+                    two = name.endswith("-2")
+                    made = remote(backend, HALF if two else N, at)
+                    base: Loop = (GymTwo if two else GymOne)(f"base:{name}", made, policy,
+                                                            base_pid)  # fmt: skip
+                    loops.insert([loop.name for loop in loops].index(name) + 1, base)
             try:
                 found = rows(measure(loops, args.seconds, args.rounds))
             finally:
@@ -415,6 +477,10 @@ def main(argv: list[str] | None = None) -> int:
                                    "policy_repeats": policy.repeats, "rows": found})  # fmt: skip
             for row in found:
                 log(json.dumps({"env": "CartPole-v1", "policy_ms": ms, **row}))
+        report["placement_log"] = MOVE_LINES.get(pid, [])
+        if args.base_tree:
+            report["base_tree"] = args.base_tree
+            report["base_placement_log"] = MOVE_LINES.get(base_pid, [])
     RESULTS.mkdir(exist_ok=True)
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S")
     path = RESULTS / f"pipelined-{stamp}.json"

@@ -13,10 +13,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import gymnasium
+import numpy as np
+import numpy.typing as npt
 
 from openenv_grpc_envs.gymnasium.v1.gymnasium_pb2 import EnvDescription
 
-__all__ = ["BatchBackend", "Rows"]
+__all__ = ["BatchBackend", "Rows", "rows_index"]
 
 
 @dataclass(slots=True)
@@ -35,6 +37,9 @@ class Rows:
             whose ``reset`` is True, in row order.
         final_infos: The infos of those last steps.
         errors: Env index -> what its env raised.
+        columns: The rewards (float64), terminated and truncated flags as arrays too, when
+            the backend has them so (EnvPool): the batch's books read them instead of
+            converting the lists back.
     """
 
     indices: list[int]
@@ -48,6 +53,9 @@ class Rows:
     final_observations: Any = None
     final_infos: list[Mapping[str, Any] | None] | None = None
     errors: dict[int, Exception] = field(default_factory=dict)
+    columns: tuple[npt.NDArray[np.float64], npt.NDArray[np.bool_], npt.NDArray[np.bool_]] | None = (
+        None
+    )
 
 
 class BatchBackend(Protocol):
@@ -83,3 +91,13 @@ class BatchBackend(Protocol):
     def close(self) -> None:
         """Close every env."""
         ...
+
+
+def rows_index(indices: Sequence[int]) -> slice | npt.NDArray[np.intp]:
+    """What indexes the per-env arrays at ``indices`` (increasing, no repeats, as every
+    call names them): a slice when they are one run (every env, or one half of a vector
+    stream's two requests in flight), else an index array."""
+    count = len(indices)
+    if count and indices[-1] - indices[0] + 1 == count:
+        return slice(indices[0], indices[0] + count)
+    return np.asarray(indices, dtype=np.intp)

@@ -37,9 +37,9 @@ import numpy.typing as npt
 
 from openenv_grpc import AutoresetMode, BatchEnvironment, BatchTransition, InvalidAction
 from openenv_grpc.environment import Rendering
-from openenv_grpc_envs.gymnasium.backends import BatchBackend, Rows
+from openenv_grpc_envs.gymnasium.backends import BatchBackend, Rows, rows_index
 from openenv_grpc_envs.gymnasium.batch_convert import (
-    decode_batch,
+    BatchDecoder,
     encode_rows,
     encode_stacked,
     join_values,
@@ -121,6 +121,7 @@ class GymnasiumBatch(
         self._terminated = np.zeros(size, dtype=np.bool_)
         self._truncated = np.zeros(size, dtype=np.bool_)
         self._seeds: list[int | None] = [None] * size
+        self._decoder: BatchDecoder | None = None  # of the running backend's action space
 
     @property
     def description(self) -> EnvDescription | None:
@@ -180,14 +181,16 @@ class GymnasiumBatch(
         self, indices: Sequence[int], actions: GymnasiumAction
     ) -> BatchTransition[GymnasiumObservation]:
         backend = self._require_backend()
+        decoder = self._decoder
+        if decoder is None or decoder.space is not backend.action_space:
+            decoder = self._decoder = BatchDecoder(backend.action_space)
         try:
-            batch, outside = decode_batch(actions.value, backend.action_space, len(indices))
+            batch, outside = decoder(actions.value, len(indices))
         except ConversionError as exc:
             raise InvalidAction(str(exc)) from None
         errors: dict[int, Exception] = {}
         disabled = self.autoreset is AutoresetMode.DISABLED
-        whole = len(indices) == self.size  # every env, in order: no index array
-        ended = self._ended.copy() if whole else self._ended[np.asarray(indices, dtype=np.intp)]
+        ended = self._ended[rows_index(indices)].copy()
         refused = outside | ended if disabled else outside
         if refused.any():
             for row in np.flatnonzero(refused):
@@ -373,14 +376,16 @@ class GymnasiumBatch(
         """Step counts, returns and flags per env (for ``state`` and autoreset)."""
         if not rows.indices:
             return
-        # Every env in order (the common case): slices, no index array to build.
-        index: Any = (
-            slice(None)
-            if len(rows.indices) == self.size
-            else np.asarray(rows.indices, dtype=np.intp)
-        )
+        index = rows_index(rows.indices)
+        columns = rows.columns
+        if columns is None:
+            rewards: Any = np.asarray(rows.rewards, dtype=np.float64)
+            terminated: Any = np.asarray(rows.terminated, dtype=np.bool_)
+            truncated: Any = np.asarray(rows.truncated, dtype=np.bool_)
+        else:
+            rewards, terminated, truncated = columns
         steps = self._steps[index] + 1
-        returns = self._returns[index] + np.asarray(rows.rewards, dtype=np.float64)
+        returns = self._returns[index] + rewards
         reset = np.asarray(rows.reset, dtype=np.bool_) if rows.reset is not None else None
         if reset is not None:
             # NEXT_STEP: reset instead of stepped; SAME_STEP: stepped, then reset. Either
@@ -389,8 +394,6 @@ class GymnasiumBatch(
             returns[reset] = 0.0
         self._steps[index] = steps
         self._returns[index] = returns
-        terminated = np.asarray(rows.terminated, dtype=np.bool_)
-        truncated = np.asarray(rows.truncated, dtype=np.bool_)
         self._terminated[index] = terminated
         self._truncated[index] = truncated
         ended = terminated | truncated

@@ -27,6 +27,7 @@ import numpy.typing as npt
 from gymnasium import spaces
 
 from openenv_grpc_envs.gymnasium.convert import (
+    _LITTLE,
     _NAMES,
     ConversionError,
     _array,
@@ -42,6 +43,7 @@ from openenv_grpc_envs.gymnasium.convert import (
 from openenv_grpc_envs.gymnasium.v1.gymnasium_pb2 import Tensor, Value
 
 __all__ = [
+    "BatchDecoder",
     "decode_batch",
     "encode_rows",
     "encode_stacked",
@@ -191,6 +193,50 @@ def decode_batch(
         array = _leaf_array(value, space, rows, path)
         return array, _outside_rows(array, space)
     raise _unsupported(space)
+
+
+class BatchDecoder:
+    """:func:`decode_batch` for one action space, with the work that depends only on the
+    space done once: for a leaf space (Discrete, Box, MultiDiscrete, MultiBinary) a
+    tensor of exactly the batch's dtype name, shape and byte count is read straight
+    (``frombuffer`` + the one writable copy :func:`decode_batch` makes too); anything else
+    goes through :func:`decode_batch`, which answers or raises as always. For CartPole's
+    64 rows: ~18 µs -> ~7 (no error label built per call, no space dispatch)."""
+
+    __slots__ = ("_bytes", "_dtype", "_little", "_name", "_shape", "space")
+
+    def __init__(self, space: spaces.Space[Any]) -> None:
+        #: The space this decoder reads batches of.
+        self.space = space
+        self._name: str | None = None
+        if isinstance(space, (spaces.Discrete, *_ARRAY_SPACES)):
+            dtype = _leaf_dtype(space)
+            name = _NAMES.get(dtype)
+            if name is not None:
+                self._name = name
+                self._dtype = dtype
+                self._little = _LITTLE[name]
+                self._shape = _leaf_shape(space)
+                self._bytes = math.prod(self._shape) * dtype.itemsize
+
+    def __call__(self, value: Value, rows: int) -> tuple[Any, npt.NDArray[np.bool_]]:
+        """What ``decode_batch(value, self.space, rows)`` returns, or raises."""
+        name = self._name
+        if name is not None and rows and value.WhichOneof("kind") == "tensor":
+            tensor = value.tensor
+            if tensor.dtype == name:
+                data = tensor.data
+                shape = tensor.shape
+                if (
+                    len(data) == rows * self._bytes
+                    and len(shape) == len(self._shape) + 1
+                    and shape[0] == rows
+                    and tuple(shape[1:]) == self._shape
+                ):
+                    array = np.frombuffer(data, self._little).reshape(rows, *self._shape)
+                    array = array.astype(self._dtype)  # writable, as decode_batch's
+                    return array, _outside_rows(array, self.space)
+        return decode_batch(value, self.space, rows)
 
 
 def _leaf_array(value: Value, space: spaces.Space[Any], rows: int, path: str) -> Array:

@@ -1,7 +1,11 @@
 """The batch paths' fast cases answer as the general ones: integer rows checked without
-numpy's error-state switch, and the books kept with slices when every env answers."""
+numpy's error-state switch, the books kept with slices when the envs named are one run,
+batch actions read by a decoder made once per space, and EnvPool stepped through its C++
+send/recv without its Python wrapper."""
 
 from __future__ import annotations
+
+from typing import Any, ClassVar
 
 import gymnasium
 import numpy as np
@@ -9,12 +13,22 @@ import pytest
 from gymnasium import spaces
 
 from openenv_grpc import AutoresetMode
+from openenv_grpc_envs.gymnasium.backends import rows_index
 from openenv_grpc_envs.gymnasium.batch import GymnasiumBatch
-from openenv_grpc_envs.gymnasium.batch_convert import _bounds, _outside_rows, encode_stacked
+from openenv_grpc_envs.gymnasium.batch_convert import (
+    BatchDecoder,
+    _bounds,
+    _outside_rows,
+    decode_batch,
+    encode_stacked,
+)
+from openenv_grpc_envs.gymnasium.convert import ConversionError, fill_tensor
+from openenv_grpc_envs.gymnasium.envpool_backend import RawStep, _infos
 from openenv_grpc_envs.gymnasium.v1.gymnasium_pb2 import (
     Backend,
     GymnasiumAction,
     GymnasiumResetOptions,
+    Value,
 )
 
 SPACES = [
@@ -123,3 +137,97 @@ def test_a_batch_view_reuses_the_last_layout_only_where_it_fits() -> None:
         got = stream._view(message, rows)
         assert got.dtype == want.dtype and got.shape == (rows, 4) and not got.flags.writeable
         assert got.tolist() == array.tolist()
+
+
+def _decoded(call: Any) -> tuple[str, Any]:
+    """What a decode answered or raised, comparable across two decoders."""
+    try:
+        batch, outside = call()
+    except ConversionError as exc:
+        return "raised", str(exc)
+    assert batch.flags.writeable
+    return "answered", (batch.dtype, batch.shape, batch.tolist(), outside.tolist())
+
+
+@pytest.mark.parametrize("space", SPACES, ids=lambda s: repr(s)[:40])
+def test_the_batch_decoder_answers_and_refuses_as_decode_batch(space: spaces.Space) -> None:  # type: ignore[type-arg]
+    decoder = BatchDecoder(space)
+    rng = np.random.default_rng(3)
+    good = np.stack([space.sample() for _ in range(6)])
+    good = good.astype(np.int64) if isinstance(space, spaces.Discrete) else good
+    outside = good.copy()
+    outside.reshape(6, -1)[2, 0] = 99
+    values = []
+    for array in (good, outside, good[:5], good.astype(np.float64), good.reshape(6, -1)[:, :1]):
+        value = Value()
+        fill_tensor(value.tensor, array)
+        values.append(value)
+    shaped = Value()
+    shaped.CopyFrom(values[0])
+    shaped.tensor.shape[:] = [3, 2, *good.shape[1:]]  # same bytes, other rows
+    ints = Value()
+    ints.ints.values[:] = rng.integers(0, 2, 6).tolist()
+    values += [shaped, Value(), ints]
+    for value in values:
+        for rows in (6, 5):
+            want = _decoded(lambda: decode_batch(value, space, rows))  # noqa: B023
+            assert _decoded(lambda: decoder(value, rows)) == want  # noqa: B023
+
+
+def test_rows_index_is_a_slice_for_a_run_only() -> None:
+    assert rows_index([0, 1, 2, 3]) == slice(0, 4)
+    assert rows_index([4, 5, 6, 7]) == slice(4, 8)
+    assert rows_index([3]) == slice(3, 4)
+    assert rows_index([0, 2, 3]).tolist() == [0, 2, 3]
+    assert rows_index([]).tolist() == []
+
+
+@pytest.mark.parametrize("env_id", ["CartPole-v1", "Pendulum-v1", "Acrobot-v1"])
+def test_the_raw_envpool_step_answers_as_the_pools_own(env_id: str) -> None:
+    """EnvPool's C++ send/recv without its Python wrapper: the same observations, rewards,
+    flags and infos as ``pool.step`` for whole and partial steps (Acrobot has an info)."""
+    envpool = pytest.importorskip("envpool")
+    n = 6
+    ours = envpool.make_gymnasium(env_id, num_envs=n, batch_size=n, env_seed=list(range(n)))
+    theirs = envpool.make_gymnasium(env_id, num_envs=n, batch_size=n, env_seed=list(range(n)))
+    try:
+        raw = RawStep.of(ours)
+        assert raw is not None
+        ids = np.arange(n, dtype=np.int32)
+        ours.reset(ids.copy())
+        theirs.reset(ids.copy())
+        rng = np.random.default_rng(4)
+        for t in range(120):  # long enough for episodes to end and autoreset
+            sub = ids if t % 3 else np.flatnonzero(rng.integers(0, 2, n)).astype(np.int32)
+            if not len(sub):
+                continue
+            actions = np.stack([theirs.action_space.sample() for _ in sub])
+            want = theirs.step(actions, sub.copy())
+            got = raw.step(actions, sub.copy())
+            for mine, other in zip(got[:4], want[:4], strict=True):
+                assert mine.dtype == other.dtype and mine.tolist() == other.tolist()
+            assert _infos(got[4], len(sub)) == _infos(want[4], len(sub))
+            assert got[4]["env_id"].tolist() == sub.tolist()
+    finally:
+        ours.close()
+        theirs.close()
+
+
+def test_the_raw_envpool_step_leaves_other_layouts_to_the_wrapper() -> None:
+    class Pool:  # a pool of another layout (two players per env)
+        _action_keys = ("env_id", "players.env_id", "action")
+        _state_keys = ("obs", "reward", "done", "trunc", "info:env_id")
+        _spec = type("Spec", (), {"_action_spec": [(np.dtype(np.int32),)]})()
+        config: ClassVar[dict[str, int]] = {"max_num_players": 2}
+
+        def _send(self, actions: Any) -> None: ...
+        def _recv(self) -> Any: ...
+
+    assert RawStep.of(Pool()) is None
+    Pool.config = {"max_num_players": 1}
+    assert RawStep.of(Pool()) is not None
+    Pool._state_keys = ("obs:rgb", "obs:depth", "reward", "done", "trunc", "info:env_id")
+    assert RawStep.of(Pool()) is None  # a nested observation
+    Pool._state_keys = ("obs", "reward", "done", "trunc", "info:env_id", "info:a.b")
+    assert RawStep.of(Pool()) is None  # a nested info
+    assert RawStep.of(object()) is None  # other internals
