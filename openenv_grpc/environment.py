@@ -478,6 +478,16 @@ class BatchEnvironment(Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
         """
         raise NotImplementedError("this environment's native batch cannot restore one env")
 
+    def computes_in_threads(self) -> bool:
+        """Optional: True while this batch's calls wait only on compute threads of its own
+        (a C++ pool's workers, as EnvPool's), never on I/O, sleep or other processes.
+        Such a call blocks its thread on every step, so the server's measured placement
+        judges a slow one by the process's CPU during it, not by the waits: on a loaded
+        machine a call slowed by other processes then does not move the batch off the
+        event loop. Read before each call; return at once. Default False.
+        """
+        return False
+
     def render(self, index: int) -> Rendering:
         """Optional: a picture of env ``index`` (see :meth:`Environment.render`).
 

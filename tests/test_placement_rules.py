@@ -10,6 +10,7 @@ from time import thread_time
 
 import pytest
 
+from openenv_grpc import AutoresetMode
 from openenv_grpc.server.placement import (
     MAX_GROUPS,
     PROBATION,
@@ -184,3 +185,74 @@ def test_a_batch_call_is_held_to_n_calls_up_to_the_switch_interval() -> None:
     assert batch_threshold(0.0001, 4) == pytest.approx(0.0004)
     assert batch_threshold(0.001, 64) == switch  # capped: pooled, the GIL waits that long
     assert batch_threshold(0.050, 64) == 0.050  # never below one call's threshold
+
+
+def test_a_group_judged_by_process_cpu_ignores_waits_and_counts_computing() -> None:
+    """A batch that waits on compute threads of its own (EnvPool's workers) blocks on
+    every call: judged by the process's CPU, a call that only waited is neither a strike
+    on the loop nor the end of a cheap streak on the pool; one that computed past the
+    limit is a strike. A group judged by its thread's waits moves back at once."""
+    placement = CallPlacement(THRESHOLD, "env")
+    threaded = placement.group("envpool", "step", by_process=True)
+    waits = placement.group("gymnasium", "step")
+    assert threaded.by_process and not waits.by_process
+    for group in (threaded, waits):
+        promoted(group)
+
+    def wait() -> None:
+        time.sleep(SLOW * 2)  # a handoff to workers that other processes held up
+
+    for _ in range(4):
+        threaded.call_inline(wait)
+        waits.call_inline(wait)
+    assert threaded.inline and not waits.inline
+
+    def compute() -> None:
+        deadline = time.perf_counter() + SLOW * 2
+        while time.perf_counter() < deadline:
+            pass
+
+    threaded.call_inline(compute)
+    threaded.call_inline(compute)  # a second strike within the window
+    assert not threaded.inline
+
+    pooled = placement.group("envpool", "reset", by_process=True)
+    for _ in range(PROBATION - 1):
+        pooled.ran_pooled(CHEAP, own=True)
+    call = pooled.pooled(wait)
+    call.run()
+    call.record()  # waited, past the threshold, but not its own time: the streak goes on
+    pooled.ran_pooled(CHEAP, own=True)
+    assert pooled.inline
+
+
+def test_a_batch_that_computes_in_threads_gets_groups_judged_by_process_cpu() -> None:
+    """The runner asks a measured batch ``computes_in_threads()`` for the group it makes."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from openenv_grpc.server.runner import EnvRunner
+    from openenv_grpc.server.spec import ExecutionMode
+    from openenv_grpc.server.vector_batch import VectorBatch
+
+    class Threaded(VectorBatch):
+        def computes_in_threads(self) -> bool:
+            return True
+
+        def cost_class(self) -> str:
+            return "pool"
+
+        def step(self) -> str:
+            return "stepped"
+
+    async def main() -> bool:
+        placement = CallPlacement(THRESHOLD, "env")
+        with ThreadPoolExecutor(1) as pool:
+            runner = EnvRunner(
+                Threaded(1, AutoresetMode.NEXT_STEP), ExecutionMode.MEASURED, pool,
+                placement=placement,
+            )  # fmt: skip
+            assert await runner.call(runner.env.step) == "stepped"
+        return placement.group("pool", "step").by_process
+
+    assert asyncio.run(main())

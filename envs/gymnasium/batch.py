@@ -338,6 +338,10 @@ class GymnasiumBatch(
             return ""
         return f"{description.env_id}/{Backend.Name(description.backend)}/{self.size}"
 
+    def computes_in_threads(self) -> bool:
+        """EnvPool's calls wait on its worker threads (see the server's placement)."""
+        return isinstance(self._backend, EnvPoolEnvs)
+
     def close(self) -> None:
         backend, self._backend = self._backend, None
         if backend is not None:

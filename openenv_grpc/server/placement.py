@@ -16,7 +16,10 @@ What counts is the env's own cost: a call that took long only because the OS ran
 processes meanwhile (it neither blocked nor used more CPU than allowed: the thread's CPU
 clock and its count of voluntary context switches say so) is neither a strike nor a cheap
 call. A loaded machine therefore does not push cheap envs off the loop; a call that
-sleeps, waits on I/O or a lock, or computes, does count.
+sleeps, waits on I/O or a lock, or computes, does count. An env whose calls wait only on
+compute threads of its own (EnvPool's workers: ``BatchEnvironment.computes_in_threads``)
+blocks on every call, so its groups are judged by the process's CPU during the call
+instead (``by_process``): the time the OS gave other processes meanwhile is not its own.
 
 Each move is logged (INFO to the loop, WARNING back to the pool with what the call took),
 so an operator can see which calls blocked the loop and for how long.
@@ -31,7 +34,7 @@ import logging
 import resource
 import sys
 from collections.abc import Callable
-from time import perf_counter, thread_time
+from time import perf_counter, process_time, thread_time
 from typing import Any, Final
 
 __all__ = [
@@ -98,11 +101,14 @@ def own_cost(cpu_before: float, switches_before: int, limit: float) -> tuple[flo
 class CostGroup:
     """The calls of one method of one cost class, and where they run now."""
 
-    __slots__ = ("_calls", "_last_strike", "_longest", "_placement", "_streak", "inline", "name",
-                 "probation")  # fmt: skip
+    __slots__ = ("_calls", "_last_strike", "_longest", "_placement", "_streak", "by_process",
+                 "inline", "name", "probation")  # fmt: skip
 
-    def __init__(self, placement: CallPlacement, name: str) -> None:
+    def __init__(self, placement: CallPlacement, name: str, by_process: bool = False) -> None:
         self._placement = placement
+        #: A slow call is judged by the process's CPU during it, not by its thread's
+        #: waits: the env's calls wait on compute threads of its own.
+        self.by_process = by_process
         #: How logs name the group: ``env.method [cost class]``.
         self.name = name
         #: Calls run on the event loop now (else on the pool).
@@ -121,6 +127,7 @@ class CostGroup:
             Exception: whatever ``method`` raised (the call is counted all the same).
         """
         cpu, switched, started = thread_time(), switches(), perf_counter()
+        process = process_time() if self.by_process else 0.0
         try:
             return method(*args, **kwargs)
         finally:
@@ -128,6 +135,9 @@ class CostGroup:
             limit = self._placement.threshold
             if seconds <= limit:
                 self._calls += 1  # the common case, kept short
+            elif self.by_process:
+                used = process_time() - process
+                self.ran_inline(seconds, used, used > limit)
             else:
                 self.ran_inline(seconds, *own_cost(cpu, switched, limit))
 
@@ -206,13 +216,19 @@ class PooledCall:
         Raises:
             Exception: whatever the method raised (its time is kept all the same).
         """
+        by_process = self._group.by_process
         cpu, switched, started = thread_time(), switches(), perf_counter()
+        process = process_time() if by_process else 0.0
         try:
             return self._method(*args, **kwargs)
         finally:
             self._seconds = seconds = perf_counter() - started
             if seconds > self._limit:
-                self._own = own_cost(cpu, switched, self._limit)[1]
+                limit = self._limit
+                if by_process:
+                    self._own = process_time() - process > limit
+                else:
+                    self._own = own_cost(cpu, switched, limit)[1]
 
     def record(self) -> None:
         """Count the finished call in its group (on the event loop)."""
@@ -243,9 +259,10 @@ class CallPlacement:
         #: Shared by the calls of every group beyond MAX_GROUPS: never moved to the loop.
         self._overflow = _Unmeasured(self, f"{env_name} (groups beyond {MAX_GROUPS})")
 
-    def group(self, cost_class: str, method: str) -> CostGroup:
-        """The group of ``method`` calls for instances of ``cost_class`` (made on first use;
-        beyond :data:`MAX_GROUPS` a shared group that stays on the pool)."""
+    def group(self, cost_class: str, method: str, by_process: bool = False) -> CostGroup:
+        """The group of ``method`` calls for instances of ``cost_class`` (made on first use,
+        judged ``by_process`` CPU if asked then; beyond :data:`MAX_GROUPS` a shared group
+        that stays on the pool)."""
         key = (cost_class, method)
         found = self._groups.get(key)
         if found is not None:
@@ -260,7 +277,7 @@ class CallPlacement:
                 )  # fmt: skip
             return self._overflow
         name = f"{self._env_name}.{method}" + (f" [{cost_class[:80]}]" if cost_class else "")
-        made = self._groups[key] = CostGroup(self, name)
+        made = self._groups[key] = CostGroup(self, name, by_process)
         return made
 
 

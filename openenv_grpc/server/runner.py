@@ -230,7 +230,8 @@ class EnvRunner:
         assert self._placement is not None  # MEASURED implies a placement (see __init__)
         cost_class = self._cost_class() if self._cost_class is not None else ""
         name = getattr(method, "__name__", "call")
-        return self._placement.group(cost_class, name)
+        threads = getattr(self.env, "computes_in_threads", None)  # a VectorBatch's
+        return self._placement.group(cost_class, name, threads is not None and threads())
 
     @_contained
     async def call_within(

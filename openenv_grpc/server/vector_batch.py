@@ -134,6 +134,11 @@ class VectorBatch:
         :meth:`Environment.cost_class`): "" unless the batch knows better."""
         return ""
 
+    def computes_in_threads(self) -> bool:
+        """Its calls wait only on compute threads of its own (see
+        :meth:`BatchEnvironment.computes_in_threads`)."""
+        return False
+
 
 class _Instances(VectorBatch):
     """N plain instances of one env class, and the bookkeeping the loop's autoreset needs."""
@@ -487,6 +492,9 @@ class NativeBatch(VectorBatch):
 
     def cost_class(self) -> str:
         return "" if self._cost_class is None else str(self._cost_class())
+
+    def computes_in_threads(self) -> bool:
+        return bool(self._batch.computes_in_threads())
 
     def _outcome(
         self, indices: Sequence[int], transition: Any, batch_form: bool, *, resets: bool

@@ -251,6 +251,7 @@ def test_configuration_is_one_per_batch(closing: Callable[[Any], Any]) -> None:
         batch.reset([0, 1], [None, None], [reset_options("NoSuch-v0")] * 2)
     assert batch.description is not None and batch.description.env_id == "CartPole-v1"
     assert batch.cost_class() == "CartPole-v1/BACKEND_GYMNASIUM/2"  # measured placement
+    assert not batch.computes_in_threads()  # gymnasium envs: judged by their waits
     result = batch.reset([0, 1], [1, 2], [other, other])
     assert result.observation.env.env_id == "Acrobot-v1"
     assert batch.state(1).seed == 2 and batch.state(1).env.env_id == "Acrobot-v1"

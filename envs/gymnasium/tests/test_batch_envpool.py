@@ -52,8 +52,10 @@ def step(batch: GymnasiumBatch, actions: list[int], indices: list[int] | None = 
 
 
 def test_envpool_serves_the_batch_and_says_so(batch: GymnasiumBatch) -> None:
+    assert not batch.computes_in_threads()  # no backend yet
     result = batch.reset(ALL, [10, 11, 12, 13], [pool_options()] * N)
     assert result.observation.env.backend == Backend.BACKEND_ENVPOOL
+    assert batch.computes_in_threads()  # EnvPool's workers: judged by process CPU
     assert batch.state(2).env.backend == Backend.BACKEND_ENVPOOL and batch.state(2).seed == 12
     # The same pool, made in process with the same seeds, steps identically.
     ref = envpool.make_gymnasium("CartPole-v1", num_envs=N, batch_size=N, env_seed=[10, 11, 12, 13])
