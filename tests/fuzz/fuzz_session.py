@@ -19,7 +19,8 @@ The first byte of an input picks a target; the rest is its data:
   ``SessionView`` over a fresh ``EchoEnvironment``. Property: ``handle`` returns a
   serializable ``SessionResponse`` echoing the request id, a success of the kind asked for
   or an ``Error`` with code INVALID_ARGUMENT / FAILED_PRECONDITION / INTERNAL (or
-  UNIMPLEMENTED for a snapshot or restore, if the env has no snapshots); INTERNAL is
+  UNIMPLEMENTED for a snapshot or restore if the env has no snapshots, and for a render:
+  the echo env does not render); INTERNAL is
   a failure too here, since the echo env never raises on its own (only client input that
   slips past validation can make it), and nothing follows a close. A step whose tool call
   carries NaN or an infinity in its arguments may never succeed (the toolbox refuses it).
@@ -161,7 +162,8 @@ def check_response(request: pb.SessionRequest, response: Any) -> None:
     outcome = response.WhichOneof("outcome")
     if outcome == "error":
         error = response.error
-        allowed = SNAPSHOT_ERROR_CODES if command in ("snapshot", "restore") else ERROR_CODES
+        optional = ("snapshot", "restore", "render")  # methods an env may leave out
+        allowed = SNAPSHOT_ERROR_CODES if command in optional else ERROR_CODES
         if error.code not in allowed:
             raise AssertionError(f"error code {error.code} for {command}: {error.message}")
         if error.code == INTERNAL:
