@@ -18,7 +18,8 @@ from openenv_grpc.client.aio_status import EndStatus, write_request
 from openenv_grpc.client.channel import aio_channel
 from openenv_grpc.client.errors import SessionLost, SessionRefused, SessionTimeout
 from openenv_grpc.client.outcome import Restored, StepOutcome
-from openenv_grpc.client.protocol import lost
+from openenv_grpc.client.protocol import SessionProtocol, lost
+from openenv_grpc.client.queries import AsyncSessionQueries
 from openenv_grpc.client.session_core import ActionT, ObservationT, ResetOptionsT, StateT
 from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
@@ -166,7 +167,10 @@ class AsyncStream(session_core.StreamBase):
 
 
 class AsyncSession(
-    AsyncStream, session_core.SessionBase, Generic[ActionT, ObservationT, StateT, ResetOptionsT]
+    AsyncStream,
+    session_core.SessionBase,
+    AsyncSessionQueries[StateT],
+    Generic[ActionT, ObservationT, StateT, ResetOptionsT],
 ):
     """An asyncio session: ``async with AsyncEchoEnv("127.0.0.1:50051") as env: ...``.
 
@@ -206,27 +210,22 @@ class AsyncSession(
         protocol = self._core.protocol
         return protocol.step_result(await self._roundtrip(protocol.step_request(action), timeout))
 
-    async def state(self, *, timeout: float | None = None) -> StateT:
-        """The environment's current state; see :meth:`Session.state`."""
+    async def _ask(self, command: str, result: str, timeout: float | None) -> Any:
         if self._recovering is not None:
-            return await self._recovering.state(timeout)  # type: ignore[no-any-return]
+            return await self._recovering.ask(command, result, timeout)
         protocol = self._core.protocol
-        response = await self._roundtrip(protocol.state_request(), timeout)
-        return protocol.state_result(response)  # type: ignore[no-any-return]
+        response = await self._roundtrip(protocol.query_request(command), timeout)
+        return protocol.query_result(response, result)
 
-    async def render(self, *, timeout: float | None = None) -> pb.Frame:
-        """A picture of the environment; see :meth:`Session.render`."""
-        if self._recovering is not None:
-            return await self._recovering.render(timeout)
-        protocol = self._core.protocol
-        return protocol.render_result(await self._roundtrip(protocol.render_request(), timeout))
+    def _session_protocol(self) -> SessionProtocol:
+        return self._core.protocol
 
     async def snapshot(self, *, timeout: float | None = None) -> bytes:
         """The current episode as bytes; see :meth:`Session.snapshot`."""
         if self._recovering is not None:
             return await self._recovering.snapshot(timeout)
         protocol = self._core.protocol
-        response = await self._roundtrip(protocol.snapshot_request(), timeout)
+        response = await self._roundtrip(protocol.query_request("snapshot"), timeout)
         return protocol.snapshot_result(response)
 
     async def restore(self, data: bytes, *, timeout: float | None = None) -> Restored:

@@ -18,12 +18,19 @@ from openenv_grpc.client.async_session import AsyncStream
 from openenv_grpc.client.errors import SessionLost, SessionTimeout
 from openenv_grpc.client.outcome import Restored
 from openenv_grpc.client.protocol import lost
+from openenv_grpc.client.queries import AsyncVectorQueries
 from openenv_grpc.client.session_core import ActionT, ObservationT, ResetOptionsT, StateT
 from openenv_grpc.client.vector_core import VectorBase
 from openenv_grpc.client.vector_outcome import VectorOutcome
-from openenv_grpc.client.vector_protocol import EpisodeIds, Indices, Options, Seeds
+from openenv_grpc.client.vector_protocol import (
+    EpisodeIds,
+    Indices,
+    Options,
+    Seeds,
+    VectorProtocol,
+    snapshot_bytes,
+)
 from openenv_grpc.environment import AutoresetMode
-from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:  # only the type checker needs these
@@ -35,7 +42,10 @@ __all__ = ["AsyncVectorSession"]
 
 
 class AsyncVectorSession(
-    AsyncStream, VectorBase, Generic[ActionT, ObservationT, StateT, ResetOptionsT]
+    AsyncStream,
+    VectorBase,
+    AsyncVectorQueries[StateT],
+    Generic[ActionT, ObservationT, StateT, ResetOptionsT],
 ):
     """An asyncio vector session: ``async with AsyncVectorSession(target, 64) as envs:``.
     Arguments, options and errors as in
@@ -174,36 +184,19 @@ class AsyncVectorSession(
         answer = await self._roundtrip(protocol.step_batch_request(action, indices), timeout)
         return protocol.outcome(answer)
 
-    async def state(self, index: int, *, timeout: float | None = None) -> StateT:
-        """The state of env ``index``; see :meth:`VectorSession.state`."""
+    async def _ask(self, command: str, indices: Indices, timeout: float | None) -> Any:
         protocol = self._core.protocol
-        answer = await self._roundtrip(protocol.state_request([index]), timeout)
-        state: StateT = self._single_state(index, protocol.states(answer))
-        return state
+        return await self._roundtrip(protocol.query_request(command, indices), timeout)
 
-    async def states(
-        self, indices: Indices = None, *, timeout: float | None = None
-    ) -> list[StateT]:
-        """The states of the envs named; see :meth:`VectorSession.states`."""
-        protocol = self._core.protocol
-        answer = await self._roundtrip(protocol.state_request(indices), timeout)
-        states: list[Any] = self._all_states(protocol.states(answer))
-        return states
+    def _vector_protocol(self) -> VectorProtocol:
+        return self._core.protocol
 
     async def snapshot(
         self, indices: Indices = None, *, timeout: float | None = None
     ) -> list[bytes]:
         """Snapshots of the envs named; see :meth:`VectorSession.snapshot`."""
-        protocol = self._core.protocol
-        answer = await self._roundtrip(protocol.snapshot_request(indices), timeout)
-        return protocol.snapshots(answer)
-
-    async def render(
-        self, indices: Indices = None, *, timeout: float | None = None
-    ) -> list[pb.Frame]:
-        """A picture of each env named; see :meth:`VectorSession.render`."""
-        protocol = self._core.protocol
-        return protocol.frames(await self._roundtrip(protocol.render_request(indices), timeout))
+        answer = await self._ask("snapshot", indices, timeout)
+        return self._core.protocol.rows(answer, "snapshots", "snapshot", snapshot_bytes)
 
     async def restore(
         self, snapshots: Sequence[bytes], *, indices: Indices = None, timeout: float | None = None

@@ -122,6 +122,23 @@ class StreamProtocol:
             f"{request.request_id}"
         )
 
+    def query_result(self, response: Any, expected: str) -> Any:
+        """The ``expected`` result field of a query's answer.
+
+        Raises:
+            EnvError: the server answered with an error. ProtocolError: with something else.
+        """
+        return self._outcome(response, expected)
+
+    def decode(self, payload: any_pb2.Any, role: str) -> Any:
+        """A payload as the message of its ``role`` (a typed client's pinned type, else
+        the registered type its URL names, else the raw ``Any``).
+
+        Raises:
+            ProtocolError: the payload does not parse as that type.
+        """
+        return self._decode(payload, role)
+
     def _outcome(self, response: Any, expected: str) -> Any:
         outcome = response.WhichOneof("outcome")
         if outcome == expected:
@@ -178,9 +195,10 @@ class SessionProtocol(StreamProtocol):
         pack_typed(request.step.action, action, self._types.action, "action")
         return request
 
-    def state_request(self) -> pb.SessionRequest:
+    def query_request(self, command: str) -> pb.SessionRequest:
+        """A per-env query (``state``, ``snapshot``, ``render``: its command field)."""
         request: pb.SessionRequest = self._envelope()
-        request.state.SetInParent()
+        getattr(request, command).SetInParent()
         return request
 
     def replayed_reset(self, command: pb.ResetCommand) -> pb.SessionRequest:
@@ -193,16 +211,6 @@ class SessionProtocol(StreamProtocol):
         """A step with an action exactly as it was packed before (recovery replays it)."""
         request: pb.SessionRequest = self._envelope()
         request.step.action.CopyFrom(action)
-        return request
-
-    def snapshot_request(self) -> pb.SessionRequest:
-        request: pb.SessionRequest = self._envelope()
-        request.snapshot.SetInParent()
-        return request
-
-    def render_request(self) -> pb.SessionRequest:
-        request: pb.SessionRequest = self._envelope()
-        request.render.SetInParent()
         return request
 
     def restore_request(self, data: bytes) -> pb.SessionRequest:
@@ -229,17 +237,9 @@ class SessionProtocol(StreamProtocol):
             info=info_from_struct(result.info),
         )
 
-    def state_result(self, response: pb.SessionResponse) -> Any:
-        result = self._outcome(response, "state")
-        return self._decode(result.state, "state")
-
     def snapshot_result(self, response: pb.SessionResponse) -> bytes:
         result = self._outcome(response, "snapshot")
         return bytes(result.snapshot)
-
-    def render_result(self, response: pb.SessionResponse) -> pb.Frame:
-        result: pb.RenderResult = self._outcome(response, "rendered")
-        return result.frame
 
     def restore_result(self, response: pb.SessionResponse) -> Restored:
         result = self._outcome(response, "restored")

@@ -193,19 +193,21 @@ class RecoveringCalls:
             await self._snapshot_quietly(timeout)
         return outcome  # type: ignore[no-any-return]
 
-    async def state(self, timeout: float | None) -> Any:
+    async def ask(self, command: str, result: str, timeout: float | None) -> Any:
+        """A query passed through (``SessionQueries``): its ``result`` field."""
         protocol = self._protocol
-        _, state = await self._call(protocol.state_request, protocol.state_result, timeout)
-        return state
-
-    async def render(self, timeout: float | None) -> pb.Frame:
-        protocol = self._protocol
-        _, frame = await self._call(protocol.render_request, protocol.render_result, timeout)
-        return frame  # type: ignore[no-any-return]
+        _, answer = await self._call(
+            lambda: protocol.query_request(command),
+            lambda response: protocol.query_result(response, result),
+            timeout,
+        )
+        return answer
 
     async def snapshot(self, timeout: float | None) -> bytes:
         protocol = self._protocol
-        _, data = await self._call(protocol.snapshot_request, protocol.snapshot_result, timeout)
+        _, data = await self._call(
+            lambda: protocol.query_request("snapshot"), protocol.snapshot_result, timeout
+        )
         self._rebase(data, None)  # a snapshot the caller asked for is a base as good as ours
         return data  # type: ignore[no-any-return]
 
@@ -232,7 +234,9 @@ class RecoveringCalls:
             return
         protocol = self._protocol
         try:
-            _, data = await self._call(protocol.snapshot_request, protocol.snapshot_result, timeout)
+            _, data = await self._call(
+                lambda: protocol.query_request("snapshot"), protocol.snapshot_result, timeout
+            )
         except EnvError as error:
             if error.code is grpc.StatusCode.UNIMPLEMENTED:
                 self._can_snapshot = False

@@ -22,7 +22,8 @@ from openenv_grpc.client import session_core
 from openenv_grpc.client.channel import sync_channel
 from openenv_grpc.client.errors import SessionLost, SessionRefused, SessionTimeout
 from openenv_grpc.client.outcome import Restored, StepOutcome
-from openenv_grpc.client.protocol import lost
+from openenv_grpc.client.protocol import SessionProtocol, lost
+from openenv_grpc.client.queries import SessionQueries
 from openenv_grpc.client.recovery import run_blocking
 from openenv_grpc.client.session_core import ActionT, ObservationT, ResetOptionsT, StateT
 from openenv_grpc.v1 import session_pb2 as pb
@@ -227,7 +228,10 @@ class SyncStream(session_core.StreamBase):
 
 
 class Session(
-    SyncStream, session_core.SessionBase, Generic[ActionT, ObservationT, StateT, ResetOptionsT]
+    SyncStream,
+    session_core.SessionBase,
+    SessionQueries[StateT],
+    Generic[ActionT, ObservationT, StateT, ResetOptionsT],
 ):
     """A blocking session: ``with EchoEnv("127.0.0.1:50051") as env: env.reset()``.
 
@@ -291,32 +295,16 @@ class Session(
         request = self._core.protocol.step_request(action)
         return self._core.protocol.step_result(self._roundtrip(request, timeout))
 
-    def state(self, *, timeout: float | None = None) -> StateT:
-        """The environment's current state.
-
-        Raises:
-            EnvError: the environment raised (the episode goes on).
-            SessionLost: the stream ended. SessionTimeout: no answer within ``timeout``.
-        """
+    def _ask(self, command: str, result: str, timeout: float | None) -> Any:
         if self._recovering is not None:
-            return run_blocking(self._recovering.state(timeout))  # type: ignore[no-any-return]
-        request = self._core.protocol.state_request()
-        return self._core.protocol.state_result(self._roundtrip(request, timeout))  # type: ignore[no-any-return]
+            return run_blocking(self._recovering.ask(command, result, timeout))
+        protocol = self._core.protocol
+        return protocol.query_result(
+            self._roundtrip(protocol.query_request(command), timeout), result
+        )
 
-    def render(self, *, timeout: float | None = None) -> pb.Frame:
-        """A picture of the environment as it is now: ``frame.image`` (uint8 pixels,
-        height x width x channels; :func:`openenv_grpc.frame_array` makes it a numpy
-        array) or ``frame.text``. The episode is not changed.
-
-        Raises:
-            EnvError: UNIMPLEMENTED, the env does not render (or not as configured: the
-                message says why); INTERNAL, its render raised. The episode goes on.
-            SessionLost: the stream ended. SessionTimeout: no answer within ``timeout``.
-        """
-        if self._recovering is not None:
-            return run_blocking(self._recovering.render(timeout))
-        request = self._core.protocol.render_request()
-        return self._core.protocol.render_result(self._roundtrip(request, timeout))
+    def _session_protocol(self) -> SessionProtocol:
+        return self._core.protocol
 
     def snapshot(self, *, timeout: float | None = None) -> bytes:
         """The current episode as bytes this client keeps (the env's own bytes plus the
@@ -333,7 +321,7 @@ class Session(
         """
         if self._recovering is not None:
             return run_blocking(self._recovering.snapshot(timeout))
-        request = self._core.protocol.snapshot_request()
+        request = self._core.protocol.query_request("snapshot")
         return self._core.protocol.snapshot_result(self._roundtrip(request, timeout))
 
     def restore(self, data: bytes, *, timeout: float | None = None) -> Restored:

@@ -18,13 +18,20 @@ import grpc
 from openenv_grpc.client.errors import SessionLost, SessionTimeout
 from openenv_grpc.client.outcome import Restored
 from openenv_grpc.client.protocol import lost
+from openenv_grpc.client.queries import VectorQueries
 from openenv_grpc.client.session_core import ActionT, ObservationT, ResetOptionsT, StateT
 from openenv_grpc.client.sync_session import _END, SyncStream
 from openenv_grpc.client.vector_core import VectorBase
 from openenv_grpc.client.vector_outcome import VectorOutcome
-from openenv_grpc.client.vector_protocol import EpisodeIds, Indices, Options, Seeds
+from openenv_grpc.client.vector_protocol import (
+    EpisodeIds,
+    Indices,
+    Options,
+    Seeds,
+    VectorProtocol,
+    snapshot_bytes,
+)
 from openenv_grpc.environment import AutoresetMode
-from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:  # only the type checker needs these
@@ -35,7 +42,12 @@ if TYPE_CHECKING:  # only the type checker needs these
 __all__ = ["VectorSession"]
 
 
-class VectorSession(SyncStream, VectorBase, Generic[ActionT, ObservationT, StateT, ResetOptionsT]):
+class VectorSession(
+    SyncStream,
+    VectorBase,
+    VectorQueries[StateT],
+    Generic[ActionT, ObservationT, StateT, ResetOptionsT],
+):
     """A blocking vector session: ``num_envs`` envs on one stream, stepped together.
 
     The server admits all ``num_envs`` slots or none (:class:`CapacityError` names N and
@@ -232,29 +244,11 @@ class VectorSession(SyncStream, VectorBase, Generic[ActionT, ObservationT, State
         outcome: VectorOutcome[ObservationT] = protocol.outcome(self._roundtrip(request, timeout))
         return outcome
 
-    def state(self, index: int, *, timeout: float | None = None) -> StateT:
-        """The state of env ``index``.
+    def _ask(self, command: str, indices: Indices, timeout: float | None) -> Any:
+        return self._roundtrip(self._core.protocol.query_request(command, indices), timeout)
 
-        Raises:
-            EnvError: that env's state() raised (its episode goes on), or a bad index.
-            SessionLost: the stream ended. SessionTimeout: no answer within ``timeout``.
-        """
-        protocol = self._core.protocol
-        answer = protocol.states(self._roundtrip(protocol.state_request([index]), timeout))
-        state: StateT = self._single_state(index, answer)
-        return state
-
-    def states(self, indices: Indices = None, *, timeout: float | None = None) -> list[StateT]:
-        """The states of the envs named (all by default), in index order.
-
-        Raises:
-            EnvError: an env's state() raised (the message names it), or bad indices.
-            SessionLost: the stream ended. SessionTimeout: no answer within ``timeout``.
-        """
-        protocol = self._core.protocol
-        answer = protocol.states(self._roundtrip(protocol.state_request(indices), timeout))
-        states: list[Any] = self._all_states(answer)
-        return states
+    def _vector_protocol(self) -> VectorProtocol:
+        return self._core.protocol
 
     def snapshot(self, indices: Indices = None, *, timeout: float | None = None) -> list[bytes]:
         """Snapshots of the envs named (all by default), one per env in index order: the
@@ -270,24 +264,8 @@ class VectorSession(SyncStream, VectorBase, Generic[ActionT, ObservationT, State
                 answer is over the message limit, ask for fewer envs at a time).
             SessionLost: the stream ended. SessionTimeout: no answer within ``timeout``.
         """
-        protocol = self._core.protocol
-        request = protocol.snapshot_request(indices)
-        return protocol.snapshots(self._roundtrip(request, timeout))
-
-    def render(self, indices: Indices = None, *, timeout: float | None = None) -> list[pb.Frame]:
-        """A picture of each env named (all by default), in index order; see
-        :meth:`Session.render`. No episode changes.
-
-        Raises:
-            VectorEnvError: some envs drew nothing (``errors`` by index: UNIMPLEMENTED,
-                the env does not render; INTERNAL, its render raised); the others'
-                frames are its ``results``, by index.
-            EnvError: the request was refused (bad indices; RESOURCE_EXHAUSTED: the whole
-                answer is over the message limit, ask for fewer envs at a time).
-            SessionLost: the stream ended. SessionTimeout: no answer within ``timeout``.
-        """
-        protocol = self._core.protocol
-        return protocol.frames(self._roundtrip(protocol.render_request(indices), timeout))
+        answer = self._ask("snapshot", indices, timeout)
+        return self._core.protocol.rows(answer, "snapshots", "snapshot", snapshot_bytes)
 
     def restore(
         self, snapshots: Sequence[bytes], *, indices: Indices = None, timeout: float | None = None

@@ -187,25 +187,3 @@ class VectorBase(StreamBase):
         )
         target._share_with(fork)
         return fork
-
-    def _single_state(self, index: int, answer: tuple[dict[int, Any], Any]) -> Any:
-        """The state of env ``index`` from a state answer.
-
-        Raises:
-            EnvError: that env's state() raised.
-        """
-        states, errors = answer
-        if index in errors:
-            raise errors[index]
-        return states[index]
-
-    def _all_states(self, answer: tuple[dict[int, Any], Any]) -> list[Any]:
-        """Every state of a state answer, in index order.
-
-        Raises:
-            EnvError: an env's state() raised (the first such, its index in the message).
-        """
-        states, errors = answer
-        for index, error in sorted(errors.items()):
-            raise type(error)(error.code, f"env {index}: {error.message}", error.exception_type)
-        return [states[index] for index in sorted(states)]

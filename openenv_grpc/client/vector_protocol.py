@@ -8,8 +8,9 @@ one-env sessions); ids, notices, errors and payload decoding come from
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
@@ -26,7 +27,17 @@ from openenv_grpc.client.vector_outcome import VectorOutcome
 from openenv_grpc.codec import info_from_struct, type_url
 from openenv_grpc.v1 import session_pb2 as pb
 
-__all__ = ["EpisodeIds", "Indices", "Options", "Seeds", "VectorProtocol"]
+__all__ = [
+    "EpisodeIds",
+    "Indices",
+    "Options",
+    "Seeds",
+    "States",
+    "VectorProtocol",
+    "snapshot_bytes",
+]
+
+RowT = TypeVar("RowT")
 
 #: Env indices a call is about: None means all, in order.
 Indices = Sequence[int] | None
@@ -37,6 +48,34 @@ Seeds = int | Sequence[int | None] | None
 Options = Message | Sequence[Message | None] | None
 #: Episode ids of a reset: None (the server makes them) or one (or None) per env named.
 EpisodeIds = Sequence[str | None] | None
+
+
+@dataclass(frozen=True, slots=True)
+class States:
+    """The answer to a state command: the states read and the envs' errors, by index."""
+
+    states: dict[int, Any]
+    errors: dict[int, EnvError]
+
+    def one(self, index: int) -> Any:
+        """The state of env ``index``.
+
+        Raises:
+            EnvError: that env's state() raised.
+        """
+        if index in self.errors:
+            raise self.errors[index]
+        return self.states[index]
+
+    def all(self) -> list[Any]:
+        """Every state, in index order.
+
+        Raises:
+            EnvError: an env's state() raised (the first such, its index in the message).
+        """
+        for index, error in sorted(self.errors.items()):
+            raise type(error)(error.code, f"env {index}: {error.message}", error.exception_type)
+        return [self.states[index] for index in sorted(self.states)]
 
 
 class VectorProtocol(StreamProtocol):
@@ -140,23 +179,17 @@ class VectorProtocol(StreamProtocol):
         pack_typed(step.batch_action, action, self._types.action, "batch action")
         return request
 
-    def state_request(self, indices: Indices) -> pb.VectorSessionRequest:
-        request: pb.VectorSessionRequest = self._envelope()
-        request.state.SetInParent()
-        if indices is not None:
-            _extend_indices(request.state.indices, indices)
-        return request
+    def query_request(self, command: str, indices: Indices) -> pb.VectorSessionRequest:
+        """A per-env query (``state``, ``snapshot``, ``render``: its command field) of the
+        envs named (all by default).
 
-    def snapshot_request(self, indices: Indices) -> pb.VectorSessionRequest:
+        Raises:
+            InvalidRequest: an index is no env index (nothing is sent).
+        """
         request: pb.VectorSessionRequest = self._envelope()
-        request.snapshot.SetInParent()
-        self._named(indices, request.snapshot.indices)
-        return request
-
-    def render_request(self, indices: Indices) -> pb.VectorSessionRequest:
-        request: pb.VectorSessionRequest = self._envelope()
-        request.render.SetInParent()
-        self._named(indices, request.render.indices)
+        query = getattr(request, command)
+        query.SetInParent()
+        self._named(indices, query.indices)
         return request
 
     def restore_request(
@@ -263,9 +296,7 @@ class VectorProtocol(StreamProtocol):
                     pass  # the slow path below says which one and why
         return [self._decode(payload, "observation") for payload in payloads]
 
-    def states(
-        self, response: pb.VectorSessionResponse
-    ) -> tuple[dict[int, Any], dict[int, EnvError]]:
+    def states(self, response: pb.VectorSessionResponse) -> States:
         """The answer to a state command: states and errors, by env index.
 
         Raises:
@@ -276,41 +307,31 @@ class VectorProtocol(StreamProtocol):
             index: self._decode(entry.state, "state")
             for index, entry in zip(result.indices, result.states, strict=True)
         }
-        return states, _errors(result.errors)
+        return States(states, _errors(result.errors))
 
-    def snapshots(self, response: pb.VectorSessionResponse) -> list[bytes]:
-        """The answer to a snapshot command: one snapshot per env named, in index order.
+    def rows(
+        self,
+        response: pb.VectorSessionResponse,
+        expected: str,
+        command: str,
+        read: Callable[[Any], RowT],
+    ) -> list[RowT]:
+        """The answer to a query whose every env either answers or fails (a snapshot,
+        a render): one ``read`` entry per env named, in index order.
 
         Raises:
-            VectorEnvError: some envs could not be captured (the others' snapshots are
-                its ``results``, by index).
+            VectorEnvError: some envs failed (the others' entries are its ``results``,
+                by index).
             EnvError: the request was refused.
         """
-        result: pb.VectorSnapshots = self._outcome(response, "snapshots")
-        snapshots = [bytes(entry.snapshot) for entry in result.snapshots]
+        result = self._outcome(response, expected)
+        rows = [read(entry) for entry in getattr(result, expected)]
         if result.errors:
             done = list(result.indices)
             raise VectorEnvError(
-                "snapshot", _errors(result.errors), done, dict(zip(done, snapshots, strict=False))
+                command, _errors(result.errors), done, dict(zip(done, rows, strict=False))
             )
-        return snapshots
-
-    def frames(self, response: pb.VectorSessionResponse) -> list[pb.Frame]:
-        """The answer to a render command: one frame per env named, in index order.
-
-        Raises:
-            VectorEnvError: some envs drew nothing (the others' frames are its
-                ``results``, by index).
-            EnvError: the request was refused.
-        """
-        result: pb.VectorFrames = self._outcome(response, "frames")
-        frames = [entry.frame for entry in result.frames]
-        if result.errors:
-            done = list(result.indices)
-            raise VectorEnvError(
-                "render", _errors(result.errors), done, dict(zip(done, frames, strict=False))
-            )
-        return frames
+        return rows
 
     def restored(self, response: pb.VectorSessionResponse) -> list[Restored]:
         """The answer to a restore command: where each env named now is, in index order.
@@ -356,6 +377,11 @@ def _present(
 ) -> Any:
     """The batch-form payload ``name`` of ``result``, or None when it is not set."""
     return getattr(result, name) if result.HasField(name) else None
+
+
+def snapshot_bytes(entry: pb.SnapshotResult) -> bytes:
+    """A snapshot command's entry for one env (``VectorProtocol.rows``)."""
+    return bytes(entry.snapshot)
 
 
 def _errors(errors: Any) -> dict[int, EnvError]:
