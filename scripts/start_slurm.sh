@@ -9,6 +9,8 @@
 # Clients: `nsenter --net=/run/netns/NETNS env SLURM_CONF=DIR/slurm.conf sbatch ...`.
 # Needs root and Debian's slurm-wlm and munge (apt-get install -y slurm-wlm munge).
 set -eu
+# munged, slurmctld and slurmd live in /usr/sbin, which a non-login PATH may lack.
+PATH="$PATH:/usr/sbin:/sbin"
 
 cmd=${1:?usage: start_slurm.sh start|stop DIR [NODES] [NETNS]}
 dir=${2:?usage: start_slurm.sh start|stop DIR [NODES] [NETNS]}

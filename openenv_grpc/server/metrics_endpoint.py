@@ -11,8 +11,9 @@ answered, because a scrape that fails makes Prometheus mark the target down:
   being reset or answered 503 (the way nginx's ``worker_connections`` works);
 * a connection that has not sent a whole request head :data:`EVICT_AFTER` seconds after it
   was taken is closed when others wait behind it (slow clients cannot keep a scraper
-  out). A request head is parsed the moment its last byte arrives, so a scrape that has
-  sent its request is never the one closed;
+  out). A request head is parsed the moment its last byte arrives, and a connection
+  with bytes the loop has not read yet is spared, so a scrape that has sent its request
+  is never the one closed;
 * the request head must arrive within :data:`REQUEST_TIMEOUT` seconds and fit in
   :data:`MAX_HEAD_BYTES`; the answer must be taken within the same time; one request per
   connection (``Connection: close``), then the server half-closes and reads until the
@@ -170,13 +171,17 @@ class MetricsEndpoint:
 
     def _evict_slow_if_others_wait(self, sock: socket.socket, now: float) -> None:
         """Close every connection still without a request head :data:`EVICT_AFTER`
-        seconds after it was taken, if a connection waits in the listen queue."""
-        slow = [c for c in self._open if c.waiting and now - c.taken_at >= EVICT_AFTER]
-        if not slow:
+        seconds after it was taken, if a connection waits in the listen queue.
+
+        A connection with bytes in its receive buffer is spared: the loop has not read
+        them yet (it was busy or descheduled), and they may be the rest of a scrape."""
+        slow = {c.fileno(): c for c in self._open if c.waiting and now - c.taken_at >= EVICT_AFTER}
+        slow.pop(-1, None)
+        if not slow or not _readable([sock.fileno()]):  # nobody waits to be accepted
             return
-        readable, _, _ = select.select([sock], [], [], 0)
-        if readable:  # someone waits to be accepted
-            for connection in slow:
+        unread = _readable(list(slow))
+        for fd, connection in slow.items():
+            if fd not in unread:
                 connection.abort()
 
     def _release(self, connection: _Connection) -> None:
@@ -210,6 +215,15 @@ class MetricsEndpoint:
 
 def _itself(connection: _Connection) -> _Connection:
     return connection
+
+
+def _readable(fds: list[int]) -> set[int]:
+    """Those of ``fds`` with something to read now (poll, not select: the server may hold
+    more than FD_SETSIZE descriptors)."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    return {fd for fd, events in poller.poll(0) if events & (select.POLLIN | select.POLLHUP)}
 
 
 class _Connection(asyncio.Protocol):
@@ -268,6 +282,13 @@ class _Connection(asyncio.Protocol):
             transport.write_eof()  # FIN once the answer is out; we read on until it closes
         else:  # pragma: no cover - TCP transports can always half-close
             transport.close()
+
+    def fileno(self) -> int:
+        """The connection's socket descriptor, -1 once it is gone."""
+        if self._transport is None:
+            return -1
+        sock = self._transport.get_extra_info("socket")
+        return -1 if sock is None else int(sock.fileno())
 
     def abort(self) -> None:
         if self._transport is not None:
