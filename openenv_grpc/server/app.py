@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 
 #: The HTTP/2 flow-control window of each stream the server receives on (see grpc_options).
 STREAM_WINDOW_BYTES = 64 * 1024
+#: How long a call may wait for the application before gRPC cancels it (its default: 30).
+_MAX_UNREQUESTED_SECONDS = 3600
 
 
 def grpc_options(config: ServerConfig) -> list[tuple[str, Any]]:
@@ -79,6 +81,10 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, Any]]:
         # session or our RESOURCE_EXHAUSTED. Soft = hard: no random early drop below it.
         ("grpc.server.max_pending_requests", config.max_pending_calls),
         ("grpc.server.max_pending_requests_hard_limit", config.max_pending_calls),
+        # ...and gRPC cancels a call that waits more than 30 s for the application (a
+        # burst on a loaded machine): the client's own deadline decides how long it waits,
+        # and what waits is bounded by the limit above.
+        ("grpc.server_max_unrequested_time_in_server", _MAX_UNREQUESTED_SECONDS),
         # What a stream may send before the server reads it: 64 KiB (HTTP/2's own
         # default). A message being read gets the window it needs anyway; what this bounds
         # is what a client that never reads its answers can park on each stream. BDP
