@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -26,8 +27,9 @@ from bench.hostile import (
     slow_senders_run,
     stalled_readers_run,
 )
-from openenv_grpc.client.info import fetch_info
+from openenv_grpc.client.info import InfoUnavailable, fetch_info
 from openenv_grpc.server.config import ServerConfig
+from openenv_grpc_envs.echo import EchoAction, EchoEnv
 
 #: The promise: a flood from one client (4 connections) grows the server by at most this,
 #: with MAX_PENDING_CALLS at 4,096: reset streams grpc still holds count against that
@@ -206,6 +208,56 @@ def test_a_burst_of_16384_opens_is_admitted_or_refused_by_the_limiter(start_serv
     assert result["outcomes"] == {"admitted": 4096, "refused RESOURCE_EXHAUSTED: ours": 12_288}
     server.wait_until(lambda: server.active() == 0, timeout=60, what="the burst's sessions closed")
     assert server.created() == server.closed_envs() == 4096
+
+
+@pytest.mark.timeout(120)
+def test_opens_that_wait_over_30_s_for_a_blocked_loop_are_served_not_cancelled(
+    start_server,
+) -> None:
+    """gRPC cancels a call the application has not taken within 30 s by default
+    (server_max_unrequested_time_in_server); a loop held longer (a burst on a loaded
+    machine, here an env that blocks it) cost CI 1,406 opens as CANCELLED. The opens
+    that arrive meanwhile wait: the client's deadline decides, not gRPC's 30 s."""
+    server = start_server("support.envs:AsyncEchoEnv")
+    blocker = EchoEnv(server.target)
+    blocker.open()
+    blocker.reset()
+    outcomes: list[str] = []
+
+    def hold_the_loop() -> None:
+        outcomes.append(blocker.step(EchoAction(message="block:34")).observation.echoed_message)
+
+    def open_and_step(index: int) -> None:
+        try:
+            with EchoEnv(server.target) as env:
+                env.reset()
+                answer = env.step(EchoAction(message=f"open {index}"))
+                outcomes.append(answer.observation.echoed_message)
+        except Exception as exc:
+            outcomes.append(f"{type(exc).__name__}: {exc}")
+
+    holder = threading.Thread(target=hold_the_loop)
+    holder.start()
+    # Info goes unanswered once the env holds the loop.
+    server.wait_until(lambda: _loop_unresponsive(server.target), 10, "the loop held")
+    opens = [threading.Thread(target=open_and_step, args=(i,)) for i in range(6)]
+    for thread in opens:
+        thread.start()
+    for thread in [holder, *opens]:
+        thread.join(90)
+    blocker.close()
+    assert sorted(outcomes) == sorted(["block:34", *(f"open {i}" for i in range(6))])
+    server.wait_until(lambda: server.active() == 0, what="every session closed")
+    assert server.created() == server.closed_envs() == 7
+
+
+def _loop_unresponsive(target: str) -> bool:
+    """True when the server does not answer Info within 0.5 s (its loop is held)."""
+    try:
+        fetch_info(target, timeout=0.5)
+    except InfoUnavailable:
+        return True
+    return False
 
 
 _STOPPED_CLIENT = textwrap.dedent(

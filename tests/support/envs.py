@@ -93,7 +93,8 @@ def _record_cancel() -> None:
 
 class AsyncEchoEnv(AsyncEnvironment[EchoAction, EchoObservation, EchoState, Empty]):
     """An asyncio env: echoes after yielding to the loop. ``sleep:S`` sleeps S seconds;
-    a cancelled sleep appends the pid it ran in to ``<ledger>.cancelled``."""
+    a cancelled sleep appends the pid it ran in to ``<ledger>.cancelled``. ``block:S``
+    holds the server's event loop S seconds (as a saturated loop would)."""
 
     name = "async-echo"
 
@@ -109,6 +110,8 @@ class AsyncEchoEnv(AsyncEnvironment[EchoAction, EchoObservation, EchoState, Empt
         return Transition(EchoObservation(echoed_message="async ready"))
 
     async def step(self, action: EchoAction) -> Transition[EchoObservation]:
+        if action.message.startswith("block:"):
+            time.sleep(float(action.message.split(":", 1)[1]))  # noqa: ASYNC251 - the point
         if action.message.startswith("sleep:"):
             try:
                 await asyncio.sleep(float(action.message.split(":", 1)[1]))
