@@ -1,5 +1,7 @@
-"""Session lifecycles over real server processes: every way a session ends closes its env
-and frees its slot exactly once; plus Info, reflection and the env execution modes."""
+"""Stream lifecycles over real server processes: every way a Session or VectorSession
+stream ends closes each of its envs and frees each slot exactly once; plus Info,
+reflection and the env execution modes. Where the promise is the same for both streams
+the test is parametrized over them (``_Stream``: a Session is a vector of one)."""
 
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from openenv_grpc import (
     Session,
     SessionLost,
     SessionRefused,
+    VectorSession,
 )
 from openenv_grpc.client import aio_channel
 from openenv_grpc.client.info import message_classes
@@ -44,6 +47,9 @@ from openenv_grpc_envs.echo import (
     EchoState,
 )
 from support.metrics import sessions_ended
+from support.raw_vector import RawVector
+
+pytestmark = pytest.mark.shared_server
 
 SERVICE = "openenv_grpc.v1.EnvService"
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -62,26 +68,65 @@ def _wait_released(server, closed: int, *, timeout: float = 10.0) -> None:  # ty
     assert server.open_envs() == 0
 
 
+#: The two streams: a Session (one env) and a VectorSession of three.
+STREAMS = [pytest.param(1, id="session"), pytest.param(3, id="vector")]
+
+
+class _Stream:
+    """A Session (``rows`` 1) or a VectorSession of ``rows`` envs, driven alike: each step
+    sends one echo action to every env and returns (echo, step count) per env."""
+
+    def __init__(self, target: str, rows: int) -> None:
+        self.rows = rows
+        self.client: Any = EchoEnv(target) if rows == 1 else VectorSession(target, rows)
+
+    def open(self) -> _Stream:
+        self.client.open()
+        return self
+
+    def step(self, message: str) -> list[tuple[str, int]]:
+        action = EchoAction(message=message)
+        if self.rows == 1:
+            result = self.client.step(action)
+            return [(result.observation.echoed_message, result.step_count)]
+        outcome = self.client.step([action] * self.rows)
+        assert not outcome.errors, outcome.errors
+        rows = zip(outcome.observations, outcome.step_counts, strict=True)
+        return [(observation.echoed_message, count) for observation, count in rows]
+
+
 # -- a vanished client ----------------------------------------------------------------
 
 CLIENT_SCRIPT = textwrap.dedent(
     """
     import sys, time
+    from openenv_grpc import VectorSession
     from openenv_grpc_envs.echo import EchoAction, EchoEnv
 
-    env = EchoEnv(sys.argv[1])
-    env.open()
-    env.reset()
-    assert env.step(EchoAction(message="before the kill")).step_count == 1
+    streams = []
+    for rows in map(int, sys.argv[2].split(",")):  # a Session where rows is 1
+        stream = EchoEnv(sys.argv[1]) if rows == 1 else VectorSession(sys.argv[1], rows)
+        stream.open()
+        stream.reset()
+        action = EchoAction(message="before the kill")
+        if rows == 1:
+            assert stream.step(action).step_count == 1
+        else:
+            assert stream.step([action] * rows).step_counts == [1] * rows
+        streams.append(stream)
     print("ready", flush=True)
     time.sleep(600)
     """
 )
 
 
-def test_sigkilled_client_process_frees_slot_and_closes_env(server) -> None:
+@pytest.mark.parametrize(
+    "streams", [pytest.param("1", id="session"), pytest.param("3,2", id="two-vector-streams")]
+)
+def test_a_sigkilled_client_frees_every_slot_and_closes_every_env(server, streams: str) -> None:
+    envs = sum(map(int, streams.split(",")))
     client = subprocess.Popen(
-        [sys.executable, "-c", CLIENT_SCRIPT, server.target],
+        [sys.executable, "-c", CLIENT_SCRIPT, server.target, streams],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -90,60 +135,57 @@ def test_sigkilled_client_process_frees_slot_and_closes_env(server) -> None:
         assert client.stdout is not None
         line = client.stdout.readline()
         assert line.strip() == "ready", client.stderr.read() if client.stderr else ""
-        assert server.active() == 1
-        assert server.open_envs() == 1
+        assert server.active() == envs
+        assert server.open_envs() == envs
         client.send_signal(signal.SIGKILL)
         assert client.wait(10) == -signal.SIGKILL
     finally:
         if client.poll() is None:
             client.kill()
             client.wait()
-    # The dead peer's connection is reset (or keepalive notices it): the session ends.
-    _wait_released(server, 1, timeout=15.0)
-    assert server.created() == 1
+    # The dead peer's connection is reset (or keepalive notices it): the streams end.
+    _wait_released(server, envs, timeout=15.0)
+    assert server.created() == envs
 
 
 # -- idle timeout ---------------------------------------------------------------------
 
 
-def test_idle_timeout_frees_slot_closes_env_and_client_gets_deadline_exceeded(
-    start_server,
+@pytest.mark.parametrize("rows", STREAMS)
+def test_idle_timeout_closes_every_env_and_the_client_gets_deadline_exceeded(
+    start_server, rows: int
 ) -> None:
     server = start_server("support.envs:CountingEchoEnv", "--idle-timeout", "0.5")
-    idle = _open(server.target)
-    busy = _open(server.target)
+    idle = _Stream(server.target, rows).open()
+    busy = _Stream(server.target, rows).open()
     try:
-        idle.reset()
-        busy.reset()
+        idle.client.reset()
+        busy.client.reset()
         steps = 0
 
         def busy_steps_then_idle_reaped() -> bool:
             nonlocal steps
             steps += 1
-            result = busy.step(EchoAction(message=f"tick {steps}"))
-            assert result.observation.echoed_message == f"tick {steps}"
-            assert result.step_count == steps
-            return server.closed_envs() == 1
+            assert busy.step(f"tick {steps}") == [(f"tick {steps}", steps)] * rows
+            return server.closed_envs() == rows
 
-        # The busy session steps every poll (~50 ms apart) while the idle one is reaped.
-        server.wait_until(busy_steps_then_idle_reaped, 10.0, "the idle session reaped")
-        assert server.active() == 1
-        assert server.open_envs() == 1
+        # The busy stream steps every poll (~50 ms apart) while the idle one is reaped.
+        server.wait_until(busy_steps_then_idle_reaped, 10.0, "the idle stream reaped")
+        assert server.active() == rows
+        assert server.open_envs() == rows
 
         with pytest.raises(SessionLost) as lost:
-            idle.step(EchoAction(message="too late"))
+            idle.step("too late")
         assert lost.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
         assert "idle" in lost.value.message
 
-        # The busy session survived the reaper.
-        result = busy.step(EchoAction(message="alive"))
-        assert result.observation.echoed_message == "alive"
-        assert result.step_count == steps + 1
-        busy.close()
+        # The busy stream survived the reaper.
+        assert busy.step("alive") == [("alive", steps + 1)] * rows
+        busy.client.close()
     finally:
-        idle.abort()
-        busy.abort()
-    _wait_released(server, 2)
+        idle.client.abort()
+        busy.client.abort()
+    _wait_released(server, 2 * rows)
 
 
 @pytest.mark.parametrize("stream", ["session", "vector"])
@@ -287,6 +329,33 @@ def test_sigterm_right_after_the_serving_line_still_drains_and_exits_zero(start_
     assert codes == [0] * 20
 
 
+def test_drain_tells_a_vector_stream_then_closes_all_its_envs(start_server) -> None:
+    server = start_server("support.envs:CountingEchoEnv", "--grace", "1")
+    stream = RawVector(server.target, 4)
+    stream.reset()
+    server.proc.send_signal(signal.SIGTERM)
+    server.wait_until(lambda: server.proc.poll() is not None or _noticed(stream), 10, "notice")
+    assert stream.notices and stream.notices[0].kind == pb.NOTICE_KIND_DRAINING
+    assert "draining" in stream.notices[0].message
+    deadline = time.monotonic() + 10
+    with pytest.raises(grpc.RpcError) as ended:
+        while time.monotonic() < deadline:  # steps go on during the grace, then it ends
+            stream.step([EchoAction(message="during grace")] * 4)
+            time.sleep(0.05)
+    assert ended.value.code() is grpc.StatusCode.UNAVAILABLE
+    assert server.proc.wait(10) == 0
+    assert server.closed_envs() == 4 and server.open_envs() == 0
+
+
+def _noticed(stream: RawVector) -> bool:
+    """Step once (the notice arrives before the answer); True once a notice was read."""
+    try:
+        stream.step([EchoAction(message="poll")] * 4)
+    except grpc.RpcError:
+        return True
+    return bool(stream.notices)
+
+
 # -- client-side endings -----------------------------------------------------------------
 
 
@@ -331,6 +400,17 @@ def test_half_close_without_close_command_closes_env(server) -> None:
     assert responses[0].WhichOneof("outcome") == "result"
     assert responses[0].result.episode_id == "half"
     _wait_released(server, 1)
+
+
+def test_a_cancel_or_a_half_close_closes_every_env_of_a_vector_stream(server) -> None:
+    cancelled = RawVector(server.target, 4)
+    cancelled.reset()
+    cancelled.call.cancel()
+    _wait_released(server, 4)
+    half = RawVector(server.target, 3)
+    half.reset()
+    half.end()  # no close command: the end of input is the end of the stream
+    _wait_released(server, 7)
 
 
 def test_close_command_closes_env_and_ends_stream_ok(server) -> None:
@@ -432,13 +512,14 @@ def test_drain_ends_a_session_stuck_in_a_step_and_closes_its_env(
 # -- failing factories and closes ----------------------------------------------------------
 
 
-def test_factory_failure_refuses_with_internal_and_leaks_no_slot(start_server) -> None:
-    bad = start_server("support.envs:failing_factory", "--max-concurrent-envs", "1")
-    # Three in a row on a 1-slot server: a leaked slot would turn the later ones into
-    # RESOURCE_EXHAUSTED.
+@pytest.mark.parametrize("rows", STREAMS)
+def test_a_factory_failure_refuses_with_internal_and_leaks_no_slot(start_server, rows: int) -> None:
+    bad = start_server("support.envs:failing_factory", "--max-concurrent-envs", str(rows))
+    # Three in a row on a server with just the slots asked for: a leaked slot would turn
+    # the later ones into RESOURCE_EXHAUSTED.
     for _ in range(3):
         with pytest.raises(SessionRefused) as refused:
-            _open(bad.target)
+            _Stream(bad.target, rows).open()
         assert not isinstance(refused.value, CapacityError)
         assert refused.value.code is grpc.StatusCode.INTERNAL
         assert refused.value.message == (
@@ -448,10 +529,11 @@ def test_factory_failure_refuses_with_internal_and_leaks_no_slot(start_server) -
     assert bad.created() == 0
 
     good = start_server()
-    with EchoEnv(good.target) as env:
-        env.reset()
-        assert env.step(EchoAction(message="fine")).observation.echoed_message == "fine"
-    _wait_released(good, 1)
+    stream = _Stream(good.target, rows).open()
+    stream.client.reset()
+    assert stream.step("fine") == [("fine", 1)] * rows
+    stream.client.close()
+    _wait_released(good, rows)
 
 
 def test_raising_close_still_frees_slot_and_reports_env_error(start_server) -> None:

@@ -1,4 +1,5 @@
-"""Prometheus metrics move as sessions run; log lines carry the session id."""
+"""Prometheus metrics move as sessions run (a vector stream counts as N sessions); log lines
+carry the session id."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from openenv_grpc import CapacityError, EnvError, Session
+from openenv_grpc import CapacityError, EnvError, Session, VectorSession
 from openenv_grpc_envs.echo import EchoAction, EchoEnv
+from support.raw_vector import RawVector
 
 pytestmark = pytest.mark.shared_server
 
@@ -73,6 +75,26 @@ def test_metrics_count_sessions_steps_errors_and_refusals(start_server) -> None:
         for reason in ("client_ended", "cancelled")
     ]
     assert sum(ended) == 1, ended
+
+
+def test_a_vector_stream_is_n_sessions_to_prometheus(start_server) -> None:
+    server = start_server(
+        "support.envs:FaultyEnv", "--metrics-port", "0", "--max-concurrent-envs", "6"
+    )
+    url = metrics_url(server)
+    with VectorSession(server.target, 4) as envs:
+        assert scrape(url)[("openenv_sessions_active", ())] == 4
+        refused = RawVector(server.target, 3).refusal()
+        assert refused.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        envs.reset()
+        envs.step([EchoAction(message=m) for m in ("a", "b", "raise", "d")])
+        envs.step([EchoAction(message=m) for m in ("a", "b", "c")], indices=[0, 1, 3])
+    server.wait_until(lambda: server.active() == 0, what="slots released")
+    after = scrape(url)
+    assert after[("openenv_step_seconds_count", ())] == 6  # one per env that stepped
+    assert after[("openenv_request_errors_total", (("code", "INTERNAL"),))] == 1
+    assert after[("openenv_sessions_refused_total", (("reason", "full"),))] == 3
+    assert after[("openenv_session_duration_seconds_count", (("reason", "closed"),))] == 4
 
 
 def test_metrics_are_off_by_default(server) -> None:

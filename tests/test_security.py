@@ -15,7 +15,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from openenv_grpc import AsyncSession, SessionRefused, fetch_info
+from openenv_grpc import AsyncSession, SessionRefused, VectorSession, fetch_info
 from openenv_grpc.client.channel import tls_credentials
 from openenv_grpc.client.errors import InfoUnavailable
 from openenv_grpc_envs.echo import EchoAction, EchoEnv
@@ -95,6 +95,19 @@ def test_wrong_or_missing_token_is_unauthenticated_before_any_env(token_server, 
     assert info_refused.value.code is grpc.StatusCode.UNAUTHENTICATED
     assert token_server.created() == 0
     assert fetch_info(token_server.target, token=TOKEN).capacity.active_sessions == 0
+
+
+def test_a_vector_open_without_the_token_is_unauthenticated_before_any_env(
+    token_server,
+) -> None:
+    with pytest.raises(SessionRefused) as refused:
+        VectorSession(token_server.target, 3).open()
+    assert refused.value.code is grpc.StatusCode.UNAUTHENTICATED
+    assert refused.value.message == "missing or invalid bearer token"
+    assert token_server.created() == 0
+    with VectorSession(token_server.target, 3, token=TOKEN) as envs:
+        assert envs.reset().indices == [0, 1, 2]
+    token_server.wait_until(lambda: token_server.closed_envs() == 3)
 
 
 def test_health_is_exempt_from_token_auth(token_server) -> None:
