@@ -19,6 +19,10 @@ from openenv_grpc.client import errors
 from openenv_grpc_envs.echo import EchoAction, EchoEnv, EchoObservation
 
 
+#: The `server` fixture is one shared counting echo server (conftest.py).
+pytestmark = pytest.mark.shared_server
+
+
 def public_exceptions() -> list[type[BaseException]]:
     found = [getattr(errors, name) for name in errors.__all__]
     assert all(inspect.isclass(e) and issubclass(e, BaseException) for e in found)
