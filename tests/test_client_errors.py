@@ -18,7 +18,6 @@ from openenv_grpc import Session, SessionStateError, SessionTimeout
 from openenv_grpc.client import errors
 from openenv_grpc_envs.echo import EchoAction, EchoEnv, EchoObservation
 
-
 #: The `server` fixture is one shared counting echo server (conftest.py).
 pytestmark = pytest.mark.shared_server
 
