@@ -452,7 +452,9 @@ class SessionManager:
             request = opening.request_class()
         command = request.WhichOneof("command") or "request"
         self._metrics.request_error(grpc.StatusCode.RESOURCE_EXHAUSTED.name)
-        response = opening.response_class(request_id=request.request_id)  # type: ignore[attr-defined]
+        # Set, not passed: Message's stubs take no field keywords.
+        response = opening.response_class()
+        response.request_id = request.request_id  # type: ignore[attr-defined]
         response.error.code = _RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
         hint = "" if opening.slots == 1 else " (name fewer envs per request, by indices)"
         response.error.message = (  # type: ignore[attr-defined]
@@ -471,7 +473,9 @@ class SessionManager:
         """
         request = parse_request(raw, opening.request_class)
         self._metrics.request_error(grpc.StatusCode.RESOURCE_EXHAUSTED.name)
-        response = opening.response_class(request_id=request.request_id)  # type: ignore[attr-defined]
+        # Set, not passed: Message's stubs take no field keywords.
+        response = opening.response_class()
+        response.request_id = request.request_id  # type: ignore[attr-defined]
         response.error.code = _RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
         response.error.message = (  # type: ignore[attr-defined]
             f"{in_flight} requests already in flight on this stream, the most this server "
