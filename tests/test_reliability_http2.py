@@ -39,6 +39,11 @@ from openenv_grpc_envs.echo import EchoAction, EchoEnv
 RAPID_RESET_BOUND_MIB = 150
 FLOOD_PENDING_CALLS = 4096
 FLOOD_SECONDS = 12
+#: What a flood must send for the bound to mean something: held at ~17 KiB each, this
+#: many streams would outgrow RAPID_RESET_BOUND_MIB. How far past it a flood gets is the
+#: machine's speed (12,800 to 19,800 beside a busy CI neighbour, 24,600 to 34,800 alone), not a
+#: promise, so it is not asserted.
+FLOOD_MIN_STREAMS = RAPID_RESET_BOUND_MIB * 1024 // 17 + 1
 #: What a stream whose answers are never taken may cost the server: its 64 KiB window,
 #: the answer waiting on it and the bookkeeping, with room to spare.
 STALLED_STREAM_BOUND_KIB = 512
@@ -68,7 +73,7 @@ def test_rapid_reset_flood_stays_within_its_memory_bound(
         attacker_token=token if attacker_has_token else None,
     )  # fmt: skip
     _print(result)
-    assert result["streams_sent"] >= 20_000, "the flood did not get going"
+    assert result["streams_sent"] >= FLOOD_MIN_STREAMS, "the flood did not get going"
     assert result["rss_growth_mib"] <= RAPID_RESET_BOUND_MIB
     assert result["server_alive"]
     honest = result["honest"]
