@@ -135,6 +135,16 @@ def _attacker(args: Sequence[str], token: str | None) -> subprocess.Popen[str]:
     )  # fmt: skip
 
 
+#: What one reset stream still held by grpc costs the server (docs/reliability.md).
+RESET_STREAM_KIB = 17
+
+
+def streams_to_outgrow(bound_mib: int) -> int:
+    """How many reset streams, each held at :data:`RESET_STREAM_KIB`, would outgrow
+    ``bound_mib``: the least a flood must send for a memory bound to be tested at all."""
+    return bound_mib * 1024 // RESET_STREAM_KIB + 1
+
+
 def rapid_reset_run(
     server: ServerProcess,
     seconds: float,

@@ -26,6 +26,7 @@ from bench.hostile import (
     rss_mib,
     slow_senders_run,
     stalled_readers_run,
+    streams_to_outgrow,
 )
 from openenv_grpc.client.info import InfoUnavailable, fetch_info
 from openenv_grpc.server.config import ServerConfig
@@ -39,11 +40,10 @@ from openenv_grpc_envs.echo import EchoAction, EchoEnv
 RAPID_RESET_BOUND_MIB = 150
 FLOOD_PENDING_CALLS = 4096
 FLOOD_SECONDS = 12
-#: What a flood must send for the bound to mean something: held at ~17 KiB each, this
-#: many streams would outgrow RAPID_RESET_BOUND_MIB. How far past it a flood gets is the
-#: machine's speed (12,800 to 19,800 beside a busy CI neighbour, 24,600 to 34,800 alone), not a
-#: promise, so it is not asserted.
-FLOOD_MIN_STREAMS = RAPID_RESET_BOUND_MIB * 1024 // 17 + 1
+#: What a flood must send for the bound to mean something. How far past it a flood gets
+#: is the machine's speed (12,800 to 19,800 streams beside a busy CI neighbour, 24,600 to
+#: 34,800 alone), not a promise, so it is not asserted.
+FLOOD_MIN_STREAMS = streams_to_outgrow(RAPID_RESET_BOUND_MIB)
 #: What a stream whose answers are never taken may cost the server: its 64 KiB window,
 #: the answer waiting on it and the bookkeeping, with room to spare.
 STALLED_STREAM_BOUND_KIB = 512
