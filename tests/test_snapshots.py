@@ -1,9 +1,12 @@
-"""Snapshots, restore and fork over real gRPC, against real server processes.
+"""Snapshots, restore and fork over real gRPC, against real server processes: a Session's,
+a VectorSession's by index, and forks into both.
 
-The env is ``SnapshotEchoEnv`` (tests/support/envs.py): deterministic, with a seeded
-random stream in every reward, so a restored episode repeats only if the snapshot really
-carried the env's state. Each refusal is checked for its code, for words of its message,
-and for the session going on with its episode unchanged. Servers are shared per module;
+The env is mostly ``SnapshotEchoEnv`` (tests/support/envs.py): deterministic, with a
+seeded random stream in every reward, so a restored episode repeats only if the snapshot
+really carried the env's state, and it misbehaves on command (``snapshot:raise`` ...).
+What one env may do wrong runs on both streams (``Row``): a Session's env, and env 1 of a
+vector whose env 0 must answer beside it. Each refusal is checked for its code, for words
+of its message, and for the episodes going on unchanged. Servers are shared per module;
 each env instance records its life in a ledger, so leaks show.
 """
 
@@ -15,16 +18,28 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
-from openenv_grpc.client import EnvError, Session
-from openenv_grpc.client.errors import CapacityError
+from openenv_grpc import AutoresetMode
+from openenv_grpc.client import EnvError, Session, VectorEnvError
+from openenv_grpc.client.errors import CapacityError, InvalidRequest
+from openenv_grpc.client.outcome import Restored
 from openenv_grpc.testing import ServerProcess
-from openenv_grpc_envs.echo import AsyncEchoEnv, EchoAction, EchoEnv, EchoResetOptions
+from openenv_grpc.v1 import session_pb2 as pb
+from openenv_grpc_envs.echo import (
+    AsyncEchoEnv,
+    AsyncEchoVectorEnv,
+    EchoAction,
+    EchoEnv,
+    EchoResetOptions,
+    EchoVectorEnv,
+)
+from support.raw_vector import RawVector
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(90)
 
 TESTS = Path(__file__).resolve().parent
 SNAP = "support.envs:SnapshotEchoEnv"
@@ -39,8 +54,8 @@ UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED
 INTERNAL = grpc.StatusCode.INTERNAL
 RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 
-#: The start_server fixture of the root conftest.py.
-StartServer = Callable[..., ServerProcess]
+#: Run a test on a Session's env and on env 1 of a VectorSession.
+BOTH_STREAMS = pytest.mark.parametrize("vector", [False, True], ids=["session", "vector"])
 
 
 class Ledgered(ServerProcess):
@@ -59,6 +74,10 @@ class Ledgered(ServerProcess):
         """Envs still open (none may be once their sessions closed)."""
         return len(list(self.ledger.glob("*.open")))
 
+    def settled(self) -> None:
+        """Every env of the closed streams is closed and every slot free."""
+        self.wait_until(lambda: self.active() == 0 and self.leaks() == 0, what="all closed")
+
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Ledgered]]:
@@ -67,18 +86,23 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Ledg
     keyfile = root / "keys"
     keyfile.write_text(f"# the same key as `main`, from a file\n{K1}\n")
     keyfile.chmod(0o600)
-    made: dict[str, Ledgered] = {}
+    keys = {"SNAPSHOT_KEYS": K1}
     plan: dict[str, tuple[str, tuple[str, ...], dict[str, str]]] = {
-        "main": (SNAP, (), {"SNAPSHOT_KEYS": K1}),
+        "main": (SNAP, (), keys),
         "twin": (SNAP, (), {"SNAPSHOT_KEYS_FILE": str(keyfile)}),
         "rotated": (SNAP, (), {"SNAPSHOT_KEYS": f"{K2},{K1}"}),
         "other_key": (SNAP, (), {"SNAPSHOT_KEYS": "k1:another-secret-of-key-k1"}),
         "new_key": (SNAP, (), {"SNAPSHOT_KEYS": K2}),
-        "other_env": ("support.envs:OtherSnapshotEnv", (), {"SNAPSHOT_KEYS": K1}),
-        "v2": ("support.envs:SnapshotEchoEnvV2", (), {"SNAPSHOT_KEYS": K1}),
-        "small": (SNAP, ("--max-snapshot-bytes", "2048"), {"SNAPSHOT_KEYS": K1}),
-        "plain": ("support.envs:FaultyEnv", (), {}),
+        "other_env": ("support.envs:OtherSnapshotEnv", (), keys),
+        "v2": ("support.envs:SnapshotEchoEnvV2", (), keys),
+        "small": (SNAP, ("--max-snapshot-bytes", "2048"), keys),
+        "plain": ("support.envs:DeterministicEchoEnv", (), {}),  # no snapshots, no keys
+        "spread": (SNAP, ("--isolated", "2"), keys),
+        "tight": (SNAP, ("--max-message-bytes", "8192"), keys),
+        "native": ("support.envs:BatchingEchoEnv", (), keys),
+        "capacity": (SNAP, ("--max-concurrent-envs", "3"), keys),
     }
+    made: dict[str, Ledgered] = {}
     try:
         for role, (env, args, environ) in plan.items():
             made[role] = Ledgered(env, root / role, *args, environ=environ)
@@ -86,6 +110,9 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Ledg
     finally:
         for server in made.values():
             server.stop()
+
+
+# -- a Session's helpers ----------------------------------------------------------------
 
 
 def play(env: Session, actions: list[EchoAction]) -> list[tuple[float, int, bool]]:  # type: ignore[type-arg]
@@ -113,7 +140,295 @@ def goes_on(env: EchoEnv) -> None:
     assert env.step(EchoAction(message="still here")).step_count == count + 1
 
 
-# -- round trip, fork -----------------------------------------------------------------
+# -- a vector's helpers -----------------------------------------------------------------
+
+
+def say(*messages: str) -> list[EchoAction]:
+    return [EchoAction(message=m) for m in messages]
+
+
+def rewards(envs: EchoVectorEnv, messages: str, indices: list[int] | None = None) -> list[float]:
+    """Step one message per env named (a letter each); the rewards, per row."""
+    outcome = envs.step(say(*messages), indices=indices)
+    assert not outcome.errors
+    return outcome.rewards
+
+
+def command(envs: EchoVectorEnv, message: str, indices: list[int]) -> None:
+    """Step ``message`` in each env of ``indices`` (e.g. ``snapshot:raise``)."""
+    assert not envs.step(say(*[message] * len(indices)), indices=indices).errors
+
+
+def started(target: str, n: int = 4, **kwargs: Any) -> EchoVectorEnv:
+    """An open vector of ``n`` envs, reset with seeds 10.. and stepped twice."""
+    envs = EchoVectorEnv(target, n, **kwargs)
+    envs.open()
+    envs.reset(seeds=10, options=EchoResetOptions(max_steps=50))
+    rewards(envs, "abcdefgh"[:n])
+    rewards(envs, "ijklmnop"[:n])
+    return envs
+
+
+def flipped(data: bytes) -> bytes:
+    """``data`` with one byte of its body altered (the HMAC no longer matches)."""
+    middle = len(data) // 2
+    return data[:middle] + bytes([data[middle] ^ 0x01]) + data[middle + 1 :]
+
+
+# -- one env on either stream -----------------------------------------------------------
+
+
+class Row:
+    """The env a test drives, on either stream: a Session's env, or env 1 of a two-env
+    VectorSession (autoreset off, as on a Session) whose env 0 is a neighbour with an
+    episode of its own: it steps, snapshots and restores (to itself) in the same calls,
+    and must answer every time, whatever env 1 does. Where ``shares_fate`` (an env without
+    snapshots), the neighbour must fail exactly as env 1 does."""
+
+    def __init__(self, target: str, vector: bool, shares_fate: bool = False) -> None:
+        self.vector, self.shares_fate = vector, shares_fate
+        self.client: Any = (
+            EchoVectorEnv(target, 2, autoreset=AutoresetMode.DISABLED)
+            if vector
+            else EchoEnv(target)
+        )
+
+    def __enter__(self) -> Row:
+        self.client.open()
+        if self.vector:
+            self.client.reset(indices=[0], seeds=5, options=EchoResetOptions(max_steps=50))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.client.close()
+
+    @property
+    def step_count(self) -> int:
+        return int(self.client.step_counts[1] if self.vector else self.client.step_count)
+
+    def position(self) -> object:
+        """Where every env of the stream is: episode ids and step counts."""
+        if self.vector:
+            return self.client.episode_ids, self.client.step_counts
+        return self.client.episode_id, self.client.step_count
+
+    def reset(self, seed: int = 7, max_steps: int = 20) -> None:
+        options = EchoResetOptions(max_steps=max_steps)
+        if self.vector:
+            self.client.reset(indices=[1], seeds=seed, options=options, episode_ids=["ep-1"])
+        else:
+            self.client.reset(seed=seed, episode_id="ep-1", options=options)
+
+    def step(self, message: str) -> int:
+        """Step ``message`` (the neighbour steps beside it); the env's step count. Raises
+        the env's error if its step failed."""
+        if not self.vector:
+            return int(self.client.step(EchoAction(message=message)).step_count)
+        outcome = self.client.step(say("neighbour", message))
+        assert 0 not in outcome.errors, outcome.errors
+        if 1 in outcome.errors:
+            raise outcome.errors[1]
+        return int(outcome.step_counts[outcome.indices.index(1)])
+
+    def prefix(self, steps: int = 3) -> None:
+        """Reset with seed 7 and take ``steps`` steps."""
+        self.reset()
+        for action in ACTIONS[:steps]:
+            self.step(action.message)
+
+    def snapshot(self) -> bytes:
+        if not self.vector:
+            return bytes(self.client.snapshot())
+        try:
+            return bytes(self.client.snapshot()[1])
+        except VectorEnvError as failed:
+            raise self._alone(failed) from None
+
+    def restore(self, data: bytes) -> Restored:
+        if not self.vector:
+            return self.client.restore(data)  # type: ignore[no-any-return]
+        own = b"-" if self.shares_fate else self.client.snapshot(indices=[0])[0]
+        try:
+            return self.client.restore([own, data])[1]  # type: ignore[no-any-return]
+        except VectorEnvError as failed:
+            raise self._alone(failed) from None
+
+    def _alone(self, failed: VectorEnvError) -> EnvError:
+        """Env 1's error, once the neighbour is seen to have answered (or, sharing its
+        fate, to have failed with the same code and message)."""
+        mine = failed.errors[1]
+        if self.shares_fate:
+            neighbour = failed.errors[0]
+            assert (neighbour.code, neighbour.message) == (mine.code, mine.message)
+        else:
+            assert list(failed.errors) == [1] and failed.done == [0], failed
+        return mine
+
+    def refused(self, call: Callable[[], object]) -> EnvError:
+        """``call`` (a snapshot or a restore) fails in-band and moves no episode: the
+        env's error."""
+        before = self.position()
+        with pytest.raises(EnvError) as refused:
+            call()
+        assert self.position() == before
+        return refused.value
+
+    def goes_on(self) -> None:
+        """The env still steps, from where it was."""
+        count = self.step_count
+        assert self.step("still here") == count + 1
+
+
+@pytest.fixture(scope="module")
+def foreign(servers: dict[str, Ledgered]) -> dict[str, bytes]:
+    """Snapshots after three steps, by the server that signed them: main, another env,
+    another version of the env."""
+    made: dict[str, bytes] = {}
+    for role in ("main", "other_env", "v2"):
+        with EchoEnv(servers[role].target) as env:
+            prefix(env)
+            made[role] = env.snapshot()
+    return made
+
+
+@BOTH_STREAMS
+def test_refusals_each_have_their_code_and_leave_the_episodes_going(
+    servers: dict[str, Ledgered], foreign: dict[str, bytes], vector: bool
+) -> None:
+    data = foreign["main"]
+    cases: list[tuple[str, bytes, grpc.StatusCode, str]] = [
+        ("main", foreign["other_env"], FAILED_PRECONDITION,
+         "snapshot of env 'other-snapshot-echo' (version 1.0.0); this server hosts env "
+         "'snapshot-echo'"),
+        ("main", foreign["v2"], FAILED_PRECONDITION,
+         "version 2.0.0; this server hosts version 1.0.0"),
+        ("main", flipped(data), INVALID_ARGUMENT,
+         "snapshot signature does not match under key 'k1'"),
+        ("main", data[:-10], INVALID_ARGUMENT, f"snapshot truncated: {len(data) - 10} of its"),
+        ("main", b"", INVALID_ARGUMENT, "empty snapshot"),
+        ("main", b"\x89PNG\r\n\x1a\n" * 4, INVALID_ARGUMENT, "not a snapshot"),
+        ("other_key", data, INVALID_ARGUMENT,  # the same key id, another secret
+         "signed with another secret under the same key id"),
+        ("new_key", data, FAILED_PRECONDITION,  # another key altogether
+         "key 'k1', which this server does not hold (it verifies k2)"),
+    ]  # fmt: skip
+    for role, bad, code, words in cases:
+        with Row(servers[role].target, vector) as row:
+            row.prefix(steps=2)
+            error = row.refused(lambda bad=bad: row.restore(bad))
+            assert (error.code, words in error.message) == (code, True), (role, error.message)
+            row.goes_on()
+    for role in ("main", "other_key", "new_key"):
+        servers[role].settled()
+
+
+@BOTH_STREAMS
+def test_what_the_env_does_wrong_is_in_band_and_the_episodes_go_on(
+    servers: dict[str, Ledgered], vector: bool
+) -> None:
+    with Row(servers["main"].target, vector) as row:
+        early = row.refused(row.snapshot)
+        assert early.code is FAILED_PRECONDITION
+        assert "snapshot before reset" in early.message
+        row.prefix()
+        for command, code, words in [
+            (
+                "snapshot:raise",
+                INTERNAL,
+                "snapshot failed: RuntimeError: snapshot failed on purpose",
+            ),
+            ("snapshot:invalid", INVALID_ARGUMENT, "cannot snapshot now, on purpose"),
+            # NotImplementedError with a reason: this configuration cannot snapshot.
+            ("snapshot:unsupported", UNIMPLEMENTED, "not in this configuration, on purpose"),
+            ("snapshot:not-bytes", INTERNAL, "returned a str from snapshot(), not bytes"),
+        ]:
+            row.step(command)
+            failed = row.refused(row.snapshot)  # a failed snapshot never moves the episode
+            assert (failed.code, words in failed.message) == (code, True), failed.message
+            row.goes_on()
+        row.step("snapshot:ok")
+        row.step("restore:invalid")
+        refused_by_env = row.snapshot()
+        error = row.refused(lambda: row.restore(refused_by_env))
+        assert (error.code, "refused, on purpose" in error.message) == (INVALID_ARGUMENT, True)
+        row.goes_on()
+        row.step("restore:raise")
+        breaking = row.snapshot()
+        with pytest.raises(EnvError) as broke:
+            row.restore(breaking)
+        assert broke.value.code is INTERNAL and "restore failed on purpose" in broke.value.message
+        with pytest.raises(EnvError) as after:
+            row.step("x")
+        assert after.value.code is FAILED_PRECONDITION  # half-restored: only a reset now
+        row.reset()
+        assert row.step_count == 0
+        row.goes_on()
+    servers["main"].settled()
+
+
+@BOTH_STREAMS
+def test_the_size_limit_is_named_both_ways(servers: dict[str, Ledgered], vector: bool) -> None:
+    small = servers["small"]
+    assert small.info().snapshots.max_bytes == 2048
+    with Row(servers["main"].target, vector) as row:
+        row.prefix()
+        row.step("snapshot:big:3000")
+        big = row.snapshot()  # fine under main's 8 MiB
+    with Row(small.target, vector) as row:
+        row.prefix()
+        error = row.refused(lambda: row.restore(big))
+        assert error.code is INVALID_ARGUMENT
+        assert f"snapshot is {len(big)} bytes, over this server's snapshot limit of 2048" in (
+            error.message
+        )
+        row.goes_on()
+        row.step("snapshot:big:3000")
+        made = row.refused(row.snapshot)
+        assert made.code is RESOURCE_EXHAUSTED
+        assert "over this server's snapshot limit of 2048 bytes" in made.message
+        assert "MAX_SNAPSHOT_BYTES" in made.message
+        row.goes_on()
+    small.settled()
+
+
+@BOTH_STREAMS
+def test_an_env_without_snapshots_answers_unimplemented_and_keeps_working(
+    servers: dict[str, Ledgered], foreign: dict[str, bytes], vector: bool
+) -> None:
+    plain = servers["plain"]
+    with Row(plain.target, vector, shares_fate=True) as row:
+        row.reset(seed=1)
+        row.step("one")
+        attempts: list[Callable[[], object]] = [row.snapshot, lambda: row.restore(foreign["main"])]
+        if not vector:
+            attempts.append(row.client.fork)
+        for attempt in attempts:
+            failed = row.refused(attempt)
+            assert failed.code is UNIMPLEMENTED
+            assert "does not support snapshots" in failed.message
+            row.goes_on()
+        assert row.step_count == 1 + len(attempts)
+    plain.settled()
+
+
+@BOTH_STREAMS
+def test_an_ended_episode_restores_ended(servers: dict[str, Ledgered], vector: bool) -> None:
+    with Row(servers["main"].target, vector) as row:
+        row.reset(seed=2, max_steps=2)
+        row.step("a")
+        row.step("b")
+        data = row.snapshot()
+    with Row(servers["twin"].target, vector) as other:
+        restored = other.restore(data)
+        assert (restored.truncated, restored.terminated, restored.done) == (True, False, True)
+        with pytest.raises(EnvError) as failed:
+            other.step("c")
+        assert failed.value.code is FAILED_PRECONDITION
+        assert "reset" in failed.value.message
+    servers["twin"].settled()
+
+
+# -- round trip, fork -------------------------------------------------------------------
 
 
 def test_restore_continues_exactly_where_the_snapshot_was(servers: dict[str, Ledgered]) -> None:
@@ -180,23 +495,28 @@ def test_async_forks_open_concurrently_and_repeat_the_original(
     server.wait_until(lambda: server.active() == 0, what="every fork closed")
 
 
-def test_a_fork_is_admitted_like_any_open_and_never_leaks(tmp_path: Path) -> None:
-    server = Ledgered(SNAP, tmp_path / "ledger", "--max-concurrent-envs", "2", keys=K1)
-    try:
-        with EchoEnv(server.target) as env:
-            prefix(env)
-            with pytest.raises(CapacityError):
-                env.fork(2)  # one slot left: all or nothing
-            assert server.active() == 1
-            with env.fork() as branch:  # the one slot left is enough for one
-                assert branch.step_count == 3
-            goes_on(env)
-        server.wait_until(lambda: server.leaks() == 0, what="every env closed")
-    finally:
-        server.stop()
+def test_a_fork_is_admitted_like_any_open_all_or_nothing(servers: dict[str, Ledgered]) -> None:
+    server = servers["capacity"]  # 3 slots
+    with EchoEnv(server.target) as env:
+        prefix(env)
+        data = env.snapshot()
+        with pytest.raises(CapacityError):
+            env.fork(3)  # two slots left: all or nothing
+        with pytest.raises(CapacityError) as full:
+            EchoVectorEnv.forked(env, [data] * 3)
+        assert "3 envs asked, 2 free" in full.value.message
+        assert server.active() == 1
+        branches = env.fork(2)  # the two slots left are enough for two
+        assert [branch.step_count for branch in branches] == [3, 3]
+        for branch in branches:
+            branch.close()
+        with EchoVectorEnv.forked(env, [data] * 2) as group:
+            assert group.step_counts == [3, 3]
+        goes_on(env)
+    server.settled()
 
 
-# -- portable: another server with the key, and keys that rotate -----------------------
+# -- portable: another server with the key, and keys that rotate ------------------------
 
 
 def test_a_snapshot_restores_on_another_server_process_with_the_same_key(
@@ -233,82 +553,6 @@ def test_keys_rotate_the_old_key_still_verifies_and_the_new_one_signs(
         assert new.restore(signed_by_k2).step_count == 3
 
 
-# -- refusals: each with its code, the session going on --------------------------------
-
-
-def test_refusals_each_have_their_code_and_leave_the_session_going(
-    servers: dict[str, Ledgered],
-) -> None:
-    with EchoEnv(servers["main"].target) as source:
-        prefix(source)
-        data = source.snapshot()
-    for role in ("other_env", "v2"):
-        with EchoEnv(servers[role].target) as env:
-            prefix(env)
-            foreign = env.snapshot()
-        with EchoEnv(servers["main"].target) as env:
-            prefix(env, steps=1)
-            error = refusal(env, foreign)
-            assert error.code is FAILED_PRECONDITION
-            expected = (
-                "snapshot of env 'other-snapshot-echo' (version 1.0.0); this server hosts "
-                "env 'snapshot-echo'"
-                if role == "other_env"
-                else "version 2.0.0; this server hosts version 1.0.0"
-            )
-            assert expected in error.message
-            goes_on(env)
-    flipped = bytearray(data)
-    flipped[len(data) // 2] ^= 0x01
-    cases = [
-        (bytes(flipped), INVALID_ARGUMENT, "snapshot signature does not match under key 'k1'"),
-        (data[:-10], INVALID_ARGUMENT, f"snapshot truncated: {len(data) - 10} of its"),
-        (b"", INVALID_ARGUMENT, "empty snapshot"),
-        (b"\x89PNG\r\n\x1a\n" * 4, INVALID_ARGUMENT, "not a snapshot"),
-    ]
-    with EchoEnv(servers["main"].target) as env:
-        prefix(env, steps=2)
-        for bad, code, words in cases:
-            error = refusal(env, bad)
-            assert (error.code, words in error.message) == (code, True), error.message
-            goes_on(env)
-    with EchoEnv(servers["other_key"].target) as env:  # same key id, another secret
-        prefix(env, steps=1)
-        error = refusal(env, data)
-        assert error.code is INVALID_ARGUMENT
-        assert "signed with another secret under the same key id" in error.message
-        goes_on(env)
-    with EchoEnv(servers["new_key"].target) as env:  # another key altogether
-        prefix(env, steps=1)
-        error = refusal(env, data)
-        assert error.code is FAILED_PRECONDITION
-        assert "key 'k1', which this server does not hold (it verifies k2)" in error.message
-        goes_on(env)
-
-
-def test_the_size_limit_is_named_both_ways(servers: dict[str, Ledgered]) -> None:
-    small = servers["small"]
-    assert small.info().snapshots.max_bytes == 2048
-    with EchoEnv(servers["main"].target) as env:
-        prefix(env)
-        env.step(EchoAction(message="snapshot:big:3000"))
-        big = env.snapshot()  # fine under main's 8 MiB
-    with EchoEnv(small.target) as env:
-        prefix(env)
-        error = refusal(env, big)
-        assert error.code is INVALID_ARGUMENT
-        assert f"snapshot is {len(big)} bytes, over this server's snapshot limit of 2048" in (
-            error.message
-        )
-        goes_on(env)
-        env.step(EchoAction(message="snapshot:big:3000"))
-        with pytest.raises(EnvError) as made:
-            env.snapshot()
-        assert made.value.code is RESOURCE_EXHAUSTED
-        assert "over this server's snapshot limit of 2048 bytes" in made.value.message
-        goes_on(env)
-
-
 def test_a_per_server_key_restores_on_that_server_only(tmp_path: Path) -> None:
     first = Ledgered(SNAP, tmp_path / "a", keys=None)
     second = Ledgered(SNAP, tmp_path / "b", keys=None)
@@ -334,79 +578,313 @@ def test_a_per_server_key_restores_on_that_server_only(tmp_path: Path) -> None:
         second.stop()
 
 
-def test_an_env_without_snapshots_answers_unimplemented_and_keeps_working(
+# -- a vector by index: round trip ------------------------------------------------------
+
+
+def test_snapshot_and_restore_by_index_repeat_each_env(servers: dict[str, Ledgered]) -> None:
+    server = servers["main"]
+    with started(server.target) as envs:
+        ids, counts = envs.episode_ids, envs.step_counts
+        snapshots = envs.snapshot(indices=[0, 2])
+        assert len(snapshots) == 2 and all(s.startswith(b"OGSN") for s in snapshots)
+        assert envs.step_counts == counts  # a snapshot changes no episode
+        original = rewards(envs, "wxyz")
+        rewards(envs, "wxyz")  # envs 0 and 2 move on, then go back
+        restored = envs.restore(snapshots, indices=[0, 2])
+        assert [(r.episode_id, r.step_count, r.done) for r in restored] == [
+            (ids[0], 2, False), (ids[2], 2, False),
+        ]  # fmt: skip
+        assert envs.episode_ids == ids
+        assert envs.step_counts == [2, 4, 2, 4]  # the neighbours were not touched
+        again = envs.step(say("w", "y"), indices=[0, 2])
+        assert again.rewards == [original[0], original[2]]
+        assert again.step_counts == [3, 3]
+        # All envs at once (indices None), twice: a snapshot is a value.
+        whole = envs.snapshot()
+        first = rewards(envs, "abcd")
+        for _ in range(2):
+            envs.restore(whole)
+            assert rewards(envs, "abcd") == first
+    server.settled()
+
+
+def test_a_vector_env_and_a_session_trade_snapshots(servers: dict[str, Ledgered]) -> None:
+    server = servers["main"]
+    with started(server.target) as envs, EchoEnv(server.target) as env:
+        from_vector = envs.snapshot(indices=[3])[0]
+        expected = rewards(envs, "qrst")[3]
+        restored = env.restore(from_vector)
+        assert (restored.episode_id, restored.step_count) == (envs.episode_ids[3], 2)
+        assert env.step(EchoAction(message="t")).reward == expected
+        # And back: a session's snapshot continues in env 1 of the vector.
+        env.reset(seed=99, episode_id="solo", options=EchoResetOptions(max_steps=50))
+        env.step(EchoAction(message="solo"))
+        from_session = env.snapshot()
+        follows = env.step(EchoAction(message="n")).reward
+        [back] = envs.restore([from_session], indices=[1])
+        assert (back.episode_id, back.step_count) == ("solo", 1)
+        outcome = envs.step(say("n"), indices=[1])
+        assert outcome.rewards == [follows] and outcome.episode_ids == ["solo"]
+    server.settled()
+
+
+def test_a_restored_ended_episode_autoresets_at_its_next_step(
     servers: dict[str, Ledgered],
 ) -> None:
-    plain = servers["plain"]
-    with EchoEnv(servers["main"].target) as env:
-        prefix(env)
-        data = env.snapshot()
-    with EchoEnv(plain.target) as env:
-        env.reset(seed=1)
-        env.step(EchoAction(message="one"))
-        for attempt in (env.snapshot, lambda: env.restore(data), env.fork):
-            with pytest.raises(EnvError) as failed:
-                attempt()
-            assert failed.value.code is UNIMPLEMENTED
-            assert "does not support snapshots" in failed.value.message
-            goes_on(env)
-        assert env.step_count == 4
-    plain.wait_until(lambda: plain.active() == 0, what="no session left")
-    plain.wait_until(lambda: plain.leaks() == 0, what="every env closed")
+    server = servers["main"]
+    with EchoVectorEnv(server.target, 2) as envs:
+        envs.reset(options=EchoResetOptions(max_steps=1))
+        ended = envs.step(say("a", "b"))
+        assert ended.truncated == [True, True]
+        data = envs.snapshot()
+        autoreset = envs.step(say("c", "d"))  # NEXT_STEP: this step reset both
+        assert autoreset.autoreset == [True, True]
+        restored = envs.restore(data)
+        assert [r.truncated for r in restored] == [True, True]
+        again = envs.step(say("c", "d"))
+        assert again.autoreset == [True, True] and again.step_counts == [0, 0]
+    with EchoVectorEnv(server.target, 1, autoreset=AutoresetMode.SAME_STEP) as envs:
+        envs.restore(data[:1])  # SAME_STEP resets in the step that ends: none is due now
+        blocked = envs.step(say("f"))
+        assert blocked.errors[0].code is FAILED_PRECONDITION
+        assert "no autoreset is due" in blocked.errors[0].message
+        envs.reset(options=EchoResetOptions(max_steps=5))
+        assert not envs.step(say("g")).errors  # the stream goes on after a reset
+    server.settled()
 
 
-def test_what_the_env_does_wrong_is_in_band_and_the_session_goes_on(
+# -- a vector by index: what one env cannot do ------------------------------------------
+
+
+def test_a_whole_answer_over_the_message_limit_is_in_band(servers: dict[str, Ledgered]) -> None:
+    server = servers["tight"]  # 8 KiB messages: 7 KiB snapshots fit one by one, not three
+    with started(server.target, 3) as envs:
+        command(envs, "snapshot:big:2500", [0, 1, 2])
+        with pytest.raises(EnvError) as refused:
+            envs.snapshot()
+        assert refused.value.code is RESOURCE_EXHAUSTED
+        assert "8192 bytes" in refused.value.message and "fewer envs" in refused.value.message
+        assert not isinstance(refused.value, VectorEnvError)
+        each = [envs.snapshot(indices=[i])[0] for i in range(3)]
+        assert all(len(data) > 2500 for data in each)
+        rewards(envs, "abc")  # the stream goes on
+    server.settled()
+
+
+def test_a_native_batch_without_snapshots_says_why_per_index(
     servers: dict[str, Ledgered],
 ) -> None:
-    with EchoEnv(servers["main"].target) as env:
-        with pytest.raises(EnvError) as early:
-            env.snapshot()
-        assert early.value.code is FAILED_PRECONDITION
-        assert "snapshot before reset" in early.value.message
-        prefix(env)
-        for command, code, words in [
-            ("snapshot:raise", INTERNAL, "snapshot failed: RuntimeError"),
-            ("snapshot:invalid", INVALID_ARGUMENT, "cannot snapshot now"),
-            # NotImplementedError with a reason: this configuration cannot snapshot.
-            ("snapshot:unsupported", UNIMPLEMENTED, "not in this configuration, on purpose"),
-            ("snapshot:not-bytes", INTERNAL, "returned a str from snapshot(), not bytes"),
-        ]:
-            env.step(EchoAction(message=command))
-            with pytest.raises(EnvError) as failed:
-                env.snapshot()
-            assert (failed.value.code, words in failed.value.message) == (code, True)
-            goes_on(env)  # a failed snapshot never changes the episode
-        env.step(EchoAction(message="snapshot:ok"))
-        env.step(EchoAction(message="restore:invalid"))
-        refused_by_env = env.snapshot()
-        error = refusal(env, refused_by_env)
-        assert (error.code, "refused, on purpose" in error.message) == (INVALID_ARGUMENT, True)
-        goes_on(env)
-        env.step(EchoAction(message="restore:raise"))
-        breaking = env.snapshot()
-        with pytest.raises(EnvError) as broke:
-            env.restore(breaking)
-        assert broke.value.code is INTERNAL and "restore failed" in broke.value.message
-        with pytest.raises(EnvError) as after:
-            env.step(EchoAction(message="x"))
-        assert after.value.code is FAILED_PRECONDITION  # half-restored: only a reset now
-        assert env.reset(seed=1).step_count == 0
+    server = servers["native"]
+    with EchoVectorEnv(server.target, 2) as envs:
+        assert envs.native
+        envs.reset()
+        with pytest.raises(VectorEnvError) as failed:
+            envs.snapshot()
+        assert {i: e.code for i, e in failed.value.errors.items()} == {
+            0: UNIMPLEMENTED, 1: UNIMPLEMENTED,
+        }  # fmt: skip
+        assert "native batch cannot snapshot one env" in failed.value.errors[0].message
+        with EchoEnv(server.target) as env:  # its one-env sessions do snapshot
+            env.reset()
+            data = env.snapshot()
+        with pytest.raises(VectorEnvError) as restoring:
+            envs.restore([data], indices=[1])
+        assert restoring.value.errors[1].code is UNIMPLEMENTED
+        assert envs.step(say("a", "b")).indices == [0, 1]  # the stream goes on
+    server.settled()
 
 
-def test_an_ended_episode_restores_ended(servers: dict[str, Ledgered]) -> None:
-    with EchoEnv(servers["main"].target) as env:
-        env.reset(seed=2, options=EchoResetOptions(max_steps=2))
-        play(env, ACTIONS[:2])
+# -- a vector by index: restoring -------------------------------------------------------
+
+
+def test_refused_snapshots_fail_alone_and_change_nothing(servers: dict[str, Ledgered]) -> None:
+    main = servers["main"]
+    with started(servers["new_key"].target, 1) as foreign_key:
+        signed_elsewhere = foreign_key.snapshot()[0]
+    with started(servers["v2"].target, 1) as other_version:
+        other_release = other_version.snapshot()[0]
+    with started(main.target, 6) as envs:
+        good = envs.snapshot(indices=[0])[0]
+        rewards(envs, "abcdef")
+        ids, counts = envs.episode_ids, envs.step_counts
+        given = [good, flipped(good), good[:-3], signed_elsewhere, other_release, b""]
+        with pytest.raises(VectorEnvError) as refused:
+            envs.restore(given)
+        codes = {i: (e.code, e.message) for i, e in refused.value.errors.items()}
+        assert refused.value.done == [0]
+        assert codes[1][0] is INVALID_ARGUMENT and "signature does not match" in codes[1][1]
+        assert codes[2][0] is INVALID_ARGUMENT and "truncated" in codes[2][1]
+        assert codes[3][0] is FAILED_PRECONDITION and "'k2'" in codes[3][1]
+        assert codes[4][0] is FAILED_PRECONDITION and "version 2.0.0" in codes[4][1]
+        assert codes[5][0] is INVALID_ARGUMENT and "empty snapshot" in codes[5][1]
+        assert envs.step_counts == [2, *counts[1:]]  # env 0 restored, the others unchanged
+        assert envs.episode_ids[1:] == ids[1:]
+        assert len(rewards(envs, "ghijkl")) == 6  # every env steps on
+    main.settled()
+
+
+# -- bad requests: the whole request refused, the stream goes on ------------------------
+
+
+@pytest.mark.parametrize(
+    ("request_", "words"),
+    [
+        (pb.VectorSessionRequest(snapshot=pb.VectorSnapshot(indices=[0, 3])), "out of range"),
+        (pb.VectorSessionRequest(snapshot=pb.VectorSnapshot(indices=[1, 1])), "repeated"),
+        (pb.VectorSessionRequest(snapshot=pb.VectorSnapshot(indices=[2, 1])), "increasing"),
+        (
+            pb.VectorSessionRequest(
+                restore=pb.VectorRestore(indices=[0, 3], snapshots=[b"a", b"b"])
+            ),
+            "out of range",
+        ),
+        (
+            pb.VectorSessionRequest(
+                restore=pb.VectorRestore(indices=[1, 1], snapshots=[b"a", b"b"])
+            ),
+            "repeated",
+        ),
+        (pb.VectorSessionRequest(restore=pb.VectorRestore(snapshots=[b"a"])), "1 snapshots for 3"),
+        (
+            pb.VectorSessionRequest(restore=pb.VectorRestore(indices=[0], snapshots=[b"a", b"b"])),
+            "2 snapshots for 1",
+        ),
+    ],
+)
+def test_a_bad_request_is_invalid_argument_and_the_stream_goes_on(
+    servers: dict[str, Ledgered], request_: pb.VectorSessionRequest, words: str
+) -> None:
+    server = servers["main"]
+    stream = RawVector(server.target, 3)
+    stream.reset()
+    stream.step(say("a", "b", "c"))
+    answer = stream.send(request_)
+    assert answer.WhichOneof("outcome") == "error"
+    assert answer.error.code == INVALID_ARGUMENT.value[0] and words in answer.error.message
+    stepped = stream.step(say("d", "e", "f")).result
+    assert list(stepped.step_counts) == [2, 2, 2]  # nothing was restored
+    stream.close()
+    server.settled()
+
+
+def test_the_client_checks_what_it_can_before_sending(servers: dict[str, Ledgered]) -> None:
+    server = servers["main"]
+    with started(server.target, 2) as envs:
+        data = envs.snapshot()
+        with pytest.raises(InvalidRequest):
+            envs.restore(data[:1])
+        with pytest.raises(InvalidRequest):
+            envs.restore(data[0])  # type: ignore[arg-type]
+        with pytest.raises(TypeError):
+            envs.restore(["not bytes", data[1]])  # type: ignore[list-item]
+        assert envs.restore(data)[0].step_count == 2
+    server.settled()
+
+
+# -- --isolated: envs spread over env processes -----------------------------------------
+
+
+def test_snapshots_of_a_spread_vector_restore_anywhere(servers: dict[str, Ledgered]) -> None:
+    spread, main = servers["spread"], servers["main"]
+    with started(spread.target, 4) as envs:
+        data = envs.snapshot()
+        expected = rewards(envs, "mnop")
+        assert [r.step_count for r in envs.restore(data)] == [2, 2, 2, 2]
+        assert rewards(envs, "mnop") == expected
+        # One block's env refused, the other block restored: per index across processes.
+        rewards(envs, "abcd")
+        with pytest.raises(VectorEnvError) as refused:
+            envs.restore([data[0], data[1], flipped(data[2]), data[3]])
+        assert list(refused.value.errors) == [2] and refused.value.done == [0, 1, 3]
+        assert envs.step_counts == [2, 2, 4, 2]
+        # The same key: a spread env's snapshot continues in a one-process server's vector.
+        with EchoVectorEnv(main.target, 1) as other:
+            other.restore(data[3:])
+            assert rewards(other, "p") == [expected[3]]
+    spread.settled()
+    main.settled()
+
+
+def test_a_fork_into_a_spread_vector(servers: dict[str, Ledgered]) -> None:
+    spread = servers["spread"]
+    with EchoEnv(spread.target) as env:
+        env.reset(seed=4, options=EchoResetOptions(max_steps=50))
+        env.step(EchoAction(message="prefix"))
         data = env.snapshot()
-        with EchoEnv(servers["twin"].target) as other:
-            restored = other.restore(data)
-            assert (restored.truncated, restored.terminated, restored.done) == (True, False, True)
-            with pytest.raises(EnvError) as failed:
-                other.step(ACTIONS[0])
-            assert failed.value.code is FAILED_PRECONDITION
+        expected = [env.step(EchoAction(message=m)).reward for m in "abc"]
+        with EchoVectorEnv.forked(env, [data] * 4) as group:
+            got = [rewards(group, m * 4) for m in "abc"]
+        assert got == [[r] * 4 for r in expected]
+    spread.settled()
 
 
-# -- isolated env processes and forked workers share the server's keys ---------------
+# -- forks: G branches of one prefix in one vector stream -------------------------------
+
+
+def test_a_group_forked_from_one_prefix_repeats_it_in_every_branch(
+    servers: dict[str, Ledgered],
+) -> None:
+    server = servers["main"]
+    with EchoEnv(server.target) as env:
+        env.reset(seed=3, episode_id="prefix", options=EchoResetOptions(max_steps=50))
+        for message in ("one", "two", "three"):
+            env.step(EchoAction(message=message))
+        data = env.snapshot()
+        continuation = [env.step(EchoAction(message=m)).reward for m in ("x", "yy", "zzz")]
+        group = EchoVectorEnv.forked(env, [data] * 5)  # on the session's server and channel
+        with group:
+            assert group.is_open and group.num_envs == 5
+            assert group.episode_ids == ["prefix"] * 5 and group.step_counts == [3] * 5
+            got = [group.step(say(*[m] * 5)).rewards for m in ("x", "yy", "zzz")]
+            assert got == [[r] * 5 for r in continuation]
+            # Different actions per branch: the branches go their own ways.
+            assert len(set(group.step(say("a", "bb", "a", "ccc", "a")).rewards)) == 3
+        server.wait_until(lambda: server.active() == 1)  # only the parent is open
+    server.settled()
+
+
+def test_a_fork_that_cannot_be_restored_leaves_nothing_open(
+    servers: dict[str, Ledgered],
+) -> None:
+    server = servers["main"]
+    with EchoEnv(server.target) as env:
+        env.reset()
+        data = env.snapshot()
+        with pytest.raises(VectorEnvError) as refused:
+            EchoVectorEnv.forked(server.target, [data, flipped(data), data])
+        assert refused.value.errors[1].code is INVALID_ARGUMENT
+        server.wait_until(lambda: server.active() == 1)  # the fork's 3 slots are free
+        with pytest.raises(ValueError):
+            EchoVectorEnv.forked(env, [])
+        with pytest.raises(TypeError):
+            asyncio.run(AsyncEchoVectorEnv.forked(env, [data]))  # type: ignore[arg-type]
+    server.settled()
+
+
+def test_async_vector_snapshot_restore_and_fork(servers: dict[str, Ledgered]) -> None:
+    server = servers["main"]
+
+    async def run() -> None:
+        async with AsyncEchoEnv(server.target) as env:
+            await env.reset(seed=8, options=EchoResetOptions(max_steps=50))
+            await env.step(EchoAction(message="prefix"))
+            data = await env.snapshot()
+            expected = (await env.step(EchoAction(message="go"))).reward
+            async with await AsyncEchoVectorEnv.forked(env, [data] * 3) as group:
+                assert (await group.step(say("go", "go", "go"))).rewards == [expected] * 3
+                captured = await group.snapshot(indices=[1])
+                await group.step(say("x"), indices=[1])
+                [restored] = await group.restore(captured, indices=[1])
+                assert restored.step_count == 2
+                with pytest.raises(VectorEnvError) as refused:
+                    await group.restore([flipped(data)], indices=[0])
+                assert refused.value.errors[0].code is INVALID_ARGUMENT
+
+    asyncio.run(run())
+    server.settled()
+
+
+# -- isolated env processes and forked workers share the server's keys ------------------
 
 
 def test_env_processes_sign_with_the_servers_key_which_env_code_never_sees(
@@ -465,7 +943,7 @@ def test_forked_workers_share_one_random_key(tmp_path: Path) -> None:
         server.stop()
 
 
-# -- starting: keys that are wrong stop the server ------------------------------------
+# -- starting: keys that are wrong stop the server --------------------------------------
 
 
 def test_info_advertises_support_the_limit_and_the_signing_key(
@@ -474,7 +952,9 @@ def test_info_advertises_support_the_limit_and_the_signing_key(
     keyed = servers["small"].info().snapshots
     assert (keyed.supported, keyed.max_bytes, keyed.signing_key_id) == (True, 2048, "k1")
     assert not keyed.ephemeral_key
-    plain = servers["plain"].info().snapshots
+    plain = servers["plain"].info()
+    assert plain.vector.snapshots  # the vector stream has the command, not this env
+    plain = plain.snapshots
     assert not plain.supported
     assert plain.ephemeral_key and plain.signing_key_id.startswith("ephemeral-")
     assert plain.max_bytes == 8 * 1024 * 1024
