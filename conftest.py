@@ -211,12 +211,22 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark the tests that start a server process of their own (``fresh_server``): those
-    whose fixtures reach ``start_server`` / ``start_console``, or the default ``server``
-    outside a ``shared_server`` module."""
+    whose fixtures reach ``start_server`` / ``start_console``, or a ``server`` made per
+    test."""
     for item in items:
         if item.path.relative_to(ROOT).as_posix() in SLOW_FILES:
             item.add_marker(pytest.mark.slow)
         names = set(getattr(item, "fixturenames", ()))
-        shared = item.get_closest_marker("shared_server") is not None
-        if names & {"start_server", "start_console"} or ("server" in names and not shared):
+        if names & {"start_server", "start_console"} or _fresh_server_fixture(item):
             item.add_marker(pytest.mark.fresh_server)
+
+
+def _fresh_server_fixture(item: pytest.Item) -> bool:
+    """The test's ``server`` is one per test: the function-scoped ``server`` above outside
+    a ``shared_server`` module. A module's own ``server`` of module scope (the gymnasium
+    and adapter tests') is started once for all its tests: those are not fresh."""
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.get("server") if info is not None else None
+    if not defs:
+        return False
+    return defs[-1].scope == "function" and item.get_closest_marker("shared_server") is None
