@@ -10,7 +10,7 @@ no env left open and no slot held.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -42,6 +42,7 @@ from support.rendering import (
     WIDE_TEXT,
     ZERO_SIZE,
 )
+from support.servers import started_together
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -104,18 +105,16 @@ class Ledgered(ServerProcess):
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServerProcess]]:
     """The module's servers, by role; started once."""
     root = tmp_path_factory.mktemp("render-ledgers")
-    made: dict[str, ServerProcess] = {}
-    try:
-        made["in_process"] = Ledgered(RENDERING, root / "in_process")
-        made["isolated"] = Ledgered(RENDERING, root / "isolated", "--isolated", "2")
-        made["tight"] = Ledgered(RENDERING, root / "tight", "--max-message-bytes", "16384")
-        made["async"] = Ledgered("support.envs:AsyncEchoEnv", root / "async")
-        made["gym_in_process"] = ServerProcess("gymnasium")
-        made["gym_isolated"] = ServerProcess("gymnasium", ["--isolated", "2"])
+    makers: dict[str, Callable[[], ServerProcess]] = {
+        "in_process": lambda: Ledgered(RENDERING, root / "in_process"),
+        "isolated": lambda: Ledgered(RENDERING, root / "isolated", "--isolated", "2"),
+        "tight": lambda: Ledgered(RENDERING, root / "tight", "--max-message-bytes", "16384"),
+        "async": lambda: Ledgered("support.envs:AsyncEchoEnv", root / "async"),
+        "gym_in_process": lambda: ServerProcess("gymnasium"),
+        "gym_isolated": lambda: ServerProcess("gymnasium", ["--isolated", "2"]),
+    }
+    with started_together(makers) as made:
         yield made
-    finally:
-        for server in made.values():
-            server.stop()
 
 
 def say(n: int) -> list[EchoAction]:

@@ -13,6 +13,7 @@ each env instance records its life in a ledger, so leaks show.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import subprocess
 import sys
@@ -38,6 +39,7 @@ from openenv_grpc_envs.echo import (
     EchoVectorEnv,
 )
 from support.raw_vector import RawVector
+from support.servers import started_together
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -102,14 +104,12 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Ledg
         "native": ("support.envs:BatchingEchoEnv", (), keys),
         "capacity": (SNAP, ("--max-concurrent-envs", "3"), keys),
     }
-    made: dict[str, Ledgered] = {}
-    try:
-        for role, (env, args, environ) in plan.items():
-            made[role] = Ledgered(env, root / role, *args, environ=environ)
+    makers = {
+        role: functools.partial(Ledgered, env, root / role, *args, environ=environ)
+        for role, (env, args, environ) in plan.items()
+    }
+    with started_together(makers) as made:
         yield made
-    finally:
-        for server in made.values():
-            server.stop()
 
 
 # -- a Session's helpers ----------------------------------------------------------------
