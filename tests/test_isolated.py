@@ -15,6 +15,7 @@ import os
 import signal
 import threading
 import time
+from typing import Any
 
 import grpc
 import pytest
@@ -182,6 +183,23 @@ def test_an_env_process_dying_during_the_open_is_unavailable_and_leaves_nothing(
 # -- a lost block: the envs a call did not name are told too --------------------------
 
 
+def starts_over(envs: VectorSession) -> None:
+    """Envs 0 and 1, of the lost block, take a reset and step from there."""
+    envs.reset(indices=[0, 1])
+    assert envs.step(say("a", "b"), indices=[0, 1]).step_counts == [1, 1]
+
+
+def env_1_is_told_it_was_lost(envs: VectorSession) -> Any:
+    """Step envs 1 to 3 after the process of envs 0 and 1 was lost to a call that did not
+    name env 1: envs 2 and 3 step, env 1 is told (UNAVAILABLE, reset it). The outcome."""
+    out = envs.step(say("b", "c", "d"), indices=[1, 2, 3])
+    assert out.indices == [2, 3]
+    error = out.errors[1]
+    assert error.code is grpc.StatusCode.UNAVAILABLE
+    assert error.message.endswith("a fresh environment took this one's place: reset it")
+    return out
+
+
 def test_the_unnamed_envs_of_a_lost_block_say_so_until_reset(start_server) -> None:
     server = start_server("support.envs:FaultyEnv", "--isolated", "2")
     with VectorSession(server.target, 4) as envs:
@@ -192,12 +210,11 @@ def test_the_unnamed_envs_of_a_lost_block_say_so_until_reset(start_server) -> No
         out = envs.step(say("exit"), indices=[0])
         assert out.indices == [] and out.errors[0].code is grpc.StatusCode.UNAVAILABLE
         # Env 1 was not named, but its env is a fresh one: a step says so, not an echo.
-        out = envs.step(say("b", "c", "d"), indices=[1, 2, 3])
-        assert out.indices == [2, 3] and out.step_counts == [2, 2]
-        error = out.errors[1]
-        assert error.code is grpc.StatusCode.UNAVAILABLE
-        assert error.message.startswith("its env process was lost during a step of other envs")
-        assert error.message.endswith("a fresh environment took this one's place: reset it")
+        told = env_1_is_told_it_was_lost(envs)
+        assert told.step_counts == [2, 2]
+        assert told.errors[1].message.startswith(
+            "its env process was lost during a step of other envs"
+        )
         # Told once: from now on it is an env with no episode, as env 0 is.
         again = envs.step(say("b"), indices=[1])
         assert again.errors[1].code is grpc.StatusCode.FAILED_PRECONDITION
@@ -258,8 +275,7 @@ def test_requests_in_flight_that_lost_the_same_block_are_each_told_once(
         assert sorted(i for a in answers for i in a.errors) == [0, 1]
         # Each was told by its own answer: a state of either is a fresh env's, not an error.
         assert len(envs.states(indices=[0, 1])) == 2
-        envs.reset(indices=[0, 1])
-        assert envs.step(say("a", "b"), indices=[0, 1]).step_counts == [1, 1]
+        starts_over(envs)
     server.wait_until(lambda: server.active() == 0)
 
 
@@ -274,8 +290,7 @@ def test_a_refused_reset_leaves_a_lost_env_lost(start_server) -> None:
         out = envs.step(say("b"), indices=[1])
         assert out.indices == [] and out.errors[1].code is grpc.StatusCode.UNAVAILABLE
         assert out.errors[1].message.endswith("reset it")
-        envs.reset(indices=[0, 1])
-        assert envs.step(say("a", "b"), indices=[0, 1]).step_counts == [1, 1]
+        starts_over(envs)
     server.wait_until(lambda: server.active() == 0)
 
 
@@ -292,10 +307,8 @@ def test_a_state_that_finds_its_env_process_gone_ends_the_episode(start_server) 
         out = envs.step(say("a"), indices=[0])
         assert out.errors[0].code is grpc.StatusCode.FAILED_PRECONDITION
         # Env 1 was not named by the state: its first request learns it.
-        out = envs.step(say("b", "c", "d"), indices=[1, 2, 3])
-        assert out.indices == [2, 3] and out.errors[1].code is grpc.StatusCode.UNAVAILABLE
-        envs.reset(indices=[0, 1])
-        assert envs.step(say("a", "b"), indices=[0, 1]).step_counts == [1, 1]
+        env_1_is_told_it_was_lost(envs)
+        starts_over(envs)
     server.wait_until(lambda: server.active() == 0)
 
 
