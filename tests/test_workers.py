@@ -78,6 +78,8 @@ def test_a_killed_worker_is_replaced(start_server) -> None:
             return False  # a connection that reached the dying worker: ask again
         return now != before and len(now) == 2
 
+    # The kernel hashes each connection to a worker: 8 may all reach one. Ask until both answer.
+    server.wait_until(lambda: len(asyncio.run(pids())) == 2, 30, "both workers serving")
     before = asyncio.run(pids())
     assert len(before) == 2
     victim = min(before)
