@@ -194,7 +194,10 @@ def _openenv_factory(
         LookupError: ``ref`` does not resolve. TypeError: it is no OpenEnv env.
         ValueError: a non-concurrent env with several workers.
     """
+    from openenv_grpc.integrations.openenv_web_ui import leave_out_web_ui
+
     try:
+        leave_out_web_ui()  # a gRPC server never serves it: seconds of imports saved
         from openenv_grpc.integrations.openenv.serving import adapter_for, serve_config
     except ImportError as exc:
         raise ImportError(

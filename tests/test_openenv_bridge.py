@@ -31,6 +31,7 @@ from openenv_grpc.client.info import message_classes
 from openenv_grpc.integrations.openenv import described_session
 from openenv_grpc.integrations.openenv.parity import differences, grpc_episode, openenv_episode
 from openenv_grpc.integrations.openenv.serving import adapter_for
+from openenv_grpc.integrations.openenv_web_ui import VARIABLE
 from openenv_grpc.testing import ServerProcess
 
 TESTS = Path(__file__).resolve().parent
@@ -305,6 +306,56 @@ def test_same_answers_as_openenvs_own_server(
         first = ours[0]["observation"]
         assert first["seen_options"] == {"preset": 2, "note": {"i": 1, "f": 1.0}, "seed": 1}
         assert first["info"] == {} and first["stats"]["big"] == 2**60 + 1
+
+
+MODULES = "support.openenv_envs.modules:LoadedModulesEnvironment"
+
+
+def loaded(server: ServerProcess, *modules: str) -> list[str]:
+    """Whether each module is loaded in the process of a session's env."""
+    Env = described_session(server.target)
+    with Env(server.target) as env:
+        env.reset()
+        return [env.step(Env.Action(message=name)).observation.echoed_message for name in modules]
+
+
+@pytest.mark.fresh_server  # its own OpenEnv-bridged servers (seconds of imports): make test
+@pytest.mark.parametrize("args", [(), ("--isolated", "1")], ids=["in-process", "isolated"])
+def test_a_bridged_server_imports_openenvs_web_ui_only_when_used(args: tuple[str, ...]) -> None:
+    """OpenEnv's Gradio web UI (seconds of imports) is not loaded where the env runs, in
+    the server or in its env process, until something uses it: ENABLE_WEB_INTERFACE
+    (OpenEnv's switch), or an app module that builds the UI itself."""
+    with serving(MODULES, *args) as server:
+        assert loaded(server, "gradio", "openenv.core.env_server.http_server") == [
+            "absent", "loaded",
+        ]  # fmt: skip
+    wanted = ServerProcess(
+        f"--openenv={MODULES}", list(args), {"ENABLE_WEB_INTERFACE": "1"}, pythonpath=[TESTS]
+    )
+    try:
+        assert loaded(wanted, "gradio") == ["loaded"]
+    finally:
+        wanted.stop()
+    with serving("support.openenv_envs.web_app:app", *args) as server:
+        assert server.info().env_name == "modules"  # the app's own env and models
+        # In the server the app built its UI; an env process rebuilds the env from its
+        # class and never imports the app.
+        expected = ["absent", "absent"] if args else ["loaded", "loaded"]
+        assert loaded(server, "gradio", "support.openenv_envs.web_app") == expected
+
+
+def test_a_trainer_importing_the_integration_keeps_openenvs_web_ui() -> None:
+    """Only ``serve --openenv`` leaves the UI out: another process that imports the
+    integration (a trainer using its client) gets OpenEnv as it is."""
+    probe = (
+        "import openenv_grpc.integrations.openenv, openenv.core.env_server as server; "
+        "print(server.create_web_interface_app is not None)"
+    )
+    environ = {k: v for k, v in os.environ.items() if k != VARIABLE}
+    done = subprocess.run(
+        [sys.executable, "-c", probe], env=environ, capture_output=True, text=True, timeout=120
+    )
+    assert done.stdout.strip() == "True", done.stderr[-2000:]
 
 
 @pytest.mark.fresh_server  # its own OpenEnv-bridged server (seconds of imports): make test

@@ -20,9 +20,17 @@ See :mod:`openenv_grpc.integrations.openenv.environment` for how the contract ma
 :mod:`openenv_grpc.integrations.openenv.parity` for comparing answers with OpenEnv's.
 """
 
-from openenv_grpc.integrations.openenv.client import described_session
-from openenv_grpc.integrations.openenv.environment import OpenEnvTypes, openenv_environment
-from openenv_grpc.integrations.openenv.serving import load_openenv_class, serve_config
+# Before anything imports OpenEnv: a server's env processes leave out its web UI too.
+from openenv_grpc.integrations.openenv_web_ui import leave_out_in_servers
+
+leave_out_in_servers()
+
+from openenv_grpc.integrations.openenv.client import described_session  # noqa: E402
+from openenv_grpc.integrations.openenv.environment import (  # noqa: E402
+    OpenEnvTypes,
+    openenv_environment,
+)
+from openenv_grpc.integrations.openenv.serving import load_openenv_class, serve_config  # noqa: E402
 
 __all__ = [
     "OpenEnvTypes",
