@@ -49,6 +49,13 @@ def test_user_code_sees_openenvs_own_web_ui_objects_by_every_route() -> None:
     assert all(": False" not in line for line in eager[1:]), eager
 
 
+def test_a_name_read_while_the_ui_imports_is_not_there_yet_as_eagerly() -> None:
+    deferred, eager = _probes("during-import")
+    assert deferred[1:] == eager[1:]
+    assert "first use: WebInterfaceManager" in eager
+    assert "read during its import: ['AttributeError']" in eager
+
+
 def test_the_submodule_through_its_package_is_a_first_use_too() -> None:
     deferred, eager = _probes("dotted")
     assert (deferred[0], eager[0]) == ("loaded before use: False", "loaded before use: True")

@@ -142,7 +142,10 @@ class _Deferred:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._waiting: list[tuple[dict[str, Any], dict[str, str], dict[str, Any]]] = []
+        #: (module namespace, its lazy names, its own hooks, the hooks put there)
+        self._waiting: list[
+            tuple[dict[str, Any], dict[str, str], dict[str, Any], dict[str, Any]]
+        ] = []
 
     def add(self, namespace: dict[str, Any], lazy: dict[str, str]) -> None:
         """Give a module the names in ``lazy`` through a module ``__getattr__`` (PEP
@@ -166,9 +169,9 @@ class _Deferred:
         def __dir__() -> list[str]:  # dir() lists the lazy names too, as before
             return sorted(set(listed() if listed is not None else namespace) | set(lazy))
 
-        namespace["__getattr__"] = __getattr__
-        namespace["__dir__"] = __dir__
-        self._waiting.append((namespace, lazy, own))
+        mine: dict[str, Any] = {"__getattr__": __getattr__, "__dir__": __dir__}
+        namespace.update(mine)
+        self._waiting.append((namespace, lazy, own, mine))
 
     def resolve(self) -> None:
         """Import the web interface (once) and bind its names in every waiting module.
@@ -181,9 +184,11 @@ class _Deferred:
             module: types.ModuleType | None = importlib.import_module(_MODULE)
         except ModuleNotFoundError:
             module = None
+        if module is not None and getattr(module.__spec__, "_initializing", False):
+            return  # read while the module itself imports: not there yet, as eagerly
         with self._lock:
             waiting, self._waiting = self._waiting, []
-            for namespace, lazy, own in waiting:
+            for namespace, lazy, own, mine in waiting:
                 for key, bound in lazy.items():
                     # setdefault: a name the user assigned meanwhile stays theirs.
                     if bound == ".":
@@ -191,8 +196,10 @@ class _Deferred:
                             namespace.setdefault(key, module)
                     elif bound:
                         namespace.setdefault(key, getattr(module, bound, None))
-                for key in ("__getattr__", "__dir__"):
+                for key, hook in mine.items():
+                    if namespace.get(key) is not hook:
+                        continue  # replaced by the user meanwhile: theirs stays
                     if key in own:
                         namespace[key] = own[key]
                     else:
-                        namespace.pop(key, None)
+                        del namespace[key]

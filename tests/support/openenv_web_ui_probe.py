@@ -15,14 +15,32 @@ import threading
 if sys.argv[1:] == ["no-gradio"]:
     sys.modules["gradio"] = None  # type: ignore[assignment]  # as if it were not installed
 
-from openenv_grpc.integrations.openenv_web_ui import leave_out_in_servers
+WEB = "openenv.core.env_server.web_interface"
+read_during_import: list[str] = []
+
+
+class _ReadsWhileTheUIImports:
+    """An import hook that reads a lazy name while the web interface itself imports
+    (when it imports gradio): as eagerly, the name is not there yet."""
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> None:
+        if name == "gradio" and WEB in sys.modules and not read_during_import:
+            package = sys.modules["openenv.core.env_server"]
+            try:
+                read_during_import.append(package.WebInterfaceManager.__name__)
+            except AttributeError:
+                read_during_import.append("AttributeError")
+
+
+if sys.argv[1:] == ["during-import"]:
+    sys.meta_path.insert(0, _ReadsWhileTheUIImports())  # type: ignore[arg-type]
+
+from openenv_grpc.integrations.openenv_web_ui import leave_out_in_servers  # noqa: E402
 
 leave_out_in_servers()
 
 import openenv.core as core  # noqa: E402
 import openenv.core.env_server as env_server  # noqa: E402
-
-WEB = "openenv.core.env_server.web_interface"
 
 
 def fact(name: str, value: object) -> None:
@@ -36,6 +54,11 @@ if sys.argv[1:] == ["dotted"]:  # the first use: the submodule through its packa
     fact("dotted", env_server.web_interface.WebInterfaceManager.__name__)
     fact("its imports", (env_server.gradio_ui.__name__, env_server.gradio_theme.__name__))
     fact("then in the package's dict", "WebInterfaceManager" in vars(env_server))
+    sys.exit()
+if sys.argv[1:] == ["during-import"]:
+    fact("first use", env_server.WebInterfaceManager.__name__)
+    fact("read during its import", read_during_import)
+    fact("then", (core.WebInterfaceManager.__name__, env_server.create_web_interface_app.__name__))
     sys.exit()
 if sys.argv[1:] == ["no-gradio"]:
     fact("hasattr", hasattr(env_server, "WebInterfaceManager"))
