@@ -8,6 +8,8 @@ thousands of writes behind can miss (see the write-first test)."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 from openenv_grpc_envs.echo import EchoAction, EchoEnv
 from support.burst import burst
 
@@ -58,7 +60,8 @@ def test_4000_opens_that_write_first_are_never_refused_stream(start_server) -> N
     outcomes = burst(server.target, 4000, write_first=True)
     raced = outcomes.pop("INTERNAL pushback=None: Internal error from Core", 0)
     print(f"\nwrite-first burst: {dict(outcomes)}, INTERNAL from grpc.aio: {raced}")
-    assert outcomes == {"admitted": 1024, _full(1024): 2976 - raced}
+    # A Counter: all 2,976 refusals may race (CI saw it under load), a count of 0 then.
+    assert outcomes == Counter({"admitted": 1024, _full(1024): 2976 - raced})
     server.wait_until(lambda: server.active() == 0, 30, "every admitted session released")
 
 
