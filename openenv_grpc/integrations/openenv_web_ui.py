@@ -39,6 +39,8 @@ _PACKAGE = "openenv.core.env_server"
 _MODULE = f"{_PACKAGE}.web_interface"
 #: The names OpenEnv's packages import from the web interface (``None`` without Gradio).
 _NAMES = ("create_web_interface_app", "WebInterfaceManager")
+#: What importing the web interface binds on OpenEnv's package: itself and its own imports.
+_SUBMODULES = ("web_interface", "gradio_ui", "gradio_theme")
 
 
 def leave_out_web_ui() -> None:
@@ -107,10 +109,9 @@ def _import_without_web_ui() -> None:
         namespace = getattr(sys.modules[name], "__dict__", None)
         if not isinstance(namespace, dict):
             continue
-        # The submodules a real import would have bound on the package, and every
-        # binding of a placeholder.
-        # name -> what it is bound to: "" a submodule the import binds itself, "." the
-        # module, else the module's name for it (a binding may be an alias).
+        # The submodules a real import binds on the package, and every binding of a
+        # placeholder: name -> "" (a submodule the import binds itself), "." (the
+        # module), else the module's name for it (a binding may be an alias).
         lazy = dict.fromkeys(_SUBMODULES, "") if name == _PACKAGE else {}
         for key, value in list(namespace.items()):
             if value is stand_in:
@@ -122,10 +123,6 @@ def _import_without_web_ui() -> None:
             del namespace[key]
         if lazy:
             deferred.add(namespace, lazy)
-
-
-#: What importing the web interface binds on OpenEnv's package: itself and its own imports.
-_SUBMODULES = ("web_interface", "gradio_ui", "gradio_theme")
 
 
 def _forget_new_openenv_modules(before: set[str]) -> None:
