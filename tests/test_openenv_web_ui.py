@@ -136,3 +136,25 @@ def test_an_openenv_that_fails_to_import_fails_as_it_would_anyway(tmp_path: Path
     assert done.returncode == 1
     assert done.stderr.strip().endswith("RuntimeError: this OpenEnv is broken"), done.stderr
     assert "imported it whole" not in done.stderr
+
+
+def test_a_placeholder_that_escaped_says_so_when_called(tmp_path: Path) -> None:
+    """A version of OpenEnv that keeps the name somewhere other than a module global (a
+    list here): that reference cannot be made lazy, and calling it says why, by name."""
+    _fake_openenv(
+        tmp_path,
+        "from .web_interface import WebInterfaceManager, create_web_interface_app\n"
+        "KEPT = [create_web_interface_app]\n",
+    )
+    done = _import_deferred(
+        tmp_path,
+        "import openenv.core.env_server as server\n"
+        "print(server.create_web_interface_app())\n"
+        "server.KEPT[0]()\n",
+    )
+    assert done.stdout.split() == ["real"]  # the module's own name is the real one
+    assert done.returncode == 1
+    assert (
+        "RuntimeError: create_web_interface_app was deferred by openenv-grpc and a "
+        "reference to the placeholder escaped; set ENABLE_WEB_INTERFACE=true"
+    ) in done.stderr
