@@ -451,18 +451,14 @@ class SessionManager:
         except DecodeError:  # decoded once already; kept total for safety
             request = opening.request_class()
         command = request.WhichOneof("command") or "request"
-        self._metrics.request_error(grpc.StatusCode.RESOURCE_EXHAUSTED.name)
-        # Set, not passed: Message's stubs take no field keywords.
-        response = opening.response_class()
-        response.request_id = request.request_id  # type: ignore[attr-defined]
-        response.error.code = _RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
         hint = "" if opening.slots == 1 else " (name fewer envs per request, by indices)"
-        response.error.message = (  # type: ignore[attr-defined]
+        return self._exhausted(
+            opening,
+            request,
             f"the {command} response is {size} bytes, over the server's message limit of "
             f"{self._max_response} bytes (--max-message-bytes): the {command} took effect "
-            f"but its result cannot be sent{hint}; the session goes on"
+            f"but its result cannot be sent{hint}; the session goes on",
         )
-        return response.SerializeToString()
 
     def _over_cap(self, raw: bytes, opening: StreamOpening, in_flight: int) -> bytes:
         """The in-band RESOURCE_EXHAUSTED for a request past the stream's cap on requests
@@ -471,17 +467,22 @@ class SessionManager:
         Raises:
             UndecodableRequest: ``raw`` does not parse (no id to answer to).
         """
-        request = parse_request(raw, opening.request_class)
+        return self._exhausted(
+            opening,
+            parse_request(raw, opening.request_class),
+            f"{in_flight} requests already in flight on this stream, the most this server "
+            f"allows (--max-vector-in-flight, MAX_VECTOR_IN_FLIGHT = {opening.in_flight}): "
+            "wait for an answer before sending more; nothing was done, the stream goes on",
+        )
+
+    def _exhausted(self, opening: StreamOpening, request: Message, message: str) -> bytes:
+        """An in-band RESOURCE_EXHAUSTED answer to ``request``, counted in the metrics."""
         self._metrics.request_error(grpc.StatusCode.RESOURCE_EXHAUSTED.name)
         # Set, not passed: Message's stubs take no field keywords.
         response = opening.response_class()
         response.request_id = request.request_id  # type: ignore[attr-defined]
         response.error.code = _RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
-        response.error.message = (  # type: ignore[attr-defined]
-            f"{in_flight} requests already in flight on this stream, the most this server "
-            f"allows (--max-vector-in-flight, MAX_VECTOR_IN_FLIGHT = {opening.in_flight}): "
-            "wait for an answer before sending more; nothing was done, the stream goes on"
-        )
+        response.error.message = message  # type: ignore[attr-defined]
         return response.SerializeToString()
 
     async def _refuse(self, context: _Context, admission: Admission, asked: int) -> None:
