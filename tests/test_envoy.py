@@ -258,6 +258,11 @@ def test_killed_backend_ends_only_its_own_sessions(mesh: Mesh) -> None:
             # The survivors keep stepping, and new sessions land on the live backends.
             ok_again, losses_again = await step_all(ok)
             assert len(ok_again) == len(ok) and not losses_again
+            # Until its health check fails, Envoy may still pick the dead pod and must retry
+            # the open elsewhere; wait for the state a fleet settles in, so that what is
+            # checked is where new sessions go, not how a race between checks came out.
+            expected = {b.port: b is not victim for b in mesh.backends}
+            wait_for(lambda: mesh.envoy.healthy() == expected, 10, "Envoy to mark the killed pod")
             new = await open_sessions(channel, 30)
             ok_new, losses_new = await step_all(new)
             assert len(ok_new) == 30 and not losses_new
