@@ -177,6 +177,18 @@ class ServerConfig:
         "`--max-message-bytes` whatever is set, so a snapshot always fits a message; Info "
         "reports the limit in force",
     )  # fmt: skip
+    max_held_bytes: int = setting(
+        128 * 1024 * 1024, variable="MAX_HELD_BYTES", flag="--max-held-bytes",
+        minimum=1024 * 1024, shown_default="`134217728` (128 MiB)",
+        help="request and answer bytes the server process holds for all its clients at "
+        "once (answers waiting for slow readers, isolated frames, states and snapshots "
+        "being gathered)",
+        details="one budget across every stream (`openenv_grpc/server/budget.py`); a "
+        "holder that finds it short stops reading or answers in-band "
+        "`RESOURCE_EXHAUSTED` with pushback. One message up to `--max-message-bytes` "
+        "always fits when nothing else is held. Sized for a 2-core, 24 GiB machine; "
+        "what a request still arriving holds is bounded separately (docs/reliability.md)",
+    )  # fmt: skip
     env_threads: int = setting(
         factory=_default_threads, variable="ENV_THREADS", flag="--env-threads", minimum=1,
         shown_default="cores + 4 (≤ 32)",
