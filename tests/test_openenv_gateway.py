@@ -26,6 +26,7 @@ from openenv.core.generic_client import GenericEnvClient
 from openenv.core.mcp_client import MCPToolClient
 
 from openenv_grpc import CapacityError
+from openenv_grpc.client.info import fetch_info
 from openenv_grpc.testing import ServerProcess
 from openenv_grpc_envs.echo import EchoEnv
 
@@ -83,10 +84,18 @@ def serving(
     except BaseException:
         _SERVERS.pop(key)[0].stop()
         raise
+    token = (extra_env or {}).get("AUTH_TOKEN")
+
+    def active() -> int:
+        return fetch_info(server.target, token=token).capacity.active_sessions
+
     try:
-        wait_for(lambda: server.active() == 0, "the test's sessions closed")
-    except Exception:  # sessions left open, or an Info without the token: a new one
+        wait_for(lambda: active() == 0, "the test's sessions closed")
+    except BaseException:
+        # A session the test left open is a leak: the test fails, and the next test
+        # gets a fresh server instead of this one's leftovers.
         _SERVERS.pop(key)[0].stop()
+        raise
 
 
 def wait_for(predicate: Callable[[], bool], what: str) -> None:

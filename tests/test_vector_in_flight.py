@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import queue
 import signal
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -130,7 +129,8 @@ def test_an_env_in_flight_is_refused_and_answers_come_as_each_completes(
         # Nothing was lost: the refused requests did nothing, env 0 stepped once.
         after = pipe.roundtrip(pipe.step(["x", "y", "z"]))
         assert list(after.result.step_counts) == [2, 2, 2]
-        assert pipe.roundtrip(pipe.submit(pb.VectorSessionRequest(close=pb.CloseCommand())))
+        closed = pipe.roundtrip(pipe.submit(pb.VectorSessionRequest(close=pb.CloseCommand())))
+        assert closed.WhichOneof("outcome") == "closed"
     finally:
         pipe.end()
     server.wait_until(lambda: server.active() == 0 and server.closed_envs() == 3)
@@ -230,10 +230,16 @@ def test_a_stream_with_a_request_in_flight_is_not_idle(start_server, tmp_path: P
         # A request answered meanwhile on env 1 (queued behind env 0's call) does not
         # make the stream idle either: one is still in flight.
         other = pipe.step(["other"], [1])
-        # Four idle timeouts pass (the reaper sweeps every quarter timeout): a wait, not
-        # a measure; the stream must still be open after it.
-        time.sleep(1.2)
-        assert server.active() == 2
+        # A witness opened now and left idle: once the reaper has ended it, the reaper
+        # has swept past the timeout with this stream's request in flight.
+        witness = Pipe(server.target, 1, "disabled")
+        try:
+            with pytest.raises(grpc.RpcError) as reaped:
+                witness.answer()
+            assert reaped.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        finally:
+            witness.end()
+        server.wait_until(lambda: server.active() == 2, what="the witness's slot back")
         gate.touch()
         answers = {pipe.answer().request_id, pipe.answer().request_id}
         assert answers == {held, other}
@@ -243,7 +249,8 @@ def test_a_stream_with_a_request_in_flight_is_not_idle(start_server, tmp_path: P
         assert ended.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
     finally:
         pipe.end()
-    server.wait_until(lambda: server.active() == 0 and server.closed_envs() == 2)
+    # The stream's 2 envs and the witness's 1.
+    server.wait_until(lambda: server.active() == 0 and server.closed_envs() == 3)
 
 
 def test_a_hung_call_refuses_the_call_that_waited_behind_it(start_server, tmp_path: Path) -> None:
