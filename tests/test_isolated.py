@@ -232,9 +232,11 @@ def test_a_state_or_snapshot_of_an_unnamed_lost_env_says_so(start_server) -> Non
     with VectorSession(server.target, 4) as envs:
         envs.reset()
         envs.step(say("exit"), indices=[2])  # envs 2 and 3 live in the process it kills
-        with pytest.raises(Exception) as failed:
+        with pytest.raises(EnvError) as failed:
             envs.states(indices=[3])
-        assert "reset it" in str(failed.value)
+        assert failed.value.code is grpc.StatusCode.UNAVAILABLE
+        assert "env 3: its env process was lost" in failed.value.message
+        assert failed.value.message.endswith("a fresh environment took this one's place: reset it")
         # Told once; the other block's envs were never touched.
         assert envs.step(say("a", "b"), indices=[0, 1]).step_counts == [1, 1]
         envs.reset(indices=[2, 3])

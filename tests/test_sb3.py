@@ -90,4 +90,8 @@ def test_a_full_server_refuses_the_whole_vec_env(start_server: StartServer) -> N
     server = start_server("gymnasium", "--max-concurrent-envs", "2")
     with pytest.raises(CapacityError):
         RemoteVecEnv(server.target, 3, "CartPole-v1")
-    assert server.active() == 0  # all or nothing: no env was left open
+    # All or nothing: the three were refused at admission as one vector stream (counted
+    # as three refusals), nothing was admitted, so no env was made or left open.
+    activity = server.info().activity
+    assert (activity.sessions_refused, activity.sessions_opened) == (3, 0)
+    assert server.active() == 0
