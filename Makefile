@@ -10,7 +10,7 @@ ENV ?= echo
 NODE_CLIENT := clients/node/node_modules/.installed
 GOPATH_DIR := build/gopath
 
-.PHONY: install serve test test-fast pytest lint proto proto-check clean bench-echo bench-gym clients go-play \
+.PHONY: install dist serve test test-fast pytest lint proto proto-check clean bench-echo bench-gym clients go-play \
 	buf-breaking system-deps image dockerd bench bench-vector bench-snapshots console \
 	console-screenshot settings-table
 
@@ -40,6 +40,19 @@ $(VENV)/.serve-$(ENV): pyproject.toml
 	test -f $(VENV)/.installed || \
 	  $(PY) -m pip install --quiet $(if $(SERVE_EXTRA),-e '.[$(SERVE_EXTRA)]',-e .)
 	touch $@
+
+# Packaging: `build` and setuptools only (a dev venv has both), so `make dist` needs no [dev].
+$(VENV)/.build-tools: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c 'import build' 2>/dev/null || \
+	  $(PY) -m pip install --quiet 'build>=1.2' 'setuptools>=70.1'
+	touch $@
+
+## dist: a wheel and an sdist in dist/: the library, the catalogue envs (openenv_grpc_envs),
+## the generated code; `pip install 'dist/openenv_grpc-VERSION-py3-none-any.whl[gymnasium]'`
+dist: $(VENV)/.build-tools
+	rm -rf dist
+	$(PY) -m build --no-isolation --outdir dist .
 
 $(BUF): package.json package-lock.json
 	npm ci --no-audit --no-fund --silent
@@ -128,7 +141,7 @@ proto-check: $(VENV)/.installed
 	$(PY) scripts/protogen.py --check
 
 clean:
-	rm -rf $(VENV) node_modules clients/node/node_modules build *.egg-info
+	rm -rf $(VENV) node_modules clients/node/node_modules build dist *.egg-info
 
 ## bench-echo: step latency at 1 session and throughput at 64 (numbers go to docs/benchmarks.md)
 bench-echo: $(VENV)/.installed

@@ -182,7 +182,7 @@ def test_refuses_to_overwrite_an_existing_project(walkthrough: tuple[Path, str])
     ("name", "why"),
     [
         ("Guess", "lower_snake_case"),
-        ("my-env", "lower_snake_case"),
+        ("my-Env", "lower_snake_case"),
         ("2048", "lower_snake_case"),
         ("a__b", "lower_snake_case"),
         ("trailing_", "lower_snake_case"),

@@ -29,6 +29,7 @@ from openenv_grpc.client.errors import (
     SessionLost,
     SessionRefused,
 )
+from openenv_grpc.client.fields import name_field_errors
 from openenv_grpc.client.notices import Draining, read_notice
 from openenv_grpc.client.outcome import Restored, StepOutcome
 from openenv_grpc.codec import PayloadError, info_from_struct, pack, type_name, unpack
@@ -63,7 +64,8 @@ class SessionTypes:
 
     @classmethod
     def from_generic(cls, klass: type[Any], origins: tuple[type[Any], ...]) -> SessionTypes:
-        """Read ``Session[A, O, S, R]``-style type arguments off a typed client class."""
+        """Read ``Session[A, O, S, R]``-style type arguments off a typed client class;
+        their constructors then name the field in their errors (``fields.py``)."""
         for base_class in klass.__mro__:
             for base in getattr(base_class, "__orig_bases__", ()):
                 if typing.get_origin(base) in origins:
@@ -72,6 +74,9 @@ class SessionTypes:
                         for a in typing.get_args(base)
                     ]
                     if any(args):
+                        for message_class in args:
+                            if message_class is not None:
+                                name_field_errors(message_class)
                         return cls(*args)
         return cls()
 

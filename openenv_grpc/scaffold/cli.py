@@ -28,11 +28,15 @@ def add_init_command(
         description="Write a new, self-contained environment project into DIR/NAME: a "
         ".proto, a Makefile that generates its Python code, the environment class (a "
         "number-guessing game to start from), typed clients, conformance tests, a "
-        "pyproject.toml registering the env as NAME, and a Dockerfile. Refuses to "
-        "overwrite an existing folder.",
+        "pyproject.toml registering the env as NAME, and a Dockerfile. NAME may be "
+        "kebab-case (my-env): the package is then my_env. Refuses to overwrite an "
+        "existing folder.",
     )
     init.add_argument(
-        "name", metavar="NAME", help="env name, Python package and proto package (lower_snake)"
+        "name",
+        metavar="NAME",
+        help="env name, lower_snake_case or kebab-case (my_env or my-env); its Python and "
+        "proto package is the name with '_' for '-' (my_env)",
     )
     init.add_argument(
         "--dir",

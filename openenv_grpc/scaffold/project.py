@@ -23,7 +23,15 @@ from pathlib import Path
 from openenv_grpc._version import __version__
 from openenv_grpc.loader import available_envs
 
-__all__ = ["FILES", "ProjectNames", "ScaffoldError", "render", "scaffold", "validate_name"]
+__all__ = [
+    "FILES",
+    "ProjectNames",
+    "ScaffoldError",
+    "package_name",
+    "render",
+    "scaffold",
+    "validate_name",
+]
 
 _TEMPLATES = "openenv_grpc.scaffold.templates"
 #: Template file (in ``templates/``) -> where it goes in the project, itself a template.
@@ -47,7 +55,8 @@ FILES: Mapping[str, str] = {
 }
 
 _MESSAGE_KINDS = ("Action", "Observation", "ResetOptions", "State")
-_NAME = re.compile(r"[a-z][a-z0-9]*(_[a-z0-9]+)*")
+# lower_snake_case or kebab-case: the package is the name with "_" for "-".
+_NAME = re.compile(r"[a-z][a-z0-9]*([_-][a-z0-9]+)*")
 _MAX_NAME = 24
 _PLACEHOLDER = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
 # Words protoc reads as keywords in a package name, and top-level packages protobuf owns.
@@ -70,13 +79,17 @@ class ProjectNames:
     """Every spelling of the project's name the templates use.
 
     Attributes:
-        name: The env name, Python package and proto package root (``guess_game``).
+        name: The Python package and proto package root (``guess_game``).
+        env: The env's name as given to ``init``: its ``Environment.name``, the entry
+            point ``openenv-grpc serve`` finds it by, the project folder (``guess-game``
+            or ``guess_game``).
         camel: The CamelCase prefix of its classes and messages (``GuessGame``).
         dist: The distribution name in pyproject.toml (``guess-game``).
         openenv_version: The openenv-grpc version the project depends on, at least.
     """
 
     name: str
+    env: str
     camel: str
     dist: str
     openenv_version: str
@@ -84,8 +97,9 @@ class ProjectNames:
     @classmethod
     def of(cls, name: str) -> ProjectNames:
         """The spellings of a name already checked by :func:`validate_name`."""
-        camel = "".join(part[:1].upper() + part[1:] for part in name.split("_"))
-        return cls(name, camel, name.replace("_", "-"), __version__)
+        package = package_name(name)
+        camel = "".join(part[:1].upper() + part[1:] for part in package.split("_"))
+        return cls(package, name, camel, package.replace("_", "-"), __version__)
 
     def values(self) -> dict[str, str]:
         """Placeholder -> value, for :func:`render`."""
@@ -94,6 +108,7 @@ class ProjectNames:
         exported = [*clients, f"{self.camel}Environment", *messages]
         return {
             "name": self.name,
+            "env": self.env,
             "Class": self.camel,
             "dist": self.dist,
             "openenv_version": self.openenv_version,
@@ -109,34 +124,48 @@ def _lines(names: list[str], pattern: str) -> str:
     return "\n".join(pattern.format(name) for name in sorted(names))
 
 
+def package_name(name: str) -> str:
+    """The Python and proto package of the env ``name``: ``my-env`` -> ``my_env``.
+
+    Returns:
+        ``name`` with each ``-`` replaced by ``_``.
+    """
+    return name.replace("-", "_")
+
+
 def validate_name(name: str) -> None:
-    """Check that ``name`` can be an env name, a Python package and a proto package.
+    """Check that ``name`` can be an env name and, with ``_`` for ``-``, a Python package
+    and a proto package.
 
     Raises:
-        ScaffoldError: it is not lower_snake_case, is too long, is a Python or protobuf
-            keyword, names a module this Python can already import, or names an env
-            already registered under the ``openenv_grpc.envs`` entry points.
+        ScaffoldError: it is neither lower_snake_case nor kebab-case, is too long, its
+            package is a Python or protobuf keyword or names a module this Python can
+            already import, or it names an env already registered under the
+            ``openenv_grpc.envs`` entry points.
     """
     if not _NAME.fullmatch(name):
         raise ScaffoldError(
-            f"invalid name {name!r}: use lower_snake_case, a letter first "
-            "(letters, digits, single underscores; e.g. 'guess_game')"
+            f"invalid name {name!r}: use lower_snake_case or kebab-case, a letter first "
+            "(lower-case letters and digits, words joined by single '_' or '-'; e.g. "
+            "'guess_game' or 'guess-game', whose Python package is guess_game)"
         )
     if len(name) > _MAX_NAME:
         raise ScaffoldError(f"invalid name {name!r}: longer than {_MAX_NAME} characters")
-    if keyword.iskeyword(name) or name in _PROTO_RESERVED:
-        raise ScaffoldError(f"invalid name {name!r}: a Python or protobuf keyword")
-    if name in sys.stdlib_module_names or name in {"test", "tests", "proto"}:
-        raise ScaffoldError(f"name {name!r} clashes with a standard or reserved module")
+    package = package_name(name)
+    spelled = repr(name) if package == name else f"{name!r} (package {package!r})"
+    if keyword.iskeyword(package) or package in _PROTO_RESERVED:
+        raise ScaffoldError(f"invalid name {spelled}: a Python or protobuf keyword")
+    if package in sys.stdlib_module_names or package in {"test", "tests", "proto"}:
+        raise ScaffoldError(f"name {spelled} clashes with a standard or reserved module")
     if name in available_envs():
         raise ScaffoldError(f"name {name!r} is already a registered environment")
     try:
         # The project's package would shadow (or be shadowed by) an importable one.
-        taken = importlib.util.find_spec(name) is not None
+        taken = importlib.util.find_spec(package) is not None
     except (ImportError, ValueError):
         taken = True
     if taken:
-        raise ScaffoldError(f"name {name!r} clashes with an importable module of that name")
+        raise ScaffoldError(f"name {spelled} clashes with an importable module of that name")
 
 
 def render(text: str, values: Mapping[str, str]) -> str:
@@ -161,7 +190,8 @@ def render(text: str, values: Mapping[str, str]) -> str:
 
 
 def scaffold(name: str, directory: str | os.PathLike[str] = ".") -> Path:
-    """Write a new environment project called ``name`` into ``directory/name``.
+    """Write a new environment project called ``name`` into ``directory/name`` (its
+    package is :func:`package_name` of ``name``).
 
     ``directory`` is created if missing; ``directory/name`` must not exist.
 
@@ -180,7 +210,7 @@ def scaffold(name: str, directory: str | os.PathLike[str] = ".") -> Path:
     parent.mkdir(parents=True, exist_ok=True)
     values = ProjectNames.of(name).values()
     templates = resources.files(_TEMPLATES)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=parent))
     try:
         for template, destination in FILES.items():
             path = staging / render(destination, values)

@@ -25,8 +25,8 @@ import grpc
 import gymnasium
 import numpy as np
 import numpy.typing as npt
-from google.protobuf import struct_pb2
 
+from openenv_grpc.client.fields import set_field
 from openenv_grpc.client.outcome import StepOutcome
 from openenv_grpc_envs.gymnasium import convert
 from openenv_grpc_envs.gymnasium.adapters.registration import spec_for
@@ -61,22 +61,29 @@ def reset_options(
         The message; ``kwargs`` travel as a ``Struct`` (JSON-like values only).
 
     Raises:
-        ValueError: a kwarg value cannot be stored in a ``Struct``.
+        PayloadTypeError: a value of the wrong type (a ``TypeError``, naming the field).
+        InvalidRequest: a value out of range, or a kwarg value a ``Struct`` cannot hold
+            (a ``ValueError``, naming the field).
     """
-    options = GymnasiumResetOptions(env_id=env_id, render_mode=render_mode or "")
+    options = GymnasiumResetOptions()
+    set_field(options, "env_id", env_id)
+    set_field(options, "render_mode", render_mode or "")
     if max_episode_steps is not None:
-        options.max_episode_steps = max_episode_steps
+        set_field(options, "max_episode_steps", max_episode_steps)
     if kwargs:
-        struct = struct_pb2.Struct()
-        struct.update(dict(kwargs))
-        options.kwargs.CopyFrom(struct)
+        set_field(options, "kwargs", kwargs)
     return options
 
 
 def _options_from_mapping(
     options: Mapping[str, Any], current: GymnasiumResetOptions
 ) -> GymnasiumResetOptions:
-    """``current`` with the keys of a gymnasium ``reset(options=...)`` mapping applied."""
+    """``current`` with the keys of a gymnasium ``reset(options=...)`` mapping applied.
+
+    Raises:
+        ValueError: an unknown key. PayloadTypeError, InvalidRequest: a value the field
+            does not take (naming it, see :func:`reset_options`).
+    """
     unknown = sorted(set(options) - OPTION_KEYS)
     if unknown:
         raise ValueError(
@@ -85,17 +92,17 @@ def _options_from_mapping(
     merged = GymnasiumResetOptions()
     merged.CopyFrom(current)
     if "env_id" in options:
-        merged.env_id = str(options["env_id"])
+        set_field(merged, "env_id", options["env_id"])
     if "max_episode_steps" in options:
         steps = options["max_episode_steps"]
         if steps is None:
             merged.ClearField("max_episode_steps")
         else:
-            merged.max_episode_steps = int(steps)
+            set_field(merged, "max_episode_steps", steps)
     if "kwargs" in options:
         merged.ClearField("kwargs")
         if options["kwargs"]:
-            merged.kwargs.update(dict(options["kwargs"]))
+            set_field(merged, "kwargs", options["kwargs"])
     return merged
 
 
