@@ -67,7 +67,7 @@ def run_init(args: argparse.Namespace) -> int:
     print(f"openenv-grpc: created {project}")
     print("next steps:")
     print(f"  cd {project}")
-    print("  pip install -e '.[dev]'   # or use a virtualenv that has openenv-grpc")
+    print("  pip install -e '.[dev]'   # in a venv that has openenv-grpc (it is on no index)")
     print("  make proto                # generate the Python code from the .proto")
     print("  python -m pytest          # conformance suite + game tests")
     return 0
