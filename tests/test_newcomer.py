@@ -89,6 +89,21 @@ def test_every_catalogue_message_names_the_field_it_refuses(env: str) -> None:
     assert checked >= 4
 
 
+def test_classes_typed_from_info_name_the_field(echo_server: ServerProcess) -> None:
+    """``described_session`` (the README's OpenEnv example) types a session from Info: its
+    message classes, made at run time, name the field as the catalogue's do."""
+    from openenv_grpc.integrations.openenv import described_session
+
+    echo = described_session(echo_server.target)
+    assert echo.Action is not EchoAction  # a class of its own, built from Info's descriptors
+    with pytest.raises(PayloadTypeError, match=r"^INVALID_ARGUMENT: EchoAction\.message takes a "
+                       r"str, got int 5$"):  # fmt: skip
+        echo.Action(message=5)
+    with echo(echo_server.target) as env:
+        env.reset(seed=1, options=echo.ResetOptions(max_steps=3))
+        assert env.step(echo.Action(message="hi")).observation.echoed_message == "hi"
+
+
 # -- Gymnasium: reset options and ids ----------------------------------------------------
 
 
