@@ -57,9 +57,7 @@ class ByteBudget:
 
     def fits(self, n: int) -> bool:
         """Whether ``n`` more bytes may be taken now (nobody waiting ahead of them)."""
-        return n <= 0 or (
-            not self._waiters and (self._used + n <= self._total or self._used == 0)
-        )
+        return n <= 0 or (not self._waiters and (self._used + n <= self._total or self._used == 0))
 
     def try_take(self, n: int) -> bool:
         """Take ``n`` bytes if they fit now; False (nothing taken) if they do not."""
