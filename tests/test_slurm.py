@@ -328,10 +328,12 @@ def _recipe() -> dict[str, Any]:
         while subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout:
             assert time.monotonic() < deadline, "the job did not end"
             time.sleep(0.2)
+    # Read again after the wait, as _leftovers does: what the caller checks is the queue.
+    queue = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True)
     return {
         "nodes": nodes,
         "serving": serving,
-        "jobs_after_stop": "",
+        "jobs_after_stop": queue.stdout.strip(),
         "alive_servers_after_stop": [p for p in pids if running(p)],
     }
 
@@ -361,11 +363,12 @@ def _orphan() -> dict[str, Any]:
     while subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout:
         assert time.monotonic() < deadline, "the orphan job did not end"
         time.sleep(0.2)
+    queue = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True)
     return {
         "job": job,
         "running_after_owner_died": running,
         "cancelled": cancelled,
-        "jobs_after": "",
+        "jobs_after": queue.stdout.strip(),
         "workdir_left": Path(workdir).exists(),
     }
 
