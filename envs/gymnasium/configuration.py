@@ -19,6 +19,7 @@ from google.protobuf import json_format
 
 from openenv_grpc import InvalidAction
 from openenv_grpc_envs.gymnasium.convert import ConversionError, describe_space
+from openenv_grpc_envs.gymnasium.kwargs_allowlist import check_kwargs
 from openenv_grpc_envs.gymnasium.v1.gymnasium_pb2 import (
     Backend,
     EnvDescription,
@@ -151,12 +152,14 @@ def make_env(config: Config) -> tuple[gymnasium.Env[Any, Any], EnvDescription]:
         The env and its description (spaces, step limit, kwargs, render mode).
 
     Raises:
-        InvalidAction: unknown id, a missing dependency, kwargs the env refuses, or a
-            space this env cannot serve.
+        InvalidAction: unknown id, a missing dependency, kwargs not on the id's allowlist
+            (:mod:`.kwargs_allowlist`) or that the env refuses, or a space this env cannot
+            serve.
     """
     env_id = config.env_id
     if env_id not in gymnasium.registry:
         register_ale()  # ALE/... and the legacy Atari ids live in ale-py
+    check_kwargs(env_id, config.kwargs)  # before any constructor sees them
     try:
         env = gymnasium.make(
             env_id,
@@ -168,7 +171,14 @@ def make_env(config: Config) -> tuple[gymnasium.Env[Any, Any], EnvDescription]:
         raise InvalidAction(f"unknown env_id {env_id!r}: {exc}") from None
     except (gymnasium.error.DependencyNotInstalled, ImportError) as exc:
         raise InvalidAction(f"env_id {env_id!r} needs a package this server lacks: {exc}") from None
-    except (gymnasium.error.Error, TypeError, ValueError, KeyError, AssertionError) as exc:
+    except (
+        gymnasium.error.Error,
+        TypeError,
+        ValueError,
+        KeyError,
+        AssertionError,
+        RuntimeError,  # ALE: a mode or difficulty the game lacks
+    ) as exc:
         # Raised by make() or the env's constructor for the client's kwargs.
         raise InvalidAction(
             f"cannot make {env_id!r} with kwargs {config.kwargs}: {type(exc).__name__}: {exc}"

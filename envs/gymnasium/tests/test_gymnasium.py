@@ -313,7 +313,8 @@ def _valid(env_id: str) -> Value:
         ),
         (
             options("FrozenLake-v1", map_name="9x9"),
-            "cannot make 'FrozenLake-v1' with kwargs {'map_name': '9x9'}: KeyError: '9x9'",
+            "kwarg map_name='9x9' is not served for 'FrozenLake-v1': map_name must be one of "
+            "'4x4', '8x8'",
         ),
     ],
 )
@@ -335,8 +336,17 @@ def test_bad_kwargs_and_missing_dependencies_are_named(env: GymnasiumEnv) -> Non
     with pytest.raises(EnvError) as failed:
         env.reset(options=options("CartPole-v1", bogus=1))
     assert failed.value.code is grpc.StatusCode.INVALID_ARGUMENT
-    assert failed.value.message.startswith(
-        "cannot make 'CartPole-v1' with kwargs {'bogus': 1}: TypeError: "
+    assert failed.value.message == (
+        "kwarg 'bogus' is not served for 'CartPole-v1': it takes sutton_barto_reward on this "
+        "server (an env's constructor arguments are allowed per env, with bounds)"
+    )
+    # Within its allowlist bounds, the constructor still has the last word.
+    with pytest.raises(EnvError) as failed:
+        env.reset(options=options("ALE/Pong-v5", mode=255))
+    assert failed.value.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert failed.value.message == (
+        "cannot make 'ALE/Pong-v5' with kwargs {'mode': 255}: RuntimeError: "
+        "Invalid game mode requested"
     )
     with pytest.raises(EnvError) as failed:
         env.reset(options=options("phys2d/CartPole-v1"))  # needs jax

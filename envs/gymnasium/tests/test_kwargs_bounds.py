@@ -2,7 +2,8 @@
 than ``GYM_MAX_KWARGS_BYTES`` (4096 bytes of JSON by default) and kwargs that name the
 server's files are refused in-band (INVALID_ARGUMENT) before any env is made; the episode
 running goes on. Found by the attack on issue 19's fixes: a 63 KB FrozenLake ``desc``
-built a ~123 MiB transition table per env."""
+built a ~123 MiB transition table per env. The bytes bound is the coarse first check; each
+id's allowlist (test_kwargs_allowlist.py) bounds what the env makes of the kwargs."""
 
 from __future__ import annotations
 
@@ -70,22 +71,28 @@ def test_kwargs_naming_server_files_are_refused(server: ServerProcess, key: str)
         )
 
 
-def test_a_kwarg_that_only_sounds_like_a_path_is_left_to_gymnasium(server: ServerProcess) -> None:
+def test_a_kwarg_that_only_sounds_like_a_path_meets_the_allowlist(server: ServerProcess) -> None:
+    # Not refused as a path; then the id's allowlist (kwargs_allowlist.py) refuses it.
     with GymnasiumEnv(server.target) as env:
         with pytest.raises(EnvError) as failed:
             env.reset(options=_options("CartPole-v1", profile=1))
         assert failed.value.message.startswith(
-            "cannot make 'CartPole-v1' with kwargs {'profile': 1}: TypeError: "
+            "kwarg 'profile' is not served for 'CartPole-v1': it takes sutton_barto_reward"
         )
 
 
 @pytest.mark.fresh_server
 def test_the_operator_sets_the_bound(tmp_path: Any) -> None:
+    # 0 lifts the bytes bound; the allowlist's own bound on a map (16 x 16) still holds.
     process = ServerProcess("gymnasium", [], {"GYM_MAX_KWARGS_BYTES": "0"})
     try:
         with GymnasiumEnv(process.target) as env:
-            lake = env.reset(seed=0, options=_options("FrozenLake-v1", desc=_lake(80)))
+            lake = env.reset(seed=0, options=_options("FrozenLake-v1", desc=_lake(16)))
             assert lake.observation.env.env_id == "FrozenLake-v1"
+            with pytest.raises(EnvError) as failed:
+                env.reset(seed=0, options=_options("FrozenLake-v1", desc=_lake(80)))
+            assert failed.value.code is grpc.StatusCode.INVALID_ARGUMENT
+            assert "desc must be a list of 1 to 16 equal strings" in failed.value.message
     finally:
         process.stop()
     process = ServerProcess("gymnasium", [], {"GYM_MAX_KWARGS_BYTES": "64"})
