@@ -14,6 +14,8 @@ from openenv_grpc.metadata import SERVICE_NAME
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
+    "KEEPALIVE_TIMEOUT_MS",
+    "KEEPALIVE_TIME_MS",
     "AioChannelPool",
     "aio_channel",
     "auth_metadata",
@@ -34,13 +36,27 @@ class _Openable(Protocol):
 SessionT = TypeVar("SessionT", bound=_Openable)
 
 
+#: Seconds between keepalive pings on an idle connection, and how long any ping may go
+#: unanswered: a frozen server (SIGSTOPped, its kernel still ACKing) is noticed within
+#: their sum, 25 s. The server accepts pings 10 s apart (its
+#: ``grpc.http2.min_ping_interval_without_data_ms``), so 15 s draws no GOAWAY.
+KEEPALIVE_TIME_MS = 15_000
+KEEPALIVE_TIMEOUT_MS = 10_000
+
+
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
-    """Message limits matching the server's, and keepalive so a dead server is noticed."""
+    """Message limits matching the server's, and keepalive so a dead server is noticed
+    within ``KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS`` (25 s)."""
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", 20_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        # grpc-core sends no keepalive ping while another ping (a BDP probe, sent as data
+        # arrives) is unanswered, and waits for that one up to the *ping* timeout, 60 s
+        # by default: a server frozen mid-answer stalled its sessions 60.3 s. The same
+        # bound as the keepalive timeout, as the server sets it for its clients.
+        ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
     ]

@@ -9,7 +9,11 @@ gRPC target listing every address (``ipv4:10.0.0.1:5000,10.0.0.2:5000``) and one
 with gRPC's ``round_robin`` policy and client-side health checking: each new stream
 (a Session or VectorSession open) goes to the next address whose env service answers
 SERVING, and stays there for its life. A node that dies (its connection drops) or drains
-(NOT_SERVING) leaves the rotation at once and comes back when it serves again. Balance
+(NOT_SERVING) leaves the rotation at once and comes back when it serves again; one that
+freezes with its connections up (SIGSTOP, a hung host) is noticed by the channel's
+keepalive within 25 s (:data:`~openenv_grpc.client.channel.KEEPALIVE_TIME_MS` +
+:data:`~openenv_grpc.client.channel.KEEPALIVE_TIMEOUT_MS`), its streams end and it leaves
+the rotation until it answers again. Balance
 is per stream, not per connection: every node shares one channel, so no proxy and no
 pool of channels is needed.
 
