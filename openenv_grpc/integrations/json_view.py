@@ -207,7 +207,7 @@ def _set_message(target: Message, field: Any, value: Any, where: str) -> None:
     if full_name == JSON_TYPE:
         try:
             target.json = json.dumps(value, allow_nan=False)  # type: ignore[attr-defined]
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, RecursionError) as exc:  # too deep: RecursionError
             raise JsonViewError(where, f"not JSON: {exc}") from None
     elif full_name.startswith(_WELL_KNOWN_PREFIX):
         try:

@@ -11,7 +11,8 @@ from google.protobuf.message import Message
 from pydantic import BaseModel, ValidationError
 
 from openenv_grpc.environment import InvalidAction, Transition
-from openenv_grpc.integrations.openenv.convert import jsonable, to_message, to_python
+from openenv_grpc.integrations.openenv.convert import to_message, to_python
+from openenv_grpc.integrations.openenv.json_checks import WARNINGS_KEY, Warnings, safe_jsonable
 from openenv_grpc.integrations.openenv.schema import JSON, ModelPlan, UnionPlan
 from openenv_grpc.integrations.openenv.signatures import reset_method
 
@@ -77,7 +78,13 @@ class Bridge:
         return kwargs
 
     def action_in(self, message: Message) -> BaseModel:
-        """Raises InvalidAction: the env's model refuses the action."""
+        """The action as the env's model, checked before the env sees it.
+
+        Raises:
+            InvalidAction: the env's model refuses the action, or a JSON field of it is not
+                JSON, nested too deep or holds a lone surrogate (the bridge could not
+                carry it back: see :mod:`.json_checks`).
+        """
         try:
             model, data = to_python(self.action, message)
             return model.model_validate(data)
@@ -85,6 +92,14 @@ class Bridge:
             raise InvalidAction(_validation_message(exc)) from None
 
     def transition(self, observation: Any) -> Transition[Message]:
+        """The env's observation as a result. The env has moved: nothing in its answer
+        may fail the step. What JSON or protobuf cannot hold is replaced by null (NaN and
+        infinities silently, as OpenEnv writes them; the rest named in the info's
+        ``bridge_warnings`` and the server's log).
+
+        Raises:
+            TypeError: the env returned no Observation (an env bug).
+        """
         if not isinstance(observation, BaseModel):
             raise TypeError(
                 f"{self.env_class.__qualname__} returned {type(observation).__name__}, "
@@ -92,20 +107,26 @@ class Bridge:
             )
         reward = getattr(observation, "reward", None)
         metadata = getattr(observation, "metadata", None)
+        warnings = Warnings()
+        message = to_message(self.observation, observation, warnings)
+        info = safe_jsonable(metadata, "metadata", warnings) if metadata else None
+        if warnings:
+            info = {**(info or {}), WARNINGS_KEY: list(dict.fromkeys(warnings))}
         return Transition(
-            to_message(self.observation, observation),
+            message,
             reward=0.0 if reward is None else float(reward),
             terminated=bool(getattr(observation, "done", False)),
-            info=jsonable(metadata) if metadata else None,
+            info=info,
         )
 
     def state_out(self, env: Any) -> Message:
+        """The env's state as its message; what cannot be held is left out (logged)."""
         state = env.state
         if callable(state):  # an env that made state a method instead of a property
             state = state()
         if isinstance(state, BaseModel) and not isinstance(state, self.state.python):
             state = self.state.python.model_validate(state.model_dump())
-        return to_message(self.state, state)
+        return to_message(self.state, state, Warnings(), "state")
 
 
 def _validation_message(exc: Exception) -> str:

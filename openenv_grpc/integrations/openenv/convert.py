@@ -5,7 +5,9 @@ their types); ``to_python`` returns plain data for ``Model.model_validate``, lea
 what the client did not set so that pydantic's defaults and required checks apply.
 JSON fields (see :mod:`.schema`) hold ``json.dumps`` of the value as pydantic serializes
 it by field name, as OpenEnv's ``model_dump()`` does; they are read back with
-``json.loads``, so ints stay ints (of any size) and floats floats.
+``json.loads``, so ints stay ints (of any size) and floats floats. What the bridge could
+not carry back is refused on the way in and replaced on the way out
+(:mod:`.json_checks`).
 """
 
 from __future__ import annotations
@@ -18,27 +20,41 @@ import pydantic_core
 from google.protobuf.message import Message
 from pydantic import BaseModel
 
+from openenv_grpc.integrations.openenv.json_checks import (
+    Warnings,
+    check_in,
+    has_lone_surrogate,
+    safe_dumps,
+)
 from openenv_grpc.integrations.openenv.schema import JSON, FieldPlan, ModelPlan, UnionPlan
 
-__all__ = ["dumps", "from_data", "jsonable", "loads", "to_message", "to_python"]
+__all__ = ["from_data", "jsonable", "loads", "to_message", "to_python"]
 
 
-def to_message(plan: ModelPlan | UnionPlan, value: BaseModel) -> Message:
-    """A new message of ``plan``'s class holding ``value``.
+def to_message(
+    plan: ModelPlan | UnionPlan,
+    value: BaseModel,
+    warnings: Warnings | None = None,
+    where: str = "observation",
+) -> Message:
+    """A new message of ``plan``'s class holding ``value``; what protobuf or JSON cannot
+    hold (a lone surrogate, NaN in a JSON field, a value nested too deep) is left unset or
+    written as null, and noted in ``warnings`` as ``where.field: ...``.
 
     Raises:
         TypeError: ``value`` is none of the models ``plan`` holds.
     """
     assert plan.message_class is not None
+    noted = Warnings() if warnings is None else warnings
     message = plan.message_class()
     if isinstance(plan, UnionPlan):
         name, member = _member_for(plan, value)
-        _fill(getattr(message, name), member, value)
+        _fill(getattr(message, name), member, value, where, noted)
         getattr(message, name).SetInParent()
     else:
         if not isinstance(value, plan.python):
             raise TypeError(f"expected a {plan.python.__name__}, got {type(value).__name__}")
-        _fill(message, plan, value)
+        _fill(message, plan, value, where, noted)
     return message
 
 
@@ -46,7 +62,7 @@ def from_data(plan: ModelPlan, data: Mapping[str, Any]) -> Message:
     """A new message of ``plan``'s class holding plain ``data`` (reset keyword arguments)."""
     assert plan.message_class is not None
     message = plan.message_class()
-    _fill(message, plan, data)
+    _fill(message, plan, data, "options", Warnings())
     return message
 
 
@@ -75,25 +91,19 @@ def jsonable(value: Any) -> Any:
     return pydantic_core.to_jsonable_python(value, by_alias=False, fallback=_fallback)
 
 
-#: One encoder for every call (``json.dumps`` with options builds one per call).
-_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
-
-
-def dumps(value: Any) -> str:
-    """``value`` as JSON text (compact; NaN and infinities as Python writes them)."""
-    return _ENCODER.encode(jsonable(value))
-
-
 def loads(text: str, name: str) -> Any:
-    """The JSON text of field ``name``.
+    """The JSON text of field ``name``, checked as :func:`.json_checks.check_in` does.
 
     Raises:
-        ValueError: it is not JSON (the message names the field).
+        ValueError: it is not JSON, is nested too deep or holds a lone surrogate (the
+            message names the field).
     """
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except (ValueError, RecursionError) as exc:
         raise ValueError(f"{name}: not JSON text ({exc})") from None
+    check_in(value, name)
+    return value
 
 
 def _fallback(value: Any) -> Any:
@@ -114,38 +124,53 @@ def _member_for(plan: UnionPlan, value: BaseModel) -> tuple[str, ModelPlan]:
 # -- python -> message -------------------------------------------------------------------
 
 
-def _fill(message: Message, plan: ModelPlan, value: Any) -> None:
+def _fill(message: Message, plan: ModelPlan, value: Any, where: str, warnings: Warnings) -> None:
     for field in plan.fields:
         item = value.get(field.name) if isinstance(value, Mapping) else getattr(value, field.name)
         if item is not None:
-            _set(message, field, item)
+            _set(message, field, item, f"{where}.{field.name}", warnings)
 
 
-def _set(message: Message, field: FieldPlan, value: Any) -> None:
+def _set(message: Message, field: FieldPlan, value: Any, where: str, warnings: Warnings) -> None:
     target = getattr(message, field.proto)
     if field.kind == JSON:
-        target.json = dumps(value)  # set even when empty: {} arrives as {}, not unset
+        # Set even when empty: {} arrives as {}, not unset.
+        target.json = safe_dumps(value, where, warnings)
     elif field.map:
         for key, item in value.items():
-            if field.kind == "message":
+            at = f"{where}[{key!r}]"
+            if isinstance(key, str) and has_lone_surrogate(key):
+                warnings.add(at, "a key with a lone surrogate is left out")
+            elif field.kind == "message":
                 assert field.model is not None
-                _fill(target[key], field.model, item)
+                _fill(target[key], field.model, item, at, warnings)
                 target[key].SetInParent()
-            else:
+            elif _writable(item, at, warnings):
                 target[key] = _scalar_out(field, item)
     elif field.repeated:
-        for item in value:
+        for index, item in enumerate(value):
+            at = f"{where}[{index}]"
             if field.kind == "message":
                 assert field.model is not None
-                _fill(target.add(), field.model, item)
-            else:
+                _fill(target.add(), field.model, item, at, warnings)
+            elif _writable(item, at, warnings):
                 target.append(_scalar_out(field, item))
+            else:
+                target.append(_scalar_out(field, ""))  # keep the list's positions
     elif field.kind == "message":
         assert field.model is not None
         target.SetInParent()
-        _fill(target, field.model, value)
-    else:
+        _fill(target, field.model, value, where, warnings)
+    elif _writable(value, where, warnings):
         setattr(message, field.proto, _scalar_out(field, value))
+
+
+def _writable(value: Any, where: str, warnings: Warnings) -> bool:
+    """False (noted) for a string protobuf cannot hold: one with a lone surrogate."""
+    if isinstance(value, str) and has_lone_surrogate(value):
+        warnings.add(where, "a lone surrogate is not Unicode text")
+        return False
+    return True
 
 
 def _scalar_out(field: FieldPlan, value: Any) -> Any:
