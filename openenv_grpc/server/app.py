@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from openenv_grpc.metadata import SERVICE_NAME, serving_line
 from openenv_grpc.server.activity import Activity
 from openenv_grpc.server.auth import TokenAuthInterceptor
+from openenv_grpc.server.budget import ByteBudget
 from openenv_grpc.server.config import ENV_VARS, ServerConfig
 from openenv_grpc.server.env_process_pool import EnvProcessPool
 from openenv_grpc.server.env_threads import EnvThreadPool, Lifecycle
@@ -175,9 +176,11 @@ class EnvServer:
         )
         interceptors.append(UnaryRequestDeadline(self.config.request_arrival_timeout))
         limiter = SessionLimiter(self.config.capacity)
+        # One byte budget for the whole process: every holder of client bytes draws from it.
+        budget = ByteBudget(self.config.max_held_bytes)
         prometheus: PrometheusMetrics | None = None
         if self.config.metrics_port >= 0:
-            prometheus = PrometheusMetrics(limiter, self.spec.name)
+            prometheus = PrometheusMetrics(limiter, self.spec.name, budget)
             token = self.config.metrics_token or self.config.auth_token
             self._metrics_endpoint = MetricsEndpoint(prometheus.registry, token)
             host = self.config.metrics_host.strip("[]")
@@ -189,7 +192,7 @@ class EnvServer:
         self._sessions = SessionManager(
             self.spec, self.config, self._pool, limiter,
             activity=Activity(), prometheus=prometheus, lifecycle=self._lifecycle,
-            snapshots=self.snapshots,
+            snapshots=self.snapshots, budget=budget,
         )  # fmt: skip
         server = grpc.aio.server(options=grpc_options(self.config), interceptors=interceptors)
         add_env_service(EnvServicer(self._sessions, self._processes), server)

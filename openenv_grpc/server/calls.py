@@ -25,7 +25,7 @@ from openenv_grpc.server.errors import RowError, describe, qualname
 from openenv_grpc.server.limiter import NoSlot
 from openenv_grpc.server.phases import VECTOR_WORDS, Words
 from openenv_grpc.server.placement import CallPlacement
-from openenv_grpc.server.runner import CloseAbandoned, EnvRunner, PoolSaturated
+from openenv_grpc.server.runner import CloseAbandoned, EnvRunner, Orphaned, PoolSaturated
 from openenv_grpc.server.snapshots import Captured
 from openenv_grpc.server.spec import EnvSpec
 from openenv_grpc.server.vector_batch import BatchOutcome, BatchStates, VectorBatch, batch_spec
@@ -96,6 +96,9 @@ class StepArgs:
     #: The same actions as they came on the wire: Anys, or one Any in batch form.
     wire: Any
     batch_form: bool
+    #: Takes the outcome of a step the envs completed after its request was given up
+    #: (its stream ended meanwhile), so it is still booked and counted (the driver's).
+    orphaned: Callable[[BatchOutcome], None] | None = None
 
 
 @dataclass(slots=True)
@@ -234,7 +237,7 @@ class LocalBatchCalls:
     async def step(self, args: StepArgs) -> BatchOutcome:
         result: BatchOutcome = await self._call(
             "step", len(args.indices), self._batch.step, args.indices, args.actions,
-            args.batch_form,
+            args.batch_form, orphaned=args.orphaned,
         )  # fmt: skip
         return result
 
@@ -259,7 +262,9 @@ class LocalBatchCalls:
         except CloseAbandoned as exc:  # answered as an isolated hung close is
             raise BatchRefused(_DEADLINE_EXCEEDED, str(exc), ends=True) from None
 
-    async def _call(self, what: str, envs: int, method: Any, *args: Any) -> Any:
+    async def _call(
+        self, what: str, envs: int, method: Any, *args: Any, orphaned: Orphaned | None = None
+    ) -> Any:
         timeout = None if self._timeout is None else self._timeout * max(envs, 1)
         generation = self._generation
         async with self._lock:
@@ -269,11 +274,18 @@ class LocalBatchCalls:
                     f"{what} not done: a call before it on this stream did not finish in "
                     f"time and {self._words.replaced}",
                 )
-            return await self._call_now(what, timeout, method, *args)
+            return await self._call_now(what, timeout, method, *args, orphaned=orphaned)
 
-    async def _call_now(self, what: str, timeout: float | None, method: Any, *args: Any) -> Any:
+    async def _call_now(
+        self,
+        what: str,
+        timeout: float | None,
+        method: Any,
+        *args: Any,
+        orphaned: Orphaned | None = None,
+    ) -> Any:
         try:
-            return await self._runner.call_within(timeout, method, *args)
+            return await self._runner.call_within(timeout, method, *args, orphaned=orphaned)
         except TimeoutError:
             await self._replace(what, timeout or 0.0)
         except PoolSaturated as exc:

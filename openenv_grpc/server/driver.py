@@ -32,6 +32,7 @@ import grpc
 from openenv_grpc.environment import AutoresetMode
 from openenv_grpc.server.calls import BatchCalls, BatchRefused, ResetArgs, RestoreArgs, StepArgs
 from openenv_grpc.server.errors import RequestError, RowError, describe, qualname
+from openenv_grpc.server.metrics import ORPHANED_STEPS
 from openenv_grpc.server.phases import (
     CAPTURED_PHASE,
     RESTORED_PHASE,
@@ -90,8 +91,9 @@ class Driver:
     """The envs of one stream (``size`` of them) and their episodes."""
 
     __slots__ = (
-        "_calls", "_closing", "_held", "_max_response", "_mode", "_quiet", "_seal", "_size",
-        "_spec", "_steppable", "_words", "all", "ends", "episode_ids", "phases", "step_counts",
+        "_calls", "_closing", "_held", "_max_response", "_metrics", "_mode", "_quiet", "_seal",
+        "_size", "_spec", "_steppable", "_words", "all", "ends", "episode_ids", "phases",
+        "step_counts",
     )  # fmt: skip
 
     def __init__(
@@ -135,6 +137,8 @@ class Driver:
         self._quiet: asyncio.Event | None = None
         #: The request id of a close under way: requests after it are refused.
         self._closing: int | None = None
+        #: Counts the steps the envs completed after their request was given up.
+        self._metrics = ORPHANED_STEPS.get()
 
     @property
     def spec(self) -> EnvSpec:
@@ -249,6 +253,9 @@ class Driver:
         """
         started = time.perf_counter()
         indices = args.indices
+        # Should the stream end while the envs step, their steps are booked and counted
+        # all the same (an env in a thread finishes its step); else its answer counts them.
+        args.orphaned = functools.partial(self._orphaned, started)
         try:
             outcome = await self._calls.step(args) if indices else BatchOutcome()
         except BatchRefused as err:
@@ -256,6 +263,16 @@ class Driver:
             raise
         seconds = time.perf_counter() - started
         return outcome, self._book_step(outcome), seconds
+
+    def _orphaned(self, started: float, outcome: BatchOutcome) -> None:
+        """Book a step the envs completed after its request was given up, and count its
+        env steps in the session's metrics, as its answer would have been."""
+        stepped = self._book_step(outcome)
+        seconds = time.perf_counter() - started
+        if stepped == 1:
+            self._metrics.step(seconds)
+        elif stepped:
+            self._metrics.env_steps(stepped, seconds)
 
     async def reset(self, args: ResetArgs) -> BatchOutcome:
         """Reset the envs of ``args``; their episodes start (or break).

@@ -3,19 +3,21 @@
 The session lifecycle and the request handler report through one :class:`Metrics`
 object (a vector stream of N envs counts as N sessions, and its steps one per env); with
 metrics off they get :data:`NO_METRICS`, whose methods do nothing, so the hot path never
-branches on a setting. Gauges (active sessions, capacity) are read from
-the limiter when scraped, costing nothing per step.
+branches on a setting. Gauges (active sessions, capacity, bytes held) are read from
+the limiter and the byte budget when scraped, costing nothing per step.
 """
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from openenv_grpc.server.budget import ByteBudget
 from openenv_grpc.server.limiter import SessionLimiter
 
-__all__ = ["NO_METRICS", "Metrics", "MetricsTee", "PrometheusMetrics"]
+__all__ = ["NO_METRICS", "ORPHANED_STEPS", "Metrics", "MetricsTee", "PrometheusMetrics"]
 
 _STEP_BUCKETS = (
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
@@ -58,6 +60,11 @@ class _NoMetrics:
 #: The stand-in when metrics are off.
 NO_METRICS: Metrics = _NoMetrics()
 
+#: Where a stream's driver counts the steps its envs completed after their request was
+#: given up (the stream ended while they stepped: no answer records them): the session's
+#: metrics, set by ``SessionManager.run`` in the stream's task before its driver is made.
+ORPHANED_STEPS: ContextVar[Metrics] = ContextVar("openenv_orphaned_steps", default=NO_METRICS)
+
 
 class MetricsTee:
     """Reports to two sinks (the always-on activity counters and Prometheus)."""
@@ -96,9 +103,23 @@ class MetricsTee:
 class PrometheusMetrics:
     """Counters and histograms in their own registry (several servers can share a process)."""
 
-    def __init__(self, limiter: SessionLimiter, env_name: str) -> None:
+    def __init__(
+        self, limiter: SessionLimiter, env_name: str, budget: ByteBudget | None = None
+    ) -> None:
         self.registry = CollectorRegistry()
         labels = {"env": env_name}
+        if budget is not None:
+            held = (
+                ("openenv_held_bytes", "Request and answer bytes held for clients now.",
+                 lambda: budget.used),
+                ("openenv_held_bytes_peak", "The most bytes held for clients at once.",
+                 lambda: budget.peak),
+                ("openenv_held_bytes_budget", "Bytes that may be held at once "
+                 "(--max-held-bytes).", lambda: budget.total),
+            )  # fmt: skip
+            for name, text, read in held:
+                gauge = Gauge(name, text, labelnames=["env"], registry=self.registry)
+                gauge.labels(**labels).set_function(read)
         active = Gauge(
             "openenv_sessions_active", "Sessions open now.", labelnames=["env"],
             registry=self.registry,

@@ -41,12 +41,16 @@ __all__ = [
     "CloseAbandoned",
     "CreateTimeout",
     "EnvRunner",
+    "Orphaned",
     "PoolSaturated",
     "RunnerFactory",
     "contain_tasks",
 ]
 
 log = logging.getLogger(__name__)
+
+#: Takes the result of a pooled call whose caller stopped waiting for it (see _hand_on).
+Orphaned = Callable[[Any], None]
 
 
 class PoolSaturated(Exception):
@@ -194,9 +198,17 @@ class EnvRunner:
             env, spec.mode, pool, lifecycle=lifecycle, release=release, placement=spec.placement
         )
 
-    async def _call(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    async def _call(
+        self,
+        method: Callable[..., Any],
+        *args: Any,
+        orphaned: Orphaned | None = None,
+        **kwargs: Any,
+    ) -> Any:
         """Call one of the env's methods and return its result (awaited if async); see
-        :attr:`call`, the same with env code's exceptions contained.
+        :attr:`call`, the same with env code's exceptions contained. A pooled call whose
+        caller is cancelled while it runs hands its result to ``orphaned`` once it returns
+        (see :func:`_hand_on`).
 
         Raises:
             Exception: whatever the method (or a measured env's ``cost_class()``) raised.
@@ -212,14 +224,23 @@ class EnvRunner:
             self._inflight = future = self._pool.submit(_here().run, timed.run, *args, **kwargs)
             try:
                 return await asyncio.wrap_future(future)
+            except asyncio.CancelledError:
+                if orphaned is not None:
+                    _hand_on(future, self._loop, orphaned)
+                raise
             finally:
                 # A call that raised counts too; one the session stopped waiting for, not.
                 if future.done() and not future.cancelled():
                     timed.record()
         if mode is ExecutionMode.ASYNC:
-            return await method(*args, **kwargs)
+            return await method(*args, **kwargs)  # cancelled with its caller: nothing runs on
         self._inflight = future = self._pool.submit(_here().run, method, *args, **kwargs)
-        return await asyncio.wrap_future(future)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            if orphaned is not None:
+                _hand_on(future, self._loop, orphaned)
+            raise
 
     #: :meth:`_call` with env code's SystemExit and kin contained (``_contained``); the
     #: runner's own contained entries call ``_call``, so a step is wrapped once.
@@ -235,10 +256,15 @@ class EnvRunner:
 
     @_contained
     async def call_within(
-        self, timeout: float | None, method: Callable[..., Any], *args: Any, **kwargs: Any
+        self,
+        timeout: float | None,
+        method: Callable[..., Any],
+        *args: Any,
+        orphaned: Orphaned | None = None,
+        **kwargs: Any,
     ) -> Any:
         """:meth:`call`, giving up ``timeout`` seconds after the call started (None: wait
-        for ever).
+        for ever); ``orphaned`` as for :meth:`_call`.
 
         Inline envs run on the event loop and cannot be interrupted: no timeout applies.
         A measured env's calls run on the pool whenever a timeout applies (never moved to
@@ -251,7 +277,7 @@ class EnvRunner:
             PoolSaturated: the call was still queued for a thread after ``timeout``.
         """
         if timeout is None or self._mode is ExecutionMode.INLINE:
-            return await self._call(method, *args, **kwargs)
+            return await self._call(method, *args, orphaned=orphaned, **kwargs)
         if self._mode is ExecutionMode.ASYNC:
             try:
                 return await asyncio.wait_for(method(*args, **kwargs), timeout)  # cancelled
@@ -273,6 +299,10 @@ class EnvRunner:
                     raise TimeoutError(f"no answer within {timeout:g}s")
                 done, _ = await asyncio.wait((waiter,), timeout=left)
             return waiter.result()
+        except asyncio.CancelledError:
+            if orphaned is not None:
+                _hand_on(future, self._loop, orphaned)
+            raise
         finally:
             # Given up (timeout, saturation, the session cancelled): a call still queued
             # is dropped, as with call(); a running one goes on unobserved.
@@ -410,6 +440,26 @@ class EnvRunner:
 
 #: Makes a fresh env instance wrapped in a runner (the session's factory).
 RunnerFactory = Callable[[], Awaitable[EnvRunner]]
+
+
+def _hand_on(
+    future: concurrent.futures.Future[Any],
+    loop: asyncio.AbstractEventLoop,
+    orphaned: Orphaned,
+) -> None:
+    """The caller of the pooled call ``future`` was cancelled (its session ended) while
+    the call may still run: once it returns, hand its result to ``orphaned`` on ``loop``,
+    so that what the env did is still accounted for (a call that never ran, or raised,
+    hands on nothing). Its caller raised CancelledError, so it is handed on exactly once."""
+
+    def done(finished: concurrent.futures.Future[Any]) -> None:
+        if finished.cancelled() or finished.exception() is not None:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the process is exiting
+            loop.call_soon_threadsafe(orphaned, finished.result())
+
+    future.add_done_callback(done)  # on the call's thread, or here if it is done already
+
 
 #: Modes whose factory and close run on a lifecycle thread, never on the event loop
 #: (a measured env's cheap steps say nothing about what making or closing it costs).

@@ -8,6 +8,10 @@ released exactly once (for in-process envs the slot goes with the env: see ``run
 A vector stream is N sessions to everything here: N slots taken at once, all or nothing,
 and given back together; the idle reaper and the drain end it like any session.
 
+Every answer is held against the server's one byte budget (``budget.py``) from when it
+exists until its write is done; what a stream does when the budget is short is
+:class:`_Pipelined`'s (a Session writes one answer at a time: it is refused in-band).
+
 A drain tells every held session at once with a notice (request_id 0), ends them when
 the grace period is over, and gives their envs a short budget to close; an env stuck in
 a call after that is abandoned, so the process exits on time whatever env code does.
@@ -39,12 +43,13 @@ from openenv_grpc.server.backend import (
     UndecodableRequest,
     parse_request,
 )
+from openenv_grpc.server.budget import ByteBudget
 from openenv_grpc.server.calls import LocalBatchCalls, local_calls
 from openenv_grpc.server.config import ServerConfig
 from openenv_grpc.server.errors import describe
 from openenv_grpc.server.limiter import Admission, SessionLimiter
 from openenv_grpc.server.logs import SESSION_ID
-from openenv_grpc.server.metrics import Metrics, MetricsTee
+from openenv_grpc.server.metrics import ORPHANED_STEPS, Metrics, MetricsTee
 from openenv_grpc.server.phases import Words
 from openenv_grpc.server.placement import CallPlacement
 from openenv_grpc.server.runner import CreateTimeout
@@ -65,6 +70,12 @@ _Context = grpc.aio.ServicerContext[bytes, bytes]
 CLOSE_BUDGET = 2.0
 
 _RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+
+#: An answer is held twice until its write is done: our bytes, and gRPC's copy of them.
+_COPIES = 2
+#: Answers this small go out even when the budget is short (not counted then): a stream
+#: holds at most its requests in flight of them, like the window gRPC keeps per stream.
+_SMALL = 64 * 1024
 
 
 class _EndReason(enum.Enum):
@@ -188,9 +199,14 @@ class SessionManager:
         prometheus: Metrics | None = None,
         lifecycle: Executor | None = None,
         snapshots: SnapshotSeal | None = None,
+        budget: ByteBudget | None = None,
     ) -> None:
         #: Seals and opens this server's snapshots (None: the driver's default).
         self.snapshots = snapshots
+        #: The server's one byte budget (``--max-held-bytes``): every answer is held
+        #: against it from when it exists until its write completes, and so is whatever
+        #: else holds bytes for clients (isolated frames, the OpenEnv wire).
+        self.budget = budget if budget is not None else ByteBudget(config.max_held_bytes)
         self.spec = spec
         self.config = config
         self.limiter = limiter
@@ -273,6 +289,7 @@ class SessionManager:
             return
         session_id = uuid.uuid4().hex[:16]
         SESSION_ID.set(session_id)  # this task's context: every log line below carries it
+        ORPHANED_STEPS.set(self._metrics)  # steps done after their answer was given up
         live = _LiveSession(asyncio.current_task(), context)  # type: ignore[arg-type]
         held = Held(live, slots)
         self._live.add(live)
@@ -388,7 +405,7 @@ class SessionManager:
         """Answer requests until the stream ends; returns how it ended."""
         loop = asyncio.get_running_loop()
         read, write, handle, record = context.read, context.write, backend.handle, self._record
-        max_response = self._max_response
+        to_send, give = self._to_send, self.budget.give
         live.waiting_since = loop.time()
         while True:
             # Idle = waiting on the client: for its next request, or for it to take our
@@ -406,17 +423,17 @@ class SessionManager:
             except SessionLostError as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"session lost: {exc}")
             record(answer)
-            response = answer.response
-            if len(response) > max_response:
-                # gRPC would end the stream; fail this request instead.
-                response = self._too_large(raw, len(response), opening)  # type: ignore[arg-type]
+            response, held = to_send(raw, answer.response, opening)  # type: ignore[arg-type]
             live.waiting_since = loop.time()
-            if live.side_write is not None:  # a notice is on its way: never overlap it
-                await live.side_write
-                live.side_write = None
-            live.writing = True
-            await write(response)
-            live.writing = False
+            try:
+                if live.side_write is not None:  # a notice is on its way: never overlap it
+                    await live.side_write
+                    live.side_write = None
+                live.writing = True
+                await write(response)
+                live.writing = False
+            finally:
+                give(held)
             if answer.ends:
                 return "closed"  # nothing may follow the answer to a close
             if live.deferred is not None:  # a notice arrived during our write
@@ -443,14 +460,28 @@ class SessionManager:
             for code in answer.env_errors:
                 self._metrics.request_error(code)
 
+    def _to_send(self, raw: bytes, response: bytes, opening: StreamOpening) -> tuple[bytes, int]:
+        """What to write for the answer ``response`` to ``raw``, and the bytes taken from
+        the budget for it (give them back once the write is done, or given up): the answer
+        itself while it fits the message limit and the budget (or is small: see
+        :data:`_SMALL`), else the small in-band RESOURCE_EXHAUSTED that replaces it
+        (nothing taken)."""
+        size = len(response)
+        if size > self._max_response:
+            # gRPC would end the stream; fail this request instead.
+            return self._too_large(raw, size, opening), 0
+        held = size * _COPIES
+        if self.budget.try_take(held):
+            return response, held
+        if size <= _SMALL:
+            # A budget full of stalled readers' answers must not stop every neighbour's
+            # steps: a small answer goes out uncounted (bounded per stream, as gRPC's own).
+            return response, 0
+        return self._unheld(raw, size, opening), 0
+
     def _too_large(self, raw: bytes, size: int, opening: StreamOpening) -> bytes:
         """The in-band error that replaces a response over the message limit."""
-        request: Message
-        try:
-            request = opening.request_class.FromString(raw)
-        except DecodeError:  # decoded once already; kept total for safety
-            request = opening.request_class()
-        command = request.WhichOneof("command") or "request"
+        request, command = _command(raw, opening)
         hint = "" if opening.slots == 1 else " (name fewer envs per request, by indices)"
         return self._exhausted(
             opening,
@@ -458,6 +489,20 @@ class SessionManager:
             f"the {command} response is {size} bytes, over the server's message limit of "
             f"{self._max_response} bytes (--max-message-bytes): the {command} took effect "
             f"but its result cannot be sent{hint}; the session goes on",
+        )
+
+    def _unheld(self, raw: bytes, size: int, opening: StreamOpening) -> bytes:
+        """The in-band error that replaces an answer the byte budget cannot hold now."""
+        request, command = _command(raw, opening)
+        budget = self.budget
+        return self._exhausted(
+            opening,
+            request,
+            f"the {command} response is {size} bytes and this server holds {budget.used} "
+            f"of its {budget.total} bytes (--max-held-bytes) for answers not yet taken by "
+            f"their clients: the {command} took effect but its result could not be held; "
+            f"retry in {self.config.retry_pushback_ms} ms or elsewhere (the {command} is "
+            "not undone); the session goes on",
         )
 
     def _over_cap(self, raw: bytes, opening: StreamOpening, in_flight: int) -> bytes:
@@ -600,17 +645,24 @@ class _Pipelined:
     request as it comes and answers it in a task of its own; answers go out as each is
     ready, one write at a time (the answers carry their request ids).
 
-    Up to ``opening.in_flight`` requests are in flight at once (read, not answered yet);
-    past that a request is answered RESOURCE_EXHAUSTED at once and the stream goes on.
-    Which envs each request may touch is the driver's business (``Driver.hold``). The
-    stream is idle (for the reaper) only while no request is being handled. After a
-    half-close the requests in flight are answered before the stream ends; a close's
-    answer (or any answer that ends the stream) is written last, after the others.
+    Up to ``opening.in_flight`` requests are in flight at once: read, and not answered
+    or not yet written (an answer waiting for a client that does not read still counts).
+    Past that, while answers wait for the client the stream reads nothing more until one
+    is taken (backpressure); while all of them are in the env, a request is answered
+    RESOURCE_EXHAUSTED at once and the stream goes on. Every answer is held against the
+    server's byte budget until it is written; when its own answers make the budget short,
+    the stream stops reading too, and an answer the budget cannot hold at all is replaced
+    by an in-band RESOURCE_EXHAUSTED. Which envs each request may touch is the driver's
+    business (``Driver.hold``). The stream is idle (for the reaper) only while no request
+    is being handled. After a half-close the requests in flight are answered before the
+    stream ends; a close's answer (or any answer that ends the stream) is written last,
+    after the others.
     """
 
     __slots__ = (
-        "_answering", "_backend", "_context", "_ended", "_lock", "_loop", "_manager",
-        "_opening", "_tasks", "_working", "live",
+        "_answering", "_backend", "_budget", "_cap", "_context", "_ended", "_held",
+        "_largest", "_lock", "_loop", "_manager", "_opening", "_taken", "_tasks", "_working",
+        "live",
     )  # fmt: skip
 
     def __init__(
@@ -632,10 +684,18 @@ class _Pipelined:
         self._ended: asyncio.Future[tuple[object, ...]] = self._loop.create_future()
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
-        #: Requests read and not answered yet (the cap counts these).
+        self._cap = opening.in_flight
+        #: Requests read and not answered, or answered and not yet written (the cap).
         self._answering = 0
         #: Requests inside the backend (the stream is not idle while any is).
         self._working = 0
+        self._budget = manager.budget
+        #: Bytes this stream's answers hold against the budget until they are written.
+        self._held = 0
+        #: The most one answer of this stream has held: what the next one may need.
+        self._largest = 0
+        #: Set when an answer leaves (written or given up): the reader may read again.
+        self._taken: asyncio.Future[None] | None = None
 
     async def run(self) -> str:
         """Answer requests until the stream ends; returns how it ended."""
@@ -672,16 +732,34 @@ class _Pipelined:
         if not self._ended.done():
             self._ended.set_result(how)
 
+    def _full(self) -> bool:
+        """Answers of this stream wait for its client, and it may hold no more of them:
+        the cap is reached, or its own answers made the budget short."""
+        return self._answering > self._working and (
+            self._answering >= self._cap
+            or (self._held > 0 and not self._budget.fits(self._largest))
+        )
+
+    async def _until_taken(self) -> None:
+        """Wait until an answer of this stream leaves (its write is done)."""
+        if self._taken is None:
+            self._taken = self._loop.create_future()
+        await self._taken
+
     async def _read_all(self) -> None:
-        read, live, cap = self._context.read, self.live, self._opening.in_flight
+        read, live, cap = self._context.read, self.live, self._cap
         try:
             while True:
+                while self._full():  # backpressure: the request stays in gRPC's window
+                    await self._until_taken()
                 raw: object = await read()
                 if raw is grpc.aio.EOF:
                     # The client half-closed or cancelled: gRPC shows both as the end.
                     self._end("eof")
                     return
-                if self._answering >= cap:
+                while self._full():  # answers left the env meanwhile: wait for one
+                    await self._until_taken()
+                if self._answering >= cap:  # every request in flight is in the env
                     try:
                         refusal = self._manager._over_cap(raw, self._opening, self._answering)  # type: ignore[arg-type]
                     except UndecodableRequest as exc:
@@ -706,6 +784,17 @@ class _Pipelined:
             self._end("raise", task.exception())
 
     async def _answer(self, raw: bytes) -> None:
+        try:
+            await self._answer_now(raw)
+        finally:
+            self._answering -= 1  # after the write: an answer the client never takes counts
+            taken = self._taken
+            if taken is not None:
+                self._taken = None
+                if not taken.done():
+                    taken.set_result(None)
+
+    async def _answer_now(self, raw: bytes) -> None:
         manager, live = self._manager, self.live
         try:
             answer = await self._backend.handle(raw)
@@ -717,19 +806,26 @@ class _Pipelined:
             self._end("abort", grpc.StatusCode.UNAVAILABLE, f"session lost: {exc}")
             return
         finally:
-            self._answering -= 1  # before the write: a client that read it may send more
             self._working -= 1
             if not self._working:
                 live.waiting_since = self._loop.time()
         manager._record(answer)
-        response = answer.response
-        if len(response) > manager._max_response:
-            # gRPC would end the stream; fail this request instead.
-            response = manager._too_large(raw, len(response), self._opening)
-        if answer.ends:
+        if answer.ends:  # written last, by run(); small (a close's answer, an error)
+            response = answer.response
+            if len(response) > manager._max_response:
+                response = manager._too_large(raw, len(response), self._opening)
             self._end("ends", response)
             return
-        await self._write(response)
+        response, held = manager._to_send(raw, answer.response, self._opening)
+        del answer  # the bytes to send are ``response`` now
+        self._held += held
+        if held > self._largest:
+            self._largest = held
+        try:
+            await self._write(response)
+        finally:
+            self._held -= held
+            self._budget.give(held)
 
     async def _write(self, response: bytes) -> None:
         """Write one answer; never two writes at once (a drain notice included)."""
@@ -750,6 +846,17 @@ class _Pipelined:
                     await write(notice)
                 finally:
                     live.writing = False
+
+
+def _command(raw: bytes, opening: StreamOpening) -> tuple[Message, str]:
+    """The request ``raw`` (decoded once already: empty if it no longer parses) and the
+    name of its command."""
+    request: Message
+    try:
+        request = opening.request_class.FromString(raw)
+    except DecodeError:  # kept total for safety
+        request = opening.request_class()
+    return request, request.WhichOneof("command") or "request"
 
 
 async def _write_quietly(context: _Context, message: bytes) -> None:
