@@ -32,6 +32,7 @@ from openenv_grpc.server.limiter import SessionLimiter
 from openenv_grpc.server.metrics import PrometheusMetrics
 from openenv_grpc.server.metrics_endpoint import MetricsEndpoint
 from openenv_grpc.server.orphans import reclaim_orphans_quietly
+from openenv_grpc.server.outsiders import OutsiderBudget
 from openenv_grpc.server.request_deadline import UnaryRequestDeadline
 from openenv_grpc.server.runner import contain_tasks
 from openenv_grpc.server.service import EnvServicer, add_env_service

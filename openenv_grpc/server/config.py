@@ -249,6 +249,18 @@ class ServerConfig:
         "still busy with one call 2 s after the grace ends is killed, so a hung call cannot "
         "hold the process. After a worker dies, the env's `reclaim_orphans()` runs",
     )  # fmt: skip
+    max_env_bytes: int = setting(
+        1024 * 1024 * 1024, variable="MAX_ENV_BYTES", flag="--max-env-bytes", minimum=0,
+        shown_default="`1073741824` (1 GiB)",
+        help="with `--isolated`: most memory building one env instance may add to its env "
+        "process; `0` = no ceiling",
+        details="measured in the env process, its resident memory (`/proc/self/statm`) "
+        "right before and after each env's factory (a native batch: its growth per env). "
+        "An env past it is closed, with every env of its stream made so far, and the open "
+        "is refused `INVALID_ARGUMENT` naming the env and the ceiling (not "
+        "`RESOURCE_EXHAUSTED`: asking again cannot succeed); nothing is kept. Sized for a "
+        "24 GiB machine (1/24 of it per env); in-process envs are not measured",
+    )  # fmt: skip
     reuse_port: int = setting(
         0, variable="REUSE_PORT", flag="--reuse-port", choices=(0, 1),
         help="`1` lets separate server processes bind the same port (SO_REUSEPORT)",

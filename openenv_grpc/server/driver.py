@@ -303,7 +303,7 @@ class Driver:
         Raises:
             BatchRefused: the whole call failed.
         """
-        got = await self._states_within(indices, functools.partial(self._calls.query, name))
+        got = await self._states_within(name, indices)
         self._forget_replaced(got[0].errors)
         return got
 

@@ -20,6 +20,16 @@ books -- the driver runs there, for both kinds -- and sends each env process the
 request that concerns its envs (``vector_frames.py``); the env process runs it on a
 :class:`~openenv_grpc.server.vector_batch.VectorBatch`, inline, and answers the outcome.
 So the env process speaks one protocol, and no client command is decoded twice.
+
+A vector stream's query comes as ``QUERY``: the query with its room (``vector_frames.py``).
+The env process reads its envs one by one and stops once their answers pass the room,
+answering ``TOO_LARGE`` and how many bytes that was, never the answers themselves.
+
+With a per-env memory ceiling (``--max-env-bytes``), each env's construction is measured
+here, by this process's resident memory right before and after its factory: an env that
+grew it past the ceiling is closed at once, the block's other envs too, and the create is
+refused naming the env and the ceiling (INVALID_ARGUMENT for the open: the env cannot be
+opened on this server however often it is asked, so no "server full" retry).
 """
 
 from __future__ import annotations
@@ -27,7 +37,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import inspect
 import logging
+import os
 import signal
 import socket
 import struct
@@ -51,7 +63,15 @@ from openenv_grpc.server.errors import describe, qualname
 from openenv_grpc.server.phases import SESSION_WORDS, VECTOR_WORDS
 from openenv_grpc.server.runner import contain_tasks
 from openenv_grpc.server.spec import EnvSpec, ExecutionMode
-from openenv_grpc.server.vector_frames import fill_errors, fill_result, fill_rows, read_restore
+from openenv_grpc.server.vector_batch import BatchStates
+from openenv_grpc.server.vector_frames import (
+    ROOM,
+    fill_errors,
+    fill_result,
+    fill_rows,
+    read_restore,
+    read_room_frame,
+)
 from openenv_grpc.v1 import session_pb2 as pb
 
 __all__ = [
@@ -73,6 +93,8 @@ log = logging.getLogger(__name__)
 HEADER = struct.Struct("<IQB")
 #: Stream buffer size: large frames are read in big chunks, not 64 KiB ones.
 READ_LIMIT = 1 << 20
+#: Answers smaller than this are joined to their header and written in one piece.
+_JOIN_BELOW = 64 * 1024
 #: CREATE's payload: the block's size, its autoreset mode (an index of
 #: :data:`AUTORESET_MODES`) and whether it is a Session's one env (:data:`SESSION_BLOCK`).
 BLOCK_OPEN = struct.Struct("<IBB")
@@ -85,20 +107,24 @@ STRICT_CLOSE = b"strict"
 
 
 class Op:
-    """Front -> worker operations, about one block (its env id)."""
+    """Front -> worker operations, about one block (its env id). QUERY is a REQUEST that
+    is a query with its room (``vector_frames.room_frame``)."""
 
-    CREATE, REQUEST, CLOSE = 1, 2, 3
+    CREATE, REQUEST, CLOSE, QUERY = 1, 2, 3, 4
 
 
 class Status:
     """Worker -> front statuses. OK: a block was created (the payload says ``native`` or
     ``loop``) or closed; FAILED: its factory (or its strict close) raised, the payload
-    says what; REFUSED: ``make_batch`` refused (InvalidAction); UNDECODABLE: the block is
-    gone; READY: sent once, when the worker is up, env id 0. An answered request is ANSWER
-    (a VectorSessionResponse), or ``CALL_REFUSED + flags`` (:func:`refusal_flags`) when
-    the whole call failed."""
+    says what; REFUSED: ``make_batch`` refused (InvalidAction), or an env passed the memory
+    ceiling; UNDECODABLE: the block is gone (the payload says so, in plain text); READY:
+    sent once, when the worker is up, env id 0. An answered request is ANSWER (a
+    VectorSessionResponse), or ``CALL_REFUSED + flags`` (:func:`refusal_flags`) when the
+    whole call failed; a QUERY whose answers passed its room is TOO_LARGE (the bytes read
+    then, as ``vector_frames.ROOM``). UNKEPT is the front's own, never sent: an answer the
+    server's byte budget could not hold, read and dropped."""
 
-    OK, FAILED, UNDECODABLE, READY, REFUSED = 0, 2, 3, 5, 6
+    OK, FAILED, UNDECODABLE, READY, REFUSED, TOO_LARGE, UNKEPT = 0, 2, 3, 5, 6, 7, 8
     ANSWER, CALL_REFUSED = 48, 64
 
 
@@ -117,13 +143,15 @@ def worker_main(
     factory: Callable[[], Any],
     call_timeout: float | None,
     side: socket.socket | None = None,
+    max_env_bytes: int = 0,
 ) -> None:
     """Entry point of a worker process: serve frames until the front goes away. (No
-    snapshot keys come here: the front seals and opens every snapshot.)"""
+    snapshot keys come here: the front seals and opens every snapshot.) ``max_env_bytes``:
+    the per-env memory ceiling (0: none)."""
     # Ctrl-C reaches the whole process group: the front drains and then ends its workers,
     # so a worker must not die first and take its envs with it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    asyncio.run(_serve(sock, factory, call_timeout, side))
+    asyncio.run(_serve(sock, factory, call_timeout, side, max_env_bytes))
 
 
 async def _serve(
@@ -131,9 +159,12 @@ async def _serve(
     factory: Callable[[], Any],
     call_timeout: float | None,
     side: socket.socket | None = None,
+    max_env_bytes: int = 0,
 ) -> None:
     contain_tasks(asyncio.get_running_loop())  # env code's own tasks cannot stop it
     spec = EnvSpec.from_factory(factory)
+    if max_env_bytes:
+        spec = dataclasses.replace(spec, factory=_Measured(spec, max_env_bytes))
     # Pooled envs are thread-safe across instances (in-process, their calls run on a
     # pool): those may be closed on the side while another instance's call runs.
     threaded = spec.mode in (ExecutionMode.POOL, ExecutionMode.MEASURED)
@@ -149,7 +180,13 @@ async def _serve(
         ).start()  # fmt: skip
 
     async def answer(env_id: int, status: int, payload: bytes = b"") -> None:
-        writer.write(HEADER.pack(len(payload), env_id, status) + payload)
+        header = HEADER.pack(len(payload), env_id, status)
+        if len(payload) < _JOIN_BELOW:
+            writer.write(header + payload)
+        else:  # never copied into one buffer; what the socket does not take is queued
+            writer.write(header)
+            writer.write(payload)
+        del payload  # the transport holds what it has not sent: not held twice meanwhile
         await writer.drain()
 
     try:
@@ -157,15 +194,19 @@ async def _serve(
         while True:
             length, env_id, op = HEADER.unpack(await reader.readexactly(HEADER.size))
             payload = await reader.readexactly(length) if length else b""
-            if op == Op.REQUEST:
+            if op == Op.REQUEST or op == Op.QUERY:
                 block = blocks.get(env_id)
                 if block is None:  # closed on the side while this frame was queued
                     await answer(env_id, Status.UNDECODABLE, b"the environment was closed")
+                elif op == Op.QUERY:
+                    await answer(env_id, *await _query_answer(block, payload))
                 else:
                     await answer(env_id, *await _block_answer(block, spec, payload))
             elif op == Op.CREATE:
                 size, mode, kind = BLOCK_OPEN.unpack(payload)
-                status, text = await _create(spec, size, AUTORESET_MODES[mode], kind, call_timeout)
+                status, text = await _create(
+                    spec, size, AUTORESET_MODES[mode], kind, call_timeout, max_env_bytes
+                )
                 if isinstance(text, LocalBatchCalls):
                     blocks[env_id] = text
                     text = b"native" if text.native else b"loop"
@@ -226,15 +267,22 @@ def _read_exactly(sock: socket.socket, size: int) -> bytes | None:
 
 
 async def _create(
-    spec: EnvSpec, size: int, autoreset: AutoresetMode, kind: int, call_timeout: float | None
+    spec: EnvSpec,
+    size: int,
+    autoreset: AutoresetMode,
+    kind: int,
+    call_timeout: float | None,
+    max_env_bytes: int = 0,
 ) -> tuple[int, LocalBatchCalls | bytes]:
     """Build a block of ``size`` envs; returns the status to answer and the block (or the
-    failure's text)."""
+    failure's text). Each env instance is measured as it is made (:class:`_Measured`); a
+    native batch, made in one piece, is measured as a whole, per env."""
     session = kind == SESSION_BLOCK
+    before = _resident_bytes()
     try:
         # A vector block's inline envs get no step timeout here: the front's watchdog
         # stops this process. A Session's async env is cancelled here, past its timeout.
-        return Status.OK, await local_calls(
+        block = await local_calls(
             spec, size, autoreset, _NO_POOL, native=not session,
             words=SESSION_WORDS if session else VECTOR_WORDS,
             call_timeout=call_timeout if session else None,
@@ -244,6 +292,71 @@ async def _create(
     except Exception as exc:
         log.exception("environment factory raised")
         return Status.FAILED, describe(exc).encode()
+    if max_env_bytes and block.native:
+        grew = (_resident_bytes() - before) // size
+        if grew > max_env_bytes:
+            await block.close()
+            return Status.REFUSED, _over_ceiling(spec.name, grew, max_env_bytes, size).encode()
+    return Status.OK, block
+
+
+#: Bytes per page of resident memory (``/proc/self/statm`` counts pages).
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory (0 where ``/proc`` has none: nothing is measured)."""
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * _PAGE
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _over_ceiling(name: str, grew: int, ceiling: int, batch: int = 0) -> str:
+    made = f"a native batch of {batch} grew" if batch else "grew"
+    each = " per env" if batch else ""
+    return (
+        f"environment {name!r}: building one env {made} its env process by {grew} bytes"
+        f"{each}, over the per-env memory ceiling of {ceiling} bytes (--max-env-bytes); it "
+        "was closed and nothing was opened"
+    )
+
+
+class _Measured:
+    """The env's factory, measured: an instance whose construction grew this process's
+    resident memory past ``ceiling`` bytes is closed and refused (InvalidAction), so a
+    block's loop stops there and closes the envs it made before."""
+
+    def __init__(self, spec: EnvSpec, ceiling: int) -> None:
+        self._factory = spec.factory
+        self._name = spec.name
+        self._ceiling = ceiling
+
+    def __call__(self) -> Any:
+        before = _resident_bytes()
+        env = self._factory()
+        grew = _resident_bytes() - before
+        if grew > self._ceiling:
+            _close_now(env)
+            raise InvalidAction(_over_ceiling(self._name, grew, self._ceiling))
+        return env
+
+
+#: Closes of async envs refused at creation, kept until they finish.
+_CLOSING: set[asyncio.Future[Any]] = set()
+
+
+def _close_now(env: Any) -> None:
+    """Close an env that is not kept (an async env's close runs as a task of its own)."""
+    try:
+        closing = env.close()
+        if inspect.isawaitable(closing):
+            task = asyncio.ensure_future(closing)
+            _CLOSING.add(task)
+            task.add_done_callback(_CLOSING.discard)
+    except Exception:
+        log.exception("environment close() raised")
 
 
 async def _block_answer(calls: LocalBatchCalls, spec: EnvSpec, payload: bytes) -> tuple[int, bytes]:
@@ -303,12 +416,41 @@ async def _block_answer(calls: LocalBatchCalls, spec: EnvSpec, payload: bytes) -
         response.error.message = str(exc)
         return Status.CALL_REFUSED, response.SerializeToString()
     except BatchRefused as refused:
-        response.ClearField("outcome")
-        response.error.code = refused.code
-        response.error.message = refused.message
-        response.error.exception_type = refused.exception_type
-        return Status.CALL_REFUSED + refusal_flags(refused), response.SerializeToString()
+        return _refused(response, refused)
     return Status.ANSWER, response.SerializeToString()
+
+
+async def _query_answer(calls: LocalBatchCalls, payload: bytes) -> tuple[int, bytes]:
+    """Run a query with its room (``Op.QUERY``), env by env; returns the status and the
+    answer: ANSWER with every env's bytes, or TOO_LARGE once they passed the room (the
+    bytes read then; every answer is dropped, and the envs after that one are not read)."""
+    room, request = read_room_frame(payload)
+    name = str(request.WhichOneof("command"))
+    response = pb.VectorSessionResponse(request_id=request.request_id)
+    rows, size = BatchStates(), 0
+    try:
+        for index in getattr(request, name).indices:
+            got = await calls.query(name, (index,))
+            rows.rows += got.rows
+            rows.states += got.states
+            rows.errors.update(got.errors)
+            size += sum(map(len, got.states))
+            if size > room:
+                return Status.TOO_LARGE, ROOM.pack(size)
+    except BatchRefused as refused:
+        return _refused(response, refused)
+    fill_rows(response.snapshots, rows)
+    rows.states.clear()  # copied into the answer: not held twice while it is serialized
+    return Status.ANSWER, response.SerializeToString()
+
+
+def _refused(response: pb.VectorSessionResponse, refused: BatchRefused) -> tuple[int, bytes]:
+    """The answer of a block call that failed as a whole."""
+    response.ClearField("outcome")
+    response.error.code = refused.code
+    response.error.message = refused.message
+    response.error.exception_type = refused.exception_type
+    return Status.CALL_REFUSED + refusal_flags(refused), response.SerializeToString()
 
 
 class _NoPool:

@@ -20,6 +20,11 @@ After a worker dies, the env's ``reclaim_orphans`` hook runs in a thread (``orph
 
 A vector stream's envs live here as sub-batches, one per worker, so that they step in
 parallel; a block counts as its size in a worker's load.
+
+A call may say how its answer is held (a :class:`Charge`: a query's, against its room
+and the server's byte budget): the answer's length is offered to it as its header
+arrives, before any of its bytes are read; one it does not admit is read and dropped a
+buffer at a time (answered UNKEPT, with no payload), as is one nobody waits for any more.
 """
 
 from __future__ import annotations
@@ -33,10 +38,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
-from typing import Any
+from typing import Any, Protocol
 
 from openenv_grpc.environment import AutoresetMode, InvalidAction
 from openenv_grpc.server.backend import EnvFactoryError, SessionLostError
+from openenv_grpc.server.budget import ByteBudget
 from openenv_grpc.server.env_process import (
     AUTORESET_MODES,
     BLOCK_OPEN,
@@ -54,7 +60,7 @@ from openenv_grpc.server.env_process import (
 from openenv_grpc.server.orphans import OrphanReaper
 from openenv_grpc.server.spec import EnvSpec, ExecutionMode
 
-__all__ = ["CallTimedOut", "CloseFailed", "EnvProcessPool", "Worker"]
+__all__ = ["CallTimedOut", "Charge", "CloseFailed", "EnvProcessPool", "Payload", "Worker"]
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +79,9 @@ _STOP_WAIT = 2.0
 
 _DIED = "the environment's worker process died"
 
+#: A worker's answer: read whole (bytes), or into one buffer when held against a charge.
+Payload = bytes | bytearray
+
 
 class CloseFailed(Exception):
     """A block's ``close`` raised in its worker: ``describe(exc)`` and the exception's type."""
@@ -87,13 +96,30 @@ class CallTimedOut(SessionLostError):
     """The worker did not answer this call within the step timeout and was killed."""
 
 
+class Charge(Protocol):
+    """How a call's answer is held: offered before it is read, given back once let go."""
+
+    def admit(self, status: int, length: int) -> bool:
+        """Whether to read an answer of ``status`` and ``length`` bytes: True, and the
+        caller holds those bytes until :meth:`give`; False, and it is dropped unread."""
+        ...
+
+    def give(self, length: int) -> None:
+        """``length`` bytes admitted before are let go."""
+        ...
+
+
 class _Call:
     """One frame sent to a worker and the answer awaited for it."""
 
-    __slots__ = ("env_id", "future", "limit", "started")
+    __slots__ = ("charge", "env_id", "future", "limit", "started")
 
     def __init__(
-        self, future: asyncio.Future[tuple[int, bytes]], limit: float | None, env_id: int = 0
+        self,
+        future: asyncio.Future[tuple[int, Payload]],
+        limit: float | None,
+        env_id: int = 0,
+        charge: Charge | None = None,
     ) -> None:
         self.future = future
         #: The env the call is about.
@@ -102,6 +128,8 @@ class _Call:
         self.limit = limit
         #: Loop time at which the worker began it (it answers in order, one at a time).
         self.started = 0.0
+        #: How its answer is held (None: read whole, whatever its length).
+        self.charge = charge
 
 
 class _Worker:
@@ -137,11 +165,19 @@ class EnvProcessPool:
         factory: Callable[[], Any],
         size: int,
         call_timeout: float | None,
+        *,
+        max_env_bytes: int = 0,
+        budget: ByteBudget | None = None,
     ) -> None:
         if size < 1:
             raise ValueError(f"env process pool size must be >= 1, got {size}")
         #: The step timeout this pool enforces (None: none).
         self.call_timeout = call_timeout
+        #: What a worker's construction of one env may add to its memory (0: no ceiling).
+        self.max_env_bytes = max_env_bytes
+        #: The server's byte budget, which a query's answers are held against (None: not
+        #: counted); the pool holds it for the streams on its env processes.
+        self.budget = budget
         spec = EnvSpec.from_factory(factory)
         margin = _ASYNC_MARGIN if spec.mode is ExecutionMode.ASYNC else 0.0
         self._worker_limit = None if call_timeout is None else call_timeout + margin
@@ -174,7 +210,7 @@ class EnvProcessPool:
         side_front, side_back = socket.socketpair()
         process = self._context.Process(
             target=worker_main,
-            args=(back, self._factory, self.call_timeout, side_back),
+            args=(back, self._factory, self.call_timeout, side_back, self.max_env_bytes),
             name="openenv-env-worker",
             daemon=True,
         )
@@ -203,7 +239,12 @@ class EnvProcessPool:
             writing = asyncio.create_task(self._write(worker, writer))
             while True:
                 length, _, status = HEADER.unpack(await reader.readexactly(HEADER.size))
-                payload = await reader.readexactly(length) if length else b""
+                owed = worker.owed
+                charge = owed[0].charge if owed and status != Status.READY else None
+                if length and charge is not None:
+                    status, payload = await _read_charged(reader, length, status, owed[0], charge)
+                else:
+                    payload = await reader.readexactly(length) if length else b""
                 self._answered(worker, status, payload)
         except (asyncio.IncompleteReadError, OSError):
             pass  # the worker is gone (mid-frame or not), or was stopped
@@ -240,7 +281,7 @@ class EnvProcessPool:
             worker.unsent.append((header, payload))
             worker.wake.set()
 
-    def _answered(self, worker: _Worker, status: int, payload: bytes) -> None:
+    def _answered(self, worker: _Worker, status: int, payload: Payload) -> None:
         if status == Status.READY:
             worker.ready = True
             return
@@ -340,10 +381,20 @@ class EnvProcessPool:
     # -- calls ----------------------------------------------------------------------------
 
     async def call(
-        self, worker: _Worker, env_id: int, op: int, payload: bytes = b"", *, envs: int = 1
-    ) -> tuple[int, bytes]:
+        self,
+        worker: _Worker,
+        env_id: int,
+        op: int,
+        payload: bytes = b"",
+        *,
+        envs: int = 1,
+        charge: Charge | None = None,
+    ) -> tuple[int, Payload]:
         """Send one frame and wait for its answer; returns its status and payload. A call
         about ``envs`` envs (a sub-batch's step) gets the step timeout that many times.
+        With ``charge``, the answer is offered to it first: the caller holds
+        ``len(payload)`` bytes of it until it gives them back (UNKEPT and no payload: not
+        admitted).
 
         Raises:
             SessionLostError: the worker is (or becomes) dead, or was killed because this
@@ -357,12 +408,20 @@ class EnvProcessPool:
             limit = None
         elif limit is not None and envs > 1:
             limit *= envs
-        call = _Call(loop.create_future(), limit, env_id)
+        call = _Call(loop.create_future(), limit, env_id, charge)
         worker.owed.append(call)
         if len(worker.owed) == 1:
             self._begin(worker, call)
         self._send(worker, HEADER.pack(len(payload), env_id, op), payload)
-        return await call.future
+        try:
+            return await call.future
+        except asyncio.CancelledError:
+            # Cancelled after its answer came: nobody else will give its bytes back.
+            future = call.future
+            answered = future.done() and not future.cancelled() and future.exception() is None
+            if charge is not None and answered:
+                charge.give(len(future.result()[1]))
+            raise
 
     async def place_block(
         self, size: int, autoreset: AutoresetMode, *, session: bool, prefer_ready: bool
@@ -584,6 +643,56 @@ class EnvProcessPool:
                 self._reaper.reap(worker.process)
         if not self._reaper.wait(_STOP_WAIT):
             log.warning("reclaim_orphans() did not finish in %gs; exiting anyway", _STOP_WAIT)
+
+
+async def _read_charged(
+    reader: asyncio.StreamReader, length: int, status: int, call: _Call, charge: Charge
+) -> tuple[int, Payload]:
+    """Read the answer of a call with a charge, offered to it first; returns the status
+    and payload to hand over (UNKEPT and no bytes when not admitted; no bytes when nobody
+    waits for it any more)."""
+    if call.future.done():  # its caller went away: nothing to hold
+        await _skip(reader, length)
+        return status, b""
+    if not charge.admit(status, length):
+        await _skip(reader, length)
+        return Status.UNKEPT, b""
+    try:
+        payload = await _read_whole(reader, length)
+    except BaseException:
+        charge.give(length)
+        raise
+    if call.future.done():  # gone while its answer came in
+        charge.give(length)
+        return status, b""
+    return status, payload
+
+
+async def _read_whole(reader: asyncio.StreamReader, length: int) -> bytearray:
+    """``length`` bytes in one buffer, read into it a buffer at a time: an answer held
+    against the budget is in memory once, not twice as ``readexactly`` makes it.
+
+    Raises:
+        asyncio.IncompleteReadError: the worker went away first.
+    """
+    data = bytearray(length)
+    with memoryview(data) as view:
+        done = 0
+        while done < length:
+            chunk = await reader.read(min(length - done, READ_LIMIT))
+            if not chunk:
+                raise asyncio.IncompleteReadError(b"", length)
+            view[done : done + len(chunk)] = chunk
+            done += len(chunk)
+    return data
+
+
+async def _skip(reader: asyncio.StreamReader, length: int) -> None:
+    """Read ``length`` bytes and drop them, a buffer at a time (never held whole)."""
+    while length:
+        chunk = min(length, READ_LIMIT)
+        await reader.readexactly(chunk)
+        length -= chunk
 
 
 def _put(writer: asyncio.StreamWriter, header: bytes, payload: bytes) -> None:

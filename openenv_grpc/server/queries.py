@@ -12,17 +12,20 @@ to the envs and back (``calls.py``, ``vector_spread.py``, ``vector_frames.py``,
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from google.protobuf.message import Message
 
 from openenv_grpc.environment import EnvironmentTypes
-from openenv_grpc.server.errors import BadTransition
+from openenv_grpc.server.errors import BadTransition, RowError
 from openenv_grpc.v1.session_pb2 import Frame
 
-__all__ = ["QUERIES", "Query", "wrong_type"]
+if TYPE_CHECKING:
+    from openenv_grpc.server.vector_batch import BatchStates
+
+__all__ = ["QUERIES", "AnswerTooLarge", "Query", "ReadsWithin", "wrong_type"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +36,31 @@ class Query:
     #: What the env returned -> the bytes its row carries.
     #: Raises BadTransition when the env broke its contract.
     encode: Callable[[Any, EnvironmentTypes], bytes]
+
+
+class AnswerTooLarge(Exception):
+    """A query's answers passed the room they were given: ``at_least`` bytes were read
+    when the envs stopped (a lower bound of the answer; none of them are kept), and
+    ``errors`` are the envs already known to have failed (their process lost, e.g.)."""
+
+    def __init__(self, at_least: int, errors: dict[int, RowError] | None = None) -> None:
+        super().__init__(f"the answers are at least {at_least} bytes")
+        self.at_least = at_least
+        self.errors: dict[int, RowError] = errors if errors is not None else {}
+
+
+@runtime_checkable
+class ReadsWithin(Protocol):
+    """Batch calls that bound a query's answers where the envs make them."""
+
+    async def query_within(self, name: str, indices: Sequence[int], room: int) -> BatchStates:
+        """Each env's answer to query ``name``, or its error, as ``query`` does.
+
+        Raises:
+            AnswerTooLarge: the answers passed ``room`` bytes (no env is read past that).
+            BatchRefused: the whole call failed (e.g. the server's byte budget is short).
+        """
+        ...
 
 
 def wrong_type(what: str, value: object, expected: type[Message]) -> str:

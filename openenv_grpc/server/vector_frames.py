@@ -16,10 +16,16 @@ unsigned). Snapshots are sealed and opened in the front, which keeps the bookkee
 carry: a ``VectorRestore`` frame carries each env's authenticated part as an unsigned
 ``SnapshotBody`` (its ``env_state`` and ``phase``), never bytes the client sent that the
 front did not check.
+
+A query of a vector stream carries its room (:func:`room_frame`): the bytes its answers
+may take, what is left of the message limit. The env process stops reading its envs once
+their answers pass it and answers only how many bytes that was (:data:`ROOM`), so an
+oversize query never makes either process hold much more than one message.
 """
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +39,7 @@ from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc.v1 import snapshot_pb2
 
 __all__ = [
+    "ROOM",
     "fill_errors",
     "fill_result",
     "fill_rows",
@@ -41,11 +48,17 @@ __all__ = [
     "read_errors",
     "read_outcome",
     "read_restore",
+    "read_room_frame",
     "read_rows",
     "reset_frame",
     "restore_frame",
+    "room_frame",
     "step_frame",
 ]
+
+#: A query's room (front -> env process, before the query), and the bytes an env
+#: process had read when its answers passed it (its whole answer then).
+ROOM = struct.Struct("<Q")
 
 
 # -- a batch's outcome in the wire's columns --------------------------------------------------
@@ -229,6 +242,18 @@ def query_frame(name: str, indices: Sequence[int]) -> bytes:
     command.SetInParent()
     command.indices.extend(indices)
     return request.SerializeToString()
+
+
+def room_frame(name: str, indices: Sequence[int], room: int) -> bytes:
+    """Query ``name`` for a sub-batch's local ``indices``, whose answers may take at most
+    ``room`` bytes: the room, then the query's frame (:func:`query_frame`)."""
+    return ROOM.pack(room) + query_frame(name, indices)
+
+
+def read_room_frame(payload: bytes) -> tuple[int, pb.VectorSessionRequest]:
+    """The env process's side of :func:`room_frame`: the room and the query."""
+    (room,) = ROOM.unpack_from(payload)
+    return room, pb.VectorSessionRequest.FromString(payload[ROOM.size :])
 
 
 def restore_frame(indices: Sequence[int], captured: Sequence[Captured]) -> bytes:

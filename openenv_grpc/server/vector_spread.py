@@ -27,6 +27,14 @@ promises: its own call past the step timeout is refused DEADLINE_EXCEEDED and a 
 made meanwhile (its next request waits for it; if none can be made, INTERNAL and the
 stream ends); losing its process any other way ends the stream ("session lost"), as the
 client cannot tell which of its requests took effect.
+
+A vector stream's query is read within the message limit (:meth:`query_within`): each
+block's frame carries the room, its env process stops reading its envs once their answers
+pass it, and each part that comes back is held against the server's byte budget (taken
+as it arrives, given back once the parts are one answer for the driver, or refused). The
+sum of the parts passing the room refuses the answer as too large (``AnswerTooLarge``: the
+driver answers the client as for envs in this process); the budget short refuses it
+RESOURCE_EXHAUSTED. Either way nothing else changes, and no part is kept.
 """
 
 from __future__ import annotations
@@ -37,25 +45,36 @@ import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import grpc
 
 from openenv_grpc.environment import AutoresetMode
 from openenv_grpc.server.backend import SessionLostError
+from openenv_grpc.server.budget import ByteBudget
 from openenv_grpc.server.calls import BatchRefused, ResetArgs, RestoreArgs, StepArgs
 from openenv_grpc.server.env_process import Op, Status
-from openenv_grpc.server.env_process_pool import CallTimedOut, CloseFailed, EnvProcessPool, Worker
+from openenv_grpc.server.env_process_pool import (
+    CallTimedOut,
+    Charge,
+    CloseFailed,
+    EnvProcessPool,
+    Payload,
+    Worker,
+)
 from openenv_grpc.server.errors import RowError
 from openenv_grpc.server.phases import SESSION_WORDS
+from openenv_grpc.server.queries import AnswerTooLarge
 from openenv_grpc.server.vector_batch import BatchOutcome, BatchStates
 from openenv_grpc.server.vector_frames import (
+    ROOM,
     query_frame,
     read_errors,
     read_outcome,
     read_rows,
     reset_frame,
     restore_frame,
+    room_frame,
     step_frame,
 )
 from openenv_grpc.v1 import session_pb2 as pb
@@ -68,6 +87,7 @@ _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 _DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
 _INTERNAL = grpc.StatusCode.INTERNAL.value[0]
 _FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION.value[0]
+_RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 
 
 @dataclass(slots=True)
@@ -222,13 +242,69 @@ class SpreadBatchCalls:
             if status is None:  # the block was lost: its envs are fresh ones now
                 out.errors.update(self._lost_rows(part, indices, payload))
                 continue
-            response = pb.VectorSessionResponse.FromString(payload)
-            if status != Status.ANSWER:
-                raise _refusal(status, response)
+            response = _read(status, payload)
+            if isinstance(response, BatchRefused):
+                raise response
             got = read_rows(response.snapshots, part[0].start)
             out.rows.extend(got.rows)
             out.states.extend(got.states)
             out.errors.update(got.errors)
+        return out
+
+    async def query_within(self, name: str, indices: Sequence[int], room: int) -> BatchStates:
+        """:meth:`query`, its answers within ``room`` bytes (see the module's docstring):
+        every block at once, each told the room; the answers in index order.
+
+        Raises:
+            AnswerTooLarge: the parts passed ``room`` bytes (with the envs found lost).
+            BatchRefused: the byte budget could not hold a part (RESOURCE_EXHAUSTED), or a
+                block's call failed as a whole.
+            SessionLostError: as :meth:`_call`.
+        """
+        lost: dict[int, RowError] = {}
+        parts = self._split(indices, lost)
+        gathered = _Gathered(room, self._pool.budget)
+        got: list[BatchStates | None] = [None] * len(parts)
+        refused: BatchRefused | None = None
+
+        async def one(k: int, part: _Part) -> None:
+            nonlocal refused
+            frame = room_frame(name, part[2], room)
+            status, payload = await self._call(name, part, frame, Op.QUERY, charge=gathered)
+            if status is None:  # the block was lost: its envs are fresh ones now
+                lost.update(self._lost_rows(part, indices, payload))
+            elif status == Status.TOO_LARGE:
+                gathered.seen += ROOM.unpack(payload)[0]
+            elif status == Status.UNKEPT:
+                pass  # not read: past the room, or the budget was short (gathered knows)
+            elif isinstance(response := _read(status, payload), BatchRefused):
+                refused = refused or response
+            elif not gathered.over:
+                del payload  # the rows are copied out of the parsed answer
+                got[k] = read_rows(response.snapshots, part[0].start)
+
+        try:
+            answers = await asyncio.gather(
+                *(one(k, part) for k, part in enumerate(parts)), return_exceptions=True
+            )
+        finally:
+            gathered.give(gathered.held)  # the parts are one answer now, or none
+        error: BaseException | None = next(
+            (a for a in answers if isinstance(a, BaseException)), refused
+        )
+        if error is None and gathered.short is not None:
+            error = _unkept(name, gathered.budget, *gathered.short)
+        if error is not None:
+            self._lost.update(lost)  # not told: the next call naming them is
+            raise error
+        if gathered.over:
+            raise AnswerTooLarge(gathered.seen, lost)
+        out = BatchStates(errors=lost)
+        for rows in got:
+            if rows is not None:
+                out.rows.extend(rows.rows)
+                out.states.extend(rows.states)
+                out.errors.update(rows.errors)
         return out
 
     async def restore(self, args: RestoreArgs) -> dict[int, RowError]:
@@ -256,9 +332,9 @@ class SpreadBatchCalls:
             if status is None:  # the block was lost: its envs are fresh ones now
                 errors.update(self._lost_rows(part, args.indices, payload))
                 continue
-            response = pb.VectorSessionResponse.FromString(payload)
-            if status != Status.ANSWER:
-                raise _refusal(status, response)
+            response = _read(status, payload)
+            if isinstance(response, BatchRefused):
+                raise response
             errors.update(read_errors(response.restored.errors, part[0].start))
         return errors
 
@@ -331,9 +407,9 @@ class SpreadBatchCalls:
             if status is None:
                 out.errors.update(self._lost_rows(part, indices, payload))
                 continue
-            response = pb.VectorSessionResponse.FromString(payload)
-            if status != Status.ANSWER:
-                refused = _refusal(status, response)
+            response = _read(status, payload)
+            if isinstance(response, BatchRefused):
+                refused = response
                 if len(parts) == 1:
                     raise refused
                 # Only a whole block failed (e.g. no env thread in time): its envs say so.
@@ -364,10 +440,19 @@ class SpreadBatchCalls:
             current[2].append(index - block.start)
         return parts
 
-    async def _call(self, what: str, part: _Part, frame: bytes) -> tuple[int | None, Any]:
-        """One block's call (``what``: its command): its status and payload, or (None,
-        the error of its envs) when its env process died or was stopped under it (the
-        block is rebuilt).
+    async def _call(
+        self,
+        what: str,
+        part: _Part,
+        frame: bytes,
+        op: int = Op.REQUEST,
+        *,
+        charge: Charge | None = None,
+    ) -> tuple[int | None, Any]:
+        """One block's call (``what``: its command; ``op``: its frame's operation): its
+        status and payload, or (None, the error of its envs) when its env process died or
+        was stopped under it (the block is rebuilt). With ``charge``, the answer is held
+        as :meth:`EnvProcessPool.call` says.
 
         Raises:
             SessionLostError: the block could not be rebuilt; or a Session's process was
@@ -385,7 +470,9 @@ class SpreadBatchCalls:
                     block.rebuilding = None
         worker, env_id = block.worker, block.env_id
         try:
-            return await self._pool.call(worker, env_id, Op.REQUEST, frame, envs=len(part[1]))
+            return await self._pool.call(
+                worker, env_id, op, frame, envs=len(part[1]), charge=charge
+            )
         except CallTimedOut as exc:  # this call's own block hung
             code, why = _DEADLINE_EXCEEDED, str(exc)
         except SessionLostError as exc:
@@ -480,8 +567,55 @@ class SpreadBatchCalls:
         return {indices[k]: error for k in part[1]}
 
 
-def _refusal(status: int, response: pb.VectorSessionResponse) -> BatchRefused:
-    """The whole-call refusal an env process answered."""
+class _Gathered:
+    """The parts of one query as they arrive (the charge of each part's call): an answer
+    is read only while the parts stay within the room and the byte budget takes its
+    bytes, held until the parts are one answer (:meth:`give`)."""
+
+    __slots__ = ("budget", "held", "room", "seen", "short")
+
+    def __init__(self, room: int, budget: ByteBudget | None) -> None:
+        self.room = room
+        self.budget = budget
+        #: Bytes the parts answered so far (read or not): a lower bound of the answer.
+        self.seen = 0
+        #: Bytes taken from the budget for the parts read.
+        self.held = 0
+        #: The budget could not take a part: the bytes it held then, and the part's.
+        self.short: tuple[int, int] | None = None
+
+    @property
+    def over(self) -> bool:
+        """The answer cannot be sent: past the room, or a part could not be held."""
+        return self.seen > self.room or self.short is not None
+
+    def admit(self, status: int, length: int) -> bool:
+        if status == Status.ANSWER:  # a refusal or "too large" is read whatever happened
+            self.seen += length
+            if self.over:
+                return False
+        if self.budget is not None and not self.budget.try_take(length):
+            self.short = (self.budget.used, length)
+            return False
+        self.held += length
+        return True
+
+    def give(self, length: int) -> None:
+        self.held -= length
+        if self.budget is not None and length:
+            self.budget.give(length)
+
+
+def _read(status: int, payload: Payload) -> pb.VectorSessionResponse | BatchRefused:
+    """A block's answer, or the whole-call refusal its env process answered (a block
+    closed under a queued frame answers that in plain text: the stream cannot go on)."""
+    if status == Status.UNDECODABLE:
+        why = payload.decode(errors="replace")
+        return BatchRefused(_UNAVAILABLE, f"{why}; nothing was done", ends=True)
+    # Parsed where it lies: the stubs say bytes, protobuf reads any buffer.
+    response = pb.VectorSessionResponse.FromString(cast(bytes, payload))
+    if status == Status.ANSWER:
+        return response
     flags = status - Status.CALL_REFUSED
     error = response.error
     return BatchRefused(
@@ -489,6 +623,18 @@ def _refusal(status: int, response: pb.VectorSessionResponse) -> BatchRefused:
         broken=bool(flags & 1), replaced=bool(flags & 2), saturated=bool(flags & 4),
         ends=bool(flags & 8),
     )  # fmt: skip
+
+
+def _unkept(name: str, budget: ByteBudget | None, held: int, part: int) -> BatchRefused:
+    """The refusal of a query whose answer the server's byte budget could not hold
+    (``held`` bytes were held for the server's clients when a ``part`` came)."""
+    total = 0 if budget is None else budget.total
+    return BatchRefused(
+        _RESOURCE_EXHAUSTED,
+        f"the {name} answers could not be held: the server held {held} of its {total} "
+        f"bytes for clients (--max-held-bytes) when {part} more came; nothing changed, "
+        "the session goes on: try again shortly, or name fewer envs",
+    )
 
 
 def _merge(out: BatchOutcome, part: BatchOutcome) -> None:
