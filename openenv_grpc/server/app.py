@@ -23,7 +23,6 @@ from grpc_reflection.v1alpha import reflection
 from openenv_grpc.metadata import SERVICE_NAME, serving_line
 from openenv_grpc.server.activity import Activity
 from openenv_grpc.server.auth import TokenAuthInterceptor
-from openenv_grpc.server.budget import ByteBudget
 from openenv_grpc.server.config import ENV_VARS, ServerConfig
 from openenv_grpc.server.env_process_pool import EnvProcessPool
 from openenv_grpc.server.env_threads import EnvThreadPool, Lifecycle
@@ -81,8 +80,8 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, Any]]:
         # gRPC cancels calls at random once more than its default 1,000 wait for the
         # application: a burst of session opens would see CANCELLED instead of either a
         # session or our RESOURCE_EXHAUSTED. Soft = hard: no random early drop below it.
-        ("grpc.server.max_pending_requests", config.max_pending_calls),
-        ("grpc.server.max_pending_requests_hard_limit", config.max_pending_calls),
+        ("grpc.server.max_pending_requests", config.pending_calls),
+        ("grpc.server.max_pending_requests_hard_limit", config.pending_calls),
         # ...and gRPC cancels a call that waits more than 30 s for the application (a
         # burst on a loaded machine): the client's own deadline decides how long it waits,
         # and what waits is bounded by the limit above.
@@ -171,17 +170,19 @@ class EnvServer:
         # Leftovers of a previous run go before any new instance competes for them.
         await asyncio.to_thread(reclaim_orphans_quietly, self.spec.env_class)
         # Auth first: a refused call is never read; an allowed unary one gets a deadline
-        # on its request's arrival (request_deadline.py).
-        interceptors: list[grpc.aio.ServerInterceptor] = (
-            [TokenAuthInterceptor(self.config.auth_token)] if self.config.auth_token else []
-        )
-        interceptors.append(UnaryRequestDeadline(self.config.request_arrival_timeout))
+        # on its request's arrival (request_deadline.py), and an outsider's (no valid
+        # token: health probes) is read only within the outsiders' budget (outsiders.py).
+        auth = TokenAuthInterceptor(self.config.auth_token) if self.config.auth_token else None
+        interceptors: list[grpc.aio.ServerInterceptor] = [auth] if auth else []
+        outsiders = OutsiderBudget(
+            self.config.outsider_held_bytes, self.config.request_limit,
+            auth.allows if auth else None, self.config.retry_pushback_ms,
+        )  # fmt: skip
+        interceptors.append(UnaryRequestDeadline(self.config.request_arrival_timeout, outsiders))
         limiter = SessionLimiter(self.config.capacity)
-        # One byte budget for the whole process: every holder of client bytes draws from it.
-        budget = ByteBudget(self.config.max_held_bytes)
         prometheus: PrometheusMetrics | None = None
         if self.config.metrics_port >= 0:
-            prometheus = PrometheusMetrics(limiter, self.spec.name, budget)
+            prometheus = PrometheusMetrics(limiter, self.spec.name)
             token = self.config.metrics_token or self.config.auth_token
             self._metrics_endpoint = MetricsEndpoint(prometheus.registry, token)
             host = self.config.metrics_host.strip("[]")
@@ -193,7 +194,7 @@ class EnvServer:
         self._sessions = SessionManager(
             self.spec, self.config, self._pool, limiter,
             activity=Activity(), prometheus=prometheus, lifecycle=self._lifecycle,
-            snapshots=self.snapshots, budget=budget,
+            snapshots=self.snapshots,
         )  # fmt: skip
         server = grpc.aio.server(options=grpc_options(self.config), interceptors=interceptors)
         add_env_service(EnvServicer(self._sessions, self._processes), server)
