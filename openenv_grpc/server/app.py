@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from openenv_grpc.metadata import SERVICE_NAME, serving_line
 from openenv_grpc.server.activity import Activity
 from openenv_grpc.server.auth import TokenAuthInterceptor
+from openenv_grpc.server.budget import ByteBudget
 from openenv_grpc.server.config import ENV_VARS, ServerConfig
 from openenv_grpc.server.env_process_pool import EnvProcessPool
 from openenv_grpc.server.env_threads import EnvThreadPool, Lifecycle
@@ -31,7 +32,6 @@ from openenv_grpc.server.limiter import SessionLimiter
 from openenv_grpc.server.metrics import PrometheusMetrics
 from openenv_grpc.server.metrics_endpoint import MetricsEndpoint
 from openenv_grpc.server.orphans import reclaim_orphans_quietly
-from openenv_grpc.server.outsiders import OutsiderBudget
 from openenv_grpc.server.request_deadline import UnaryRequestDeadline
 from openenv_grpc.server.runner import contain_tasks
 from openenv_grpc.server.service import EnvServicer, add_env_service
@@ -80,8 +80,8 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, Any]]:
         # gRPC cancels calls at random once more than its default 1,000 wait for the
         # application: a burst of session opens would see CANCELLED instead of either a
         # session or our RESOURCE_EXHAUSTED. Soft = hard: no random early drop below it.
-        ("grpc.server.max_pending_requests", config.pending_calls),
-        ("grpc.server.max_pending_requests_hard_limit", config.pending_calls),
+        ("grpc.server.max_pending_requests", config.max_pending_calls),
+        ("grpc.server.max_pending_requests_hard_limit", config.max_pending_calls),
         # ...and gRPC cancels a call that waits more than 30 s for the application (a
         # burst on a loaded machine): the client's own deadline decides how long it waits,
         # and what waits is bounded by the limit above.
@@ -170,31 +170,32 @@ class EnvServer:
         # Leftovers of a previous run go before any new instance competes for them.
         await asyncio.to_thread(reclaim_orphans_quietly, self.spec.env_class)
         # Auth first: a refused call is never read; an allowed unary one gets a deadline
-        # on its request's arrival (request_deadline.py), and an outsider's (no valid
-        # token: health probes) is read only within the outsiders' budget (outsiders.py).
-        auth = TokenAuthInterceptor(self.config.auth_token) if self.config.auth_token else None
-        interceptors: list[grpc.aio.ServerInterceptor] = [auth] if auth else []
-        outsiders = OutsiderBudget(
-            self.config.outsider_held_bytes, self.config.request_limit,
-            auth.allows if auth else None, self.config.retry_pushback_ms,
-        )  # fmt: skip
-        interceptors.append(UnaryRequestDeadline(self.config.request_arrival_timeout, outsiders))
+        # on its request's arrival (request_deadline.py).
+        interceptors: list[grpc.aio.ServerInterceptor] = (
+            [TokenAuthInterceptor(self.config.auth_token)] if self.config.auth_token else []
+        )
+        interceptors.append(UnaryRequestDeadline(self.config.request_arrival_timeout))
         limiter = SessionLimiter(self.config.capacity)
+        # One byte budget for the whole process: every holder of client bytes draws from it.
+        budget = ByteBudget(self.config.max_held_bytes)
         prometheus: PrometheusMetrics | None = None
         if self.config.metrics_port >= 0:
-            prometheus = PrometheusMetrics(limiter, self.spec.name)
+            prometheus = PrometheusMetrics(limiter, self.spec.name, budget)
             token = self.config.metrics_token or self.config.auth_token
             self._metrics_endpoint = MetricsEndpoint(prometheus.registry, token)
             host = self.config.metrics_host.strip("[]")
             self.metrics_port = await self._metrics_endpoint.start(host, self.config.metrics_port)
         if self.config.isolated:
             call_timeout = self.config.call_timeout(self.spec.env_class.step_timeout)
-            self._processes = EnvProcessPool(self.spec.factory, self.config.isolated, call_timeout)
+            self._processes = EnvProcessPool(
+                self.spec.factory, self.config.isolated, call_timeout,
+                max_env_bytes=self.config.max_env_bytes, budget=budget,
+            )  # fmt: skip
             self._processes.start()
         self._sessions = SessionManager(
             self.spec, self.config, self._pool, limiter,
             activity=Activity(), prometheus=prometheus, lifecycle=self._lifecycle,
-            snapshots=self.snapshots,
+            snapshots=self.snapshots, budget=budget,
         )  # fmt: skip
         server = grpc.aio.server(options=grpc_options(self.config), interceptors=interceptors)
         add_env_service(EnvServicer(self._sessions, self._processes), server)

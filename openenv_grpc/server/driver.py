@@ -41,7 +41,7 @@ from openenv_grpc.server.phases import (
     ended_phase,
     new_episode_id,
 )
-from openenv_grpc.server.queries import QUERIES
+from openenv_grpc.server.queries import QUERIES, AnswerTooLarge, ReadsWithin
 from openenv_grpc.server.snapshots import (
     Captured,
     SnapshotRefused,
@@ -326,9 +326,7 @@ class Driver:
                 message = words.row(index, words.nothing_to_capture[phases[index]])
                 errors[index] = RowError(_FAILED_PRECONDITION, message)
         got, payload = (
-            await self._states_within(capture, functools.partial(self._calls.query, "snapshot"))
-            if capture
-            else (BatchStates(), 0)
+            await self._states_within("snapshot", capture) if capture else (BatchStates(), 0)
         )
         errors.update(got.errors)
         self._forget_replaced(got.errors)
@@ -451,21 +449,29 @@ class Driver:
         )
         return dict.fromkeys(indices, error)
 
-    async def _states_within(
-        self,
-        indices: Sequence[int],
-        read: Callable[[Sequence[int]], Awaitable[BatchStates]],
-    ) -> tuple[BatchStates, int]:
-        """What ``read`` (one query over some envs) answers for ``indices``, and its
-        bytes, read no further than the message limit: a first call about a few envs
-        measures their answers' size, each next one names as many envs as would fit in
-        what is left of the limit at the largest answer seen, but never more than were
-        read so far (envs that failed or answered little say nothing of the others).
-        Once over the limit the envs not read yet are left alone, so one small request
-        never makes the envs build much more than one message of them (N envs' frames or
-        snapshots would be N times one): at most about twice the limit, or the envs read
-        so far again when the first ones answered little."""
-        limit, count = self._max_response, len(indices)
+    async def _states_within(self, name: str, indices: Sequence[int]) -> tuple[BatchStates, int]:
+        """What query ``name`` answers for ``indices``, and its bytes, read no further
+        than the message limit. Batch calls that read within a room themselves
+        (``ReadsWithin``: the env processes) are given the limit and read env by env;
+        here, a first call about a few envs measures their answers' size, each next one
+        names as many envs as would fit in what is left of the limit at the largest answer
+        seen, but never more than were read so far (envs that failed or answered little
+        say nothing of the others). Once over the limit the envs not read yet are left
+        alone, so one small request never makes the envs build much more than one message
+        of them (N envs' frames or snapshots would be N times one): at most about twice
+        the limit, or the envs read so far again when the first ones answered little.
+        Over the limit, the bytes returned are a lower bound (above the limit) and the
+        states may be missing."""
+        limit, count, calls = self._max_response, len(indices), self._calls
+        if limit is not None and isinstance(calls, ReadsWithin):
+            try:
+                states = await calls.query_within(name, indices, limit)
+            except AnswerTooLarge as over:
+                return BatchStates(errors=over.errors), over.at_least
+            return states, sum(map(len, states.states))
+        read: Callable[[Sequence[int]], Awaitable[BatchStates]] = functools.partial(
+            calls.query, name
+        )
         if limit is None or count <= _STATE_PROBE:
             states = await read(indices)
             return states, sum(map(len, states.states))
