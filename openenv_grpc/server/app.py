@@ -32,6 +32,7 @@ from openenv_grpc.server.limiter import SessionLimiter
 from openenv_grpc.server.metrics import PrometheusMetrics
 from openenv_grpc.server.metrics_endpoint import MetricsEndpoint
 from openenv_grpc.server.orphans import reclaim_orphans_quietly
+from openenv_grpc.server.outsiders import OutsiderBudget
 from openenv_grpc.server.request_deadline import UnaryRequestDeadline
 from openenv_grpc.server.runner import contain_tasks
 from openenv_grpc.server.service import EnvServicer, add_env_service
@@ -80,8 +81,8 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, Any]]:
         # gRPC cancels calls at random once more than its default 1,000 wait for the
         # application: a burst of session opens would see CANCELLED instead of either a
         # session or our RESOURCE_EXHAUSTED. Soft = hard: no random early drop below it.
-        ("grpc.server.max_pending_requests", config.max_pending_calls),
-        ("grpc.server.max_pending_requests_hard_limit", config.max_pending_calls),
+        ("grpc.server.max_pending_requests", config.pending_calls),
+        ("grpc.server.max_pending_requests_hard_limit", config.pending_calls),
         # ...and gRPC cancels a call that waits more than 30 s for the application (a
         # burst on a loaded machine): the client's own deadline decides how long it waits,
         # and what waits is bounded by the limit above.
@@ -170,11 +171,15 @@ class EnvServer:
         # Leftovers of a previous run go before any new instance competes for them.
         await asyncio.to_thread(reclaim_orphans_quietly, self.spec.env_class)
         # Auth first: a refused call is never read; an allowed unary one gets a deadline
-        # on its request's arrival (request_deadline.py).
-        interceptors: list[grpc.aio.ServerInterceptor] = (
-            [TokenAuthInterceptor(self.config.auth_token)] if self.config.auth_token else []
-        )
-        interceptors.append(UnaryRequestDeadline(self.config.request_arrival_timeout))
+        # on its request's arrival (request_deadline.py), and an outsider's (no valid
+        # token: health probes) is read only within the outsiders' budget (outsiders.py).
+        auth = TokenAuthInterceptor(self.config.auth_token) if self.config.auth_token else None
+        interceptors: list[grpc.aio.ServerInterceptor] = [auth] if auth else []
+        outsiders = OutsiderBudget(
+            self.config.outsider_held_bytes, self.config.request_limit,
+            auth.allows if auth else None, self.config.retry_pushback_ms,
+        )  # fmt: skip
+        interceptors.append(UnaryRequestDeadline(self.config.request_arrival_timeout, outsiders))
         limiter = SessionLimiter(self.config.capacity)
         # One byte budget for the whole process: every holder of client bytes draws from it.
         budget = ByteBudget(self.config.max_held_bytes)

@@ -1,7 +1,8 @@
 """Bearer-token authentication: a server interceptor that refuses calls without the token.
 
-Health checks are exempt so that load balancers and probes keep working. A refused
-Session never reaches the limiter, so no env is created and no slot is taken.
+Health checks are exempt so that load balancers and probes keep working; what their
+requests may hold is bounded by the outsiders' budget (outsiders.py). A refused Session
+never reaches the limiter, so no env is created and no slot is taken.
 """
 
 from __future__ import annotations
@@ -42,12 +43,13 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         if (
             handler is None
             or handler_call_details.method.startswith(self._exempt)
-            or self._allowed(handler_call_details.invocation_metadata)
+            or self.allows(handler_call_details.invocation_metadata)
         ):
             return handler
         return _refusing(handler)
 
-    def _allowed(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
+    def allows(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
+        """Whether ``metadata`` carries the token (an insider's call)."""
         for key, value in metadata or ():
             if key == AUTHORIZATION_KEY:
                 presented = value.encode() if isinstance(value, str) else value

@@ -26,6 +26,16 @@ _INT32_MAX = 2**31 - 1
 #: health and reflection calls, and for refused opens on their way out, while one
 #: client's connection holds every session.
 STREAM_HEADROOM = 32
+#: The default pending-call limit (docs/reliability.md, round three, row 4): a burst of
+#: opens four times the capacity, plus room, reaches the limiter, and so does issue 19's
+#: 4,000 opens at once whatever the capacity (15% to spare); each call grpc holds for a
+#: rapid-reset flood costs ~17 KiB (+82 MiB measured at 4,096, +139 MiB at 8,192)...
+PENDING_CALLS_PER_SESSION = 4
+PENDING_CALLS_HEADROOM = 512
+LEAST_PENDING_CALLS = 4608
+#: ...and at most what a 32,768-open burst needs (all of it when the capacity is
+#: unlimited): a flood then holds at most ~560 MiB, whatever the capacity.
+MOST_PENDING_CALLS = 32768
 #: Bytes of a message's room a snapshot leaves for the envelope around it (request id,
 #: episode id, field tags).
 SNAPSHOT_MARGIN = 1024
@@ -136,7 +146,7 @@ class ServerConfig:
     request_arrival_timeout: float = setting(
         10.0, variable="REQUEST_ARRIVAL_TIMEOUT", flag="--request-arrival-timeout", above=0,
         help="seconds the request of a unary call (Info, health Check and Watch) may take to "
-        "arrive",
+        "arrive (at most 1 s for a caller without a valid token)",
         details="grpc.aio reads such a request whole before answering, so a client that "
         "never sends its last bytes would hold up to `--max-message-bytes` for as long as "
         "it kept the connection; past this the call ends `DEADLINE_EXCEEDED` and what "
@@ -188,6 +198,18 @@ class ServerConfig:
         "`RESOURCE_EXHAUSTED` with pushback. One message up to `--max-message-bytes` "
         "always fits when nothing else is held. Sized for a 2-core, 24 GiB machine; "
         "what a request still arriving holds is bounded separately (docs/reliability.md)",
+    )  # fmt: skip
+    outsider_held_bytes: int = setting(
+        32 * 1024 * 1024, variable="OUTSIDER_HELD_BYTES", flag="--outsider-held-bytes",
+        minimum=64 * 1024, shown_default="`33554432` (32 MiB)",
+        help="request bytes that callers without a valid token (health probes; everyone "
+        "when `AUTH_TOKEN` is unset) may make the server buffer at once",
+        details="each read of such a unary request (health, Info) reserves the request "
+        "limit first, as gRPC grants a read the window its length prefix announces; "
+        "past the budget a newcomer pushes out the oldest read still arriving after "
+        "20 ms, or is refused `RESOURCE_EXHAUSTED` with pushback before a byte is read; "
+        "such a request must arrive within 1 s (`openenv_grpc/server/outsiders.py`). "
+        "Token-bearing calls never draw from it",
     )  # fmt: skip
     env_threads: int = setting(
         factory=_default_threads, variable="ENV_THREADS", flag="--env-threads", minimum=1,
@@ -359,7 +381,7 @@ class ServerConfig:
     max_streams_per_connection: int = setting(
         0, variable="MAX_STREAMS_PER_CONNECTION", flag="--max-streams-per-connection",
         minimum=0, maximum=_INT32_MAX,
-        shown_default="`0` (`MAX_PENDING_CALLS`, at least capacity + 32; no limit when "
+        shown_default="`0` (the pending-call limit, at least capacity + 32; no limit when "
         "capacity is unlimited)",
         help="HTTP/2 streams (sessions and other calls) one client connection may have open",
         details="grpc counts a stream against it until the server has let its call go, "
@@ -370,12 +392,16 @@ class ServerConfig:
         "connections together",
     )  # fmt: skip
     max_pending_calls: int = setting(
-        32768, variable="MAX_PENDING_CALLS", flag="--max-pending-calls",
-        minimum=1, maximum=_INT32_MAX,
+        0, variable="MAX_PENDING_CALLS", flag="--max-pending-calls",
+        minimum=0, maximum=_INT32_MAX,
+        shown_default="`0` (4 x capacity + 512 within `4608`..`32768`: `4608` at the "
+        "default capacity; `32768` when capacity is unlimited)",
         help="calls gRPC holds for the server before its handlers pick them up",
         details="beyond it gRPC itself refuses calls (not the limiter); it must cover the "
-        "largest burst of session opens expected at once (16,384 is tested) and bounds "
-        "what a rapid-reset flood over many connections costs (~17 KiB a held call)",
+        "largest burst of session opens expected at once (4,000 on one connection, "
+        "2,976 over four at capacity 100 and 16,384 at 4,096 are tested) and bounds what "
+        "a rapid-reset flood costs, whatever its connections (~17 KiB a held call: "
+        "~77 MiB at the default)",
     )  # fmt: skip
 
     def __post_init__(self) -> None:
@@ -389,16 +415,29 @@ class ServerConfig:
         return max(self.max_concurrent_envs, 0)
 
     @property
+    def pending_calls(self) -> int:
+        """The calls gRPC may hold for the handlers: ``max_pending_calls``, else 4 x
+        capacity + 512 within 4,608..32,768 (a burst of opens four times the capacity, or
+        of 4,000, reaches the limiter, while a rapid-reset flood holds at most ~17 KiB x
+        this), and 32,768 when the capacity is unlimited."""
+        if self.max_pending_calls:
+            return self.max_pending_calls
+        if not self.capacity:
+            return MOST_PENDING_CALLS
+        scaled = PENDING_CALLS_PER_SESSION * self.capacity + PENDING_CALLS_HEADROOM
+        return min(max(scaled, LEAST_PENDING_CALLS), MOST_PENDING_CALLS)
+
+    @property
     def streams_per_connection(self) -> int:
         """The HTTP/2 stream limit per connection (0: none): by default the pending-call
         limit, so that every open a connection can send reaches the limiter (admitted or
         RESOURCE_EXHAUSTED with pushback, never REFUSED_STREAM), and the server-wide bound
-        on held calls stays ``max_pending_calls``."""
+        on held calls stays :attr:`pending_calls`."""
         if self.max_streams_per_connection:
             return self.max_streams_per_connection
         if not self.capacity:
             return 0
-        return max(self.capacity + STREAM_HEADROOM, self.max_pending_calls)
+        return max(self.capacity + STREAM_HEADROOM, self.pending_calls)
 
     @property
     def address(self) -> str:

@@ -7,15 +7,21 @@ bytes holds up to ``--max-request-bytes`` for as long as it keeps the connection
 such methods as request-streaming calls that take their one request within
 ``--request-arrival-timeout`` seconds, or end with ``DEADLINE_EXCEEDED`` and let go of
 what arrived. Session and VectorSession streams have the idle timeout instead.
+
+An outsider's read (a caller without a valid token: every health call) also reserves the
+request limit from the outsiders' budget first, and gets at most
+:data:`~openenv_grpc.server.outsiders.OUTSIDER_ARRIVAL_SECONDS` (outsiders.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import grpc
+
+from openenv_grpc.server.outsiders import OUTSIDER_ARRIVAL_SECONDS, OutsiderBudget
 
 __all__ = ["UnaryRequestDeadline"]
 
@@ -26,10 +32,12 @@ if TYPE_CHECKING:  # generic only in the type stubs, not at run time
 
 
 class UnaryRequestDeadline(grpc.aio.ServerInterceptor):
-    """Serves every unary-request method with a deadline on its request's arrival."""
+    """Serves every unary-request method with a deadline on its request's arrival, and
+    outsiders' reads within their budget (None: no budget, every read is let in)."""
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self, seconds: float, outsiders: OutsiderBudget | None = None) -> None:
         self._seconds = seconds
+        self._outsiders = outsiders
 
     async def intercept_service(
         self,
@@ -41,32 +49,67 @@ class UnaryRequestDeadline(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or handler.request_streaming:
             return handler
-        return _bounded(handler, self._seconds)
+        outsiders = self._outsiders
+        if outsiders is None or not outsiders.is_outsider(handler_call_details):
+            return _bounded(handler, _Reader(self._seconds, None))
+        return _bounded(handler, _Reader(min(self._seconds, OUTSIDER_ARRIVAL_SECONDS), outsiders))
 
 
-async def _one_request(context: grpc.aio.ServicerContext[Any, Any], seconds: float) -> Any:
-    """The call's one request, or the call ended (DEADLINE_EXCEEDED / INVALID_ARGUMENT)."""
+class _Reader(NamedTuple):
+    """How a call's one request is read: within ``seconds``, inside ``outsiders``'
+    budget if it is an outsider's."""
+
+    seconds: float
+    outsiders: OutsiderBudget | None
+
+
+async def _one_request(context: grpc.aio.ServicerContext[Any, Any], reader: _Reader) -> Any:
+    """The call's one request, or the call ended (DEADLINE_EXCEEDED / INVALID_ARGUMENT,
+    RESOURCE_EXHAUSTED: no room in the outsiders' budget, or pushed out of it)."""
+    if reader.outsiders is None:
+        return await _read(context, reader.seconds, None)
+    async with reader.outsiders.reading(context) as pushed_out:
+        return await _read(context, reader.seconds, pushed_out)
+
+
+async def _read(
+    context: grpc.aio.ServicerContext[Any, Any],
+    seconds: float,
+    pushed_out: asyncio.Future[None] | None,
+) -> Any:
+    read = asyncio.ensure_future(context.read())
+    waits: set[asyncio.Future[Any]] = {read} if pushed_out is None else {read, pushed_out}
     try:
-        request = await asyncio.wait_for(context.read(), seconds)
-    except asyncio.TimeoutError:
+        done, _ = await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not read.done():  # timed out, pushed out, or the call itself was cancelled
+            read.cancel()
+    if read not in done:
+        if pushed_out is not None and pushed_out.done():
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "the request was still arriving when a newer unauthenticated call needed "
+                "its room; retry later",
+            )
         await context.abort(
             grpc.StatusCode.DEADLINE_EXCEEDED,
             f"the request did not arrive within {seconds:g} s",
         )
+    request = read.result()
     if request is grpc.aio.EOF:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call carried no request")
     return request
 
 
-def _bounded(handler: _Handler, seconds: float) -> _Handler:
-    """``handler`` as a request-streaming handler that waits ``seconds`` for its request."""
+def _bounded(handler: _Handler, reader: _Reader) -> _Handler:
+    """``handler`` as a request-streaming handler that reads its request with ``reader``."""
     # Any: the stubs type the behaviours as sync callables; on grpc.aio they are coroutines
     # (or async generators).
     if handler.unary_unary is not None:
         unary: Any = handler.unary_unary
 
         async def answer(_: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            return await unary(await _one_request(context, seconds), context)
+            return await unary(await _one_request(context, reader), context)
 
         return grpc.stream_unary_rpc_method_handler(
             answer,
@@ -76,7 +119,7 @@ def _bounded(handler: _Handler, seconds: float) -> _Handler:
     streaming: Any = handler.unary_stream
 
     async def answers(_: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
-        result = streaming(await _one_request(context, seconds), context)
+        result = streaming(await _one_request(context, reader), context)
         if hasattr(result, "__aiter__"):  # an async generator of answers
             async for response in result:
                 yield response

@@ -27,9 +27,6 @@ const (
 	admittedKey     = "openenv-env"
 	sessionIDKey    = "openenv-session-id"
 	retryPushbackMs = "grpc-retry-pushback-ms"
-	// infoKey: infoJSON asks for results' info as JSON text, its ints kept (see Info).
-	infoKey  = "openenv-info"
-	infoJSON = "json"
 )
 
 // EnvError is an in-band failure of one request; the session stays usable.
@@ -68,7 +65,7 @@ type Session struct {
 // other refusal.
 func Open(ctx context.Context, client pb.EnvServiceClient) (*Session, error) {
 	ctx, cancel := context.WithCancel(ctx)
-	stream, err := client.Session(metadata.AppendToOutgoingContext(ctx, infoKey, infoJSON))
+	stream, err := client.Session(ctx)
 	if err != nil {
 		cancel()
 		return nil, err
@@ -182,8 +179,7 @@ func (s *Session) Reset(seed int64, options proto.Message) (*pb.StepResult, erro
 	return resp.GetResult(), nil
 }
 
-// Step applies one action; unpack the result's Observation with its UnmarshalTo, read its
-// info with Info.
+// Step applies one action; unpack the result's Observation with its UnmarshalTo.
 func (s *Session) Step(action proto.Message) (*pb.StepResult, error) {
 	any, err := anypb.New(action)
 	if err != nil {
