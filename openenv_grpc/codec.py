@@ -1,4 +1,5 @@
-"""Typed payloads in and out of ``google.protobuf.Any``, and info maps in and out of Struct.
+"""Typed payloads in and out of ``google.protobuf.Any``, and info maps in and out of Struct
+and of JSON text (``info_json``: the form that keeps ints ints).
 
 The server, the clients and the console all pack and unpack payloads here, so the
 type-url rule lives in one place: we send ``type.googleapis.com/<full message name>``,
@@ -9,6 +10,7 @@ Packing writes the Any's two fields directly (cheaper than ``Any.Pack``).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
@@ -21,8 +23,12 @@ __all__ = [
     "PayloadError",
     "file_descriptor_set",
     "frame_array",
+    "info_from_json",
     "info_from_struct",
+    "info_of",
+    "info_to_json",
     "info_to_struct",
+    "infos_of",
     "pack",
     "type_name",
     "type_url",
@@ -115,6 +121,69 @@ def info_to_struct(info: Mapping[str, Any], target: struct_pb2.Struct) -> None:
     except (TypeError, ValueError):
         target.Clear()
         target.update({str(key): _jsonable(value) for key, value in info.items()})
+
+
+#: One encoder for every info: compact, and refusing NaN and infinities (JSON has none).
+_ENCODE = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+
+
+def info_to_json(info: Mapping[str, Any]) -> str | None:
+    """An env's info map as the text of a JSON object with its types kept (ints of any
+    size stay ints), or None when JSON cannot write it: a NaN or an infinity is in it
+    (send it as a Struct, which can).
+
+    As for the Struct, nothing is dropped: numpy scalars and arrays go through
+    ``tolist()``, keys become strings, any other object is sent as its ``repr``.
+    """
+    try:
+        return _ENCODE(info)
+    except ValueError:  # a non-finite float (or a cycle, which the Struct path refuses)
+        return None
+    except TypeError:  # numpy values, odd keys or objects: convert, then try again
+        try:
+            return _ENCODE({str(key): _jsonable(value) for key, value in info.items()})
+        except ValueError:
+            return None
+
+
+def info_from_json(text: str) -> dict[str, Any]:
+    """The info map of a result sent as JSON text (``info_json``), types kept.
+
+    Raises:
+        PayloadError: the text is not a JSON object.
+    """
+    try:
+        info = json.loads(text)
+    except ValueError as exc:
+        raise PayloadError(f"info_json is not valid JSON: {exc}") from None
+    if not isinstance(info, dict):
+        raise PayloadError(f"info_json must hold a JSON object, got {type(info).__name__}")
+    return info
+
+
+def info_of(struct: struct_pb2.Struct, text: str) -> dict[str, Any]:
+    """A result's info: from its JSON text when the server sent it (types kept), else from
+    its Struct (a server that predates ``info_json``, or an info holding NaN or infinity).
+
+    Raises:
+        PayloadError: the JSON text is not a JSON object.
+    """
+    return info_from_json(text) if text else info_from_struct(struct)
+
+
+def infos_of(
+    structs: Mapping[int, struct_pb2.Struct], texts: Mapping[int, str]
+) -> dict[int, dict[str, Any]]:
+    """A vector result's infos by env index, from both its maps (``infos`` and
+    ``infos_json``, or their ``final_`` pair): each index is in one of them.
+
+    Raises:
+        PayloadError: a JSON text is not a JSON object.
+    """
+    infos = {index: info_from_struct(info) for index, info in structs.items()}
+    for index, text in texts.items():
+        infos[index] = info_from_json(text)
+    return infos
 
 
 def _jsonable(value: Any) -> Any:

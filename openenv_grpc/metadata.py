@@ -14,6 +14,8 @@ __all__ = [
     "AUTORESET_KEY",
     "AUTORESET_VALUES",
     "BATCH_KEY",
+    "INFO_JSON",
+    "INFO_KEY",
     "NUM_ENVS_KEY",
     "PROTOCOL",
     "RETRY_PUSHBACK_KEY",
@@ -40,6 +42,14 @@ AUTORESET_VALUES = ("next_step", "same_step", "disabled")
 #: Initial-metadata key of an admitted VectorSession: ``native`` when the env answers the
 #: stream as one native batch (batch_action / batch_observation work), else ``loop``.
 BATCH_KEY = "openenv-batch"
+
+#: Call-metadata key of a Session or VectorSession open: the form of results' info the
+#: client reads. :data:`INFO_JSON` asks for ``info_json`` (JSON text, ints kept); absent
+#: or any other value: the ``google.protobuf.Struct`` every client reads.
+INFO_KEY = "openenv-info"
+
+#: The value of :data:`INFO_KEY` that asks for infos as JSON text.
+INFO_JSON = "json"
 
 #: Trailing-metadata key gRPC clients read as "retry after this many milliseconds".
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"

@@ -12,6 +12,7 @@ const path = require('path');
 const grpc = require('@grpc/grpc-js');
 const protoLoader = require('@grpc/proto-loader');
 const protobuf = require('protobufjs');
+const { INFO_JSON, INFO_KEY, infoOf, infosOf } = require('./info_json');
 
 /** The repo's proto/ folder; OPENENV_PROTO_DIR overrides it for a client copied elsewhere. */
 const PROTO_DIR = process.env.OPENENV_PROTO_DIR || path.resolve(__dirname, '..', '..', 'proto');
@@ -23,6 +24,13 @@ const RETRY_PUSHBACK_KEY = 'grpc-retry-pushback-ms';
 const NUM_ENVS_KEY = 'openenv-num-envs';
 const AUTORESET_KEY = 'openenv-autoreset';
 const BATCH_KEY = 'openenv-batch';
+
+/** Call metadata every stream opens with: infos as JSON text, so ints stay ints. */
+function openMetadata() {
+  const metadata = new grpc.Metadata();
+  metadata.set(INFO_KEY, INFO_JSON);
+  return metadata;
+}
 
 /** gRPC status code numbers to names, e.g. 8 -> "RESOURCE_EXHAUSTED". */
 const CODE_NAMES = Object.fromEntries(Object.entries(grpc.status).map(([k, v]) => [v, k]));
@@ -201,7 +209,7 @@ class Session extends Stream {
    * Throws CapacityError when the server is full, SessionLost on any other refusal.
    */
   static open(client, root, types) {
-    return Stream._admit(() => client.Session(), (call) => new Session(call, root, types));
+    return Stream._admit(() => client.Session(openMetadata()), (call) => new Session(call, root, types));
   }
 
   /**
@@ -221,7 +229,10 @@ class Session extends Stream {
     }
   }
 
-  /** Starts an episode; returns {observation, reward, terminated, truncated, episode_id, step_count}. */
+  /**
+   * Starts an episode; returns {observation, reward, terminated, truncated, episode_id,
+   * step_count, info}: info a plain object, its ints Numbers (BigInts beyond 2^53 - 1).
+   */
   async reset({ seed, episodeId, options } = {}) {
     const body = {};
     if (seed !== undefined) body.seed = seed;
@@ -275,7 +286,8 @@ class Session extends Stream {
   }
 
   _result({ result }) {
-    return { ...result, observation: this.unpack(result.observation) };
+    const { info_json: _text, ...rest } = result;
+    return { ...rest, observation: this.unpack(result.observation), info: infoOf(result) };
   }
 }
 
@@ -283,7 +295,8 @@ class Session extends Stream {
  * One VectorSession stream: numEnvs envs, indexed 0 .. numEnvs-1, admitted all or none.
  * Every call names the envs it is about with `indices` (increasing; omitted: all).
  * Results are columns, one row per env that answered (`indices`, `observations`,
- * `rewards`, `terminated`, `truncated`, `episode_ids`, `step_counts`, `autoreset`, ...);
+ * `rewards`, `terminated`, `truncated`, `episode_ids`, `step_counts`, `autoreset`, ...;
+ * `infos` and `final_infos` by env index, plain objects with their ints kept);
  * an env that failed has no row but an entry in `errors` (by index) and the others still
  * answer. A refused request (bad indices, wrong action count, ...) rejects with EnvError.
  */
@@ -299,7 +312,7 @@ class VectorSession extends Stream {
    * Throws CapacityError when numEnvs slots are not free, SessionLost on any other refusal.
    */
   static async open(client, root, types, numEnvs, { autoreset = 'next_step' } = {}) {
-    const metadata = new grpc.Metadata();
+    const metadata = openMetadata();
     metadata.set(NUM_ENVS_KEY, String(numEnvs));
     metadata.set(AUTORESET_KEY, autoreset);
     const stream = await Stream._admit(
@@ -343,7 +356,11 @@ class VectorSession extends Stream {
   _columns({ result }) {
     const observations = result.observations.map((any) => this.unpack(any));
     const autoreset = result.autoreset.length ? result.autoreset : result.indices.map(() => false);
-    return { ...result, observations, autoreset };
+    // Infos by env index, as plain objects (see info_json.js), whichever map they came in.
+    const { infos_json: _texts, final_infos_json: _finalTexts, ...rest } = result;
+    const infos = infosOf(result.infos, result.infos_json);
+    const final_infos = infosOf(result.final_infos, result.final_infos_json);
+    return { ...rest, observations, autoreset, infos, final_infos };
   }
 }
 

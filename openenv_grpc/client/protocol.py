@@ -32,7 +32,7 @@ from openenv_grpc.client.errors import (
 from openenv_grpc.client.fields import name_field_errors
 from openenv_grpc.client.notices import Draining, read_notice
 from openenv_grpc.client.outcome import Restored, StepOutcome
-from openenv_grpc.codec import PayloadError, info_from_struct, pack, type_name, unpack
+from openenv_grpc.codec import PayloadError, info_of, pack, type_name, unpack
 from openenv_grpc.metadata import ADMITTED_KEY, RETRY_PUSHBACK_KEY, SESSION_ID_KEY
 from openenv_grpc.v1 import session_pb2 as pb
 
@@ -239,7 +239,7 @@ class SessionProtocol(StreamProtocol):
             truncated=result.truncated,
             episode_id=result.episode_id,
             step_count=result.step_count,
-            info=info_from_struct(result.info),
+            info=info_of(result.info, result.info_json),
         )
 
     def snapshot_result(self, response: pb.SessionResponse) -> bytes:

@@ -47,6 +47,7 @@ from openenv_grpc.client.protocol import (
 )
 from openenv_grpc.client.recovery import RecoveringCalls, Recovery
 from openenv_grpc.client.retry import OpenRetry
+from openenv_grpc.metadata import INFO_JSON, INFO_KEY
 from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:  # typing.Self is 3.11+; only the type checker needs these
@@ -379,6 +380,7 @@ class StreamBase:
             *auth_metadata(options.get("token")),
             *options.get("metadata", ()),
             *self._open_metadata(),
+            (INFO_KEY, INFO_JSON),  # infos as JSON text: ints stay ints
         )
         recovery = options.get("recovery")
         self._core = SessionCore(

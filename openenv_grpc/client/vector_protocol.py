@@ -24,7 +24,7 @@ from openenv_grpc.client.protocol import (
     status_code,
 )
 from openenv_grpc.client.vector_outcome import VectorOutcome
-from openenv_grpc.codec import info_from_struct, type_url
+from openenv_grpc.codec import infos_of, type_url
 from openenv_grpc.v1 import session_pb2 as pb
 
 __all__ = [
@@ -259,16 +259,16 @@ class VectorProtocol(StreamProtocol):
             truncated=result.truncated[:],
             episode_ids=ids,
             step_counts=counts,
-            infos={index: info_from_struct(info) for index, info in result.infos.items()}
-            if result.infos
+            infos=infos_of(result.infos, result.infos_json)
+            if result.infos or result.infos_json
             else {},
             autoreset=autoreset,
             final_observations={
                 index: decode(o, "observation")
                 for index, o in zip(finals, result.final_observations, strict=False)
             },
-            final_infos={index: info_from_struct(i) for index, i in result.final_infos.items()}
-            if result.final_infos
+            final_infos=infos_of(result.final_infos, result.final_infos_json)
+            if result.final_infos or result.final_infos_json
             else {},
             errors=_errors(result.errors) if result.errors else {},
             batch_payload=result.batch_observation

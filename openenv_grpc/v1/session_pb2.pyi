@@ -514,6 +514,7 @@ class StepResult(_message.Message):
     EPISODE_ID_FIELD_NUMBER: _builtins.int
     STEP_COUNT_FIELD_NUMBER: _builtins.int
     INFO_FIELD_NUMBER: _builtins.int
+    INFO_JSON_FIELD_NUMBER: _builtins.int
     reward: _builtins.float
     """The reward for the step that led here; 0 after a reset."""
     terminated: _builtins.bool
@@ -524,13 +525,21 @@ class StepResult(_message.Message):
     """The id of the episode this result belongs to."""
     step_count: _builtins.int
     """Steps taken in this episode so far; 0 after a reset."""
+    info_json: _builtins.str
+    """The same info as the text of a JSON object, with its types kept: an int stays an int
+    (of any size), a float a float. Sent only to a client that opened its stream with the
+    openenv-info: json metadata, and only for an info JSON can write: one holding a NaN or
+    an infinity comes in `info` instead. Empty: read `info`.
+    """
     @_builtins.property
     def observation(self) -> _any_pb2.Any:
         """The observation, of the env's declared observation type."""
 
     @_builtins.property
     def info(self) -> _struct_pb2.Struct:
-        """Extra diagnostic data the environment returned, as JSON-like values."""
+        """Extra diagnostic data the environment returned, as JSON-like values (every number a
+        double). Empty when info_json carries the info.
+        """
 
     def __init__(
         self,
@@ -542,10 +551,11 @@ class StepResult(_message.Message):
         episode_id: _builtins.str = ...,
         step_count: _builtins.int = ...,
         info: _struct_pb2.Struct | None = ...,
+        info_json: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["info", b"info", "observation", b"observation"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["episode_id", b"episode_id", "info", b"info", "observation", b"observation", "reward", b"reward", "step_count", b"step_count", "terminated", b"terminated", "truncated", b"truncated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["episode_id", b"episode_id", "info", b"info", "info_json", b"info_json", "observation", b"observation", "reward", b"reward", "step_count", b"step_count", "terminated", b"terminated", "truncated", b"truncated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1461,6 +1471,46 @@ class VectorResult(_message.Message):
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
     @_typing.final
+    class InfosJsonEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.int
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.int = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class FinalInfosJsonEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.int
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.int = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
     class ErrorsEntry(_message.Message):
         DESCRIPTOR: _descriptor.Descriptor
 
@@ -1494,6 +1544,8 @@ class VectorResult(_message.Message):
     FINAL_OBSERVATIONS_FIELD_NUMBER: _builtins.int
     BATCH_FINAL_OBSERVATION_FIELD_NUMBER: _builtins.int
     FINAL_INFOS_FIELD_NUMBER: _builtins.int
+    INFOS_JSON_FIELD_NUMBER: _builtins.int
+    FINAL_INFOS_JSON_FIELD_NUMBER: _builtins.int
     ERRORS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def indices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -1531,7 +1583,9 @@ class VectorResult(_message.Message):
 
     @_builtins.property
     def infos(self) -> _containers.MessageMap[_builtins.int, _struct_pb2.Struct]:
-        """Extra data the env returned, for the rows that have any, keyed by env index."""
+        """Extra data the env returned, for the rows that have any, keyed by env index (those
+        not in infos_json).
+        """
 
     @_builtins.property
     def autoreset(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
@@ -1554,6 +1608,17 @@ class VectorResult(_message.Message):
         """Under SAME_STEP: the info of the last step of each episode that just ended, keyed by
         env index (only those that had one).
         """
+
+    @_builtins.property
+    def infos_json(self) -> _containers.ScalarMap[_builtins.int, _builtins.str]:
+        """Under openenv-info: json (see StepResult.info_json): the infos of `infos`, as JSON
+        object text with their types kept, keyed by env index; an info JSON cannot write (a NaN
+        or an infinity in it) stays in `infos`. An index is in one of the two maps at most.
+        """
+
+    @_builtins.property
+    def final_infos_json(self) -> _containers.ScalarMap[_builtins.int, _builtins.str]:
+        """The same for `final_infos`."""
 
     @_builtins.property
     def errors(self) -> _containers.MessageMap[_builtins.int, Global___Error]:
@@ -1581,11 +1646,13 @@ class VectorResult(_message.Message):
         final_observations: _abc.Iterable[_any_pb2.Any] | None = ...,
         batch_final_observation: _any_pb2.Any | None = ...,
         final_infos: _abc.Mapping[_builtins.int, _struct_pb2.Struct] | None = ...,
+        infos_json: _abc.Mapping[_builtins.int, _builtins.str] | None = ...,
+        final_infos_json: _abc.Mapping[_builtins.int, _builtins.str] | None = ...,
         errors: _abc.Mapping[_builtins.int, Global___Error] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["batch_final_observation", b"batch_final_observation", "batch_observation", b"batch_observation"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["autoreset", b"autoreset", "batch_final_observation", b"batch_final_observation", "batch_observation", b"batch_observation", "episode_ids", b"episode_ids", "errors", b"errors", "final_infos", b"final_infos", "final_observations", b"final_observations", "indices", b"indices", "infos", b"infos", "observations", b"observations", "rewards", b"rewards", "step_counts", b"step_counts", "terminated", b"terminated", "truncated", b"truncated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["autoreset", b"autoreset", "batch_final_observation", b"batch_final_observation", "batch_observation", b"batch_observation", "episode_ids", b"episode_ids", "errors", b"errors", "final_infos", b"final_infos", "final_infos_json", b"final_infos_json", "final_observations", b"final_observations", "indices", b"indices", "infos", b"infos", "infos_json", b"infos_json", "observations", b"observations", "rewards", b"rewards", "step_counts", b"step_counts", "terminated", b"terminated", "truncated", b"truncated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -27,6 +27,9 @@ const (
 	admittedKey     = "openenv-env"
 	sessionIDKey    = "openenv-session-id"
 	retryPushbackMs = "grpc-retry-pushback-ms"
+	// infoKey: infoJSON asks for results' info as JSON text, its ints kept (see Info).
+	infoKey  = "openenv-info"
+	infoJSON = "json"
 )
 
 // EnvError is an in-band failure of one request; the session stays usable.
@@ -65,7 +68,7 @@ type Session struct {
 // other refusal.
 func Open(ctx context.Context, client pb.EnvServiceClient) (*Session, error) {
 	ctx, cancel := context.WithCancel(ctx)
-	stream, err := client.Session(ctx)
+	stream, err := client.Session(metadata.AppendToOutgoingContext(ctx, infoKey, infoJSON))
 	if err != nil {
 		cancel()
 		return nil, err
@@ -179,7 +182,8 @@ func (s *Session) Reset(seed int64, options proto.Message) (*pb.StepResult, erro
 	return resp.GetResult(), nil
 }
 
-// Step applies one action; unpack the result's Observation with its UnmarshalTo.
+// Step applies one action; unpack the result's Observation with its UnmarshalTo, read its
+// info with Info.
 func (s *Session) Step(action proto.Message) (*pb.StepResult, error) {
 	any, err := anypb.New(action)
 	if err != nil {
