@@ -96,9 +96,10 @@ class StepArgs:
     #: The same actions as they came on the wire: Anys, or one Any in batch form.
     wire: Any
     batch_form: bool
-    #: Takes the outcome of a step the envs completed after its request was given up
-    #: (its stream ended meanwhile), so it is still booked and counted (the driver's).
-    orphaned: Callable[[BatchOutcome], None] | None = None
+    #: Takes the outcome (and seconds) of a step the envs completed after its request was
+    #: given up (its stream ended meanwhile), so it is still booked and counted (the
+    #: driver's).
+    orphaned: Callable[[BatchOutcome, float], None] | None = None
 
 
 @dataclass(slots=True)

@@ -91,9 +91,9 @@ class Driver:
     """The envs of one stream (``size`` of them) and their episodes."""
 
     __slots__ = (
-        "_calls", "_closing", "_held", "_max_response", "_metrics", "_mode", "_quiet", "_seal",
-        "_size", "_spec", "_steppable", "_words", "all", "ends", "episode_ids", "phases",
-        "step_counts",
+        "_calls", "_closing", "_held", "_max_response", "_metrics", "_mode", "_orphan",
+        "_quiet", "_seal", "_size", "_spec", "_steppable", "_words", "all", "ends",
+        "episode_ids", "phases", "step_counts",
     )  # fmt: skip
 
     def __init__(
@@ -139,6 +139,7 @@ class Driver:
         self._closing: int | None = None
         #: Counts the steps the envs completed after their request was given up.
         self._metrics = ORPHANED_STEPS.get()
+        self._orphan = self._orphaned  # bound once: every step hands it on
 
     @property
     def spec(self) -> EnvSpec:
@@ -255,7 +256,7 @@ class Driver:
         indices = args.indices
         # Should the stream end while the envs step, their steps are booked and counted
         # all the same (an env in a thread finishes its step); else its answer counts them.
-        args.orphaned = functools.partial(self._orphaned, started)
+        args.orphaned = self._orphan
         try:
             outcome = await self._calls.step(args) if indices else BatchOutcome()
         except BatchRefused as err:
@@ -264,11 +265,10 @@ class Driver:
         seconds = time.perf_counter() - started
         return outcome, self._book_step(outcome), seconds
 
-    def _orphaned(self, started: float, outcome: BatchOutcome) -> None:
-        """Book a step the envs completed after its request was given up, and count its
-        env steps in the session's metrics, as its answer would have been."""
+    def _orphaned(self, outcome: BatchOutcome, seconds: float) -> None:
+        """Book a step the envs completed (in ``seconds``) after its request was given up,
+        and count its env steps in the session's metrics, as its answer would have been."""
         stepped = self._book_step(outcome)
-        seconds = time.perf_counter() - started
         if stepped == 1:
             self._metrics.step(seconds)
         elif stepped:

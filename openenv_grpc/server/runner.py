@@ -49,8 +49,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Takes the result of a pooled call whose caller stopped waiting for it (see _hand_on).
-Orphaned = Callable[[Any], None]
+#: Takes the result of a pooled call whose caller stopped waiting for it, and the seconds
+#: the call took (see _hand_on).
+Orphaned = Callable[[Any, float], None]
 
 
 class PoolSaturated(Exception):
@@ -221,12 +222,13 @@ class EnvRunner:
             if group.inline:
                 return group.call_inline(method, *args, **kwargs)
             timed = group.pooled(method)
+            submitted = time.perf_counter()
             self._inflight = future = self._pool.submit(_here().run, timed.run, *args, **kwargs)
             try:
                 return await asyncio.wrap_future(future)
             except asyncio.CancelledError:
                 if orphaned is not None:
-                    _hand_on(future, self._loop, orphaned)
+                    _hand_on(future, self._loop, orphaned, submitted)
                 raise
             finally:
                 # A call that raised counts too; one the session stopped waiting for, not.
@@ -234,12 +236,13 @@ class EnvRunner:
                     timed.record()
         if mode is ExecutionMode.ASYNC:
             return await method(*args, **kwargs)  # cancelled with its caller: nothing runs on
+        submitted = time.perf_counter()
         self._inflight = future = self._pool.submit(_here().run, method, *args, **kwargs)
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
             if orphaned is not None:
-                _hand_on(future, self._loop, orphaned)
+                _hand_on(future, self._loop, orphaned, submitted)
             raise
 
     #: :meth:`_call` with env code's SystemExit and kin contained (``_contained``); the
@@ -284,6 +287,7 @@ class EnvRunner:
             except asyncio.TimeoutError:
                 raise TimeoutError(f"no answer within {timeout:g}s") from None
         submitted = time.monotonic()
+        began = time.perf_counter()
         self._inflight = future = self._pool.submit(_here().run, method, *args, **kwargs)
         waiter = asyncio.wrap_future(future)
         try:
@@ -301,7 +305,7 @@ class EnvRunner:
             return waiter.result()
         except asyncio.CancelledError:
             if orphaned is not None:
-                _hand_on(future, self._loop, orphaned)
+                _hand_on(future, self._loop, orphaned, began)
             raise
         finally:
             # Given up (timeout, saturation, the session cancelled): a call still queued
@@ -446,17 +450,20 @@ def _hand_on(
     future: concurrent.futures.Future[Any],
     loop: asyncio.AbstractEventLoop,
     orphaned: Orphaned,
+    submitted: float,
 ) -> None:
-    """The caller of the pooled call ``future`` was cancelled (its session ended) while
-    the call may still run: once it returns, hand its result to ``orphaned`` on ``loop``,
-    so that what the env did is still accounted for (a call that never ran, or raised,
-    hands on nothing). Its caller raised CancelledError, so it is handed on exactly once."""
+    """The caller of the pooled call ``future`` (submitted at ``perf_counter`` time
+    ``submitted``) was cancelled (its session ended) while the call may still run: once
+    it returns, hand its result and its seconds to ``orphaned`` on ``loop``, so that what
+    the env did is still accounted for (a call that never ran, or raised, hands on
+    nothing). Its caller raised CancelledError, so it is handed on exactly once."""
 
     def done(finished: concurrent.futures.Future[Any]) -> None:
         if finished.cancelled() or finished.exception() is not None:
             return
+        seconds = time.perf_counter() - submitted
         with contextlib.suppress(RuntimeError):  # the loop is closed: the process is exiting
-            loop.call_soon_threadsafe(orphaned, finished.result())
+            loop.call_soon_threadsafe(orphaned, finished.result(), seconds)
 
     future.add_done_callback(done)  # on the call's thread, or here if it is done already
 

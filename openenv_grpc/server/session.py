@@ -405,7 +405,7 @@ class SessionManager:
         """Answer requests until the stream ends; returns how it ended."""
         loop = asyncio.get_running_loop()
         read, write, handle, record = context.read, context.write, backend.handle, self._record
-        to_send, give = self._to_send, self.budget.give
+        max_response, take, give = self._max_response, self.budget.try_take, self.budget.give
         live.waiting_since = loop.time()
         while True:
             # Idle = waiting on the client: for its next request, or for it to take our
@@ -423,7 +423,11 @@ class SessionManager:
             except SessionLostError as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"session lost: {exc}")
             record(answer)
-            response, held = to_send(raw, answer.response, opening)  # type: ignore[arg-type]
+            response = answer.response
+            size = len(response)
+            held = size * _COPIES
+            if size > max_response or not take(held):  # else: held until written
+                response, held = self._to_send(raw, response, opening)  # type: ignore[arg-type]
             live.waiting_since = loop.time()
             try:
                 if live.side_write is not None:  # a notice is on its way: never overlap it
