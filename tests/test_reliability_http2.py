@@ -464,9 +464,9 @@ def test_outsiders_hold_at_most_their_budget(
     assert result["rss_growth_mib"] <= budget_mib + OUTSIDER_MARGIN_MIB
     assert result["server_alive"]
     honest = result["honest"]
-    # Honest probes are answered, but for one sent in the first 20 ms of a wave of opens
-    # (no read is old enough to push out yet): refused with pushback, at most 1 in 20
-    # (measured: 0-1 of ~60 in one wave, 3 of 88 under waves). deploy/envoy takes the rest.
+    # Honest probes are answered; one may be refused with pushback when every read in the
+    # budget is younger than 5 ms and stays so (measured: 0 of 78-117 per run, with waves
+    # too; 4-6 of ~150 when 32 connections churn, bench.hostile). deploy/envoy is the rest.
     probes = honest["answered"] + sum(honest["failed"].values())
     assert sum(honest["failed"].values()) <= max(1, probes // 20), honest
     assert set(honest["failed"]) <= {f"RESOURCE_EXHAUSTED: {OUTSIDERS_REFUSED}"}

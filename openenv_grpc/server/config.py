@@ -207,7 +207,8 @@ class ServerConfig:
         details="each read of such a unary request (health, Info) reserves the request "
         "limit first, as gRPC grants a read the window its length prefix announces; "
         "past the budget a newcomer pushes out the oldest read still arriving after "
-        "20 ms, or is refused `RESOURCE_EXHAUSTED` with pushback before a byte is read; "
+        "5 ms (waiting that long for one), or is refused `RESOURCE_EXHAUSTED` with "
+        "pushback before a byte is read; "
         "such a request must arrive within 1 s (`openenv_grpc/server/outsiders.py`). "
         "Token-bearing calls never draw from it",
     )  # fmt: skip

@@ -12,8 +12,8 @@ token) first reserves the request limit from this budget: the grant is by the an
 length, which the server cannot see before it reads, and the server has no per-method
 receive limit, so a smaller reservation would not be a bound. When the budget is used up,
 a newcomer from a connection that holds none of it takes the place of the oldest read
-that has waited at least :data:`EVICTABLE_AFTER_SECONDS` (that call ends
-``RESOURCE_EXHAUSTED``): an honest probe's request is in the server's buffers when its
+that has waited at least :data:`EVICTABLE_AFTER_SECONDS`, waiting that long for one (that
+call ends ``RESOURCE_EXHAUSTED``): an honest probe's request is in the server's buffers when its
 call starts and is read within a turn of the loop, so only a request that is still
 arriving is pushed out, and a flood of them cannot keep a probe on a connection of its own
 waiting (one connection's burst of streams takes one place, not all). Otherwise the call
@@ -43,7 +43,7 @@ __all__ = ["EVICTABLE_AFTER_SECONDS", "OUTSIDER_ARRIVAL_SECONDS", "OutsiderBudge
 #: ``--request-arrival-timeout`` says less). Health and Info requests are a few bytes.
 OUTSIDER_ARRIVAL_SECONDS = 1.0
 #: How long a read must have held its reservation before a newcomer may push it out.
-EVICTABLE_AFTER_SECONDS = 0.02
+EVICTABLE_AFTER_SECONDS = 0.005
 
 Metadata = Sequence[tuple[str, str | bytes]] | None
 
@@ -90,7 +90,7 @@ class OutsiderBudget:
         n = self._per_read
         peer = context.peer()
         if not self.budget.try_take(n):
-            if self._peers[peer] or not self._push_out_oldest():
+            if self._peers[peer] or not await self._make_room(n):
                 await self._refuse(context)
             # The pushed-out read gives its bytes back as it ends, within a loop turn.
             try:
@@ -110,15 +110,24 @@ class OutsiderBudget:
                 del self._peers[peer]
             self.budget.give(n)
 
-    def _push_out_oldest(self) -> bool:
-        """Tell the oldest read old enough to make room; False if there is none."""
-        oldest = asyncio.get_running_loop().time() - EVICTABLE_AFTER_SECONDS
-        for pushed_out, since in self._holders.items():
-            if since > oldest:
-                return False  # the rest are younger still
-            if not pushed_out.done():
+    async def _make_room(self, n: int) -> bool:
+        """Push out the oldest read that has held its bytes long enough, waiting for it
+        to be (at most :data:`EVICTABLE_AFTER_SECONDS`): True if ``n`` bytes are free
+        now or will be once it ends; False if no read can be pushed out."""
+        loop = asyncio.get_running_loop()
+        for second_look in (False, True):
+            if second_look and self.budget.fits(n):
+                return True  # room came back while we waited
+            oldest = next((item for item in self._holders.items() if not item[0].done()), None)
+            if oldest is None:
+                return False  # every holder is on its way out already, for others
+            pushed_out, since = oldest
+            wait = since + EVICTABLE_AFTER_SECONDS - loop.time()
+            if wait <= 0:
                 pushed_out.set_result(None)
                 return True
+            if not second_look:
+                await asyncio.sleep(wait)
         return False
 
     async def _refuse(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
