@@ -381,7 +381,8 @@ async def _block_answer(calls: LocalBatchCalls, spec: EnvSpec, payload: bytes) -
             new_ids = outcome.new_episode_ids
             autoreset = outcome.autoreset is not None
             ids = [new_ids.get(index, "") for index in outcome.rows] if autoreset else []
-            fill_result(response.result, outcome, spec.observation_url, ids, ())
+            # Infos as JSON text (types kept); the front answers each client's form.
+            fill_result(response.result, outcome, spec.observation_url, ids, (), info_json=True)
         elif command == "reset":
             reset = request.reset
             commands = reset.envs
@@ -400,7 +401,7 @@ async def _block_answer(calls: LocalBatchCalls, spec: EnvSpec, payload: bytes) -
                 reset.batch_observation,
             )
             outcome = await calls.reset(args_reset)
-            fill_result(response.result, outcome, spec.observation_url, (), ())
+            fill_result(response.result, outcome, spec.observation_url, (), (), info_json=True)
         elif command == "restore":  # authenticated by the front already
             indices, captured = read_restore(request.restore)
             failed = await calls.restore(RestoreArgs(indices, captured))

@@ -26,6 +26,8 @@ from openenv_grpc.metadata import (
     AUTORESET_KEY,
     AUTORESET_VALUES,
     BATCH_KEY,
+    INFO_JSON,
+    INFO_KEY,
     NUM_ENVS_KEY,
     PROTOCOL,
     SERVICE_NAME,
@@ -68,7 +70,9 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
         #: A measured env's batch calls, by N: measured apart from its single calls (a
         #: batch call costs N of them), shared by the streams of one size.
         self._placements: dict[int, CallPlacement] = {}
-        self._one_env = _SessionOpening(self)
+        # Per form of info the client reads (openenv-info): no allocation per open.
+        self._one_env = _SessionOpening(self, info_json=False)
+        self._one_env_json = _SessionOpening(self, info_json=True)
         # Everything but the capacity is fixed: build it once, copy it per call.
         self._info = pb.InfoResponse(
             env_name=spec.name,
@@ -105,7 +109,8 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
         context: _Context,
     ) -> None:
         # The manager reads with context.read(): cheaper than the async iterator.
-        await self._sessions.run(context, self._one_env)
+        json_info = reads_json_info(context.invocation_metadata())
+        await self._sessions.run(context, self._one_env_json if json_info else self._one_env)
 
     async def VectorSession(  # type: ignore[override]
         self,
@@ -116,7 +121,8 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
             size, autoreset = read_open(context.invocation_metadata(), self._max_envs)
         except ValueError as exc:
             await self._sessions.limiter.refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        await self._sessions.run(context, _VectorOpening(self, size, autoreset))
+        json_info = reads_json_info(context.invocation_metadata())
+        await self._sessions.run(context, _VectorOpening(self, size, autoreset, json_info))
 
     async def Info(
         self,
@@ -135,26 +141,30 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
 
     # -- what backs a stream's envs -------------------------------------------------------
 
-    async def open_session(self, held: Held) -> SessionBackend:
+    async def open_session(self, held: Held, info_json: bool = False) -> SessionBackend:
         """A fresh env for one Session: a block of one in an env process when isolated,
-        else a loop batch of one plain instance here."""
+        else a loop batch of one plain instance here (``info_json``: the client reads
+        infos as JSON text)."""
         manager = self._sessions
         if self._processes is not None:
             spread = await SpreadBatchCalls.open(
                 self._processes, 1, AutoresetMode.DISABLED, False, session=True
             )
-            return SessionView(manager.spec, spread, manager.snapshots)
+            return SessionView(manager.spec, spread, manager.snapshots, info_json)
         # From here the runner frees the session's slot: when its env is closed, when the
         # factory fails, or -- open cancelled -- once the factory returns and its env closes.
         held.owns_slot = False
         calls = await manager.local_calls(
             1, AutoresetMode.DISABLED, manager.spec.placement, SESSION_WORDS, native=False
         )
-        return SessionView(manager.spec, calls, manager.snapshots)
+        return SessionView(manager.spec, calls, manager.snapshots, info_json)
 
-    async def open_vector(self, held: Held, size: int, autoreset: AutoresetMode) -> VectorView:
+    async def open_vector(
+        self, held: Held, size: int, autoreset: AutoresetMode, info_json: bool = False
+    ) -> VectorView:
         """The envs of one VectorSession of ``size`` envs: its batch built here, or its
-        blocks spread over the env processes.
+        blocks spread over the env processes (``info_json``: the client reads infos as
+        JSON text).
 
         Raises:
             Exception: what building the envs raised.
@@ -171,7 +181,7 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
             manager.spec, size, autoreset, calls, VECTOR_WORDS, manager.snapshots,
             max_response=manager.config.max_message_bytes,
         )  # fmt: skip
-        return VectorView(driver)
+        return VectorView(driver, info_json)
 
     def _placement(self, size: int) -> CallPlacement | None:
         """Where a measured env's batch calls of ``size`` envs run (None: the pool, also
@@ -196,11 +206,12 @@ class _SessionOpening:
     request_class = pb.SessionRequest
     response_class = pb.SessionResponse
 
-    def __init__(self, service: EnvServicer) -> None:
+    def __init__(self, service: EnvServicer, info_json: bool) -> None:
         self._service = service
+        self._info_json = info_json
 
     async def open(self, held: Held) -> SessionBackend:
-        return await self._service.open_session(held)
+        return await self._service.open_session(held, self._info_json)
 
     def headers(self) -> tuple[tuple[str, str], ...]:
         return ()
@@ -212,8 +223,11 @@ class _VectorOpening:
     request_class = pb.VectorSessionRequest
     response_class = pb.VectorSessionResponse
 
-    def __init__(self, service: EnvServicer, size: int, autoreset: AutoresetMode) -> None:
+    def __init__(
+        self, service: EnvServicer, size: int, autoreset: AutoresetMode, info_json: bool
+    ) -> None:
         self._service = service
+        self._info_json = info_json
         self.slots = size
         #: Requests in flight at once on the stream (``--max-vector-in-flight``).
         self.in_flight = service._sessions.config.max_vector_in_flight
@@ -221,7 +235,9 @@ class _VectorOpening:
         self._view: VectorView | None = None
 
     async def open(self, held: Held) -> SessionBackend:
-        self._view = await self._service.open_vector(held, self.slots, self._autoreset)
+        self._view = await self._service.open_vector(
+            held, self.slots, self._autoreset, self._info_json
+        )
         return self._view
 
     def headers(self) -> tuple[tuple[str, str], ...]:
@@ -273,6 +289,17 @@ def read_open(metadata: Iterable[tuple[str, Any]] | None, most: int) -> tuple[in
             f"{AUTORESET_KEY} must be one of {', '.join(AUTORESET_VALUES)}, got {mode_text[:32]!r}"
         )
     return size, _MODES[mode_text.lower()]
+
+
+def reads_json_info(metadata: Iterable[tuple[str, Any]] | None) -> bool:
+    """Whether a stream's client asked for infos as JSON text (``openenv-info: json``); any
+    other value, or none, means the Struct every client reads (never refused: an old
+    server ignores the key too)."""
+    for name, value in metadata or ():
+        if name == INFO_KEY:
+            text = value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+            return text.strip().lower() == INFO_JSON
+    return False
 
 
 #: What N may look like: ASCII digits only (str.isdecimal would take " 8 " once stripped,

@@ -12,10 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 import grpc
-from google.protobuf import struct_pb2
 from google.protobuf.message import Message
 
-from openenv_grpc.codec import info_to_struct
 from openenv_grpc.environment import AutoresetMode
 from openenv_grpc.server.backend import Answer, Outcome, error_answer, parse_request
 from openenv_grpc.server.calls import BatchCalls, BatchRefused, ResetArgs, StepArgs
@@ -26,6 +24,7 @@ from openenv_grpc.server.phases import SESSION_WORDS, Phase, new_episode_id
 from openenv_grpc.server.snapshots import SnapshotSeal
 from openenv_grpc.server.spec import EnvSpec
 from openenv_grpc.server.vector_batch import BatchOutcome
+from openenv_grpc.server.vector_frames import info_text, struct_info
 from openenv_grpc.v1 import session_pb2 as pb
 
 __all__ = ["SessionView"]
@@ -51,12 +50,19 @@ class SessionView:
     """
 
     __slots__ = (
-        "_action_class", "_calls", "_driver", "_obs_url", "_options_class", "_state_url",
+        "_action_class", "_calls", "_driver", "_info_json", "_obs_url", "_options_class",
+        "_state_url",
     )  # fmt: skip
 
     def __init__(
-        self, spec: EnvSpec, calls: BatchCalls, snapshots: SnapshotSeal | None = None
+        self,
+        spec: EnvSpec,
+        calls: BatchCalls,
+        snapshots: SnapshotSeal | None = None,
+        info_json: bool = False,
     ) -> None:
+        #: The client reads info as JSON text (it opened with ``openenv-info: json``).
+        self._info_json = info_json
         # The session checks the serialized answer against the message limit itself.
         self._driver = Driver(spec, 1, AutoresetMode.DISABLED, calls, SESSION_WORDS, snapshots)
         self._calls = calls
@@ -192,10 +198,11 @@ class SessionView:
         result.step_count = driver.step_counts[0]
         info: Any = outcome.infos.get(0)
         if info:
-            if isinstance(info, struct_pb2.Struct):
-                result.info.CopyFrom(info)
+            text = info_text(info) if self._info_json else None
+            if text is not None:
+                result.info_json = text
             else:
-                info_to_struct(info, result.info)
+                struct_info(info, result.info)
 
 
 def _raise_row(errors: dict[int, RowError]) -> None:

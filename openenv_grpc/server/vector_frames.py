@@ -8,6 +8,8 @@ process the part of a request that concerns its sub-batch as a ``VectorSessionRe
 outcome in a ``VectorResult``, and the front reads it back (:func:`read_outcome`). Between
 front and env process, ``episode_ids`` holds only the ids of episodes the sub-batch
 autoreset ("" for the other rows) and ``step_counts`` is empty: the front keeps the books.
+Infos come back as JSON text where JSON can write them (types kept), and the front
+answers each client in the form it asked for at open (``openenv-info``).
 
 A per-env query (``queries.py``: state, snapshot) goes as its own command with local
 indices, and every query's answer comes back as a ``VectorSnapshots``: each env's encoded
@@ -31,7 +33,7 @@ from typing import Any
 
 from google.protobuf import any_pb2, struct_pb2
 
-from openenv_grpc.codec import info_to_struct
+from openenv_grpc.codec import info_from_json, info_to_json, info_to_struct
 from openenv_grpc.server.errors import RowError
 from openenv_grpc.server.snapshots import Captured
 from openenv_grpc.server.vector_batch import BatchOutcome, BatchStates
@@ -44,6 +46,7 @@ __all__ = [
     "fill_result",
     "fill_rows",
     "fill_states",
+    "info_text",
     "query_frame",
     "read_errors",
     "read_outcome",
@@ -54,6 +57,7 @@ __all__ = [
     "restore_frame",
     "room_frame",
     "step_frame",
+    "struct_info",
 ]
 
 #: A query's room (front -> env process, before the query), and the bytes an env
@@ -70,9 +74,11 @@ def fill_result(
     url: str,
     episode_ids: Sequence[str],
     step_counts: Sequence[int],
+    info_json: bool = False,
 ) -> None:
     """Copy ``outcome`` into ``result``: ``url`` is the observation type's, and the ids and
-    step counts are one per row (or empty)."""
+    step counts are one per row (or empty); ``info_json``: infos go to ``infos_json`` where
+    JSON can write them (the client asked for it, or this is an env process's answer)."""
     rows = outcome.rows
     result.indices.extend(rows)
     _put_observations(
@@ -85,7 +91,7 @@ def fill_result(
     result.episode_ids.extend(episode_ids)
     result.step_counts.extend(step_counts)
     if outcome.infos:
-        _fill_infos(result.infos, outcome.infos)
+        _fill_infos(result.infos, result.infos_json, outcome.infos, info_json)
     if outcome.autoreset is not None:
         result.autoreset.extend(outcome.autoreset)
         _put_observations(
@@ -93,14 +99,14 @@ def fill_result(
             outcome.batch_final_observation, outcome.final_observations, url,
         )  # fmt: skip
         if outcome.final_infos:
-            _fill_infos(result.final_infos, outcome.final_infos)
+            _fill_infos(result.final_infos, result.final_infos_json, outcome.final_infos, info_json)
     if outcome.errors:
         fill_errors(result.errors, outcome.errors)
 
 
 def read_outcome(result: pb.VectorResult, offset: int) -> BatchOutcome:
     """A sub-batch's outcome from its env process, with its indices moved by ``offset``
-    (infos stay ``Struct`` messages)."""
+    (infos stay ``Struct`` messages or JSON text, as sent)."""
     rows = [index + offset for index in result.indices]
     out = BatchOutcome(rows=rows)
     if result.HasField("batch_observation"):
@@ -110,7 +116,7 @@ def read_outcome(result: pb.VectorResult, offset: int) -> BatchOutcome:
     out.rewards = list(result.rewards)
     out.terminated = list(result.terminated)
     out.truncated = list(result.truncated)
-    out.infos = {index + offset: info for index, info in result.infos.items()}
+    out.infos = _read_infos(result.infos, result.infos_json, offset)
     if result.autoreset:
         out.autoreset = list(result.autoreset)
         out.new_episode_ids = {
@@ -122,7 +128,7 @@ def read_outcome(result: pb.VectorResult, offset: int) -> BatchOutcome:
             out.batch_final_observation = result.batch_final_observation.value
         else:
             out.final_observations = [payload.value for payload in result.final_observations]
-        out.final_infos = {index + offset: info for index, info in result.final_infos.items()}
+        out.final_infos = _read_infos(result.final_infos, result.final_infos_json, offset)
     out.errors = read_errors(result.errors, offset)
     return out
 
@@ -189,12 +195,44 @@ def _put_observations(
         add(type_url=url, value=value)
 
 
-def _fill_infos(target: Any, infos: dict[int, Any]) -> None:
+def info_text(info: Any) -> str | None:
+    """One row's info (an env's map, or what an env process sent: JSON text or a Struct)
+    as JSON text; None when it must go as a Struct (a NaN or an infinity in it)."""
+    if isinstance(info, str):
+        return info
+    if isinstance(info, struct_pb2.Struct):
+        return None
+    return info_to_json(info)
+
+
+def struct_info(info: Any, target: struct_pb2.Struct) -> None:
+    """One row's info (as for :func:`info_text`) into ``target``, for a client that reads
+    the Struct."""
+    if isinstance(info, str):  # JSON text from an env process
+        info_to_struct(info_from_json(info), target)
+    elif isinstance(info, struct_pb2.Struct):
+        target.CopyFrom(info)
+    else:
+        info_to_struct(info, target)
+
+
+def _fill_infos(structs: Any, texts: Any, infos: dict[int, Any], as_json: bool) -> None:
+    """Infos into a result's Struct map, or its JSON map where ``as_json`` and JSON can
+    write them (an index lands in one map only)."""
     for index, info in infos.items():
-        if isinstance(info, struct_pb2.Struct):  # read back from an env process
-            target[index].CopyFrom(info)
+        text = info_text(info) if as_json else None
+        if text is not None:
+            texts[index] = text
         else:
-            info_to_struct(info, target[index])
+            struct_info(info, structs[index])
+
+
+def _read_infos(structs: Any, texts: Any, offset: int) -> dict[int, Any]:
+    """An env process's infos (Structs and JSON text), indices moved by ``offset``."""
+    out: dict[int, Any] = {index + offset: info for index, info in structs.items()}
+    if texts:
+        out.update((index + offset, text) for index, text in texts.items())
+    return out
 
 
 # -- requests for a sub-batch -----------------------------------------------------------------

@@ -40,10 +40,12 @@ _EMPTY = "empty request: set one of " + ", ".join(
 class VectorView:
     """The request handler of one vector stream (``backend.SessionBackend``)."""
 
-    __slots__ = ("_action_url", "_driver", "_obs_url", "_spec", "_state_url")
+    __slots__ = ("_action_url", "_driver", "_info_json", "_obs_url", "_spec", "_state_url")
 
-    def __init__(self, driver: Driver) -> None:
+    def __init__(self, driver: Driver, info_json: bool = False) -> None:
         self._driver = driver
+        #: The client reads infos as JSON text (it opened with ``openenv-info: json``).
+        self._info_json = info_json
         spec = self._spec = driver.spec
         self._obs_url = spec.observation_url
         self._state_url = spec.state_url
@@ -296,7 +298,7 @@ class VectorView:
         rows = outcome.rows
         if len(rows) != driver.size:  # else rows are every env in order: the lists as they are
             ids, counts = [ids[i] for i in rows], [counts[i] for i in rows]
-        fill_result(result, outcome, self._obs_url, ids, counts)
+        fill_result(result, outcome, self._obs_url, ids, counts, self._info_json)
 
     def _answer(
         self,
