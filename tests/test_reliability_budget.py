@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.hostile import RssSampler, rss_mib
 from openenv_grpc.codec import pack
+from openenv_grpc.server.session import STALLED_AFTER
 from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
 from openenv_grpc_envs.echo import EchoAction, EchoEnv
@@ -218,5 +219,44 @@ def test_stalled_streams_together_hold_no_more_than_the_budget(start_server) -> 
     assert steps > 0
     assert len(states.states.states) == 2
     assert 2 * answer <= gauges["openenv_held_bytes_peak"] <= 2 * (answer + 1024)
+    server.wait_until(lambda: server.active() == 0, 30, "every slot")
+    assert _gauges(server)["openenv_held_bytes"] == 0
+
+
+def test_a_stream_that_takes_no_answer_gives_way_when_another_needs_the_bytes(
+    start_server,
+) -> None:
+    """The first stalled stream of the test above holds the whole budget; once its answer
+    has waited for its client longer than ``STALLED_AFTER`` and another stream's answer
+    needs the bytes, the stalled stream is ended (RESOURCE_EXHAUSTED, its envs closed)
+    and the other gets its states, instead of being refused until the idle timeout
+    (600 s) ends the stalled one (found by the attack on this round's budget)."""
+    budget = 1 << 20
+    server = start_server("echo", "--metrics-port", "0", "--max-held-bytes", str(budget))
+
+    async def attack() -> tuple[pb.VectorSessionResponse, grpc.aio.AioRpcError, int]:
+        first, second = StalledStream(server.target), StalledStream(server.target)
+        await first.fill()
+        answer = await second.fill()
+        await first.stall(20, 0.01)
+        await asyncio.to_thread(_until_held, server, 2 * answer)
+        # Time for the first stream's answer to count as stalled: a wait, not a measure.
+        await asyncio.sleep(STALLED_AFTER + 0.5)
+        states = await second.ask(_state())
+        try:
+            while True:  # whatever reached the client's window, then the status
+                await first.call.read()
+        except grpc.aio.AioRpcError as exc:
+            ended = exc
+        await first.channel.close()
+        await second.close()
+        return states, ended, answer
+
+    states, ended, _answer = asyncio.run(attack())
+    print(f"\nBUDGET stalled stream ended: {ended.code()} {ended.details()!r}")
+    assert len(states.states.states) == 2
+    assert ended.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "took none of its answers" in (ended.details() or "")
+    assert "ending a session whose client took no answer" in server.stderr()
     server.wait_until(lambda: server.active() == 0, 30, "every slot")
     assert _gauges(server)["openenv_held_bytes"] == 0

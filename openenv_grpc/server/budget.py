@@ -15,6 +15,7 @@ All calls happen on the server's event loop (one thread), so there are no locks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
 
 __all__ = ["ByteBudget"]
@@ -83,7 +84,9 @@ class ByteBudget:
             if waiter.done() and not waiter.cancelled():
                 self.give(n)  # granted as we were cancelled: hand it on
             else:
-                self._waiters.remove(entry)
+                # Still queued, unless _wake already dropped it as done (cancelled).
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(entry)
                 self._wake()
             raise
 

@@ -76,6 +76,14 @@ _COPIES = 2
 #: Answers this small go out even when the budget is short (not counted then): a stream
 #: holds at most its requests in flight of them, like the window gRPC keeps per stream.
 _SMALL = 64 * 1024
+#: Seconds an answer holding budget bytes may wait for its client to start taking it
+#: before the stream counts as stalled. A stalled stream is ended only when another
+#: stream's answer needs the bytes it holds: without that, a few clients that never read
+#: could keep the budget full until the idle timeout and refuse every neighbour's large
+#: answers. 16 MiB take well under a second on any link a trainer uses.
+STALLED_AFTER = 5.0
+#: Seconds an answer waits for bytes that stalled streams give back before it is refused.
+_BUDGET_WAIT = 1.0
 
 
 class _EndReason(enum.Enum):
@@ -83,14 +91,15 @@ class _EndReason(enum.Enum):
 
     IDLE = grpc.StatusCode.DEADLINE_EXCEEDED
     DRAIN = grpc.StatusCode.UNAVAILABLE
+    STALLED = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 class _LiveSession:
     """The handle the reaper and the drain use to reach a session from outside."""
 
     __slots__ = (
-        "context", "deferred", "end_reason", "noticed", "ready", "side_write", "task",
-        "waiting_since", "writing",
+        "context", "deferred", "end_reason", "holding", "noticed", "ready", "side_write",
+        "task", "unread_since", "waiting_since", "writing",
     )  # fmt: skip
 
     def __init__(self, task: asyncio.Task[object], context: _Context) -> None:
@@ -109,6 +118,11 @@ class _LiveSession:
         self.deferred: bytes | None = None
         self.side_write: asyncio.Task[None] | None = None
         self.noticed = False
+        #: Bytes this stream's answers hold against the byte budget now.
+        self.holding = 0
+        #: Loop time when the pending write began; None while none is pending (a client
+        #: that reads takes an answer at once).
+        self.unread_since: float | None = None
 
     def end(self, reason: _EndReason) -> None:
         if self.end_reason is None:
@@ -427,16 +441,20 @@ class SessionManager:
             size = len(response)
             held = size * _COPIES
             if size > max_response or not take(held):  # else: held until written
-                response, held = self._to_send(raw, response, opening)  # type: ignore[arg-type]
-            live.waiting_since = loop.time()
+                response, held = await self._to_send(raw, response, opening)  # type: ignore[arg-type]
+            now = live.waiting_since = loop.time()
+            live.holding = held
             try:
                 if live.side_write is not None:  # a notice is on its way: never overlap it
                     await live.side_write
                     live.side_write = None
                 live.writing = True
+                live.unread_since = now
                 await write(response)
                 live.writing = False
             finally:
+                live.unread_since = None
+                live.holding = 0
                 give(held)
             if answer.ends:
                 return "closed"  # nothing may follow the answer to a close
@@ -464,7 +482,9 @@ class SessionManager:
             for code in answer.env_errors:
                 self._metrics.request_error(code)
 
-    def _to_send(self, raw: bytes, response: bytes, opening: StreamOpening) -> tuple[bytes, int]:
+    async def _to_send(
+        self, raw: bytes, response: bytes, opening: StreamOpening
+    ) -> tuple[bytes, int]:
         """What to write for the answer ``response`` to ``raw``, and the bytes taken from
         the budget for it (give them back once the write is done, or given up): the answer
         itself while it fits the message limit and the budget (or is small: see
@@ -475,12 +495,19 @@ class SessionManager:
             # gRPC would end the stream; fail this request instead.
             return self._too_large(raw, size, opening), 0
         held = size * _COPIES
-        if self.budget.try_take(held):
+        budget = self.budget
+        if budget.try_take(held):
             return response, held
         if size <= _SMALL:
             # A budget full of stalled readers' answers must not stop every neighbour's
             # steps: a small answer goes out uncounted (bounded per stream, as gRPC's own).
             return response, 0
+        # Held bytes are on their way back (answers being written, stalled streams
+        # ended here unwinding): wait for them a moment rather than refuse at once.
+        self._end_stalled()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(budget.take(held), _BUDGET_WAIT)
+            return response, held
         return self._unheld(raw, size, opening), 0
 
     def _too_large(self, raw: bytes, size: int, opening: StreamOpening) -> bytes:
@@ -564,7 +591,30 @@ class SessionManager:
     def _end_message(self, reason: _EndReason) -> str:
         if reason is _EndReason.IDLE:
             return f"session idle for more than {self.config.idle_timeout:g}s: environment closed"
+        if reason is _EndReason.STALLED:
+            return (
+                f"the client took none of its answers for more than {STALLED_AFTER:g}s while "
+                "other sessions needed the memory they held (--max-held-bytes): session "
+                "ended and environment closed"
+            )
         return "server is draining: session ended and environment closed"
+
+    def _end_stalled(self) -> bool:
+        """End every stream whose answers hold budget bytes and have waited for their
+        client longer than :data:`STALLED_AFTER`; returns whether any was ended. Their
+        bytes come back as their tasks unwind."""
+        cutoff = asyncio.get_running_loop().time() - STALLED_AFTER
+        ended = False
+        for live in self._live:
+            since = live.unread_since
+            if live.holding and since is not None and since < cutoff and live.end_reason is None:
+                log.warning(
+                    "ending a session whose client took no answer for %.0fs: %d bytes held",
+                    STALLED_AFTER, live.holding,
+                )  # fmt: skip
+                live.end(_EndReason.STALLED)
+                ended = True
+        return ended
 
     # -- reclaiming sessions ---------------------------------------------------------
 
@@ -820,29 +870,38 @@ class _Pipelined:
                 response = manager._too_large(raw, len(response), self._opening)
             self._end("ends", response)
             return
-        response, held = manager._to_send(raw, answer.response, self._opening)
+        response = answer.response
+        size = len(response)
+        held = size * _COPIES
+        if size > manager._max_response or not self._budget.try_take(held):
+            response, held = await manager._to_send(raw, response, self._opening)
         del answer  # the bytes to send are ``response`` now
-        self._held += held
+        live.holding = self._held = self._held + held
         if held > self._largest:
             self._largest = held
         try:
-            await self._write(response)
+            await self._write(response, held)
         finally:
-            self._held -= held
+            live.holding = self._held = self._held - held
             self._budget.give(held)
 
-    async def _write(self, response: bytes) -> None:
-        """Write one answer; never two writes at once (a drain notice included)."""
+    async def _write(self, response: bytes, held: int = 0) -> None:
+        """Write one answer (``held``: the budget bytes it holds); never two writes at
+        once (a drain notice included)."""
         live, write = self.live, self._context.write
         async with self._lock:
             if live.side_write is not None:  # a notice is on its way: never overlap it
                 await live.side_write
                 live.side_write = None
             live.writing = True
+            # Any write, small or not: a client that takes none holds every answer queued
+            # behind it on the lock (``live.holding``).
+            live.unread_since = self._loop.time()
             try:
                 await write(response)
             finally:
                 live.writing = False
+                live.unread_since = None
             if live.deferred is not None:  # a notice arrived during our write
                 notice, live.deferred = live.deferred, None
                 live.writing = True
