@@ -238,7 +238,7 @@ def _start_openenv_gateway(port: int, config: ServerConfig) -> ServerConfig:
     loopback = "[::1]" if host.startswith("[") else "127.0.0.1"
     if host not in ("0.0.0.0", "[::]", ""):
         loopback = host
-    start_gateway(f"{loopback}:{config.port}", host, port, config.auth_token or None)
+    start_gateway(f"{loopback}:{config.port}", host, port, config.auth_token or None, config=config)
     return config
 
 

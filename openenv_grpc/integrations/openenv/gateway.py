@@ -19,16 +19,28 @@ error is an error frame, and the session goes on, as with OpenEnv.
 Differences from OpenEnv (documented in docs/from-openenv.md's list): reset keyword
 arguments the env does not take are refused (``VALIDATION_ERROR`` naming them), where
 OpenEnv drops them silently; enums are sent and read by their protobuf names.
+
+Bounds (issue 37; docs/reliability.md, "The OpenEnv door under attack"): with
+``AUTH_TOKEN`` every route but ``/health`` and every WebSocket wants the token, checked
+before a byte of a body is read; a held session's id is a random capability of its own
+(not the gRPC session id the server logs), bound to the token that made it; bodies and
+messages are capped at the server's request limit, permessage-deflate is off, silent
+connections are closed (:mod:`.gateway_limits`); calls on one held session are answered
+one at a time; held sessions left idle are closed; a drain closes every WebSocket with
+close code 1012 before the process exits.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import hashlib
 import hmac
 import json
 import logging
 import os
+import secrets
 import socket
 import sys
 import threading
@@ -42,6 +54,8 @@ import uvicorn
 from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse
 from google.protobuf import json_format
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from starlette.requests import ClientDisconnect
 
 from openenv_grpc.client import AsyncSession, CapacityError, EnvError, OpenEnvError, SessionLost
 from openenv_grpc.client.channel import aio_channel
@@ -49,6 +63,7 @@ from openenv_grpc.client.errors import SessionRefused
 from openenv_grpc.client.info import message_classes
 from openenv_grpc.codec import value_to_python
 from openenv_grpc.integrations.json_view import JsonViewError, from_json, to_json
+from openenv_grpc.integrations.openenv.gateway_limits import GatewayLimits, uvicorn_settings
 from openenv_grpc.integrations.trl.tools import find_tool_fields
 from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
@@ -67,8 +82,35 @@ _SESSION_KEYS = ("seed", "episode_id")
 _VALIDATION = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION}
 
 
+#: WebSocket close codes (RFC 6455): policy (no token), going away (idle), restart (drain).
+_CLOSE_POLICY, _CLOSE_IDLE, _CLOSE_DRAIN = 1008, 1001, 1012
+
+_UNAUTHORIZED = {"detail": "missing or wrong bearer token"}
+
+
 def _error(code: str, message: str, **extra: Any) -> str:
     return json.dumps({"type": "error", "data": {"message": message, "code": code, **extra}})
+
+
+def short_id(session_id: str) -> str:
+    """What logs may show of a session id (a capability): a hash prefix, never the id."""
+    return hashlib.sha256(session_id.encode()).hexdigest()[:8]
+
+
+@dataclasses.dataclass(eq=False)
+class _Held:
+    """A session made by ``openenv/session/create``: its owner's credentials (a digest of
+    the token that made it), a lock answering its calls one at a time, and when it was
+    last used (held sessions left idle past ``--idle-timeout`` are closed)."""
+
+    session: Any
+    owner: bytes
+    lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+    last_used: float = 0.0
+
+
+def _owner(token: str | None) -> bytes:
+    return hashlib.sha256((token or "").encode()).digest()
 
 
 class OpenEnvGateway:
@@ -81,10 +123,17 @@ class OpenEnvGateway:
             it as a bearer token, and WebSockets pass the client's on to gRPC.
     """
 
-    def __init__(self, target: str, info: pb.InfoResponse, token: str | None = None) -> None:
+    def __init__(
+        self,
+        target: str,
+        info: pb.InfoResponse,
+        token: str | None = None,
+        limits: GatewayLimits | None = None,
+    ) -> None:
         self.target = target
         self.info = info
         self.token = token
+        self.limits = limits or GatewayLimits()
         classes = message_classes(info)
         self._action = classes["action"]
         self._reset_options = classes.get("reset_options")
@@ -94,14 +143,25 @@ class OpenEnvGateway:
             (AsyncSession[roles],),  # type: ignore[valid-type,misc]
         )
         self._channel: grpc.aio.Channel | None = None
-        #: Sessions made by ``openenv/session/create`` over HTTP /mcp, by id: MCP calls
-        #: and a WebSocket opened with ``?session_id=`` share them until
-        #: ``openenv/session/close`` (MCPToolClient's production mode).
-        self._held: dict[str, Any] = {}
+        #: Sessions made by ``openenv/session/create`` over HTTP /mcp, by a random id of
+        #: their own: MCP calls and a WebSocket opened with ``?session_id=`` share them
+        #: until ``openenv/session/close`` or the idle timeout (MCPToolClient's
+        #: production mode).
+        self._held: dict[str, _Held] = {}
+        #: Open WebSockets: a drain closes each with a close frame.
+        self._sockets: set[WebSocket] = set()
+        self.draining = False
         self._tool_fields = find_tool_fields(
             classes["action"].DESCRIPTOR, classes["observation"].DESCRIPTOR
         )
-        self.app = FastAPI(title=f"{info.env_name} (openenv-grpc)", version=info.env_version)
+        # No /docs, /redoc, /openapi.json: they answered without a token (issue 37).
+        self.app = FastAPI(
+            title=f"{info.env_name} (openenv-grpc)",
+            version=info.env_version,
+            docs_url=None,
+            redoc_url=None,
+            openapi_url=None,
+        )
         self._routes()
 
     @property
@@ -128,7 +188,7 @@ class OpenEnvGateway:
         @app.get("/metadata")
         async def metadata(request: Request) -> Any:
             if not self._authorized(request.headers.get("authorization")):
-                return JSONResponse({"detail": "missing or wrong bearer token"}, 401)
+                return JSONResponse(_UNAUTHORIZED, 401)
             return {
                 "name": self.info.env_name,
                 "description": f"{self.info.env_name}, served by openenv-grpc",
@@ -141,7 +201,7 @@ class OpenEnvGateway:
         @app.get("/schema")
         async def schema(request: Request) -> Any:
             if not self._authorized(request.headers.get("authorization")):
-                return JSONResponse({"detail": "missing or wrong bearer token"}, 401)
+                return JSONResponse(_UNAUTHORIZED, 401)
             classes = message_classes(self.info)
             return {
                 "action": _json_schema(classes["action"].DESCRIPTOR),
@@ -152,9 +212,14 @@ class OpenEnvGateway:
 
         @app.post("/mcp")
         async def mcp(request: Request) -> Any:
+            if not self._authorized(request.headers.get("authorization")):
+                return JSONResponse(_UNAUTHORIZED, 401)  # before a byte of the body
+            body = await self._body(request)
+            if isinstance(body, JSONResponse):
+                return body
             try:
-                call = json.loads(await request.body())
-            except json.JSONDecodeError:
+                call = json.loads(body)
+            except (ValueError, RecursionError):  # not JSON, 5,000 digits, too deep
                 return _rpc_error(None, -32700, "Parse error")
             if not isinstance(call, dict) or not isinstance(call.get("method"), str):
                 return _rpc_error(None, -32600, "Invalid request")
@@ -164,25 +229,130 @@ class OpenEnvGateway:
         async def ws(websocket: WebSocket) -> None:
             await self._serve_socket(websocket)
 
+    async def _body(self, request: Request) -> bytes | JSONResponse:
+        """The request's body, or the HTTP error ending it: 413 past the request limit
+        (by its Content-Length before reading, else as it arrives), 408 if it does not
+        arrive within the arrival timeout."""
+        limit = self.limits.request_bytes
+        too_large = JSONResponse({"detail": f"body larger than the limit of {limit} bytes "
+                                  "(--max-request-bytes)"}, 413)  # fmt: skip
+        declared = request.headers.get("content-length", "")
+        if declared.strip().isdigit() and int(declared) > limit:
+            return too_large
+        body = bytearray()
+
+        async def read() -> bool:
+            async for chunk in request.stream():
+                body.extend(chunk)
+                if len(body) > limit:
+                    return False
+            return True
+
+        try:
+            if not await asyncio.wait_for(read(), self.limits.arrival_timeout):
+                return too_large
+        except asyncio.TimeoutError:
+            return JSONResponse({"detail": "the body did not arrive within "
+                                 f"{self.limits.arrival_timeout:g}s"}, 408)  # fmt: skip
+        except ClientDisconnect:
+            return JSONResponse({"detail": "the client went"}, 400)
+        return bytes(body)
+
+    def _find(self, session_id: Any, token: str | None) -> _Held | None:
+        """The held session ``session_id`` if ``token`` made it; None as for an unknown
+        id otherwise (no answer tells an outsider whether an id exists)."""
+        held = self._held.get(str(session_id or ""))
+        if held is None or not hmac.compare_digest(held.owner, _owner(token)):
+            return None
+        return held
+
+    async def _let_go(self, session_id: str, held: _Held) -> None:
+        """Forget and close a held session (exactly once: whoever pops it closes it)."""
+        if self._held.get(session_id) is held:
+            del self._held[session_id]
+            with contextlib.suppress(Exception):
+                await held.session.close()
+            if held.session.is_open:
+                await held.session.abort()
+
+    async def reap_idle(self) -> None:
+        """Close held sessions left idle past the idle timeout, forever (the server has
+        ended their gRPC streams by then: only the handle would be left)."""
+        idle = self.limits.idle_timeout
+        if idle <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(min(max(idle / 4, 0.05), 5.0))
+            now = loop.time()
+            for session_id, held in list(self._held.items()):
+                if not held.lock.locked() and now - held.last_used > idle:
+                    log.info("held OpenEnv session %s idle: closed", short_id(session_id))
+                    await self._let_go(session_id, held)
+
+    async def watch_drain(self, server: uvicorn.Server) -> None:
+        """When the gRPC server drains (its health turns NOT_SERVING, or goes): stop
+        accepting, and close every WebSocket with 1012 just before the grace ends."""
+        metadata = (("authorization", f"Bearer {self.token}"),) if self.token else ()
+        stub: Any = health_pb2_grpc.HealthStub(self.channel)
+        serving = health_pb2.HealthCheckResponse.SERVING
+        request = health_pb2.HealthCheckRequest()
+        while True:
+            try:
+                async for answer in stub.Watch(request, metadata=metadata):
+                    if answer.status != serving:
+                        break
+                else:  # the watch ended with no answer: watch again
+                    await asyncio.sleep(1.0)
+                    continue
+                break
+            except grpc.RpcError:  # a broken watch is a drain only if Check says so
+                try:
+                    answer = await stub.Check(request, metadata=metadata, timeout=5.0)
+                except grpc.RpcError:
+                    break
+                if answer.status != serving:
+                    break
+                await asyncio.sleep(1.0)
+        self.draining = True
+        for listener in server.servers:
+            listener.close()  # no new connections: the process is going
+        await asyncio.sleep(max(0.0, self.limits.grace - 0.5))
+        await asyncio.gather(*(_close(ws, _CLOSE_DRAIN, "server draining") for ws in self._sockets))
+
     # -- the WebSocket session ------------------------------------------------------------
 
     async def _serve_socket(self, websocket: WebSocket) -> None:
         await websocket.accept()
+        self._sockets.add(websocket)
+        try:
+            await self._serve_accepted(websocket)
+        finally:
+            self._sockets.discard(websocket)
+
+    async def _serve_accepted(self, websocket: WebSocket) -> None:
+        token = _bearer(websocket.headers.get("authorization"))
+        if not self._authorized(websocket.headers.get("authorization")):
+            await _send(websocket, _error("SESSION_ERROR", "UNAUTHENTICATED: missing or wrong "
+                                          "bearer token"))  # fmt: skip
+            await _close(websocket, _CLOSE_POLICY)
+            return
         attach = websocket.query_params.get("session_id")
         if attach:  # MCPToolClient: the session its HTTP /mcp call made
-            held = self._held.get(attach)
+            held = self._find(attach, token)
             if held is None:
                 await _send(websocket, _error("SESSION_ERROR", f"Unknown session_id: {attach}"))
                 await _close(websocket)
                 return
             try:
-                await self._loop(websocket, held)
-            except (WebSocketDisconnect, SessionLost):
+                await self._loop(websocket, held.session, held)
+            except WebSocketDisconnect:
                 pass  # the session stays until openenv/session/close
+            except SessionLost:
+                await self._let_go(attach, held)
             finally:
-                await _close(websocket)
+                await _close(websocket, *self._closing())
             return
-        token = _bearer(websocket.headers.get("authorization"))
         session = self._session_class(self.channel, token=token)
         try:
             await session.open()
@@ -215,26 +385,61 @@ class OpenEnvGateway:
                 await session.close()
             if session.is_open:
                 await session.abort()
-            await _close(websocket)
+            await _close(websocket, *self._closing())
 
-    async def _loop(self, websocket: WebSocket, session: Any) -> None:
+    def _closing(self) -> tuple[int, str]:
+        return (_CLOSE_DRAIN, "server draining") if self.draining else (1000, "")
+
+    async def _receive(self, websocket: WebSocket) -> str | None:
+        """The next text message; None for a binary one. Raises WebSocketDisconnect when
+        the client goes, or when it stays silent past the idle timeout (closed 1001)."""
+        idle = self.limits.idle_timeout
+        try:
+            event = await asyncio.wait_for(websocket.receive(), idle if idle > 0 else None)
+        except asyncio.TimeoutError:
+            await _close(websocket, _CLOSE_IDLE, "idle timeout")
+            raise WebSocketDisconnect(_CLOSE_IDLE) from None
+        if event["type"] == "websocket.disconnect":
+            raise WebSocketDisconnect(event.get("code", 1000))
+        text = event.get("text")
+        return text if isinstance(text, str) else None
+
+    async def _loop(self, websocket: WebSocket, session: Any, held: _Held | None = None) -> None:
+        loop = asyncio.get_running_loop()
         while True:
-            raw = await websocket.receive_text()
+            raw = await self._receive(websocket)
+            if raw is None:
+                await websocket.send_text(_error("INVALID_JSON", "Invalid JSON: a binary "
+                                                 "frame; send JSON text"))  # fmt: skip
+                continue
             try:
                 message = json.loads(raw)
-            except json.JSONDecodeError as exc:
+            except (ValueError, RecursionError) as exc:  # 5,000 digits, nesting too deep
                 await websocket.send_text(_error("INVALID_JSON", f"Invalid JSON: {exc}"))
                 continue
-            kind = message.get("type", "") if isinstance(message, dict) else ""
+            if not isinstance(message, dict):
+                await websocket.send_text(_error("VALIDATION_ERROR", "expected a JSON object "
+                                                 f"with a 'type', got {type(message).__name__}",
+                                                 errors=[]))  # fmt: skip
+                continue
+            kind = message.get("type", "")
             if kind == "close":
                 return
-            await websocket.send_text(await self._answer(session, kind, message.get("data")))
+            if held is None:
+                answer = await self._answer(session, kind, message.get("data"))
+            else:  # one call at a time on a session /mcp shares
+                async with held.lock:
+                    answer = await self._answer(session, kind, message.get("data"))
+                    held.last_used = loop.time()
+            await websocket.send_text(answer)
 
     async def _answer(self, session: Any, kind: str, data: Any) -> str:
         """The frame answering one request; never raises for what the client sent."""
         try:
             if kind == "reset":
-                return self._observation(await self._reset(session, data or {}))
+                return self._observation(
+                    await self._reset(session, data if data is not None else {})
+                )
             if kind == "step":
                 action = from_json(data if data is not None else {}, self._action, "action")
                 return self._observation(await session.step(action))
@@ -243,9 +448,9 @@ class OpenEnvGateway:
                 state.setdefault("episode_id", session.episode_id or None)
                 state.setdefault("step_count", session.step_count)
                 return json.dumps({"type": "state", "data": state})
-            return _error("UNKNOWN_TYPE", f"Unknown message type: {kind}")
-        except (JsonViewError, TypeError, ValueError) as exc:
-            return _error("VALIDATION_ERROR", str(exc), errors=[{"msg": str(exc)}])
+            return _error("UNKNOWN_TYPE", f"Unknown message type: {str(kind)[:200]}")
+        except (JsonViewError, TypeError, ValueError, RecursionError) as exc:
+            return _error("VALIDATION_ERROR", str(exc)[:2000], errors=[{"msg": str(exc)[:2000]}])
         except EnvError as exc:
             code = "VALIDATION_ERROR" if exc.code in _VALIDATION else "EXECUTION_ERROR"
             return _error(code, exc.message)
@@ -303,36 +508,54 @@ class OpenEnvGateway:
                 )  # fmt: skip
             except SessionRefused as exc:
                 return _rpc_error(ident, -32000, f"{exc.code.name}: {exc.message}")
-            self._held[session.session_id] = session
-            return _rpc_result(ident, {"session_id": session.session_id})
-        held = self._held.get(str(params.get("session_id", "")))
+            # A random capability of its own, not the gRPC session id the server logs.
+            session_id = secrets.token_urlsafe(24)
+            loop = asyncio.get_running_loop()
+            self._held[session_id] = _Held(session, _owner(token), last_used=loop.time())
+            return _rpc_result(ident, {"session_id": session_id})
+        session_id = str(params.get("session_id", ""))
+        held = self._find(session_id, token)
         if method == "openenv/session/close":
             if held is None:
-                return _rpc_error(ident, -32602, f"Unknown session_id: {params.get('session_id')}")
-            del self._held[held.session_id]
-            with contextlib.suppress(Exception):
-                await held.close()
-            if held.is_open:
-                await held.abort()
-            return _rpc_result(ident, {"session_id": held.session_id, "closed": True})
+                return _rpc_error(ident, -32602, f"Unknown session_id: {session_id[:64]}")
+            async with held.lock:  # after the calls in flight on it
+                await self._let_go(session_id, held)
+            return _rpc_result(ident, {"session_id": session_id, "closed": True})
         if method not in ("tools/list", "tools/call"):
-            return _rpc_error(ident, -32601, f"Method not found: {method}")
+            return _rpc_error(ident, -32601, f"Method not found: {str(method)[:200]}")
         if held is None:  # OpenEnv would make a throwaway env; a session needs a slot
             return _rpc_error(ident, -32602, "tools/list and tools/call need a session_id "
                               "(from openenv/session/create)")  # fmt: skip
+        async with held.lock:  # one call at a time: each answer to its own request
+            try:
+                return await self._tool_method(ident, method, params, held.session)
+            except SessionLost as exc:
+                await self._let_go(session_id, held)
+                return _rpc_error(ident, -32603, f"{exc.code.name}: {exc.message}")
+            finally:
+                held.last_used = asyncio.get_running_loop().time()
+
+    async def _tool_method(
+        self, ident: Any, method: str, params: dict[str, Any], session: Any
+    ) -> dict[str, Any]:
+        """The answer to ``tools/list`` or ``tools/call`` on ``session``. Raises
+        SessionLost if its stream ended."""
         try:
-            if not held.episode_id:  # OpenEnv calls tools before any reset; we need one
-                await held.reset()
+            if not session.episode_id:  # OpenEnv calls tools before any reset; we need one
+                await session.reset()
             if method == "tools/list":
-                return _rpc_result(ident, {"tools": await self._list_tools(held)})
+                return _rpc_result(ident, {"tools": await self._list_tools(session)})
             name = params.get("name")
             if not isinstance(name, str) or not name:
                 return _rpc_error(ident, -32602, "Missing 'name' in params")
-            return _rpc_result(ident, await self._call_tool(held, name, params.get("arguments")))
+            arguments = params.get("arguments")
+            return _rpc_result(ident, await self._call_tool(session, name, arguments))
+        except SessionLost:
+            raise
         except _ToolFailed as exc:
             return _rpc_error(ident, -32603, str(exc))
-        except (JsonViewError, TypeError, ValueError) as exc:
-            return _rpc_error(ident, -32602, str(exc))
+        except (JsonViewError, TypeError, ValueError, RecursionError) as exc:
+            return _rpc_error(ident, -32602, str(exc)[:2000])
         except OpenEnvError as exc:
             return _rpc_error(ident, -32603, f"{exc.code.name}: {exc.message}")
 
@@ -467,9 +690,9 @@ async def _send(websocket: WebSocket, text: str) -> None:
         await websocket.send_text(text)
 
 
-async def _close(websocket: WebSocket) -> None:
+async def _close(websocket: WebSocket, code: int = 1000, reason: str = "") -> None:
     with contextlib.suppress(Exception):
-        await websocket.close()
+        await websocket.close(code, reason)
 
 
 # -- running it in the serve process ----------------------------------------------------
@@ -490,16 +713,19 @@ def start_gateway(
     token: str | None = None,
     ready_timeout: float = 120.0,
     announce: Callable[[str], None] | None = None,
+    config: Any = None,
 ) -> threading.Thread:
     """Serve OpenEnv's protocol on ``host:port`` for the gRPC server at ``target``, from a
     daemon thread with its own event loop: it waits for the gRPC server to answer Info
     (it is started just before it), then listens and prints :data:`GATEWAY_LINE`.
-    A gateway that cannot start ends the process (exit 1), as a port that cannot be
-    bound would."""
+    ``config`` (the server's ``ServerConfig``) sets the door's bounds
+    (:class:`GatewayLimits`); without it, the defaults. A gateway that cannot start ends
+    the process (exit 1), as a port that cannot be bound would."""
+    limits = GatewayLimits.from_config(config) if config is not None else GatewayLimits()
 
     def run() -> None:
         try:
-            asyncio.run(_run(target, host, port, token, ready_timeout, announce or _say))
+            asyncio.run(_run(target, host, port, token, ready_timeout, announce or _say, limits))
         except BaseException as exc:  # a half-started server must not look healthy
             log.error("the OpenEnv gateway failed: %s", exc)
             print(f"openenv-grpc: the OpenEnv gateway failed: {exc}", file=sys.stderr)
@@ -518,6 +744,7 @@ async def _run(
     token: str | None,
     ready_timeout: float,
     announce: Callable[[str], None],
+    limits: GatewayLimits,
 ) -> None:
     channel = aio_channel(target)
     stub: Any = pb_grpc.EnvServiceStub(channel)
@@ -526,16 +753,16 @@ async def _run(
         pb.InfoRequest(), timeout=ready_timeout, wait_for_ready=True, metadata=metadata
     )
     await channel.close()
-    gateway = OpenEnvGateway(target, info, token)
+    gateway = OpenEnvGateway(target, info, token, limits)
     config = uvicorn.Config(
         gateway.app,
         host=host.strip("[]"),
         port=port,
         log_level="warning",
         lifespan="off",
-        ws="websockets-sansio",
         ws_ping_interval=20.0,
         ws_ping_timeout=20.0,
+        **uvicorn_settings(limits),
     )
     server = uvicorn.Server(config)  # off the main thread: it installs no signal handlers
     serving = asyncio.create_task(server.serve())
@@ -547,7 +774,15 @@ async def _run(
     bound = server.servers[0].sockets[0].getsockname()[1]
     shown = f"[{host.strip('[]')}]" if ":" in host.strip("[]") else host
     announce(GATEWAY_LINE.format(host=shown, port=bound))
-    await serving
+    chores = [
+        asyncio.create_task(gateway.reap_idle()),
+        asyncio.create_task(gateway.watch_drain(server)),
+    ]
+    try:
+        await serving
+    finally:
+        for chore in chores:
+            chore.cancel()
 
 
 def _say(line: str) -> None:
