@@ -25,6 +25,10 @@ A call may say how its answer is held (a :class:`Charge`: a query's, against its
 and the server's byte budget): the answer's length is offered to it as its header
 arrives, before any of its bytes are read; one it does not admit is read and dropped a
 buffer at a time (answered UNKEPT, with no payload), as is one nobody waits for any more.
+
+A call may also say who takes its answer should its caller stop waiting (a :data:`Late`:
+a step's, whose stream ended while the env process stepped): the answer that comes after
+all is handed to it, once, so the steps the envs completed are still counted.
 """
 
 from __future__ import annotations
@@ -60,7 +64,9 @@ from openenv_grpc.server.env_process import (
 from openenv_grpc.server.orphans import OrphanReaper
 from openenv_grpc.server.spec import EnvSpec, ExecutionMode
 
-__all__ = ["CallTimedOut", "Charge", "CloseFailed", "EnvProcessPool", "Payload", "Worker"]
+__all__ = [
+    "CallTimedOut", "Charge", "CloseFailed", "EnvProcessPool", "Late", "Payload", "Worker",
+]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +87,10 @@ _DIED = "the environment's worker process died"
 
 #: A worker's answer: read whole (bytes), or into one buffer when held against a charge.
 Payload = bytes | bytearray
+
+#: Takes the status and payload of an answer whose caller was cancelled before it came
+#: (or as it came): see :meth:`EnvProcessPool.call`.
+Late = Callable[[int, Payload], None]
 
 
 class CloseFailed(Exception):
@@ -112,7 +122,7 @@ class Charge(Protocol):
 class _Call:
     """One frame sent to a worker and the answer awaited for it."""
 
-    __slots__ = ("charge", "env_id", "future", "limit", "started")
+    __slots__ = ("charge", "env_id", "future", "late", "limit", "started")
 
     def __init__(
         self,
@@ -120,6 +130,7 @@ class _Call:
         limit: float | None,
         env_id: int = 0,
         charge: Charge | None = None,
+        late: Late | None = None,
     ) -> None:
         self.future = future
         #: The env the call is about.
@@ -130,6 +141,10 @@ class _Call:
         self.started = 0.0
         #: How its answer is held (None: read whole, whatever its length).
         self.charge = charge
+        #: Takes its answer if it comes after its caller was cancelled (None: dropped).
+        #: Set before the frame goes out: the answer may come before the caller sees its
+        #: cancellation.
+        self.late = late
 
 
 class _Worker:
@@ -286,8 +301,13 @@ class EnvProcessPool:
             worker.ready = True
             return
         call = worker.owed.popleft()
-        if not call.future.done():  # not cancelled by a session that went away
-            call.future.set_result((status, payload))
+        future = call.future
+        if not future.done():  # not cancelled by a session that went away
+            future.set_result((status, payload))
+        elif call.late is not None and future.cancelled():
+            # Its caller went away first, and the env did the work all the same: handed on
+            # in a callback of its own, so nothing it raises stops this worker's reader.
+            future.get_loop().call_soon(call.late, status, payload)
         if worker.owed:
             self._begin(worker, worker.owed[0])
         elif worker.timer is not None:
@@ -389,12 +409,15 @@ class EnvProcessPool:
         *,
         envs: int = 1,
         charge: Charge | None = None,
+        late: Late | None = None,
     ) -> tuple[int, Payload]:
         """Send one frame and wait for its answer; returns its status and payload. A call
         about ``envs`` envs (a sub-batch's step) gets the step timeout that many times.
         With ``charge``, the answer is offered to it first: the caller holds
         ``len(payload)`` bytes of it until it gives them back (UNKEPT and no payload: not
-        admitted).
+        admitted). With ``late``, a caller cancelled before it got the answer has it
+        handed to ``late`` once the worker answers (in a loop callback): exactly once, and
+        never if this call returned it, or the worker died first.
 
         Raises:
             SessionLostError: the worker is (or becomes) dead, or was killed because this
@@ -408,7 +431,7 @@ class EnvProcessPool:
             limit = None
         elif limit is not None and envs > 1:
             limit *= envs
-        call = _Call(loop.create_future(), limit, env_id, charge)
+        call = _Call(loop.create_future(), limit, env_id, charge, late)
         worker.owed.append(call)
         if len(worker.owed) == 1:
             self._begin(worker, call)
@@ -421,6 +444,8 @@ class EnvProcessPool:
             answered = future.done() and not future.cancelled() and future.exception() is None
             if charge is not None and answered:
                 charge.give(len(future.result()[1]))
+            if late is not None and answered:  # else the future is cancelled: _answered's
+                loop.call_soon(late, *future.result())
             raise
 
     async def place_block(

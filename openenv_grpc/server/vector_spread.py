@@ -35,6 +35,11 @@ as it arrives, given back once the parts are one answer for the driver, or refus
 sum of the parts passing the room refuses the answer as too large (``AnswerTooLarge``: the
 driver answers the client as for envs in this process); the budget short refuses it
 RESOURCE_EXHAUSTED. Either way nothing else changes, and no part is kept.
+
+A step whose stream ends while its env processes step (its call is cancelled) is still
+counted: each block's answer that comes after all -- or came before the cancellation
+reached the call -- is read and handed to the driver's ``StepArgs.orphaned``, which books
+it and counts its env steps, once per block, as it does for envs in this process.
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ import asyncio
 import bisect
 import contextlib
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -59,6 +65,7 @@ from openenv_grpc.server.env_process_pool import (
     Charge,
     CloseFailed,
     EnvProcessPool,
+    Late,
     Payload,
     Worker,
 )
@@ -106,6 +113,9 @@ class _Block:
 #: One block's part of a call: the block, the positions of its envs in the call's index
 #: list, and their indices in the sub-batch.
 _Part = tuple[_Block, list[int], list[int]]
+
+#: Takes the outcome (and seconds) of a step its caller gave up (``StepArgs.orphaned``).
+_Orphaned = Callable[[BatchOutcome, float], None]
 
 
 class SpreadBatchCalls:
@@ -228,7 +238,7 @@ class SpreadBatchCalls:
                 return step_frame(local, wire, True)
             return step_frame(local, [wire[k] for k in positions], False)
 
-        return await self._outcomes("step", args.indices, frame)
+        return await self._outcomes("step", args.indices, frame, args.orphaned)
 
     async def query(self, name: str, indices: Sequence[int]) -> BatchStates:
         """Each block's part of the query, together; the answers in index order (the
@@ -395,14 +405,20 @@ class SpreadBatchCalls:
 
     # -- one call over the blocks ---------------------------------------------------------
 
-    async def _outcomes(self, what: str, indices: Sequence[int], frame: Any) -> BatchOutcome:
+    async def _outcomes(
+        self, what: str, indices: Sequence[int], frame: Any, orphaned: _Orphaned | None = None
+    ) -> BatchOutcome:
         """Send each block its part (``frame(positions, local indices)``), together, and
-        gather the answers in index order."""
+        gather the answers in index order. Cancelled meanwhile, each block's answer is
+        handed to ``orphaned`` as it comes (see :meth:`_gather_or_hand_on`)."""
         out = BatchOutcome()
         parts = self._split(indices, out.errors)
-        answers = await asyncio.gather(
-            *(self._call(what, part, frame(part[1], part[2])) for part in parts)
-        )
+        if orphaned is None:
+            answers = await asyncio.gather(
+                *(self._call(what, part, frame(part[1], part[2])) for part in parts)
+            )
+        else:
+            answers = await self._gather_or_hand_on(what, parts, frame, orphaned)
         for part, (status, payload) in zip(parts, answers, strict=True):
             if status is None:
                 out.errors.update(self._lost_rows(part, indices, payload))
@@ -418,6 +434,45 @@ class SpreadBatchCalls:
                 continue
             _merge(out, read_outcome(response.result, part[0].start))
         return out
+
+    async def _gather_or_hand_on(
+        self, what: str, parts: list[_Part], frame: Any, orphaned: _Orphaned
+    ) -> list[tuple[int | None, Any]]:
+        """Each part's answer, as :meth:`_outcomes` gathers them; should this be cancelled
+        (the stream ended), every block's step that the env process completes is handed
+        to ``orphaned`` exactly once: an answer still to come by the pool (``late``), one
+        its part's call got already here."""
+        started = time.perf_counter()
+
+        def late_of(part: _Part) -> Late:
+            def late(status: int, payload: Payload) -> None:
+                _hand_on(part, status, payload, orphaned, time.perf_counter() - started)
+
+            return late
+
+        if len(parts) == 1:  # a Session's, or a native batch's: no task to gather
+            part = parts[0]
+            return [await self._call(what, part, frame(part[1], part[2]), late=late_of(part))]
+        calls = [
+            asyncio.ensure_future(
+                self._call(what, part, frame(part[1], part[2]), late=late_of(part))
+            )
+            for part in parts
+        ]
+        try:
+            return await asyncio.gather(*calls)
+        except asyncio.CancelledError:
+            # A part whose call returned before the cancellation reached it: its answer
+            # is here, and nobody else has it (in a callback, as the pool's: what that
+            # raises never replaces the cancellation). A part's call cancelled itself
+            # hands on through the pool.
+            loop = asyncio.get_running_loop()
+            for part, call in zip(parts, calls, strict=True):
+                if call.done() and not call.cancelled() and call.exception() is None:
+                    status, payload = call.result()
+                    if status is not None:  # None: its block was lost, nothing stepped
+                        loop.call_soon(late_of(part), status, payload)
+            raise
 
     def _split(
         self, indices: Sequence[int], lost: dict[int, RowError] | None = None
@@ -448,11 +503,13 @@ class SpreadBatchCalls:
         op: int = Op.REQUEST,
         *,
         charge: Charge | None = None,
+        late: Late | None = None,
     ) -> tuple[int | None, Any]:
         """One block's call (``what``: its command; ``op``: its frame's operation): its
         status and payload, or (None, the error of its envs) when its env process died or
-        was stopped under it (the block is rebuilt). With ``charge``, the answer is held
-        as :meth:`EnvProcessPool.call` says.
+        was stopped under it (the block is rebuilt). With ``charge``, the answer is held,
+        and with ``late`` handed on once its caller is cancelled, as
+        :meth:`EnvProcessPool.call` says.
 
         Raises:
             SessionLostError: the block could not be rebuilt; or a Session's process was
@@ -471,7 +528,7 @@ class SpreadBatchCalls:
         worker, env_id = block.worker, block.env_id
         try:
             return await self._pool.call(
-                worker, env_id, op, frame, envs=len(part[1]), charge=charge
+                worker, env_id, op, frame, envs=len(part[1]), charge=charge, late=late
             )
         except CallTimedOut as exc:  # this call's own block hung
             code, why = _DEADLINE_EXCEEDED, str(exc)
@@ -623,6 +680,16 @@ def _read(status: int, payload: Payload) -> pb.VectorSessionResponse | BatchRefu
         broken=bool(flags & 1), replaced=bool(flags & 2), saturated=bool(flags & 4),
         ends=bool(flags & 8),
     )  # fmt: skip
+
+
+def _hand_on(
+    part: _Part, status: int, payload: Payload, orphaned: _Orphaned, seconds: float
+) -> None:
+    """Hand the step answer of ``part``'s block, which its caller gave up, to ``orphaned``
+    (with the ``seconds`` since the step was sent); a refusal stepped nothing."""
+    response = _read(status, payload)
+    if not isinstance(response, BatchRefused):
+        orphaned(read_outcome(response.result, part[0].start), seconds)
 
 
 def _unkept(name: str, budget: ByteBudget | None, held: int, part: int) -> BatchRefused:
