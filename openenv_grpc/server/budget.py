@@ -56,6 +56,11 @@ class ByteBudget:
         """Bytes that may still be taken (0 when over, after an oversize take)."""
         return max(0, self._total - self._used)
 
+    @property
+    def waiting(self) -> int:
+        """Takers waiting for bytes now."""
+        return len(self._waiters)
+
     def fits(self, n: int) -> bool:
         """Whether ``n`` more bytes may be taken now (nobody waiting ahead of them)."""
         return n <= 0 or (not self._waiters and (self._used + n <= self._total or self._used == 0))
@@ -63,6 +68,15 @@ class ByteBudget:
     def try_take(self, n: int) -> bool:
         """Take ``n`` bytes if they fit now; False (nothing taken) if they do not."""
         if not self.fits(n):
+            return False
+        self._add(n)
+        return True
+
+    def try_overdraw(self, n: int) -> bool:
+        """Take ``n`` bytes into the reserve above the budget (half of it again), ahead of
+        any waiter; False (nothing taken) past that. For answers small enough that
+        refusing them would stop honest neighbours while stalled streams are ended."""
+        if n > 0 and self._used + n > self._total + self._total // 2:
             return False
         self._add(n)
         return True

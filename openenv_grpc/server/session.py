@@ -73,9 +73,14 @@ _RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 
 #: An answer is held twice until its write is done: our bytes, and gRPC's copy of them.
 _COPIES = 2
-#: Answers this small go out even when the budget is short (not counted then): a stream
-#: holds at most its requests in flight of them, like the window gRPC keeps per stream.
+#: Answers this small go out even when the budget is short, drawn from its reserve (half
+#: the budget again, ``ByteBudget.try_overdraw``): stalled readers must not stop every
+#: neighbour's steps, and the reserve keeps even many small answers bounded.
 _SMALL = 64 * 1024
+#: Answers this small (a step of most envs, an error) always go out, counted or not:
+#: at most capacity x requests in flight x 4 KiB x 2 uncounted (32 MiB at the defaults),
+#: and stalled streams cannot stop a neighbour's ordinary steps even for a moment.
+_TINY = 4 * 1024
 #: Seconds an answer holding budget bytes may wait for its client to start taking it
 #: before the stream counts as stalled. A stalled stream is ended only when another
 #: stream's answer needs the bytes it holds: without that, a few clients that never read
@@ -250,6 +255,8 @@ class SessionManager:
         #: Longest an env call may take; the server's setting wins over the env's own.
         self._call_timeout = config.call_timeout(spec.env_class.step_timeout)
         self._max_response = config.max_message_bytes
+        #: Loop time before which :meth:`_end_stalled` does not scan the streams again.
+        self._stalled_scan_at = 0.0
 
     @property
     def call_timeout(self) -> float | None:
@@ -498,16 +505,21 @@ class SessionManager:
         budget = self.budget
         if budget.try_take(held):
             return response, held
-        if size <= _SMALL:
-            # A budget full of stalled readers' answers must not stop every neighbour's
-            # steps: a small answer goes out uncounted (bounded per stream, as gRPC's own).
-            return response, 0
-        # Held bytes are on their way back (answers being written, stalled streams
-        # ended here unwinding): wait for them a moment rather than refuse at once.
+        # Stalled streams give their bytes up now that an answer needs them.
         self._end_stalled()
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(budget.take(held), _BUDGET_WAIT)
+        if size <= _TINY:
+            return response, 0
+        if size <= _SMALL and budget.try_overdraw(held):
+            # A budget full of stalled readers' answers must not stop every neighbour's
+            # steps: a small answer is held in the budget's reserve.
             return response, held
+        # Held bytes are on their way back (answers being written, stalled streams
+        # ended here unwinding): wait for them a moment rather than refuse at once. One
+        # answer waits at a time: a waiting answer is bytes the budget does not count.
+        if not budget.waiting:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(budget.take(held), _BUDGET_WAIT)
+                return response, held
         return self._unheld(raw, size, opening), 0
 
     def _too_large(self, raw: bytes, size: int, opening: StreamOpening) -> bytes:
@@ -603,7 +615,11 @@ class SessionManager:
         """End every stream whose answers hold budget bytes and have waited for their
         client longer than :data:`STALLED_AFTER`; returns whether any was ended. Their
         bytes come back as their tasks unwind."""
-        cutoff = asyncio.get_running_loop().time() - STALLED_AFTER
+        now = asyncio.get_running_loop().time()
+        if now < self._stalled_scan_at:  # one scan of every stream per quarter second
+            return False
+        self._stalled_scan_at = now + 0.25
+        cutoff = now - STALLED_AFTER
         ended = False
         for live in self._live:
             since = live.unread_since
@@ -899,6 +915,14 @@ class _Pipelined:
             live.unread_since = self._loop.time()
             try:
                 await write(response)
+            except Exception as exc:
+                # grpc-core fails a write (ExecuteBatchError) only once the call is over:
+                # the client cancelled or went away mid-write, before the reader saw it.
+                # The stream ends as on any cancel, not as a server error with a
+                # traceback in the log (a client could fill the log with those).
+                log.debug("write failed, the call is over: %r", exc)
+                self._end("eof")
+                return
             finally:
                 live.writing = False
                 live.unread_since = None
