@@ -14,7 +14,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import grpc
 from google.protobuf import any_pb2
@@ -195,7 +195,9 @@ class LocalBatchCalls:
     ``replace``: every env of the stream starts over (a Session's one env, too).
     """
 
-    __slots__ = ("_batch", "_generation", "_lock", "_make", "_runner", "_timeout", "_words")
+    __slots__ = (
+        "_batch", "_generation", "_lock", "_make", "_queued", "_runner", "_timeout", "_words",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -212,6 +214,8 @@ class LocalBatchCalls:
         #: One batch call at a time, whatever the requests in flight: a batch (a native
         #: one above all) is not made to be called from two threads at once.
         self._lock = asyncio.Lock()
+        #: Calls waiting for the lock (while any do, none may skip it).
+        self._queued = 0
         #: Bumped when a hung batch is replaced: a call that waited behind the hung one
         #: must not run on the fresh envs it was never checked against.
         self._generation = 0
@@ -266,38 +270,60 @@ class LocalBatchCalls:
     async def _call(
         self, what: str, envs: int, method: Any, *args: Any, orphaned: Orphaned | None = None
     ) -> Any:
-        timeout = None if self._timeout is None else self._timeout * max(envs, 1)
+        runner = self._runner
+        if runner.inline and not self._queued and not self._lock.locked():
+            # Nothing holds the lock or waits for it, and an inline call never yields:
+            # taking the lock would change nothing, so a step's hot path skips it.
+            try:
+                return runner.call_inline(method, *args)
+            except Exception as exc:
+                async with self._lock:  # a hung call's replacement holds it
+                    await self._refuse(what, self._call_timeout(envs), exc)
+        timeout = self._call_timeout(envs)
         generation = self._generation
-        async with self._lock:
+        self._queued += 1
+        try:
+            await self._lock.acquire()
+        finally:
+            self._queued -= 1
+        try:
             if generation != self._generation:
                 raise BatchRefused(
                     _FAILED_PRECONDITION,
                     f"{what} not done: a call before it on this stream did not finish in "
                     f"time and {self._words.replaced}",
                 )
-            return await self._call_now(what, timeout, method, *args, orphaned=orphaned)
+            runner = self._runner  # a replacement made while this call waited
+            try:
+                if runner.inline:  # on the loop and untimed: no coroutine to await
+                    return runner.call_inline(method, *args)
+                return await runner.call_within(timeout, method, *args, orphaned=orphaned)
+            except Exception as exc:
+                await self._refuse(what, timeout, exc)
+        finally:
+            self._lock.release()
 
-    async def _call_now(
-        self,
-        what: str,
-        timeout: float | None,
-        method: Any,
-        *args: Any,
-        orphaned: Orphaned | None = None,
-    ) -> Any:
-        try:
-            return await self._runner.call_within(timeout, method, *args, orphaned=orphaned)
-        except TimeoutError:
+    def _call_timeout(self, envs: int) -> float | None:
+        """The seconds a call naming ``envs`` envs may take (None: no limit)."""
+        return None if self._timeout is None else self._timeout * max(envs, 1)
+
+    async def _refuse(self, what: str, timeout: float | None, exc: Exception) -> NoReturn:
+        """Refuse the call that raised ``exc`` (call it in the ``except`` block).
+
+        Raises:
+            BatchRefused: always; DEADLINE_EXCEEDED after a timeout, once the hung batch
+                is replaced (see :meth:`_replace`).
+        """
+        if isinstance(exc, TimeoutError):
             await self._replace(what, timeout or 0.0)
-        except PoolSaturated as exc:
+        if isinstance(exc, PoolSaturated):
             raise BatchRefused(_RESOURCE_EXHAUSTED, str(exc), saturated=True) from None
-        except InvalidAction as exc:
+        if isinstance(exc, InvalidAction):
             raise BatchRefused(_INVALID_ARGUMENT, str(exc), qualname(exc)) from None
-        except Exception as exc:
-            log.exception("the batch's %s() raised", what)
-            raise BatchRefused(
-                _INTERNAL, f"{what} failed: {describe(exc)}", qualname(exc), broken=True
-            ) from None
+        log.exception("the batch's %s() raised", what)
+        raise BatchRefused(
+            _INTERNAL, f"{what} failed: {describe(exc)}", qualname(exc), broken=True
+        ) from None
 
     async def _replace(self, what: str, timeout: float) -> None:
         """Abandon the hung batch, make a fresh one, and refuse the call.

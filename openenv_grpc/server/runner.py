@@ -110,7 +110,7 @@ class EnvRunner:
     """One live environment instance and the way to call it."""
 
     __slots__ = ("_closed", "_cost_class", "_inflight", "_lifecycle", "_loop", "_mode",
-                 "_placement", "_pool", "_release", "env")  # fmt: skip
+                 "_placement", "_pool", "_release", "env", "inline")  # fmt: skip
 
     def __init__(
         self,
@@ -126,6 +126,8 @@ class EnvRunner:
         if mode is ExecutionMode.MEASURED and placement is None:
             mode = ExecutionMode.POOL  # nothing to measure against: the safe side
         self._mode = mode
+        #: Every call runs on the event loop, untimed: :meth:`call_inline` may be used.
+        self.inline = mode is ExecutionMode.INLINE
         self._placement = placement
         #: The env's own cost_class(), if it has one (else every call is in class "").
         self._cost_class: Callable[[], str] | None = None
@@ -256,6 +258,21 @@ class EnvRunner:
         name = getattr(method, "__name__", "call")
         threads = getattr(self.env, "computes_in_threads", None)  # a VectorBatch's
         return self._placement.group(cost_class, name, threads is not None and threads())
+
+    def call_inline(self, method: Callable[..., Any], *args: Any) -> Any:
+        """What :meth:`call_within` returns for an :attr:`inline` runner, without its
+        three coroutines per call (a step's hot path): the method's result, env code's
+        ``SystemExit`` and kin as :class:`~openenv_grpc.server.errors.EnvExit`.
+
+        Raises:
+            Exception: whatever the method raised.
+        """
+        try:
+            return method(*args)
+        except (Exception, asyncio.CancelledError):
+            raise
+        except BaseException as exc:
+            raise EnvExit(exc) from exc
 
     @_contained
     async def call_within(
