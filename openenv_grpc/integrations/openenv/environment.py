@@ -86,6 +86,10 @@ __all__ = ["OpenEnvTypes", "openenv_environment"]
 #: Observation fields that travel in the result, not in the observation message.
 RESULT_FIELDS = frozenset({"done", "reward"})
 
+#: The adapter classes made in this process, by the name Info reports: the OpenEnv door
+#: publishes their own models' schemas and metadata (:mod:`.published`).
+BRIDGED: dict[str, type[Any]] = {}
+
 
 @dataclass(frozen=True)
 class OpenEnvTypes:
@@ -209,12 +213,14 @@ def _adapter(
         body.update(async_methods(bridge, executor))
     else:
         body.update(sync_methods(bridge))
-    return types.new_class(
+    adapter = types.new_class(
         f"{env_class.__name__}Bridge",
         (generic,),
         {"metaclass": _Bridged},
         lambda ns: ns.update(body),
     )
+    BRIDGED[label] = adapter
+    return adapter
 
 
 # -- finding the models ------------------------------------------------------------------

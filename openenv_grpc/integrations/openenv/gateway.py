@@ -1,11 +1,13 @@
 """OpenEnv's client protocol served beside gRPC: ``serve ... --openenv-port PORT``.
 
-OpenEnv's own clients (``GenericEnvClient``, an ``EnvClient`` subclass, sync or async)
-connect to ``ws://HOST:PORT/ws`` and send JSON frames ``{"type": "reset" | "step" |
-"state" | "close", "data": ...}``; they get ``{"type": "observation", "data":
-{"observation", "reward", "done"[, "metadata"]}}``, ``{"type": "state", ...}`` or
-``{"type": "error", "data": {"message", "code"}}`` back, as from OpenEnv 0.10's
-``create_app`` server. The HTTP side serves ``/health``, ``/metadata`` and ``/schema``.
+OpenEnv's own clients (``GenericEnvClient``, an ``EnvClient`` subclass, sync or async,
+``MCPToolClient``) get OpenEnv 0.10.0's client protocol as its ``create_app`` serves it in
+simulation mode: ``WS /ws`` frames ``{"type": "reset" | "step" | "state" | "close" |
+"mcp", "data": ...}`` answered by ``{"type": "observation" | "state" | "mcp" | "error",
+"data": ...}``; ``WS /mcp`` (plain JSON-RPC); the stateless ``POST /reset``, ``POST
+/step``, ``GET /state`` (a session for each call); ``POST /mcp`` JSON-RPC with or without
+a session; ``/health``, ``/metadata``, ``/schema`` (for a bridged env its own models'
+schemas and ``get_metadata()``: :mod:`.published`).
 
 Each WebSocket is one real gRPC ``Session`` on the local server, opened over loopback
 when the socket connects and closed when it goes: the capacity limiter, the auth token
@@ -16,9 +18,11 @@ RPC's descriptors (:mod:`openenv_grpc.integrations.json_view`): native envs and 
 OpenEnv envs alike. A frame that is not JSON, an action that does not fit, or an env
 error is an error frame, and the session goes on, as with OpenEnv.
 
-Differences from OpenEnv (documented in docs/from-openenv.md's list): reset keyword
-arguments the env does not take are refused (``VALIDATION_ERROR`` naming them), where
-OpenEnv drops them silently; enums are sent and read by their protobuf names.
+Differences from OpenEnv (docs/from-openenv.md lists them, and
+tests/test_openenv_differential.py checks every other answer is OpenEnv's): reset keyword
+arguments the env does not take are refused (``VALIDATION_ERROR`` naming them) where
+OpenEnv drops them silently (those a ``**kwargs`` takes are passed on); a ``None`` reward
+is 0.0; stateless calls take a slot of the limiter; enums travel by protobuf name.
 
 Bounds (issue 37; docs/reliability.md, "The OpenEnv door under attack"): with
 ``AUTH_TOKEN`` every route but ``/health`` and every WebSocket wants the token, checked
@@ -46,7 +50,7 @@ import sys
 import threading
 import types
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -64,6 +68,7 @@ from openenv_grpc.client.info import message_classes
 from openenv_grpc.codec import value_to_python
 from openenv_grpc.integrations.json_view import JsonViewError, from_json, to_json
 from openenv_grpc.integrations.openenv.gateway_limits import GatewayLimits, uvicorn_settings
+from openenv_grpc.integrations.openenv.published import openenv_metadata, openenv_schemas
 from openenv_grpc.integrations.trl.tools import find_tool_fields
 from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
@@ -189,6 +194,9 @@ class OpenEnvGateway:
         async def metadata(request: Request) -> Any:
             if not self._authorized(request.headers.get("authorization")):
                 return JSONResponse(_UNAUTHORIZED, 401)
+            bridged = await openenv_metadata(self.info.env_name)
+            if bridged is not None:  # the env's own get_metadata(), as OpenEnv's
+                return bridged
             return {
                 "name": self.info.env_name,
                 "description": f"{self.info.env_name}, served by openenv-grpc",
@@ -202,6 +210,9 @@ class OpenEnvGateway:
         async def schema(request: Request) -> Any:
             if not self._authorized(request.headers.get("authorization")):
                 return JSONResponse(_UNAUTHORIZED, 401)
+            bridged = openenv_schemas(self.info.env_name)
+            if bridged is not None:  # the env's own pydantic models, as OpenEnv's
+                return bridged
             classes = message_classes(self.info)
             return {
                 "action": _json_schema(classes["action"].DESCRIPTOR),
@@ -209,6 +220,18 @@ class OpenEnvGateway:
                 "reset_observation": _json_schema(classes["observation"].DESCRIPTOR),
                 "state": _json_schema(classes["state"].DESCRIPTOR),
             }
+
+        @app.post("/reset")
+        async def reset(request: Request) -> Any:
+            return await self._stateless(request, "reset")
+
+        @app.post("/step")
+        async def step(request: Request) -> Any:
+            return await self._stateless(request, "step")
+
+        @app.get("/state")
+        async def state(request: Request) -> Any:
+            return await self._stateless(request, "state")
 
         @app.post("/mcp")
         async def mcp(request: Request) -> Any:
@@ -221,13 +244,87 @@ class OpenEnvGateway:
                 call = json.loads(body)
             except (ValueError, RecursionError):  # not JSON, 5,000 digits, too deep
                 return _rpc_error(None, -32700, "Parse error")
-            if not isinstance(call, dict) or not isinstance(call.get("method"), str):
-                return _rpc_error(None, -32600, "Invalid request")
+            if not isinstance(call, dict):  # OpenEnv: JsonRpcRequest(**call) fails to parse
+                return _rpc_error(None, -32700, "Parse error")
+            problem = _rpc_request_problem(call)
+            if problem:
+                return _rpc_error(None, -32600, f"Invalid request: {problem}")
             return await self._mcp(call, _bearer(request.headers.get("authorization")))
 
         @app.websocket("/ws")
         async def ws(websocket: WebSocket) -> None:
             await self._serve_socket(websocket)
+
+        @app.websocket("/mcp")
+        async def mcp_ws(websocket: WebSocket) -> None:
+            await self._serve_socket(websocket, jsonrpc=True)
+
+    async def _stateless(self, request: Request, route: str) -> Any:
+        """OpenEnv's simulation routes ``POST /reset``, ``POST /step``, ``GET /state``:
+        each call its own env, as OpenEnv serves them (here a gRPC session opened for the
+        call and closed after it; ``/step`` and ``/state`` reset it first, a session
+        steps only after a reset). Auth first, then the body, capped like ``/mcp``'s."""
+        header = request.headers.get("authorization")
+        if not self._authorized(header):
+            return JSONResponse(_UNAUTHORIZED, 401)  # before a byte of the body
+        payload: Any = {}
+        if route != "state":
+            body = await self._body(request)
+            if isinstance(body, JSONResponse):
+                return body
+            try:
+                payload = json.loads(body) if body.strip() else {}
+            except (ValueError, RecursionError) as exc:
+                return _unprocessable(f"JSON decode error: {str(exc)[:200]}", "body")
+            if not isinstance(payload, dict):
+                return _unprocessable("Input should be a valid dictionary", "body")
+            if route == "step" and not isinstance(payload.get("action"), dict):
+                return _unprocessable("Field required: a dictionary", "body", "action")
+        try:
+            async with self._one_call_session(_bearer(header)) as session:
+                if route == "reset":
+                    return self._http_observation(await self._reset(session, payload))
+                if route == "state":  # a fresh env's state, as OpenEnv's (no reset)
+                    return self._state_data(session, await self._fresh_state(session))
+                await session.reset()
+                action = from_json(payload["action"], self._action, "action")
+                return self._http_observation(await session.step(action))
+        except _NoRoom as exc:
+            return JSONResponse({"detail": exc.message}, 503)
+        except (JsonViewError, TypeError, ValueError, RecursionError) as exc:
+            return _unprocessable(str(exc)[:2000], "body", "action" if route == "step" else "")
+        except EnvError as exc:
+            if exc.code in _VALIDATION:
+                return _unprocessable(exc.message, "body")
+            return JSONResponse({"detail": exc.message}, 500)
+        except OpenEnvError as exc:
+            return JSONResponse({"detail": f"{exc.code.name}: {exc.message}"}, 500)
+
+    @staticmethod
+    async def _fresh_state(session: Any) -> Any:
+        """The state of a session never reset; an env that has none before a reset
+        (FAILED_PRECONDITION) is reset first."""
+        try:
+            return await session.state()
+        except EnvError as exc:
+            if exc.code != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+        await session.reset()
+        return await session.state()
+
+    def _http_observation(self, result: Any) -> dict[str, Any]:
+        """A step result as OpenEnv's ``ResetResponse`` / ``StepResponse`` (``metadata``
+        always there, null when none)."""
+        data = self._observation_data(result)
+        data.setdefault("metadata", None)
+        return data
+
+    @staticmethod
+    def _state_data(session: Any, state: Any) -> dict[str, Any]:
+        data = to_json(state)
+        data.setdefault("episode_id", session.episode_id or None)
+        data.setdefault("step_count", session.step_count)
+        return data
 
     async def _body(self, request: Request) -> bytes | JSONResponse:
         """The request's body, or the HTTP error ending it: 413 past the request limit
@@ -322,13 +419,67 @@ class OpenEnvGateway:
 
     # -- the WebSocket session ------------------------------------------------------------
 
-    async def _serve_socket(self, websocket: WebSocket) -> None:
+    async def _serve_socket(self, websocket: WebSocket, jsonrpc: bool = False) -> None:
         await websocket.accept()
         self._sockets.add(websocket)
         try:
-            await self._serve_accepted(websocket)
+            if jsonrpc:
+                await self._serve_jsonrpc(websocket)
+            else:
+                await self._serve_accepted(websocket)
         finally:
             self._sockets.discard(websocket)
+
+    async def _serve_jsonrpc(self, websocket: WebSocket) -> None:
+        """OpenEnv's ``WS /mcp``: plain JSON-RPC 2.0 messages on a session of the socket's
+        own (the same auth, limiter, message cap and idle timeout as ``/ws``)."""
+        header = websocket.headers.get("authorization")
+        if not self._authorized(header):
+            refused = _rpc_error(None, -32000, "UNAUTHENTICATED: missing or wrong bearer token")
+            await _send(websocket, json.dumps(refused))
+            await _close(websocket, _CLOSE_POLICY)
+            return
+        token = _bearer(header)
+        own_id = secrets.token_urlsafe(24)
+        try:
+            async with self._one_call_session(token) as session:
+                while True:
+                    raw = await self._receive(websocket)
+                    answer = await self._jsonrpc_message(session, raw, own_id, token)
+                    await websocket.send_text(json.dumps(answer))
+        except _NoRoom as exc:
+            await _send(websocket, json.dumps(_rpc_error(None, -32000, exc.message, exc.data)))
+        except WebSocketDisconnect:
+            pass  # the client went: the session closes with the block above
+        except SessionLost as exc:
+            lost = _rpc_error(None, -32000, f"{exc.code.name}: {exc.message}")
+            await _send(websocket, json.dumps(lost))
+        finally:
+            await _close(websocket, *self._closing())
+
+    async def _jsonrpc_message(
+        self, session: Any, raw: str | None, own_id: str, token: str | None
+    ) -> dict[str, Any]:
+        """The JSON-RPC answer to one ``WS /mcp`` message; never raises for what the
+        client sent. Raises SessionLost if the session's stream ended."""
+        if raw is None:
+            return _rpc_error(None, -32700, "Parse error: a binary frame; send JSON text")
+        try:
+            call = json.loads(raw)
+        except (ValueError, RecursionError) as exc:
+            return _rpc_error(None, -32700, f"Parse error: {str(exc)[:200]}")
+        if not isinstance(call, dict):
+            return _rpc_error(None, -32600, "Invalid request: expected a JSON object")
+        problem = _rpc_request_problem(call)
+        if problem:
+            return _rpc_error(None, -32600, f"Invalid request: {problem}")
+        try:
+            return await self._mcp_on(session, call, own_id, token)
+        except SessionLost:
+            raise
+        except Exception as exc:  # a bug here must not end the client's session
+            log.exception("the OpenEnv gateway failed to answer a WS /mcp message")
+            return _rpc_error(call.get("id"), -32603, f"{type(exc).__name__}: {exc}")
 
     async def _serve_accepted(self, websocket: WebSocket) -> None:
         token = _bearer(websocket.headers.get("authorization"))
@@ -345,7 +496,7 @@ class OpenEnvGateway:
                 await _close(websocket)
                 return
             try:
-                await self._loop(websocket, held.session, held)
+                await self._loop(websocket, held.session, attach, token, held)
             except WebSocketDisconnect:
                 pass  # the session stays until openenv/session/close
             except SessionLost:
@@ -375,7 +526,8 @@ class OpenEnvGateway:
             await _close(websocket)
             return
         try:
-            await self._loop(websocket, session)
+            # The id an mcp frame's openenv/session/create answers: the socket's own.
+            await self._loop(websocket, session, secrets.token_urlsafe(24), token)
         except WebSocketDisconnect:
             pass  # the client went: the session closes below
         except SessionLost as exc:
@@ -404,7 +556,14 @@ class OpenEnvGateway:
         text = event.get("text")
         return text if isinstance(text, str) else None
 
-    async def _loop(self, websocket: WebSocket, session: Any, held: _Held | None = None) -> None:
+    async def _loop(
+        self,
+        websocket: WebSocket,
+        session: Any,
+        own_id: str,
+        token: str | None,
+        held: _Held | None = None,
+    ) -> None:
         loop = asyncio.get_running_loop()
         while True:
             raw = await self._receive(websocket)
@@ -425,28 +584,33 @@ class OpenEnvGateway:
             kind = message.get("type", "")
             if kind == "close":
                 return
+            data = message.get("data")
             if held is None:
-                answer = await self._answer(session, kind, message.get("data"))
+                answer = await self._answer(session, kind, data, own_id, token)
             else:  # one call at a time on a session /mcp shares
                 async with held.lock:
-                    answer = await self._answer(session, kind, message.get("data"))
+                    answer = await self._answer(session, kind, data, own_id, token)
                     held.last_used = loop.time()
             await websocket.send_text(answer)
 
-    async def _answer(self, session: Any, kind: str, data: Any) -> str:
+    async def _answer(
+        self, session: Any, kind: str, data: Any, own_id: str = "", token: str | None = None
+    ) -> str:
         """The frame answering one request; never raises for what the client sent."""
         try:
+            if kind == "mcp":
+                return await self._mcp_frame(session, data, own_id, token)
             if kind == "reset":
                 return self._observation(
                     await self._reset(session, data if data is not None else {})
                 )
             if kind == "step":
                 action = from_json(data if data is not None else {}, self._action, "action")
+                if not session.episode_id:  # OpenEnv steps a fresh env; ours needs a reset
+                    await session.reset()
                 return self._observation(await session.step(action))
             if kind == "state":
-                state = to_json(await session.state())
-                state.setdefault("episode_id", session.episode_id or None)
-                state.setdefault("step_count", session.step_count)
+                state = self._state_data(session, await session.state())
                 return json.dumps({"type": "state", "data": state})
             return _error("UNKNOWN_TYPE", f"Unknown message type: {str(kind)[:200]}")
         except (JsonViewError, TypeError, ValueError, RecursionError) as exc:
@@ -463,18 +627,21 @@ class OpenEnvGateway:
             return _error("EXECUTION_ERROR", f"{type(exc).__name__}: {exc}")
 
     def _observation(self, result: Any) -> str:
-        """OpenEnv's observation frame; a tools-protocol env's tool list as OpenEnv's
-        ``ListToolsObservation`` has it (a list of tools), so MCP clients read it."""
-        frame = _observation(result)
+        """OpenEnv's observation frame for a step result."""
+        return json.dumps({"type": "observation", "data": self._observation_data(result)})
+
+    def _observation_data(self, result: Any) -> dict[str, Any]:
+        """OpenEnv's ``serialize_observation`` of a step result; a tools-protocol env's
+        tool list as OpenEnv's ``ListToolsObservation`` has it (a list of tools), so MCP
+        clients read it."""
+        data = _observation_data(result)
         fields = self._tool_fields
-        if fields is None:
-            return frame
-        parsed = json.loads(frame)
-        observation = parsed["data"]["observation"]
-        listed = observation.pop(fields.tools, None)
-        if listed and listed.get("tools"):
-            observation["tools"] = listed["tools"]
-        return json.dumps(parsed)
+        if fields is not None:
+            observation = data["observation"]
+            listed = observation.pop(fields.tools, None)
+            if listed and listed.get("tools"):
+                observation["tools"] = listed["tools"]
+        return data
 
     async def _reset(self, session: Any, data: Any) -> Any:
         if not isinstance(data, dict):
@@ -485,7 +652,7 @@ class OpenEnvGateway:
         if rest:
             if self._reset_options is None:
                 raise JsonViewError("reset", f"this env takes no reset options: {sorted(rest)}")
-            options = from_json(rest, self._reset_options, "reset")
+            options = from_json(_spill(rest, self._reset_options), self._reset_options, "reset")
         return await session.reset(seed=seed, episode_id=episode_id, options=options)
 
     async def _mcp(self, call: dict[str, Any], token: str | None) -> dict[str, Any]:
@@ -513,9 +680,12 @@ class OpenEnvGateway:
             loop = asyncio.get_running_loop()
             self._held[session_id] = _Held(session, _owner(token), last_used=loop.time())
             return _rpc_result(ident, {"session_id": session_id})
-        session_id = str(params.get("session_id", ""))
+        requested = params.get("session_id")
+        session_id = str(requested or "")
         held = self._find(session_id, token)
         if method == "openenv/session/close":
+            if not requested:
+                return _rpc_error(ident, -32602, "Invalid params - 'session_id' is required")
             if held is None:
                 return _rpc_error(ident, -32602, f"Unknown session_id: {session_id[:64]}")
             async with held.lock:  # after the calls in flight on it
@@ -523,9 +693,10 @@ class OpenEnvGateway:
             return _rpc_result(ident, {"session_id": session_id, "closed": True})
         if method not in ("tools/list", "tools/call"):
             return _rpc_error(ident, -32601, f"Method not found: {str(method)[:200]}")
-        if held is None:  # OpenEnv would make a throwaway env; a session needs a slot
-            return _rpc_error(ident, -32602, "tools/list and tools/call need a session_id "
-                              "(from openenv/session/create)")  # fmt: skip
+        if not requested:  # OpenEnv's throwaway env: here a session of its own, one call
+            return await self._throwaway_call(ident, method, params, token)
+        if held is None:
+            return _rpc_error(ident, -32602, f"Unknown session_id: {session_id[:64]}")
         async with held.lock:  # one call at a time: each answer to its own request
             try:
                 return await self._tool_method(ident, method, params, held.session)
@@ -534,6 +705,75 @@ class OpenEnvGateway:
                 return _rpc_error(ident, -32603, f"{exc.code.name}: {exc.message}")
             finally:
                 held.last_used = asyncio.get_running_loop().time()
+
+    async def _throwaway_call(
+        self, ident: Any, method: str, params: dict[str, Any], token: str | None
+    ) -> dict[str, Any]:
+        """A sessionless ``tools/list`` or ``tools/call``: a session opened for the call
+        alone (it takes a slot of the one limiter while it lasts) and closed after it."""
+        try:
+            async with self._one_call_session(token) as session:
+                return await self._tool_method(ident, method, params, session)
+        except _NoRoom as exc:
+            return _rpc_error(ident, -32000, exc.message, exc.data)
+        except SessionLost as exc:
+            return _rpc_error(ident, -32603, f"{exc.code.name}: {exc.message}")
+
+    @contextlib.asynccontextmanager
+    async def _one_call_session(self, token: str | None) -> AsyncIterator[Any]:
+        """A gRPC session for one stateless call (HTTP ``/reset``, ``/step``, ``/state``,
+        sessionless ``/mcp``), closed when the call ends. Raises _NoRoom when the server
+        is full or refuses the token."""
+        session = self._session_class(self.channel, token=token)
+        try:
+            await session.open()
+        except CapacityError:
+            active, limit = await self._capacity()
+            raise _NoRoom(
+                f"Server at capacity: {active}/{limit} sessions active. Cannot accept new "
+                "connections.",
+                {"active_sessions": active, "max_sessions": limit},
+            ) from None
+        except SessionRefused as exc:
+            raise _NoRoom(f"{exc.code.name}: {exc.message}") from None
+        try:
+            yield session
+        finally:
+            with contextlib.suppress(Exception):
+                await session.close()
+            if session.is_open:
+                await session.abort()
+
+    async def _mcp_frame(self, session: Any, data: Any, own_id: str, token: str | None) -> str:
+        """The answer to a WebSocket ``{"type": "mcp"}`` frame: JSON-RPC on the socket's
+        own session (OpenEnv's ``mcp_handler`` with the session's env)."""
+        if not isinstance(data, dict):
+            return _error("VALIDATION_ERROR", "Invalid message", errors=[
+                {"type": "dict_type", "loc": ["data"], "msg": "Input should be a valid "
+                 "dictionary", "input": data}])  # fmt: skip
+        problem = _rpc_request_problem(data)
+        if problem:
+            answer = _rpc_error(None, -32600, f"Invalid request: {problem}")
+        else:
+            answer = await self._mcp_on(session, data, own_id, token)
+        return json.dumps({"type": "mcp", "data": answer})
+
+    async def _mcp_on(
+        self, session: Any, call: dict[str, Any], own_id: str, token: str | None
+    ) -> dict[str, Any]:
+        method, ident = call["method"], call.get("id")
+        params = call.get("params") or {}
+        if method == "openenv/session/create":
+            return _rpc_result(ident, {"session_id": own_id})
+        if method == "openenv/session/close":
+            target = params.get("session_id")
+            if target and str(target) == own_id:
+                return _rpc_error(ident, -32600, "Cannot close active WebSocket-managed "
+                                  "session via MCP method")  # fmt: skip
+            return await self._mcp(call, token)
+        if method not in ("tools/list", "tools/call"):
+            return _rpc_error(ident, -32601, f"Method not found: {str(method)[:200]}")
+        return await self._tool_method(ident, method, params, session)
 
     async def _tool_method(
         self, ident: Any, method: str, params: dict[str, Any], session: Any
@@ -598,7 +838,8 @@ class OpenEnvGateway:
         action = self._mcp_action({"type": "call_tool", "tool_name": name, "arguments": arguments})
         observation = to_json((await session.step(action)).observation)
         if observation.get("error"):
-            raise _ToolFailed(f"Tool '{name}' failed: {observation['error'].get('message')}")
+            # The env's own words, as OpenEnv's /mcp answers an MCP env's failed call.
+            raise _ToolFailed(str(observation["error"].get("message")))
         return observation.get("result")
 
     def _mcp_action(self, data: dict[str, Any]) -> Any:
@@ -613,6 +854,53 @@ class OpenEnvGateway:
         return info.capacity.active_sessions, info.capacity.max_sessions
 
 
+def _spill(options: dict[str, Any], message_class: Any) -> dict[str, Any]:
+    """Reset options as the options message takes them: keywords it has no field for go
+    into its ``kwargs`` field when ``reset`` takes ``**kwargs`` (the bridge then passes
+    them to ``reset(**kwargs)``, as OpenEnv does); without one they stay, to be refused."""
+    names = {field.name for field in message_class.DESCRIPTOR.fields}
+    spill = next((name for name in ("extra_kwargs", "kwargs") if name in names), None)
+    extra = {key: value for key, value in options.items() if key not in names}
+    if spill is None or not extra:
+        return options
+    given = options.get(spill)
+    kept = {key: value for key, value in options.items() if key in names}
+    kept[spill] = {**(given if isinstance(given, dict) else {}), **extra}
+    return kept
+
+
+class _NoRoom(Exception):
+    """No session for a stateless call: the server is full, or refused the token."""
+
+    def __init__(self, message: str, data: Any = None) -> None:
+        super().__init__(message)
+        self.message, self.data = message, data
+
+
+def _unprocessable(message: str, *where: str) -> JSONResponse:
+    """FastAPI's 422 answer, as OpenEnv's routes give it for a body that does not fit."""
+    loc = [part for part in where if part]
+    return JSONResponse({"detail": [{"type": "value_error", "loc": loc, "msg": message}]}, 422)
+
+
+def _rpc_request_problem(call: dict[str, Any]) -> str | None:
+    """Why ``call`` is no JSON-RPC 2.0 request as OpenEnv's ``JsonRpcRequest`` takes it
+    (None: it is one)."""
+    extra = sorted(set(call) - {"jsonrpc", "method", "params", "id"})
+    if extra:
+        return f"extra fields not permitted: {extra[:5]}"
+    if call.get("jsonrpc") != "2.0":
+        return "jsonrpc: Input should be '2.0'"
+    if not isinstance(call.get("method"), str):
+        return "method: Input should be a valid string"
+    if not isinstance(call.get("params", {}), dict):
+        return "params: Input should be a valid dictionary"
+    ident = call.get("id")
+    if ident is not None and (isinstance(ident, bool) or not isinstance(ident, (str, int))):
+        return "id: Input should be a valid string or integer"
+    return None
+
+
 class _ToolFailed(Exception):
     """A tool answered an error (a JSON-RPC error for the caller)."""
 
@@ -622,10 +910,9 @@ def _rpc_result(ident: Any, result: Any) -> dict[str, Any]:
 
 
 def _rpc_error(ident: Any, code: int, message: str, data: Any = None) -> dict[str, Any]:
-    error: dict[str, Any] = {"code": code, "message": message}
-    if data is not None:
-        error["data"] = data
-    return {"jsonrpc": "2.0", "error": error, "id": ident}
+    """A JSON-RPC error as OpenEnv writes it (``data`` always there, null when none)."""
+    return {"jsonrpc": "2.0", "id": ident, "error": {"code": code, "message": message,
+                                                     "data": data}}  # fmt: skip
 
 
 def _tool_json(tool: Any) -> dict[str, Any]:
@@ -635,8 +922,8 @@ def _tool_json(tool: Any) -> dict[str, Any]:
             "inputSchema": schema}  # fmt: skip
 
 
-def _observation(result: Any) -> str:
-    """OpenEnv's observation frame for a step result."""
+def _observation_data(result: Any) -> dict[str, Any]:
+    """What OpenEnv's ``serialize_observation`` makes of a step result."""
     observation = to_json(result.observation)
     metadata = dict(result.info or {})
     observation.setdefault("metadata", metadata)
@@ -647,7 +934,7 @@ def _observation(result: Any) -> str:
     }
     if metadata:
         data["metadata"] = metadata
-    return json.dumps({"type": "observation", "data": data})
+    return data
 
 
 def _json_schema(descriptor: Any) -> dict[str, Any]:
