@@ -9,6 +9,9 @@ docs/reliability.md, "Hostile HTTP/2").
 
 from __future__ import annotations
 
+import contextlib
+import os
+import resource
 import signal
 import socket
 import subprocess
@@ -17,7 +20,10 @@ import textwrap
 import threading
 import time
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from bench.h2_attacks import INFO_PATH, SESSION_PATH, SlowSender, grpc_headers
 from bench.hostile import (
@@ -380,18 +386,21 @@ def test_an_outsider_cannot_make_the_server_buffer_a_request(start_server, path:
 
 HEALTH_CHECK_PATH = "/grpc.health.v1.Health/Check"
 HEALTH_WATCH_PATH = "/grpc.health.v1.Health/Watch"
+REFLECTION_PATH = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("path", [INFO_PATH, REFLECTION_PATH], ids=["info", "reflection"])
 def test_a_unary_request_that_never_completes_is_let_go_after_its_deadline(
-    start_server,
+    start_server, path: str
 ) -> None:
     """grpc.aio reads a unary request whole before the handler runs: 16 streams each
     sending all of an 8 MiB request but its last KiB held +1 GiB over 8 connections for as
     long as the client kept them (an outside attack on round two's fixes). Now each such
     call ends DEADLINE_EXCEEDED once its request has not arrived within
     --request-arrival-timeout, and the memory goes back. Here an insider's Info (with the
-    token: no outsiders' budget); outsiders are the next test."""
+    token: no outsiders' budget); outsiders are the next test. Reflection streams read
+    each request the same way (a token holder's 96 held +773 MiB for 18 s)."""
     arrival = 2.0
     server = start_server(
         "support.envs:CountingEchoEnv", "--request-arrival-timeout", str(arrival),
@@ -400,7 +409,7 @@ def test_a_unary_request_that_never_completes_is_let_go_after_its_deadline(
     pid = server.proc.pid
     fetch_info(server.target, token="s3cret")  # warm-up
     baseline = rss_mib(pid)
-    sender = SlowSender(server.target, 16, 4 * 2**20, path=INFO_PATH, token="s3cret")
+    sender = SlowSender(server.target, 16, 4 * 2**20, path=path, token="s3cret")
     try:
         sender.push(arrival)
         # The connection stays up (PINGs answered): only the deadline can end the calls.
@@ -432,8 +441,10 @@ PUSHED_OUT = (
         (HEALTH_CHECK_PATH, True, True),
         (HEALTH_WATCH_PATH, True, False),
         (INFO_PATH, False, False),
+        (REFLECTION_PATH, False, False),
+        (REFLECTION_PATH, False, True),
     ],
-    ids=["check", "check-waves", "watch", "info-no-auth"],
+    ids=["check", "check-waves", "watch", "info-no-auth", "reflection", "reflection-waves"],
 )
 def test_outsiders_hold_at_most_their_budget(
     start_server, path: str, auth: bool, waves: bool
@@ -445,7 +456,9 @@ def test_outsiders_hold_at_most_their_budget(
     gets 1 s; past the budget a newcomer pushes out the oldest read still arriving, or is
     refused at once before a byte is read. An honest probe (its request arrived with its
     headers) is answered meanwhile, also while the attacker keeps opening new streams as
-    the old ones end (waves). Without AUTH_TOKEN every caller is an outsider (Info)."""
+    the old ones end (waves). Without AUTH_TOKEN every caller is an outsider (Info, and
+    reflection: each request of its stream is read so; 4 x 48 reflection streams held
+    +1,543 MiB in 5.7 s, none ended)."""
     server = start_server(
         "support.envs:CountingEchoEnv", extra_env={"AUTH_TOKEN": "s3cret"} if auth else {}
     )
@@ -472,3 +485,134 @@ def test_outsiders_hold_at_most_their_budget(
     assert set(honest["failed"]) <= {f"RESOURCE_EXHAUSTED: {OUTSIDERS_REFUSED}"}
     assert honest["answered"] >= 10
     assert server.health() == 1  # SERVING once the attack is over
+
+
+@pytest.mark.timeout(60)
+def test_a_reflection_stream_that_goes_quiet_ends_after_the_arrival_deadline(
+    start_server,
+) -> None:
+    """A reflection client sends its requests back to back: both are answered on one
+    stream; then the stream says nothing, and ends DEADLINE_EXCEEDED after the outsiders'
+    1 s (no AUTH_TOKEN: every caller is an outsider) instead of living on."""
+    server = start_server("support.envs:CountingEchoEnv")
+    quiet = threading.Event()
+
+    def requests():  # type: ignore[no-untyped-def]
+        yield reflection_pb2.ServerReflectionRequest(list_services="")
+        yield reflection_pb2.ServerReflectionRequest(
+            file_containing_symbol="openenv_grpc.v1.EnvService"
+        )
+        quiet.wait(30)  # then nothing, without half-closing
+
+    with grpc.insecure_channel(server.target) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        call = stub.ServerReflectionInfo(requests(), timeout=20)
+        began = time.monotonic()
+        answers = []
+        with pytest.raises(grpc.RpcError) as ended:
+            for answer in call:
+                answers.append(answer.WhichOneof("message_response"))
+        waited = time.monotonic() - began
+        quiet.set()
+    print(f"\nHTTP2 quiet reflection stream: {answers}, ended after {waited:.1f} s")
+    assert answers == ["list_services_response", "file_descriptor_response"]
+    assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert ended.value.details() == "the request did not arrive within 1 s"
+    assert waited < 10
+
+
+#: The open-file limit the flood test gives its server (its connection limit is this less
+#: 256), and how many silent connections the flood opens: well past it.
+FD_LIMIT = 1024
+SILENT_CONNECTIONS = 3000
+
+
+def _silent_flood(host: str, port: int, count: int, opened: list[socket.socket]) -> None:
+    """Opens ``count`` TCP connections that never send a byte, as fast as it can."""
+    for _ in range(count):
+        sock = socket.socket()
+        sock.setblocking(False)
+        sock.connect_ex((host, port))  # EINPROGRESS: it completes in the kernel
+        opened.append(sock)
+
+
+def _closed_by_server(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(65536) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+@pytest.mark.timeout(120)
+def test_silent_connections_are_closed_and_cannot_take_every_file_descriptor(
+    start_server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Round three: raw TCP connections that send nothing (or only the HTTP/2 preface)
+    lived 40 s; 20,400 of them took every file descriptor of the server (20,000) and a new
+    client's health Check timed out. Now a connection that has not finished its handshake
+    within --handshake-timeout (3 s) is closed, and the port accepts at most the open-file
+    limit less a reserve. Here a server with a 1,024-file limit and 3,000 silent
+    connections: a session opened before keeps stepping, an honest health Check and a new
+    session get through, and every silent connection is closed within the bound."""
+    real_popen = subprocess.Popen
+
+    def limited(*args, **kwargs):  # type: ignore[no-untyped-def]
+        def lower_limit() -> None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (FD_LIMIT, FD_LIMIT))
+
+        return real_popen(*args, preexec_fn=lower_limit, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(subprocess, "Popen", limited)
+        server = start_server("support.envs:CountingEchoEnv")
+    pid = server.proc.pid
+    host, port = server.target.rsplit(":", 1)
+    opened: list[socket.socket] = []
+    peak = [0]
+    sampling = threading.Event()
+
+    def sample_fds() -> None:
+        while not sampling.is_set():
+            with contextlib.suppress(OSError):
+                peak[0] = max(peak[0], len(os.listdir(f"/proc/{pid}/fd")))
+            time.sleep(0.01)
+
+    sampler = threading.Thread(target=sample_fds, daemon=True)
+    sampler.start()
+    with EchoEnv(server.target) as env:
+        env.reset()
+        began = time.monotonic()
+        try:
+            _silent_flood(host, int(port), SILENT_CONNECTIONS, opened)
+            flood_s = time.monotonic() - began
+            env.step(EchoAction(message="during the flood"))  # its connection was there first
+            with grpc.insecure_channel(server.target) as channel:
+                check = health_pb2_grpc.HealthStub(channel).Check
+                # Refused while the flood holds every place: in once the silent ones go.
+                status = check(health_pb2.HealthCheckRequest(), timeout=15, wait_for_ready=True)
+            assert status.status == health_pb2.HealthCheckResponse.SERVING
+            with EchoEnv(server.target) as fresh:
+                fresh.reset()
+                fresh.step(EchoAction(message="a newcomer"))
+            closed_at: dict[int, float] = {}
+            while len(closed_at) < len(opened) and time.monotonic() - began < 30:
+                for index, sock in enumerate(opened):
+                    if index not in closed_at and _closed_by_server(sock):
+                        closed_at[index] = time.monotonic() - began
+                time.sleep(0.2)
+        finally:
+            sampling.set()
+            for sock in opened:
+                sock.close()
+        env.step(EchoAction(message="after the flood"))
+    last = max(closed_at.values(), default=float("inf"))
+    print(
+        f"\nHTTP2 silent flood: {len(opened)} opened in {flood_s:.1f} s, server fds peak "
+        f"{peak[0]} of {FD_LIMIT}, all closed by {last:.1f} s"
+    )
+    assert len(closed_at) == len(opened)  # every one closed by the server
+    assert last <= flood_s + ServerConfig().handshake_timeout + 3
+    assert peak[0] <= FD_LIMIT - 64  # the reserve was never touched
+    assert server.proc.poll() is None

@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import resource
 import signal
 import sys
 from collections.abc import Callable
@@ -50,6 +51,34 @@ log = logging.getLogger(__name__)
 STREAM_WINDOW_BYTES = 64 * 1024
 #: How long a call may wait for the application before gRPC cancels it (its default: 30).
 _MAX_UNREQUESTED_SECONDS = 3600
+#: File descriptors kept from connections (for env processes, files, the metrics port):
+#: this fraction of the open-file limit, and at least the minimum.
+_FD_RESERVE_FRACTION = 8
+_FD_RESERVE_MIN = 256
+
+
+def raise_fd_limit() -> int:
+    """Raises this process's open-file soft limit to its hard limit; returns the soft
+    limit now in force (a container's default soft limit is often far below its hard)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):  # not allowed here: keep what we have
+            pass
+    return soft
+
+
+def connection_limit(config: ServerConfig) -> int:
+    """The connections the gRPC port accepts at once: ``max_connections``, else the
+    open-file limit less its reserve (at least 1)."""
+    if config.max_connections:
+        return config.max_connections
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return 2**31 - 2
+    return max(1, soft - max(_FD_RESERVE_MIN, soft // _FD_RESERVE_FRACTION))
 
 
 def grpc_options(config: ServerConfig) -> list[tuple[str, Any]]:
@@ -93,6 +122,12 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, Any]]:
         # probing would grow the window to 32 MiB per stream, so it is off.
         ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
         ("grpc.http2.bdp_probe", 0),
+        # A connection that says nothing, or only the preface, is closed once this passes
+        # (gRPC's default: 120 s; keepalive closed them after 40 s): a file descriptor each.
+        ("grpc.server_handshake_timeout_ms", int(config.handshake_timeout * 1000)),
+        # Past this a new connection is closed as it is accepted, so a flood of them
+        # cannot take the descriptors the server needs for everything else.
+        ("grpc.max_allowed_incoming_connections", connection_limit(config)),
     ]
     streams = config.streams_per_connection
     if streams:
@@ -167,6 +202,7 @@ class EnvServer:
                 the env's ``check_settings`` refused its settings.
         """
         credentials = server_credentials(self.config)  # before binding: bad files fail early
+        raise_fd_limit()  # before the options: the connection limit follows it
         self.spec.env_class.check_settings()  # the env's own settings, before any session
         # Leftovers of a previous run go before any new instance competes for them.
         await asyncio.to_thread(reclaim_orphans_quietly, self.spec.env_class)

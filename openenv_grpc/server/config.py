@@ -298,6 +298,24 @@ class ServerConfig:
         10.0, variable="KEEPALIVE_TIMEOUT", flag="--keepalive-timeout", above=0,
         help="seconds to wait for a ping's answer",
     )  # fmt: skip
+    handshake_timeout: float = setting(
+        3.0, variable="HANDSHAKE_TIMEOUT", flag="--handshake-timeout", above=0,
+        help="seconds a new connection to the gRPC port has to complete its handshake (TLS, "
+        "then the HTTP/2 preface and SETTINGS) before the server closes it",
+        details="a client sends these as soon as it connects; a connection that says "
+        "nothing, or only the preface, held a file descriptor for 40 s before "
+        "(docs/reliability.md, round three)",
+    )  # fmt: skip
+    max_connections: int = setting(
+        0, variable="MAX_CONNECTIONS", flag="--max-connections", minimum=0,
+        maximum=_INT32_MAX,
+        shown_default="`0` (the open-file limit, raised to its hard limit at start, less "
+        "an eighth of it and at least 256)",
+        help="connections the gRPC port accepts at once; past it a new one is closed at once",
+        details="keeps file descriptors in reserve for env processes, files and the "
+        "metrics port: without it, 20,400 silent connections took every descriptor and "
+        "new clients timed out",
+    )  # fmt: skip
     step_timeout: float = setting(
         0.0, variable="STEP_TIMEOUT", flag="--step-timeout", minimum=0,
         shown_default="`0` (the env's own `step_timeout`, none by default)",

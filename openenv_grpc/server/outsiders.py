@@ -8,7 +8,8 @@ a request of the full limit on hundreds of streams and hold each one until the a
 deadline: 192 health Checks held +3,120 MiB for 10 s (docs/reliability.md, round three).
 
 So the read of an outsider's unary request (health, and Info from a caller without the
-token) first reserves the request limit from this budget: the grant is by the announced
+token), and of each request on an outsider's reflection stream, first reserves the
+request limit from this budget: the grant is by the announced
 length, which the server cannot see before it reads, and the server has no per-method
 receive limit, so a smaller reservation would not be a bound. When the budget is used up,
 a newcomer from a connection that holds none of it takes the place of the oldest read

@@ -1,4 +1,4 @@
-"""A deadline for the request of every unary-request call (Info, health Check and Watch).
+"""A deadline for the requests of every call but Session and VectorSession streams.
 
 grpc.aio reads a unary request whole before the handler runs, and nothing else bounds how
 long that may take: a client that announces a large request and never sends its last
@@ -7,6 +7,11 @@ bytes holds up to ``--max-request-bytes`` for as long as it keeps the connection
 such methods as request-streaming calls that take their one request within
 ``--request-arrival-timeout`` seconds, or end with ``DEADLINE_EXCEEDED`` and let go of
 what arrived. Session and VectorSession streams have the idle timeout instead.
+
+Other request-streaming methods (server reflection, v1 and v1alpha) read each next
+request the same way: a reflection client sends its requests back to back, so a stream
+whose next request has not arrived within the deadline ends ``DEADLINE_EXCEEDED``. Before,
+slow senders on reflection held +1,543 MiB for as long as their connections lived.
 
 An outsider's read (a caller without a valid token: every health call) also reserves the
 request limit from the outsiders' budget first, and gets at most
@@ -21,6 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import grpc
 
+from openenv_grpc.metadata import SERVICE_NAME
 from openenv_grpc.server.outsiders import OUTSIDER_ARRIVAL_SECONDS, OutsiderBudget
 
 __all__ = ["UnaryRequestDeadline"]
@@ -29,11 +35,14 @@ _Req = TypeVar("_Req")
 _Res = TypeVar("_Res")
 if TYPE_CHECKING:  # generic only in the type stubs, not at run time
     _Handler = grpc.RpcMethodHandler[Any, Any]
+#: Streams that bound their client's silence themselves (the idle timeout).
+_SESSIONS = (f"/{SERVICE_NAME}/Session", f"/{SERVICE_NAME}/VectorSession")
 
 
 class UnaryRequestDeadline(grpc.aio.ServerInterceptor):
-    """Serves every unary-request method with a deadline on its request's arrival, and
-    outsiders' reads within their budget (None: no budget, every read is let in)."""
+    """Serves every method but the session streams with a deadline on each request's
+    arrival, and outsiders' reads within their budget (None: no budget, every read is let
+    in)."""
 
     def __init__(self, seconds: float, outsiders: OutsiderBudget | None = None) -> None:
         self._seconds = seconds
@@ -47,12 +56,14 @@ class UnaryRequestDeadline(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler[_Req, _Res] | None:
         handler = await continuation(handler_call_details)
-        if handler is None or handler.request_streaming:
+        if handler is None or handler_call_details.method in _SESSIONS:
             return handler
         outsiders = self._outsiders
         if outsiders is None or not outsiders.is_outsider(handler_call_details):
-            return _bounded(handler, _Reader(self._seconds, None))
-        return _bounded(handler, _Reader(min(self._seconds, OUTSIDER_ARRIVAL_SECONDS), outsiders))
+            reader = _Reader(self._seconds, None)
+        else:
+            reader = _Reader(min(self._seconds, OUTSIDER_ARRIVAL_SECONDS), outsiders)
+        return _paced(handler, reader) if handler.request_streaming else _bounded(handler, reader)
 
 
 class _Reader(NamedTuple):
@@ -66,6 +77,22 @@ class _Reader(NamedTuple):
 async def _one_request(context: grpc.aio.ServicerContext[Any, Any], reader: _Reader) -> Any:
     """The call's one request, or the call ended (DEADLINE_EXCEEDED / INVALID_ARGUMENT,
     RESOURCE_EXHAUSTED: no room in the outsiders' budget, or pushed out of it)."""
+    request = await _next_request(context, reader)
+    if request is grpc.aio.EOF:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call carried no request")
+    return request
+
+
+async def _requests(
+    context: grpc.aio.ServicerContext[Any, Any], reader: _Reader
+) -> AsyncIterator[Any]:
+    """The call's requests until the client half-closes, each read with ``reader`` (the
+    call ends as :func:`_one_request` says if one is late or finds no room)."""
+    while (request := await _next_request(context, reader)) is not grpc.aio.EOF:
+        yield request
+
+
+async def _next_request(context: grpc.aio.ServicerContext[Any, Any], reader: _Reader) -> Any:
     if reader.outsiders is None:
         return await _read(context, reader.seconds, None)
     async with reader.outsiders.reading(context) as pushed_out:
@@ -95,10 +122,7 @@ async def _read(
             grpc.StatusCode.DEADLINE_EXCEEDED,
             f"the request did not arrive within {seconds:g} s",
         )
-    request = read.result()
-    if request is grpc.aio.EOF:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call carried no request")
-    return request
+    return read.result()
 
 
 def _bounded(handler: _Handler, reader: _Reader) -> _Handler:
@@ -128,6 +152,33 @@ def _bounded(handler: _Handler, reader: _Reader) -> _Handler:
 
     return grpc.stream_stream_rpc_method_handler(
         answers,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+def _paced(handler: _Handler, reader: _Reader) -> _Handler:
+    """Request-streaming ``handler`` with its requests read one by one with ``reader``."""
+    make = (
+        grpc.stream_stream_rpc_method_handler
+        if handler.response_streaming
+        else grpc.stream_unary_rpc_method_handler
+    )
+    behaviour: Any = handler.stream_stream or handler.stream_unary
+
+    async def answers(_: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+        result = behaviour(_requests(context, reader), context)
+        if hasattr(result, "__aiter__"):  # an async generator of answers
+            async for response in result:
+                yield response
+        else:  # a coroutine that writes its answers with context.write
+            await result
+
+    async def answer(_: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        return await behaviour(_requests(context, reader), context)
+
+    return make(
+        answers if handler.response_streaming else answer,
         request_deserializer=handler.request_deserializer,
         response_serializer=handler.response_serializer,
     )
