@@ -138,15 +138,19 @@ def _serve(app):
         refs.append(_ref(server.state_cls))
     if any(ref is None for ref, _ in refs):
         return None
-    key = tuple(ref for ref, _ in refs)
+    # An app registered in production mode has no /reset: ours is told by OPENENV_MODE.
+    paths = {{getattr(route, "path", "") for route in app.routes}}
+    mode = "simulation" if "/reset" in paths else "production"
+    key = (*(ref for ref, _ in refs), mode)
     if key in _SERVERS:
         return _SERVERS[key][1]
     args = [OURS, "serve", "--openenv", key[0], "--action", key[1], "--observation", key[2]]
-    if len(key) > 3:
+    if len(key) > 4:
         args += ["--state", key[3]]
     args += ["--host", "127.0.0.1", "--port", "0", "--openenv-port", "0"]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([root for _, root in refs] + [env.get("PYTHONPATH", "")])
+    env["OPENENV_MODE"] = mode
     env["MAX_CONCURRENT_ENVS"] = str(max(8, getattr(server, "_max_concurrent_envs", 8) or 8))
     process = _popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     url = None

@@ -334,6 +334,28 @@ def test_ws_jsonrpc_route_equal(pair: dict[str, tuple[str, str]]) -> None:
     assert ours == theirs
 
 
+def test_production_mode_equal(monkeypatch: pytest.MonkeyPatch) -> None:
+    # OPENENV_MODE=production: no /reset, /step, /state; the rest as in simulation mode.
+    monkeypatch.setenv("OPENENV_MODE", "production")
+    with contextlib.ExitStack() as stack:
+        theirs = stack.enter_context(openenv_server("echo_app"))
+        server = ServerProcess(
+            "--openenv=support.openenv_envs.apps:echo_app",
+            ["--openenv-port", "0"],
+            extra_env={"OPENENV_MODE": "production"},
+            pythonpath=[TESTS],
+        )
+        stack.callback(server.stop)
+        ours = gateway_url(server)
+        calls = [("/reset", {}), ("/step", {"action": {"message": "x"}}), ("/state", None),
+                 ("/health", None), ("/schema", None)]  # fmt: skip
+        for path, body in calls:
+            assert same(http(ours, path, body)) == same(http(theirs, path, body)), path
+        assert http(ours, "/reset", {})[0] == 404
+        sent = [{"type": "reset", "data": {}}, {"type": "step", "data": {"message": "p"}}]
+        assert same(frames(ours, sent)) == same(frames(theirs, sent))
+
+
 # -- the door's own bounds on the new routes (no counterpart on OpenEnv's server) ---------
 
 

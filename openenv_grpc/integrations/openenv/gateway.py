@@ -97,6 +97,19 @@ def _error(code: str, message: str, **extra: Any) -> str:
     return json.dumps({"type": "error", "data": {"message": message, "code": code, **extra}})
 
 
+def openenv_mode() -> str:
+    """OpenEnv's server mode, from ``OPENENV_MODE`` as its ``create_app`` reads it:
+    ``simulation`` (the default) or ``production`` (no ``/reset``, ``/step``, ``/state``).
+
+    Raises:
+        ValueError: any other value (OpenEnv refuses it too).
+    """
+    mode = os.environ.get("OPENENV_MODE", "simulation").strip().lower() or "simulation"
+    if mode not in ("simulation", "production"):
+        raise ValueError(f"OPENENV_MODE must be simulation or production, got {mode!r}")
+    return mode
+
+
 def short_id(session_id: str) -> str:
     """What logs may show of a session id (a capability): a hash prefix, never the id."""
     return hashlib.sha256(session_id.encode()).hexdigest()[:8]
@@ -221,17 +234,8 @@ class OpenEnvGateway:
                 "state": _json_schema(classes["state"].DESCRIPTOR),
             }
 
-        @app.post("/reset")
-        async def reset(request: Request) -> Any:
-            return await self._stateless(request, "reset")
-
-        @app.post("/step")
-        async def step(request: Request) -> Any:
-            return await self._stateless(request, "step")
-
-        @app.get("/state")
-        async def state(request: Request) -> Any:
-            return await self._stateless(request, "state")
+        if openenv_mode() == "simulation":  # production mode has no simulation routes
+            self._simulation_routes()
 
         @app.post("/mcp")
         async def mcp(request: Request) -> Any:
@@ -258,6 +262,21 @@ class OpenEnvGateway:
         @app.websocket("/mcp")
         async def mcp_ws(websocket: WebSocket) -> None:
             await self._serve_socket(websocket, jsonrpc=True)
+
+    def _simulation_routes(self) -> None:
+        app = self.app
+
+        @app.post("/reset")
+        async def reset(request: Request) -> Any:
+            return await self._stateless(request, "reset")
+
+        @app.post("/step")
+        async def step(request: Request) -> Any:
+            return await self._stateless(request, "step")
+
+        @app.get("/state")
+        async def state(request: Request) -> Any:
+            return await self._stateless(request, "state")
 
     async def _stateless(self, request: Request, route: str) -> Any:
         """OpenEnv's simulation routes ``POST /reset``, ``POST /step``, ``GET /state``:
