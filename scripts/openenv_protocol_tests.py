@@ -276,7 +276,7 @@ def run(
     server = local_server(kind, checkout) if tests is TESTS else contextlib.nullcontext()
     with tempfile.TemporaryDirectory() as tmp, server:
         args = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider",
-                "-p", "no:xdist", "-o", "addopts=", *tests, *extra]  # fmt: skip
+                "-p", "no:xdist", "-o", "addopts=", "--timeout", "180", *tests, *extra]  # fmt: skip
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(checkout), env.get("PYTHONPATH")]))
         # The installed openenv (0.10.0) is imported first, so the tests' own
