@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -278,8 +279,26 @@ def test_openenv_clients_get_a_native_env_s_ints_as_ints() -> None:
             assert typed(first.observation["metadata"]) == typed(typed_info(0))
             step = env.step({"message": "o"})
             assert typed(step.observation["metadata"]) == typed(typed_info(1))
+            # A NaN in the info leaves as null, as OpenEnv's own server writes it, never
+            # as a bare NaN token (not JSON: strict parsers refuse the whole frame).
+            nan = env.step({"message": "nan"})
+            assert "loss" in nan.observation["metadata"]
+            assert nan.observation["metadata"]["loss"] is None
+        # The same over HTTP (a 500 before: the JSON encoder refused the NaN).
+        request = urllib.request.Request(
+            f"{url}/step", data=json.dumps({"action": {"message": "nan"}}).encode(),
+            headers={"Content-Type": "application/json"}, method="POST",
+        )  # fmt: skip
+        with urllib.request.urlopen(request, timeout=30) as response:
+            text = response.read().decode()
+        answer = json.loads(text, parse_constant=_no_constant)
+        assert answer["observation"]["metadata"]["loss"] is None
     finally:
         server.stop()
+
+
+def _no_constant(name: str) -> object:
+    raise AssertionError(f"the frame carries the non-JSON token {name}")
 
 
 def _gateway_url(server: ServerProcess) -> str:

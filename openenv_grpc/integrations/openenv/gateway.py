@@ -43,6 +43,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import os
 import secrets
 import socket
@@ -941,14 +942,27 @@ def _tool_json(tool: Any) -> dict[str, Any]:
             "inputSchema": schema}  # fmt: skip
 
 
+def _finite(value: Any) -> Any:
+    """``value`` with every NaN or infinity (which JSON cannot write) as None, as OpenEnv's
+    pydantic serialization writes them (``null``)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(item) for item in value]
+    return value
+
+
 def _observation_data(result: Any) -> dict[str, Any]:
-    """What OpenEnv's ``serialize_observation`` makes of a step result."""
+    """What OpenEnv's ``serialize_observation`` makes of a step result; non-finite
+    numbers in the info or the reward as ``null`` (never a bare ``NaN`` token)."""
     observation = to_json(result.observation)
-    metadata = dict(result.info or {})
+    metadata = _finite(dict(result.info)) if result.info else {}
     observation.setdefault("metadata", metadata)
     data: dict[str, Any] = {
         "observation": observation,
-        "reward": result.reward,
+        "reward": _finite(result.reward),
         "done": bool(result.terminated or result.truncated),
     }
     if metadata:
