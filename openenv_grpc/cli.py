@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -24,6 +23,7 @@ from openenv_grpc.server.app import serve
 from openenv_grpc.server.config import ENV_VARS, ServerConfig, settings
 from openenv_grpc.server.logs import configure_logging
 from openenv_grpc.server.spec import EnvSpec
+from openenv_grpc.server.wire import Door
 
 __all__ = ["main"]
 
@@ -172,9 +172,8 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"openenv-grpc: {exc}", file=sys.stderr)
         return 2
     try:
-        if args.openenv_port is not None:
-            config = _start_openenv_gateway(args.openenv_port, config)
-        return serve(factory, config)
+        doors = [] if args.openenv_port is None else [_openenv_door(args.openenv_port, config)]
+        return serve(factory, config, doors=doors)
     except (TypeError, RuntimeError, ValueError, OSError, ImportError) as exc:
         print(f"openenv-grpc: {exc}", file=sys.stderr)
         return 1
@@ -207,39 +206,20 @@ def _openenv_factory(
     return adapter, serve_config(adapter, config)
 
 
-def _start_openenv_gateway(port: int, config: ServerConfig) -> ServerConfig:
-    """Start the OpenEnv-protocol gateway for the server ``config`` describes (a thread
-    that waits for the gRPC port, then listens on ``port``); returns ``config`` with a
-    concrete gRPC port (the gateway must know it before the server binds).
+def _openenv_door(port: int, config: ServerConfig) -> Door:
+    """The OpenEnv door of ``--openenv-port PORT`` (served by this process, on its loop).
 
     Raises:
-        ValueError: with --workers > 1 or TLS (refused, naming why).
-        ImportError: the openenv extra is missing. OSError: no free port.
+        ValueError: with --workers > 1 or TLS (refused, naming why), or a bad port.
+        ImportError: the openenv extra is missing.
     """
-    if not 0 <= port <= 65535:
-        raise ValueError(f"--openenv-port must be from 0 to 65535, got {port}")
-    if config.workers > 1:
-        raise ValueError(
-            "--openenv-port serves from one process: use --workers 1 (OpenEnv's clients "
-            "then share that process's capacity), or run one server per port"
-        )
-    if config.tls_cert:
-        raise ValueError("--openenv-port speaks plaintext HTTP: not with TLS (terminate TLS "
-                         "in front of it, or use the gRPC port)")  # fmt: skip
     try:
-        from openenv_grpc.integrations.openenv.gateway import free_port, start_gateway
+        from openenv_grpc.integrations.openenv.door import door_for
     except ImportError as exc:
         raise ImportError(
             f"--openenv-port needs its extra: pip install 'openenv-grpc[openenv]' ({exc})"
         ) from exc
-    host = config.address.rpartition(":")[0]
-    if config.port == 0:
-        config = dataclasses.replace(config, port=free_port(host))
-    loopback = "[::1]" if host.startswith("[") else "127.0.0.1"
-    if host not in ("0.0.0.0", "[::]", ""):
-        loopback = host
-    start_gateway(f"{loopback}:{config.port}", host, port, config.auth_token or None, config=config)
-    return config
+    return door_for(port, config)  # type: ignore[no-any-return]
 
 
 def _info(args: argparse.Namespace) -> int:

@@ -308,7 +308,7 @@ def test_a_taken_openenv_port_ends_the_server() -> None:
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
     assert done.returncode == 1
-    assert "the OpenEnv gateway failed" in done.stderr
+    assert f"cannot listen on 127.0.0.1:{port} (--openenv-port)" in done.stderr
 
 
 MCP_ECHO = "--openenv=support.openenv_envs.mcp_echo:EchoMCPEnvironment"

@@ -13,7 +13,7 @@ import os
 import resource
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -41,6 +41,7 @@ from openenv_grpc.server.session import SessionManager
 from openenv_grpc.server.snapshots import KeyRing, SnapshotSeal
 from openenv_grpc.server.spec import EnvSpec
 from openenv_grpc.server.tls import server_credentials
+from openenv_grpc.server.wire import Door
 from openenv_grpc.server.workers import serve_workers
 
 __all__ = ["EnvServer", "serve"]
@@ -153,8 +154,11 @@ class EnvServer:
         factory: Callable[[], Any],
         config: ServerConfig | None = None,
         keys: KeyRing | None = None,
+        doors: Sequence[Door] = (),
     ) -> None:
         self.config = config or ServerConfig.from_env()
+        #: Other protocols' listeners on this server's sessions (``--openenv-port``).
+        self._doors = tuple(doors)
         self.spec = EnvSpec.from_factory(
             factory, inline_threshold=self.config.inline_threshold_ms / 1000
         )
@@ -181,6 +185,7 @@ class EnvServer:
         self._server: grpc.aio.Server | None = None
         self._health: health_aio.HealthServicer | None = None
         self._sessions: SessionManager | None = None
+        self._servicer: EnvServicer | None = None
         self._processes: EnvProcessPool | None = None
         self.port = 0
         #: Port of the Prometheus endpoint, once started (None: metrics off).
@@ -192,6 +197,13 @@ class EnvServer:
         if self._sessions is None:
             raise RuntimeError("the server has not started")
         return self._sessions
+
+    @property
+    def servicer(self) -> EnvServicer:
+        """The EnvService the gRPC port serves (and every door opens sessions on)."""
+        if self._servicer is None:
+            raise RuntimeError("the server has not started")
+        return self._servicer
 
     async def start(self) -> int:
         """Bind, start serving and return the bound port.
@@ -239,7 +251,8 @@ class EnvServer:
             snapshots=self.snapshots, budget=budget,
         )  # fmt: skip
         server = grpc.aio.server(options=grpc_options(self.config), interceptors=interceptors)
-        add_env_service(EnvServicer(self._sessions, self._processes), server)
+        self._servicer = EnvServicer(self._sessions, self._processes)
+        add_env_service(self._servicer, server)
         self._health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
@@ -263,6 +276,8 @@ class EnvServer:
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         self._sessions.start()
+        for door in self._doors:
+            await door.start(self)
         return self.port
 
     async def drain(self, grace: float | None = None) -> int:
@@ -278,9 +293,13 @@ class EnvServer:
             return 0
         grace = self.config.grace_period if grace is None else grace
         await self._health.enter_graceful_shutdown()
+        for door in self._doors:
+            door.stop_accepting()
         if self._processes is not None:
             self._processes.start_draining(grace)  # hung calls cannot outlast the grace
         stuck = await self._sessions.drain(grace)
+        for door in self._doors:
+            await door.stop()
         # Every stream has ended by now (a hung close no longer holds its handler): this
         # only bounds what is still being sent.
         await self._server.stop(grace=0.5)
@@ -315,9 +334,10 @@ async def _serve(
     config: ServerConfig,
     keys: KeyRing,
     on_ready: Callable[[str, str, int], None] = _announce,
+    doors: Sequence[Door] = (),
 ) -> int:
     """Serve until SIGTERM/SIGINT, then drain; returns the number of envs left unclosed."""
-    server = EnvServer(factory, config, keys)
+    server = EnvServer(factory, config, keys, doors)
     # Handlers first: a SIGTERM that arrives as soon as the server is up must drain it.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -342,9 +362,12 @@ async def _serve(
     return stuck
 
 
-def serve(factory: Callable[[], Any], config: ServerConfig | None = None) -> int:
+def serve(
+    factory: Callable[[], Any], config: ServerConfig | None = None, doors: Sequence[Door] = ()
+) -> int:
     """Serve ``factory``'s environment until SIGTERM or SIGINT, then drain; returns the
-    exit code (0: every environment closed). With ``workers > 1``, forks the workers.
+    exit code (0: every environment closed). With ``workers > 1``, forks the workers
+    (``doors`` are for one process: the caller refuses them with workers).
 
     Raises:
         TypeError: the env class is unusable. ValueError, OSError: bad snapshot keys.
@@ -367,7 +390,7 @@ def serve(factory: Callable[[], Any], config: ServerConfig | None = None) -> int
             say(serving_line(spec.name, host, port, f" with {config.workers} workers"))
 
         return serve_workers(run_worker, config, announce)
-    if asyncio.run(_serve(factory, config, keys)):
+    if asyncio.run(_serve(factory, config, keys, doors=doors)):
         # Every env that could be closed is closed. The rest are stuck in env code on
         # threads nothing can stop; a normal exit would wait for any non-daemon thread
         # among them (concurrent.futures joins its workers at exit, and an env may use

@@ -81,6 +81,11 @@ class ByteBudget:
         self._add(n)
         return True
 
+    def hold(self, n: int) -> None:
+        """Count ``n`` bytes that are held already and cannot be refused (a transport's
+        buffer of unsent answers): they make later takes wait or fail."""
+        self._add(n)
+
     async def take(self, n: int) -> None:
         """Take ``n`` bytes, waiting (first come, first served) until they fit.
 

@@ -20,6 +20,8 @@ from typing import Any
 
 import grpc
 
+from openenv_grpc.server.wire import Wire
+
 __all__ = ["Admission", "NoSlot", "SessionLimiter"]
 
 #: A refusal first waits this long for the client's first request (or its half-close),
@@ -115,7 +117,7 @@ class SessionLimiter:
 
     async def refuse(
         self,
-        context: grpc.aio.ServicerContext[bytes, bytes],
+        context: Wire,
         code: grpc.StatusCode,
         message: str,
         trailing_metadata: Sequence[tuple[str, str]] = (),

@@ -55,14 +55,16 @@ from openenv_grpc.server.placement import CallPlacement
 from openenv_grpc.server.runner import CreateTimeout
 from openenv_grpc.server.snapshots import SnapshotSeal
 from openenv_grpc.server.spec import EnvSpec
+from openenv_grpc.server.wire import Wire
 from openenv_grpc.v1 import session_pb2 as pb
 
 __all__ = ["CLOSE_BUDGET", "Held", "SessionManager", "StreamOpening"]
 
 log = logging.getLogger(__name__)
 
-#: Session requests arrive as raw bytes; the loop parses them (see service.add_env_service).
-_Context = grpc.aio.ServicerContext[bytes, bytes]
+#: A stream's transport: gRPC's context, or a local stream's (``wire.py``). Requests
+#: arrive as raw bytes; the loop parses them (see service.add_env_service).
+_Context = Wire
 
 #: Seconds a drain gives envs to close once the grace period is over (or every session has
 #: ended). Closing takes milliseconds; what is still closing after this is stuck in env

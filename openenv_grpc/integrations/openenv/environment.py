@@ -202,9 +202,11 @@ def _adapter(
         "step_errors_end_episode": False,
         "_bridge": bridge,
         "_recipe": recipe,
-        # OpenEnv runs a sync env's calls on a worker thread: they may block (network,
-        # subprocesses), so they never move onto the event loop here either.
-        "runs_inline": False,
+        # OpenEnv runs a sync env's calls on a worker thread, as they may block (network,
+        # subprocesses). Here they start there too and are measured (placement.py): a
+        # call group moves onto the event loop only once it is cheap and never blocks,
+        # and back at its first calls that block or take long.
+        "runs_inline": None,
         "__module__": __name__,
         "__doc__": f"{env_class.__qualname__} (an OpenEnv environment), served by openenv-grpc.",
     }

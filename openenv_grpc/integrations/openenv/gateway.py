@@ -46,40 +46,33 @@ import logging
 import math
 import os
 import secrets
-import socket
-import sys
-import threading
 import types
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-import uvicorn
 from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse
 from google.protobuf import json_format
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from starlette.requests import ClientDisconnect
 
 from openenv_grpc.client import AsyncSession, CapacityError, EnvError, OpenEnvError, SessionLost
-from openenv_grpc.client.channel import aio_channel
 from openenv_grpc.client.errors import SessionRefused
 from openenv_grpc.client.info import message_classes
 from openenv_grpc.codec import value_to_python
 from openenv_grpc.integrations.json_view import JsonViewError, from_json, to_json
-from openenv_grpc.integrations.openenv.gateway_limits import GatewayLimits, uvicorn_settings
+from openenv_grpc.integrations.openenv.gateway_limits import GatewayLimits
 from openenv_grpc.integrations.openenv.published import openenv_metadata, openenv_schemas
 from openenv_grpc.integrations.trl.tools import find_tool_fields
+from openenv_grpc.server.auth import AUTHORIZATION_KEY, TokenAuthInterceptor
+from openenv_grpc.server.limiter import SessionLimiter
 from openenv_grpc.v1 import session_pb2 as pb
-from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
 
-__all__ = ["OpenEnvGateway", "free_port", "start_gateway"]
+__all__ = ["OpenEnvGateway"]
 
 log = logging.getLogger("openenv_grpc.gateway")
 
-#: The line the serve process prints once the OpenEnv protocol listens (tests wait for it).
-GATEWAY_LINE = "openenv-grpc: OpenEnv protocol on http://{host}:{port} (ws://{host}:{port}/ws)"
 
 #: Reset keywords that are the session's own, not the env's reset options.
 _SESSION_KEYS = ("seed", "episode_id")
@@ -133,26 +126,31 @@ def _owner(token: str | None) -> bytes:
 
 
 class OpenEnvGateway:
-    """The FastAPI app speaking OpenEnv's protocol for the gRPC server at ``target``.
+    """The FastAPI app speaking OpenEnv's protocol on the session core of this process.
 
     Args:
-        target: The local gRPC server, ``host:port`` (plaintext loopback).
-        info: Its Info answer (names, descriptors, capacity).
-        token: The server's ``AUTH_TOKEN``, if any: HTTP endpoints but ``/health`` want
-            it as a bearer token, and WebSockets pass the client's on to gRPC.
+        stub: Opens the core's Session streams in this process (a
+            :class:`~openenv_grpc.server.local_wire.LocalStub`).
+        info: The server's Info answer (names, descriptors, capacity).
+        token: The server's ``AUTH_TOKEN``, if any: every route but ``/health`` and every
+            WebSocket want it as a bearer token, checked by the gRPC port's own check.
+        limiter: The server's limiter (what a full server's answer reports).
     """
 
     def __init__(
         self,
-        target: str,
+        stub: Any,
         info: pb.InfoResponse,
         token: str | None = None,
         limits: GatewayLimits | None = None,
+        limiter: SessionLimiter | None = None,
     ) -> None:
-        self.target = target
         self.info = info
         self.token = token
+        self._auth = TokenAuthInterceptor(token) if token else None
         self.limits = limits or GatewayLimits()
+        self._limiter = limiter
+        self._stub = stub
         classes = message_classes(info)
         self._action = classes["action"]
         self._reset_options = classes.get("reset_options")
@@ -161,7 +159,6 @@ class OpenEnvGateway:
             "GatewaySession",
             (AsyncSession[roles],),  # type: ignore[valid-type,misc]
         )
-        self._channel: grpc.aio.Channel | None = None
         #: Sessions made by ``openenv/session/create`` over HTTP /mcp, by a random id of
         #: their own: MCP calls and a WebSocket opened with ``?session_id=`` share them
         #: until ``openenv/session/close`` or the idle timeout (MCPToolClient's
@@ -183,19 +180,14 @@ class OpenEnvGateway:
         )
         self._routes()
 
-    @property
-    def channel(self) -> grpc.aio.Channel:
-        if self._channel is None:  # made on the loop that serves the app
-            self._channel = aio_channel(self.target)
-        return self._channel
-
     # -- HTTP ---------------------------------------------------------------------------
 
     def _authorized(self, header: str | None) -> bool:
-        if not self.token:
+        """Whether ``header`` carries the token: the gRPC port's own check."""
+        if self._auth is None:
             return True
-        given = _bearer(header) or ""
-        return hmac.compare_digest(given.encode(), self.token.encode())
+        given = _bearer(header)
+        return given is not None and self._auth.allows(((AUTHORIZATION_KEY, f"Bearer {given}"),))
 
     def _routes(self) -> None:
         app = self.app
@@ -357,22 +349,40 @@ class OpenEnvGateway:
         if declared.strip().isdigit() and int(declared) > limit:
             return too_large
         body = bytearray()
+        budget = self.limits.budget
+        held = 0  # what of the body the byte budget counts while it arrives
 
-        async def read() -> bool:
+        async def read() -> bool | None:
+            nonlocal held
             async for chunk in request.stream():
+                if budget is not None:
+                    if not budget.try_take(len(chunk)):
+                        return None
+                    held += len(chunk)
                 body.extend(chunk)
                 if len(body) > limit:
                     return False
             return True
 
         try:
-            if not await asyncio.wait_for(read(), self.limits.arrival_timeout):
-                return too_large
+            complete = await asyncio.wait_for(read(), self.limits.arrival_timeout)
         except asyncio.TimeoutError:
             return JSONResponse({"detail": "the body did not arrive within "
                                  f"{self.limits.arrival_timeout:g}s"}, 408)  # fmt: skip
         except ClientDisconnect:
             return JSONResponse({"detail": "the client went"}, 400)
+        finally:
+            if budget is not None:
+                budget.give(held)
+        if complete is None:
+            assert budget is not None
+            return JSONResponse(
+                {"detail": f"server busy: it holds {budget.used} of its {budget.total} bytes "
+                 "for clients (--max-held-bytes); retry later"}, 503,
+                headers={"Retry-After": "1"},
+            )  # fmt: skip
+        if not complete:
+            return too_large
         return bytes(body)
 
     def _find(self, session_id: Any, token: str | None) -> _Held | None:
@@ -407,34 +417,12 @@ class OpenEnvGateway:
                     log.info("held OpenEnv session %s idle: closed", short_id(session_id))
                     await self._let_go(session_id, held)
 
-    async def watch_drain(self, server: uvicorn.Server) -> None:
-        """When the gRPC server drains (its health turns NOT_SERVING, or goes): stop
-        accepting, and close every WebSocket with 1012 just before the grace ends."""
-        metadata = (("authorization", f"Bearer {self.token}"),) if self.token else ()
-        stub: Any = health_pb2_grpc.HealthStub(self.channel)
-        serving = health_pb2.HealthCheckResponse.SERVING
-        request = health_pb2.HealthCheckRequest()
-        while True:
-            try:
-                async for answer in stub.Watch(request, metadata=metadata):
-                    if answer.status != serving:
-                        break
-                else:  # the watch ended with no answer: watch again
-                    await asyncio.sleep(1.0)
-                    continue
-                break
-            except grpc.RpcError:  # a broken watch is a drain only if Check says so
-                try:
-                    answer = await stub.Check(request, metadata=metadata, timeout=5.0)
-                except grpc.RpcError:
-                    break
-                if answer.status != serving:
-                    break
-                await asyncio.sleep(1.0)
+    def start_draining(self) -> None:
+        """The server drains: sockets that end from now on close with 1012 (restart)."""
         self.draining = True
-        for listener in server.servers:
-            listener.close()  # no new connections: the process is going
-        await asyncio.sleep(max(0.0, self.limits.grace - 0.5))
+
+    async def close_sockets(self) -> None:
+        """Close every WebSocket still open with 1012 (the core ends their sessions)."""
         await asyncio.gather(*(_close(ws, _CLOSE_DRAIN, "server draining") for ws in self._sockets))
 
     # -- the WebSocket session ------------------------------------------------------------
@@ -524,7 +512,7 @@ class OpenEnvGateway:
             finally:
                 await _close(websocket, *self._closing())
             return
-        session = self._session_class(self.channel, token=token)
+        session = self._session_class(self._stub)
         try:
             await session.open()
         except CapacityError as exc:
@@ -682,7 +670,7 @@ class OpenEnvGateway:
         if not isinstance(params, dict):
             return _rpc_error(ident, -32602, "Params must be an object")
         if method == "openenv/session/create":
-            session = self._session_class(self.channel, token=token)
+            session = self._session_class(self._stub)
             try:
                 await session.open()
             except CapacityError:
@@ -744,7 +732,7 @@ class OpenEnvGateway:
         """A gRPC session for one stateless call (HTTP ``/reset``, ``/step``, ``/state``,
         sessionless ``/mcp``), closed when the call ends. Raises _NoRoom when the server
         is full or refuses the token."""
-        session = self._session_class(self.channel, token=token)
+        session = self._session_class(self._stub)
         try:
             await session.open()
         except CapacityError:
@@ -866,12 +854,10 @@ class OpenEnvGateway:
         return from_json(data, self._action, "action")
 
     async def _capacity(self) -> tuple[int, int]:
-        stub: Any = pb_grpc.EnvServiceStub(self.channel)
-        try:
-            info = await stub.Info(pb.InfoRequest(), timeout=5.0)
-        except grpc.RpcError:
+        limiter = self._limiter
+        if limiter is None:
             return self.info.capacity.active_sessions, self.info.capacity.max_sessions
-        return info.capacity.active_sessions, info.capacity.max_sessions
+        return limiter.active, limiter.capacity
 
 
 def _spill(options: dict[str, Any], message_class: Any) -> dict[str, Any]:
@@ -1013,98 +999,3 @@ async def _send(websocket: WebSocket, text: str) -> None:
 async def _close(websocket: WebSocket, code: int = 1000, reason: str = "") -> None:
     with contextlib.suppress(Exception):
         await websocket.close(code, reason)
-
-
-# -- running it in the serve process ----------------------------------------------------
-
-
-def free_port(host: str) -> int:
-    """A port free on ``host`` right now (for a gRPC ``--port 0`` the gateway must know)."""
-    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
-    with socket.socket(family) as probe:
-        probe.bind((host.strip("[]"), 0))
-        return int(probe.getsockname()[1])
-
-
-def start_gateway(
-    target: str,
-    host: str,
-    port: int,
-    token: str | None = None,
-    ready_timeout: float = 120.0,
-    announce: Callable[[str], None] | None = None,
-    config: Any = None,
-) -> threading.Thread:
-    """Serve OpenEnv's protocol on ``host:port`` for the gRPC server at ``target``, from a
-    daemon thread with its own event loop: it waits for the gRPC server to answer Info
-    (it is started just before it), then listens and prints :data:`GATEWAY_LINE`.
-    ``config`` (the server's ``ServerConfig``) sets the door's bounds
-    (:class:`GatewayLimits`); without it, the defaults. A gateway that cannot start ends
-    the process (exit 1), as a port that cannot be bound would."""
-    limits = GatewayLimits.from_config(config) if config is not None else GatewayLimits()
-
-    def run() -> None:
-        try:
-            asyncio.run(_run(target, host, port, token, ready_timeout, announce or _say, limits))
-        except BaseException as exc:  # a half-started server must not look healthy
-            log.error("the OpenEnv gateway failed: %s", exc)
-            print(f"openenv-grpc: the OpenEnv gateway failed: {exc}", file=sys.stderr)
-            sys.stderr.flush()
-            os._exit(1)
-
-    thread = threading.Thread(target=run, name="openenv-gateway", daemon=True)
-    thread.start()
-    return thread
-
-
-async def _run(
-    target: str,
-    host: str,
-    port: int,
-    token: str | None,
-    ready_timeout: float,
-    announce: Callable[[str], None],
-    limits: GatewayLimits,
-) -> None:
-    channel = aio_channel(target)
-    stub: Any = pb_grpc.EnvServiceStub(channel)
-    metadata = (("authorization", f"Bearer {token}"),) if token else ()
-    info = await stub.Info(
-        pb.InfoRequest(), timeout=ready_timeout, wait_for_ready=True, metadata=metadata
-    )
-    await channel.close()
-    gateway = OpenEnvGateway(target, info, token, limits)
-    config = uvicorn.Config(
-        gateway.app,
-        host=host.strip("[]"),
-        port=port,
-        log_level="warning",
-        lifespan="off",
-        ws_ping_interval=20.0,
-        ws_ping_timeout=20.0,
-        **uvicorn_settings(limits),
-    )
-    server = uvicorn.Server(config)  # off the main thread: it installs no signal handlers
-    serving = asyncio.create_task(server.serve())
-    while not server.started:
-        if serving.done():  # it could not bind
-            serving.result()
-            raise RuntimeError(f"cannot listen on {host}:{port}")
-        await asyncio.sleep(0.02)
-    bound = server.servers[0].sockets[0].getsockname()[1]
-    shown = f"[{host.strip('[]')}]" if ":" in host.strip("[]") else host
-    announce(GATEWAY_LINE.format(host=shown, port=bound))
-    chores = [
-        asyncio.create_task(gateway.reap_idle()),
-        asyncio.create_task(gateway.watch_drain(server)),
-    ]
-    try:
-        await serving
-    finally:
-        for chore in chores:
-            chore.cancel()
-
-
-def _say(line: str) -> None:
-    sys.stdout.flush()
-    os.write(sys.stdout.fileno(), f"{line}\n".encode())

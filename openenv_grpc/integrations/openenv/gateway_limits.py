@@ -12,12 +12,23 @@ off, so a compressed frame is a protocol error (close 1002) and never inflated.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import logging
 import resource
 from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+
+from openenv_grpc.server.budget import ByteBudget
+from openenv_grpc.server.session import STALLED_AFTER
+
+log = logging.getLogger("openenv_grpc.gateway")
+
+#: Reads this small may use the byte budget's reserve (a neighbour's ordinary frames go
+#: on while stalled connections are closed): the session core's rule for small answers.
+_SMALL = 64 * 1024
 
 __all__ = ["GatewayLimits", "uvicorn_settings"]
 
@@ -54,6 +65,9 @@ class GatewayLimits:
             (``--idle-timeout``; 0: forever).
         grace: Seconds WebSockets get once the server drains (``--grace``).
         max_connections: Connections held at once; more are closed as they are accepted.
+        budget: The server's byte budget (``--max-held-bytes``): what the door holds of
+            clients' bytes (bodies and messages arriving, answers a client has not
+            taken) is drawn from it. None: uncounted (a door without a server).
     """
 
     request_bytes: int = DEFAULT_REQUEST_BYTES
@@ -61,15 +75,18 @@ class GatewayLimits:
     idle_timeout: float = 600.0
     grace: float = 25.0
     max_connections: int = dataclasses.field(default_factory=default_max_connections)
+    budget: ByteBudget | None = None
 
     @classmethod
-    def from_config(cls, config: Any) -> GatewayLimits:
-        """The limits of a :class:`~openenv_grpc.server.config.ServerConfig`."""
+    def from_config(cls, config: Any, budget: ByteBudget | None = None) -> GatewayLimits:
+        """The limits of a :class:`~openenv_grpc.server.config.ServerConfig`, drawing
+        from ``budget``."""
         return cls(
             request_bytes=config.request_limit,
             arrival_timeout=config.request_arrival_timeout,
             idle_timeout=config.idle_timeout,
             grace=config.grace_period,
+            budget=budget,
         )
 
 
@@ -116,9 +133,94 @@ class _BoundedHttp(H11Protocol):
 
 class _BoundedWebSocket(WebSocketsSansIOProtocol):
     """uvicorn's WebSocket protocol assembling a fragmented message in one ``bytearray``
-    (one byte of memory per byte received); its size is capped by websockets itself."""
+    (one byte of memory per byte received); its size is capped by websockets itself.
 
+    What a connection holds of its client's bytes is drawn from the server's byte budget:
+    bytes received until the app takes the message they make (uvicorn queues one message
+    and stops reading), and answers its client has not taken (what the transport buffers
+    past its high-water mark). Bytes that do not fit close the connection (1013, try
+    again later); small reads may use the budget's reserve, as small gRPC answers do. A
+    client that takes no answer for :data:`STALLED_AFTER` seconds while the budget is
+    spent is disconnected, as a stalled gRPC stream is ended.
+    """
+
+    limits: GatewayLimits = GatewayLimits()
     _parts: bytearray | None = None
+    #: Bytes received and not yet taken by the app; bytes counted for a paused transport.
+    _arriving = 0
+    _unsent = 0
+    _stall: asyncio.TimerHandle | None = None
+
+    def data_received(self, data: bytes) -> None:
+        budget = self.limits.budget
+        if budget is not None and data:
+            size = len(data)
+            if not (budget.try_take(size) or (size <= _SMALL and budget.try_overdraw(size))):
+                self._refuse_bytes(budget, size)
+                return
+            self._arriving += size
+        super().data_received(data)
+
+    async def receive(self) -> Any:
+        event = await super().receive()
+        budget = self.limits.budget
+        if budget is not None and self._arriving:  # the app holds the message now
+            budget.give(self._arriving)
+            self._arriving = 0
+        return event
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        budget = self.limits.budget
+        if budget is not None and not self._unsent:
+            self._unsent = self.transport.get_write_buffer_size()
+            budget.hold(self._unsent)  # they exist already: counted, never refused
+            self._stall = self.loop.call_later(STALLED_AFTER, self._stalled)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._give_unsent()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        budget = self.limits.budget
+        if budget is not None and self._arriving:
+            budget.give(self._arriving)
+            self._arriving = 0
+        self._give_unsent()
+        super().connection_lost(exc)
+
+    def _give_unsent(self) -> None:
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+        budget = self.limits.budget
+        if budget is not None and self._unsent:
+            budget.give(self._unsent)
+            self._unsent = 0
+
+    def _stalled(self) -> None:
+        self._stall = None
+        budget = self.limits.budget
+        if budget is None or not self._unsent:
+            return
+        if budget.used <= budget.total:  # nobody needs the bytes: wait on
+            self._stall = self.loop.call_later(STALLED_AFTER / 4, self._stalled)
+            return
+        log.warning(
+            "closing an OpenEnv WebSocket whose client took no answer for %.0fs while the "
+            "byte budget is spent: %d bytes unsent", STALLED_AFTER, self._unsent,
+        )  # fmt: skip
+        self.transport.abort()
+
+    def _refuse_bytes(self, budget: ByteBudget, size: int) -> None:
+        log.warning(
+            "closing an OpenEnv WebSocket: %d more bytes do not fit the byte budget "
+            "(%d of %d held, --max-held-bytes)", size, budget.used, budget.total,
+        )  # fmt: skip
+        with contextlib.suppress(Exception):
+            self.conn.fail(1013, "server busy: the byte budget is spent, try again later")
+            self.transport.write(b"".join(self.conn.data_to_send()))
+        self.transport.close()
 
     def handle_text(self, event: Any) -> None:
         self.curr_msg_data_type = "text"
@@ -148,9 +250,10 @@ class _BoundedWebSocket(WebSocketsSansIOProtocol):
 def uvicorn_settings(limits: GatewayLimits) -> dict[str, Any]:
     """The ``uvicorn.Config`` keywords that enforce ``limits``."""
     http = type("BoundedHttp", (_BoundedHttp,), {"limits": limits})
+    ws = type("BoundedWebSocket", (_BoundedWebSocket,), {"limits": limits})
     return {
         "http": http,
-        "ws": _BoundedWebSocket,
+        "ws": ws,
         "ws_max_size": limits.request_bytes,
         "ws_per_message_deflate": False,  # no inflation: what arrives is what is held
         "timeout_keep_alive": max(1, min(5, int(limits.arrival_timeout))),

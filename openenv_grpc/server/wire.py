@@ -1,0 +1,81 @@
+"""What the session core needs of a stream's transport: the one surface every wire gives.
+
+:meth:`SessionManager.run <openenv_grpc.server.session.SessionManager.run>` drives a
+stream through this and nothing else, so admission, the idle reaper, the drain, the byte
+budget and the metrics are the same on every wire. gRPC's ``ServicerContext`` is one (the
+``Session`` and ``VectorSession`` RPCs); :mod:`.local_wire` is the other, an in-process
+stream that the OpenEnv door (``integrations/openenv``) drives without a network hop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
+
+import grpc
+
+if TYPE_CHECKING:
+    from openenv_grpc.server.app import EnvServer
+
+__all__ = ["Door", "Wire"]
+
+
+class Wire(Protocol):
+    """One stream as the session core sees it: request bytes in, answer bytes out, a
+    status at the end. A wire authenticates its caller before the core sees the stream."""
+
+    async def read(self) -> Any:
+        """The next request's bytes, or ``grpc.aio.EOF`` once the client is done."""
+        ...
+
+    async def write(self, message: bytes) -> None:
+        """Send one answer; returns once the wire has taken it (its bytes are held
+        against the byte budget until then)."""
+        ...
+
+    async def send_initial_metadata(self, initial_metadata: Sequence[tuple[str, str]]) -> None:
+        """Tell the client it was admitted (the headers the core names)."""
+        ...
+
+    async def abort(
+        self,
+        code: grpc.StatusCode,
+        details: str = "",
+        trailing_metadata: Sequence[tuple[str, str]] = (),
+    ) -> NoReturn:
+        """End the stream with ``code``.
+
+        Raises:
+            Exception: always (``grpc.aio.AbortError``), ending the stream's handler.
+        """
+        ...
+
+    def cancelled(self) -> bool:
+        """The client has gone (nothing it sends will be read)."""
+        ...
+
+    def invocation_metadata(self) -> Iterable[tuple[str, Any]] | None:
+        """The metadata the client opened the stream with."""
+        ...
+
+
+class Door(Protocol):
+    """Another protocol's listener, served by the server process on its loop from the
+    same session core (``--openenv-port``): it starts once the gRPC port serves, stops
+    accepting when the drain begins, and stops once the sessions have drained."""
+
+    async def start(self, server: EnvServer) -> None:
+        """Listen, serving ``server``'s sessions (its ``servicer`` and ``sessions``).
+
+        Raises:
+            RuntimeError: the door's port could not be bound.
+        """
+        ...
+
+    def stop_accepting(self) -> None:
+        """The drain began: take no new connections."""
+        ...
+
+    async def stop(self) -> None:
+        """Every session has ended: close what is left."""
+        ...
