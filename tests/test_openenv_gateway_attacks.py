@@ -39,7 +39,12 @@ from openenv_grpc.testing import ServerProcess
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
 from test_openenv_bridge import openenv_server  # noqa: E402
-from test_openenv_gateway import gateway_url, serving, wait_for  # noqa: E402
+from test_openenv_gateway import (  # noqa: E402
+    _stop_the_modules_servers,  # noqa: F401  (stops the servers serving() starts here too)
+    gateway_url,
+    serving,
+    wait_for,
+)
 
 TOKEN = "door-secret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -118,9 +123,14 @@ def post_flood(url: str, headers: str, total: int, chunk: bytes, chunked: bool =
         return _read_status(sock, 30), sent
 
 
-def ws_handshake(url: str, extra: str = "") -> socket.socket:
-    """A raw WebSocket on ``/ws``, past its handshake (with ``extra`` header lines)."""
-    sock = socket.create_connection(_hostport(url), timeout=30)
+def ws_handshake(url: str, extra: str = "", rcvbuf: int = 0) -> socket.socket:
+    """A raw WebSocket on ``/ws``, past its handshake (with ``extra`` header lines; with
+    ``rcvbuf``, a receive buffer that small from the start: a client slow to read)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if rcvbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.settimeout(30)
+    sock.connect(_hostport(url))
     key = base64.b64encode(os.urandom(16)).decode()
     sock.sendall(
         f"GET /ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
@@ -190,8 +200,10 @@ def fd_count(pid: int) -> int:
 
 
 @contextlib.contextmanager
-def own_server(*args: str, extra_env: dict[str, str] | None = None) -> Iterator[Any]:
-    server = ServerProcess("echo", ["--openenv-port", "0", *args], extra_env=extra_env,
+def own_server(
+    *args: str, extra_env: dict[str, str] | None = None, env: str = "echo"
+) -> Iterator[Any]:
+    server = ServerProcess(env, ["--openenv-port", "0", *args], extra_env=extra_env,
                            pythonpath=[TESTS])  # fmt: skip
     try:
         yield server, gateway_url(server)
@@ -624,3 +636,92 @@ def test_a_drain_closes_websockets_with_a_close_frame() -> None:
         print(f"\ndrain at --grace 1: close frame {code} after {took:.2f} s; exit {exit_code}")
         assert code in (1001, 1012)
         assert exit_code == 0
+
+
+# -- 9. bytes across connections: the server's one byte budget -----------------------------------
+
+BUDGET = 8 << 20  # --max-held-bytes of the servers below
+BIG = 3 << 20  # a message well within the 4 MiB request limit
+#: OpenEnv's template echo env: its answers are as large as the message asked for.
+OPENENV_ECHO = "--openenv=support.openenv_envs.echo:EchoEnvironment"
+
+
+@pytest.mark.fresh_server  # a server of its own, with a small byte budget: make test
+def test_half_sent_messages_on_many_sockets_draw_from_the_byte_budget() -> None:
+    """Each socket stays within the message limit; together they would hold gigabytes.
+    What arrives is counted against --max-held-bytes before it is buffered: past it,
+    sockets are closed 1013 (try again later), and an honest client goes on."""
+    with own_server("--max-held-bytes", str(BUDGET)) as (server, url):
+        pid = server.proc.pid
+        baseline, attackers = rss_mib(pid), 48
+        head = struct.pack("!BBQ", 0x81, 0x80 | 127, 4 << 20) + b"\0\0\0\0"  # 4 MiB announced
+        sockets = []
+        for _ in range(attackers):
+            sock = ws_handshake(url)
+            sock.settimeout(5)
+            with contextlib.suppress(OSError):
+                sock.sendall(head)
+                for _ in range(BIG // (256 << 10)):
+                    sock.sendall(b" " * (256 << 10))
+            sockets.append(sock)
+        time.sleep(1.0)  # let the server read what was sent
+        growth = rss_mib(pid) - baseline
+
+        async def honest() -> str:
+            async with GenericEnvClient(base_url=url) as env:
+                await env.reset()
+                result = await env.step({"message": "ok"})
+                return str(result.observation["echoed_message"])
+
+        answer = asyncio.run(honest())  # while the attackers still hold what they hold
+        codes = [close_code(sock, 0.2) for sock in sockets]
+        for sock in sockets:
+            sock.close()
+        refused = codes.count(1013)
+        wire = attackers * BIG / (1 << 20)
+        print(
+            f"\n{attackers} sockets x {BIG >> 20} MiB of a 4 MiB message ({wire:.0f} MiB on "
+            f"the wire), budget {BUDGET >> 20} MiB: RSS +{growth:.1f} MiB, {refused} closed 1013"
+        )
+        assert answer == "ok"
+        assert refused >= attackers // 2
+        assert growth <= 48  # the budget, its reserve and the sockets themselves
+
+
+@pytest.mark.fresh_server  # a server of its own, with a small byte budget: make test
+def test_clients_that_never_read_their_answers_are_counted_and_closed() -> None:
+    """Large answers to clients that do not read stay in the server's send buffers: they
+    are counted against --max-held-bytes with what arrives, a socket takes its next
+    message only once its last answer has left, and what does not fit is closed 1013.
+    So the sessions left holding answers fit the budget whatever the clients ask."""
+    with own_server("--max-held-bytes", str(BUDGET), env=OPENENV_ECHO) as (server, url):
+        pid = server.proc.pid
+        baseline, stallers = rss_mib(pid), 24
+        step = frame(0x1, json.dumps({"type": "step", "data": {"message": "x" * BIG}}).encode())
+        sockets = []
+        for _ in range(stallers):
+            sock = ws_handshake(url, rcvbuf=4096)
+            sock.settimeout(5)
+            sock.sendall(frame(0x1, b'{"type": "reset", "data": {}}'))
+            with contextlib.suppress(OSError):
+                for _ in range(3):  # answers pile up unread
+                    sock.sendall(step)
+            sockets.append(sock)
+        time.sleep(2.0)
+        peak = rss_mib(pid) - baseline
+        held = fetch_info(server.target).capacity.active_sessions
+        for sock in sockets:
+            sock.close()
+        wire = stallers * 3 * BIG / (1 << 20)
+        print(f"\n{stallers} clients asking {3 * BIG >> 20} MiB of answers each ({wire:.0f} MiB) "
+              f"and reading none, budget {BUDGET >> 20} MiB: RSS +{peak:.1f} MiB, {held} "
+              f"sessions still held, {stallers - held} closed")  # fmt: skip
+        assert held * BIG <= BUDGET * 3 // 2  # what is left fits the budget and its reserve
+        assert peak <= 192  # each answer is made in a few copies (JSON, protobuf, bytes)
+
+        async def honest() -> str:
+            async with GenericEnvClient(base_url=url) as env:
+                await env.reset()
+                return str((await env.step({"message": "ok"})).observation["echoed_message"])
+
+        assert asyncio.run(honest()) == "ok"  # OpenEnv's echo env answers the message

@@ -572,34 +572,39 @@ class OpenEnvGateway:
         token: str | None,
         held: _Held | None = None,
     ) -> None:
-        loop = asyncio.get_running_loop()
         while True:
-            raw = await self._receive(websocket)
-            if raw is None:
-                await websocket.send_text(_error("INVALID_JSON", "Invalid JSON: a binary "
-                                                 "frame; send JSON text"))  # fmt: skip
-                continue
-            try:
-                message = json.loads(raw)
-            except (ValueError, RecursionError) as exc:  # 5,000 digits, nesting too deep
-                await websocket.send_text(_error("INVALID_JSON", f"Invalid JSON: {exc}"))
-                continue
-            if not isinstance(message, dict):
-                await websocket.send_text(_error("VALIDATION_ERROR", "expected a JSON object "
-                                                 f"with a 'type', got {type(message).__name__}",
-                                                 errors=[]))  # fmt: skip
-                continue
-            kind = message.get("type", "")
-            if kind == "close":
+            answer = await self._frame_answer(websocket, session, own_id, token, held)
+            if answer is None:
                 return
-            data = message.get("data")
-            if held is None:
-                answer = await self._answer(session, kind, data, own_id, token)
-            else:  # one call at a time on a session /mcp shares
-                async with held.lock:
-                    answer = await self._answer(session, kind, data, own_id, token)
-                    held.last_used = loop.time()
             await websocket.send_text(answer)
+            del answer  # not kept while the next request is awaited (it may be large)
+
+    async def _frame_answer(
+        self, websocket: WebSocket, session: Any, own_id: str, token: str | None, held: _Held | None
+    ) -> str | None:
+        """The frame answering the socket's next message (None: it asked to close)."""
+        raw = await self._receive(websocket)
+        if raw is None:
+            return _error("INVALID_JSON", "Invalid JSON: a binary frame; send JSON text")
+        try:
+            message = json.loads(raw)
+        except (ValueError, RecursionError) as exc:  # 5,000 digits, nesting too deep
+            return _error("INVALID_JSON", f"Invalid JSON: {exc}")
+        del raw
+        if not isinstance(message, dict):
+            return _error("VALIDATION_ERROR", "expected a JSON object with a 'type', got "
+                          f"{type(message).__name__}", errors=[])  # fmt: skip
+        kind = message.get("type", "")
+        if kind == "close":
+            return None
+        data = message.get("data")
+        if held is None:
+            return await self._answer(session, kind, data, own_id, token)
+        async with held.lock:  # one call at a time on a session /mcp shares
+            try:
+                return await self._answer(session, kind, data, own_id, token)
+            finally:
+                held.last_used = asyncio.get_running_loop().time()
 
     async def _answer(
         self, session: Any, kind: str, data: Any, own_id: str = "", token: str | None = None

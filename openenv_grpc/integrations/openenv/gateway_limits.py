@@ -162,6 +162,10 @@ class _BoundedWebSocket(WebSocketsSansIOProtocol):
         super().data_received(data)
 
     async def receive(self) -> Any:
+        # The next request is taken once the last answer has left (the transport is below
+        # its high-water mark): one answer in flight, as on a gRPC Session. A client that
+        # never reads is closed by _stalled.
+        await self.writable.wait()
         event = await super().receive()
         budget = self.limits.budget
         if budget is not None and self._arriving:  # the app holds the message now
