@@ -241,7 +241,9 @@ class AsyncReset(AllEnv):
 
 
 def test_execution_follows_openenvs_rules() -> None:
-    assert EnvSpec.from_factory(openenv_environment(AllEnv)).mode is ExecutionMode.POOL
+    # A sync env starts on the pool and is measured: cheap calls that never block move
+    # onto the loop (placement.py); OpenEnv keeps them on a worker thread always.
+    assert EnvSpec.from_factory(openenv_environment(AllEnv)).mode is ExecutionMode.MEASURED
     single = openenv_environment(Threaded)
     assert EnvSpec.from_factory(single).mode is ExecutionMode.ASYNC
     types = message_types(single)
