@@ -70,27 +70,53 @@ def _json_name(field: Any, descriptor: Any) -> str:
 
 def _union(descriptor: Any) -> bool:
     """A bridged env's union of models: one oneof ``kind`` holding every field."""
-    oneofs = descriptor.oneofs
-    return (
-        len(oneofs) == 1
-        and oneofs[0].name == "kind"
-        and len(oneofs[0].fields) == len(descriptor.fields) > 0
-        and all(f.message_type is not None for f in descriptor.fields)
-    )
+    return _layout(descriptor).union
+
+
+class _Layout:
+    """What the JSON view reads off a message's descriptor, once per message type (every
+    frame of a socket converts the same few types)."""
+
+    __slots__ = ("by_name", "fields", "names", "union")
+
+    def __init__(self, descriptor: Any) -> None:
+        oneofs = descriptor.oneofs
+        self.union = (
+            len(oneofs) == 1
+            and oneofs[0].name == "kind"
+            and len(oneofs[0].fields) == len(descriptor.fields) > 0
+            and all(f.message_type is not None for f in descriptor.fields)
+        )
+        #: Fields by their JSON names, then by their protobuf names.
+        self.by_name: dict[str, Any] = {_json_name(f, descriptor): f for f in descriptor.fields}
+        for field in descriptor.fields:
+            self.by_name.setdefault(field.name, field)
+        self.names = frozenset(descriptor.fields_by_name)
+        #: (JSON name, field, is a map) of every field, in order.
+        self.fields = [(_json_name(f, descriptor), f, _is_map(f)) for f in descriptor.fields]
+
+
+_LAYOUTS: dict[Any, _Layout] = {}
+
+
+def _layout(descriptor: Any) -> _Layout:
+    layout = _LAYOUTS.get(descriptor)
+    if layout is None:
+        layout = _LAYOUTS[descriptor] = _Layout(descriptor)
+    return layout
 
 
 def to_json(message: Message) -> dict[str, Any]:
     """Every field of ``message`` as JSON data (unset optional fields as None); a bridged
     union (oneof ``kind``) as the member it holds, as OpenEnv's JSON has it."""
-    descriptor: Any = message.DESCRIPTOR
-    if _union(descriptor):
+    layout = _layout(message.DESCRIPTOR)
+    if layout.union:
         chosen = message.WhichOneof("kind")
         return to_json(getattr(message, chosen)) if chosen else {}
     out: dict[str, Any] = {}
-    for field in descriptor.fields:
-        name = _json_name(field, descriptor)
+    for name, field, is_map in layout.fields:
         value = getattr(message, field.name)
-        if _is_map(field):
+        if is_map:
             entry = field.message_type.fields_by_name["value"]
             out[name] = {key: _value_out(entry, item) for key, item in value.items()}
         elif field.is_repeated:
@@ -137,16 +163,17 @@ def _fill(message: Message, data: Any, path: str) -> None:
     if not isinstance(data, Mapping):
         raise JsonViewError(path, f"expected an object, got {_kind(data)}")
     descriptor: Any = message.DESCRIPTOR
-    if _union(descriptor) and not set(data) <= set(descriptor.fields_by_name):
+    layout = _layout(descriptor)
+    if layout.union and not layout.names.issuperset(data):
         _fill_member(message, descriptor, data, path)
         return
-    by_name = {_json_name(f, descriptor): f for f in descriptor.fields}
+    by_name = layout.by_name
     for key, value in data.items():
-        field = by_name.get(key) or descriptor.fields_by_name.get(key)
+        field = by_name.get(key)
         where = f"{path}.{key}"
         if field is None:
-            known = ", ".join(sorted(by_name)) or "none"
-            raise JsonViewError(where, f"no such field (fields: {known})")
+            known = ", ".join(sorted({_json_name(f, descriptor) for f in descriptor.fields}))
+            raise JsonViewError(where, f"no such field (fields: {known or 'none'})")
         if value is None:
             continue
         if _is_map(field):

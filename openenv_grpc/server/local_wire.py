@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 _Metadata = tuple[tuple[str, str], ...]
 #: What runs a stream on the server's side: ``EnvServicer.Session``'s shape.
 _Handler = Callable[[None, "_ServerEnd"], Awaitable[None]]
+_OnEnd = Callable[[grpc.StatusCode, str], None]
 
 
 class LocalStub:
@@ -37,31 +38,38 @@ class LocalStub:
 
     Args:
         session: The servicer's ``Session`` handler (``EnvServicer.Session``).
+        on_end: Called with the status of each stream as it ends, whoever ended it (the
+            idle reaper, a drain): a wire closes its connection with it.
     """
 
-    def __init__(self, session: _Handler) -> None:
+    def __init__(self, session: _Handler, on_end: _OnEnd | None = None) -> None:
         self._session = session
+        self._on_end = on_end
+
+    def ending_with(self, on_end: _OnEnd) -> LocalStub:
+        """The same stub, telling ``on_end`` how each of its streams ended."""
+        return LocalStub(self._session, on_end)
 
     def Session(self, *_requests: Any, metadata: Sequence[tuple[str, str]] = ()) -> LocalCall:
         """Open a stream: the server's handler starts at once, as a gRPC call's does."""
-        return LocalCall(self._session, tuple(metadata))
+        return LocalCall(self._session, tuple(metadata), self._on_end)
 
 
 class LocalCall:
     """The client's end of a local stream, with the methods of a grpc.aio
     ``StreamStreamCall`` that the session clients use."""
 
-    def __init__(self, handler: _Handler, metadata: _Metadata) -> None:
+    def __init__(
+        self, handler: _Handler, metadata: _Metadata, on_end: _OnEnd | None = None
+    ) -> None:
         loop = asyncio.get_running_loop()
         self._metadata = metadata
+        self._on_end = on_end
         #: Requests on their way to the server (bytes; EOF once the client is done).
-        self._requests: asyncio.Queue[Any] = asyncio.Queue()
-        #: Answers written and not yet read, each with the future its write awaits.
-        self._answers: collections.deque[tuple[bytes, asyncio.Future[None]]] = collections.deque()
-        self._answered = asyncio.Event()
-        #: The client is in :meth:`read`, waiting for an answer: one written now is taken
-        #: at once (the door reads as soon as it has written, so this is the usual case).
-        self._reading = False
+        self._requests = _Mailbox()
+        #: Answers written and not yet read, each with the future its write awaits
+        #: (:data:`_TAKEN`: handed to a reader that was waiting); :data:`_END` last.
+        self._answers = _Mailbox()
         self._headers: asyncio.Future[_Metadata] = loop.create_future()
         self._status: tuple[grpc.StatusCode, str, _Metadata] | None = None
         self._ended = asyncio.Event()
@@ -91,14 +99,16 @@ class LocalCall:
         self._status = status
         if not self._headers.done():
             self._headers.set_result(())
-        for _answer, written in self._answers:
-            if not written.done():
-                written.cancel()
+        for item in self._answers.items:
+            if item is not _END and not item[1].done():
+                item[1].cancel()
+        self._answers.put(_END)
         self._ended.set()
-        self._answered.set()
         callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:
             callback(self)
+        if self._on_end is not None:
+            self._on_end(status[0], status[1])
 
     # -- the client's side ---------------------------------------------------------------
 
@@ -117,27 +127,22 @@ class LocalCall:
             raise grpc.aio.AioRpcError(
                 code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailers), details
             )
-        self._requests.put_nowait(request.SerializeToString())
+        self._requests.put(request.SerializeToString())
 
     async def done_writing(self) -> None:
         """The client sends nothing more: the server reads EOF."""
         if not self._writes_done:
             self._writes_done = True
-            self._requests.put_nowait(grpc.aio.EOF)
+            self._requests.put(grpc.aio.EOF)
 
     async def read(self) -> Any:
         """The next answer, or ``grpc.aio.EOF`` once the stream has ended (its status
         is then :meth:`code` and :meth:`details`)."""
-        while not self._answers:
-            if self._status is not None:
-                return grpc.aio.EOF
-            self._answered.clear()
-            self._reading = True
-            try:
-                await self._answered.wait()
-            finally:
-                self._reading = False
-        raw, written = self._answers.popleft()
+        item = await self._answers.get()
+        if item is _END:
+            self._answers.put(_END)  # and for every later read
+            return grpc.aio.EOF
+        raw, written = item
         if not written.done():
             written.set_result(None)  # the server's write is done: its bytes go back
         return pb.SessionResponse.FromString(raw)
@@ -181,6 +186,44 @@ class LocalCall:
         return self._status[2]
 
 
+class _Mailbox:
+    """What one task hands another, in order: items, and the future of the one task
+    waiting for the next (cheaper than an ``asyncio.Queue`` for one reader)."""
+
+    __slots__ = ("items", "waiter")
+
+    def __init__(self) -> None:
+        self.items: collections.deque[Any] = collections.deque()
+        self.waiter: asyncio.Future[Any] | None = None
+
+    def handed(self, item: Any) -> bool:
+        """Give ``item`` to the task waiting for one, if any; False if none waits."""
+        waiter = self.waiter
+        if waiter is None or waiter.done() or self.items:
+            return False
+        self.waiter = None
+        waiter.set_result(item)
+        return True
+
+    def put(self, item: Any) -> None:
+        if not self.handed(item):
+            self.items.append(item)
+
+    async def get(self) -> Any:
+        if self.items:
+            return self.items.popleft()
+        self.waiter = waiter = asyncio.get_running_loop().create_future()
+        try:
+            return await waiter
+        finally:
+            if self.waiter is waiter:
+                self.waiter = None
+
+
+#: The last item of a finished stream's answers.
+_END: Any = object()
+
+
 class _Taken:
     """The mark of an answer handed to a client that was waiting for it."""
 
@@ -210,15 +253,11 @@ class _ServerEnd:
         return await self._call._requests.get()
 
     async def write(self, message: bytes) -> None:
-        call = self._call
-        if call._reading and not call._answers:
-            # The client waits for it: handed over now, as taken as it will ever be.
-            call._answers.append((message, _TAKEN))
-            call._answered.set()
-            return
+        answers = self._call._answers
+        if answers.handed((message, _TAKEN)):
+            return  # the client was waiting for it: taken as it was written
         written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        call._answers.append((message, written))
-        call._answered.set()
+        answers.put((message, written))
         await written  # until the client has taken it
 
     async def send_initial_metadata(self, initial_metadata: Sequence[tuple[str, str]]) -> None:

@@ -89,11 +89,12 @@ class OpenEnvDoor:
         )
         host = self.host.strip("[]")
         uvicorn_config = uvicorn.Config(
-            gateway.app,
+            gateway.asgi,
             host=host,
             port=self.port,
             log_level="warning",
             lifespan="off",
+            interface="asgi3",
             ws_ping_interval=20.0,
             ws_ping_timeout=20.0,
             timeout_graceful_shutdown=_SHUTDOWN_SECONDS,

@@ -166,6 +166,8 @@ class OpenEnvGateway:
         self._held: dict[str, _Held] = {}
         #: Open WebSockets: a drain closes each with a close frame.
         self._sockets: set[WebSocket] = set()
+        #: Closes of sockets whose sessions the core ended (referenced until done).
+        self._closers: set[asyncio.Future[None]] = set()
         self.draining = False
         self._tool_fields = find_tool_fields(
             classes["action"].DESCRIPTOR, classes["observation"].DESCRIPTOR
@@ -179,6 +181,20 @@ class OpenEnvGateway:
             openapi_url=None,
         )
         self._routes()
+
+    async def asgi(self, scope: Any, receive: Any, send: Any) -> None:
+        """The door's ASGI app: ``WS /ws`` and ``WS /mcp`` straight to their sessions
+        (every message would otherwise pass FastAPI's middleware both ways), the rest
+        to :attr:`app`."""
+        if scope["type"] == "websocket" and scope["path"] in ("/ws", "/mcp"):
+            websocket = WebSocket(scope, receive, send)
+            try:
+                await self._serve_socket(websocket, jsonrpc=scope["path"] == "/mcp")
+            except Exception:  # a bug here ends its socket, never the door
+                log.exception("the OpenEnv door failed serving a WebSocket")
+                await _close(websocket, 1011)
+            return
+        await self.app(scope, receive, send)
 
     # -- HTTP ---------------------------------------------------------------------------
 
@@ -247,14 +263,6 @@ class OpenEnvGateway:
             if problem:
                 return _rpc_error(None, -32600, f"Invalid request: {problem}")
             return await self._mcp(call, _bearer(request.headers.get("authorization")))
-
-        @app.websocket("/ws")
-        async def ws(websocket: WebSocket) -> None:
-            await self._serve_socket(websocket)
-
-        @app.websocket("/mcp")
-        async def mcp_ws(websocket: WebSocket) -> None:
-            await self._serve_socket(websocket, jsonrpc=True)
 
     def _simulation_routes(self) -> None:
         app = self.app
@@ -450,7 +458,7 @@ class OpenEnvGateway:
         token = _bearer(header)
         own_id = secrets.token_urlsafe(24)
         try:
-            async with self._one_call_session(token) as session:
+            async with self._one_call_session(token, websocket) as session:
                 while True:
                     raw = await self._receive(websocket)
                     answer = await self._jsonrpc_message(session, raw, own_id, token)
@@ -512,7 +520,7 @@ class OpenEnvGateway:
             finally:
                 await _close(websocket, *self._closing())
             return
-        session = self._session_class(self._stub)
+        session = self._session_class(self._socket_stub(websocket))
         try:
             await session.open()
         except CapacityError as exc:
@@ -547,15 +555,32 @@ class OpenEnvGateway:
                 await session.abort()
             await _close(websocket, *self._closing())
 
+    def _socket_stub(self, websocket: WebSocket) -> Any:
+        """The stub of a socket's own session: when the core ends the session as idle,
+        the socket is closed 1001 (one idle policy: the core's, no timer per message)."""
+
+        def ended(code: grpc.StatusCode, _details: str) -> None:
+            if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+                closing = asyncio.ensure_future(_close(websocket, _CLOSE_IDLE, "idle timeout"))
+                self._closers.add(closing)
+                closing.add_done_callback(self._closers.discard)
+
+        return self._stub.ending_with(ended)
+
     def _closing(self) -> tuple[int, str]:
         return (_CLOSE_DRAIN, "server draining") if self.draining else (1000, "")
 
-    async def _receive(self, websocket: WebSocket) -> str | None:
+    async def _receive(self, websocket: WebSocket, timed: bool = False) -> str | None:
         """The next text message; None for a binary one. Raises WebSocketDisconnect when
-        the client goes, or when it stays silent past the idle timeout (closed 1001)."""
+        the client goes. A socket on a session of its own is closed when the core ends
+        that session (:meth:`_socket_stub`: idle); one attached to a held session
+        (``timed``) is closed here if it stays silent past the idle timeout (1001)."""
         idle = self.limits.idle_timeout
         try:
-            event = await asyncio.wait_for(websocket.receive(), idle if idle > 0 else None)
+            if timed and idle > 0:
+                event = await asyncio.wait_for(websocket.receive(), idle)
+            else:
+                event = await websocket.receive()
         except asyncio.TimeoutError:
             await _close(websocket, _CLOSE_IDLE, "idle timeout")
             raise WebSocketDisconnect(_CLOSE_IDLE) from None
@@ -583,7 +608,7 @@ class OpenEnvGateway:
         self, websocket: WebSocket, session: Any, own_id: str, token: str | None, held: _Held | None
     ) -> str | None:
         """The frame answering the socket's next message (None: it asked to close)."""
-        raw = await self._receive(websocket)
+        raw = await self._receive(websocket, timed=held is not None)
         if raw is None:
             return _error("INVALID_JSON", "Invalid JSON: a binary frame; send JSON text")
         try:
@@ -733,11 +758,14 @@ class OpenEnvGateway:
             return _rpc_error(ident, -32603, f"{exc.code.name}: {exc.message}")
 
     @contextlib.asynccontextmanager
-    async def _one_call_session(self, token: str | None) -> AsyncIterator[Any]:
-        """A gRPC session for one stateless call (HTTP ``/reset``, ``/step``, ``/state``,
-        sessionless ``/mcp``), closed when the call ends. Raises _NoRoom when the server
-        is full or refuses the token."""
-        session = self._session_class(self._stub)
+    async def _one_call_session(
+        self, token: str | None, websocket: WebSocket | None = None
+    ) -> AsyncIterator[Any]:
+        """A session of the core for one stateless call (HTTP ``/reset``, ``/step``,
+        ``/state``, sessionless ``/mcp``) or one ``WS /mcp`` socket, closed when it ends.
+        Raises _NoRoom when the server is full or refuses the token."""
+        stub = self._stub if websocket is None else self._socket_stub(websocket)
+        session = self._session_class(stub)
         try:
             await session.open()
         except CapacityError:

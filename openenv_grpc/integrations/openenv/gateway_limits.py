@@ -242,6 +242,21 @@ class _BoundedWebSocket(WebSocketsSansIOProtocol):
         else:
             self._parts = bytearray(event.data)
 
+    def send_receive_event_to_app(self) -> None:
+        # uvicorn stops reading after every message and starts again when the app takes
+        # it: two epoll changes per message. Here reading stops only once a second message
+        # waits: a client that waits for its answers is never paused, one that pipelines
+        # is, and what arrives meanwhile is on the byte budget (data_received).
+        queue, paused = self.queue, self.read_paused
+        self.read_paused = True  # so uvicorn's own pause is skipped
+        try:
+            super().send_receive_event_to_app()
+        finally:
+            self.read_paused = paused
+        if not paused and queue.qsize() > 1:
+            self.read_paused = True
+            self.transport.pause_reading()
+
     def handle_cont(self, event: Any) -> None:
         if self._parts is None:  # websockets refuses a continuation with nothing begun
             return
