@@ -734,3 +734,133 @@ def test_clients_that_never_read_their_answers_are_counted_and_closed() -> None:
                 return str((await env.step({"message": "ok"})).observation["echoed_message"])
 
         assert asyncio.run(honest()) == "ok"  # OpenEnv's echo env answers the message
+
+
+# -- 10. what the attack on the rebuilt door found ------------------------------------------------
+
+
+def _slow_reader(url: str) -> socket.socket:
+    """A socket with a 4 KiB receive buffer from the start (a client that reads nothing)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(10)
+    sock.connect(_hostport(url))
+    return sock
+
+
+@pytest.mark.fresh_server  # a server it stops: make test
+def test_a_drain_ends_on_time_with_a_client_that_reads_nothing() -> None:
+    """A close frame cannot pass answers a client never takes: the drain and the idle
+    timeout drop such a connection instead of waiting behind them for ever."""
+    with own_server("--grace", "2", env=OPENENV_ECHO) as (server, url):
+        sock = ws_handshake(url, rcvbuf=4096)
+        with contextlib.suppress(OSError):
+            sock.sendall(frame(0x1, json.dumps({"type": "step", "data": {"message": "z" * BIG}})
+                               .encode()))  # fmt: skip
+        time.sleep(1.0)  # the answer is made and waits for a client that never reads
+        started = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        exit_code = server.proc.wait(30)
+        took = time.monotonic() - started
+        sock.close()
+        print(f"\ndrain at --grace 2 with a client reading nothing: exit {exit_code} after "
+              f"{took:.2f} s")  # fmt: skip
+        assert exit_code == 0
+        assert took <= 2 + 2 + 3  # the grace, the envs' close budget, the door's shutdown
+
+
+@pytest.mark.fresh_server  # a server of its own, with a small byte budget: make test
+def test_http_answers_a_client_never_takes_are_counted_and_dropped() -> None:
+    """``POST /step`` answers as large as the message (8 MiB: more than the kernel's send
+    buffer), never read: they are counted against --max-held-bytes while the transport
+    holds them, and once the budget is spent a connection whose client took nothing for
+    5 s is dropped, its bytes with it."""
+    big = 8 << 20
+    with own_server(
+        "--max-held-bytes", str(4 * big), "--max-request-bytes", str(2 * big), env=OPENENV_ECHO
+    ) as (server, url):
+        pid = server.proc.pid
+        baseline, clients, fds = rss_mib(pid), 12, fd_count(pid)
+        body = json.dumps({"action": {"message": "x" * big}}).encode()
+        request = (
+            b"POST /step HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body)
+        ) + body
+        sockets = []
+        for _ in range(clients):
+            sock = _slow_reader(url)
+            with contextlib.suppress(OSError):
+                sock.sendall(request)
+            sockets.append(sock)
+        time.sleep(2.0)
+        peak = rss_mib(pid) - baseline
+        started, open_now = time.monotonic(), fd_count(pid) - fds
+        while open_now > 0 and time.monotonic() - started < 20:  # nothing read meanwhile
+            time.sleep(0.25)
+            open_now = fd_count(pid) - fds
+        took = time.monotonic() - started + 2.0
+        after = rss_mib(pid) - baseline
+        for sock in sockets:
+            sock.close()
+        print(f"\n{clients} POST /step with {big >> 20} MiB answers never read, budget "
+              f"{4 * big >> 20} MiB: RSS +{peak:.1f} MiB at 2 s, every connection dropped "
+              f"within {took:.1f} s ({open_now} left), then +{after:.1f} MiB")  # fmt: skip
+        assert open_now <= 0
+        assert peak <= 240  # the bodies the budget let in, in their working copies
+
+
+@pytest.mark.fresh_server  # a server of its own, with a token and a small budget: make test
+def test_refused_sockets_cannot_spend_the_budget_of_those_with_the_token() -> None:
+    """Sockets without the token are refused (error frame, close 1008); what they send
+    after that is not counted, and a peer that keeps sending past a few bytes, or does not
+    answer the close within a second, is dropped. Clients with the token go on."""
+    token_env = {"AUTH_TOKEN": TOKEN}
+    with own_server("--max-held-bytes", str(BUDGET), env=OPENENV_ECHO, extra_env=token_env) as (
+        _server,
+        url,
+    ):
+        stop = time.monotonic() + 4.0
+        chunk = b" " * (256 << 10)
+
+        def outsider() -> int:
+            connects = 0
+            while time.monotonic() < stop:
+                try:
+                    sock = ws_handshake(url)
+                except (OSError, AssertionError):
+                    continue
+                connects += 1
+                sock.settimeout(1)
+                with contextlib.suppress(OSError):
+                    sock.sendall(struct.pack("!BBQ", 0x81, 0x80 | 127, 4 << 20) + b"\0" * 4)
+                    while time.monotonic() < stop:
+                        sock.sendall(chunk)
+                sock.close()
+            return connects
+
+        async def honest() -> list[str]:
+            answers = []
+            async with GenericEnvClient(base_url=url, headers=AUTH) as env:
+                await env.reset()
+                while time.monotonic() < stop - 0.5:
+                    result = await env.step({"message": "y" * 100_000})
+                    answers.append(str(result.observation["echoed_message"])[:1])
+                    await asyncio.sleep(0.1)
+            return answers
+
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            floods = [pool.submit(outsider) for _ in range(16)]
+            time.sleep(0.5)
+            answers = asyncio.run(honest())
+            body = json.dumps({"action": {"message": "hi"}}).encode()
+            request = urllib.request.Request(
+                f"{url}/step", body, {"Content-Type": "application/json", **AUTH}
+            )
+            with urllib.request.urlopen(request, timeout=30) as answer:
+                http_status = answer.status
+            connects = sum(flood.result() for flood in floods)
+        print(f"\n16 outsiders without the token ({connects} refused sockets, each sending "
+              f"until dropped): {len(answers)} honest 100 KB steps answered meanwhile, "
+              f"HTTP /step {http_status}")  # fmt: skip
+        assert answers and set(answers) == {"y"}
+        assert http_status == 200

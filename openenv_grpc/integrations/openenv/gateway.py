@@ -62,6 +62,7 @@ from openenv_grpc.client.errors import SessionRefused
 from openenv_grpc.client.info import message_classes
 from openenv_grpc.codec import value_to_python
 from openenv_grpc.integrations.json_view import JsonViewError, from_json, to_json
+from openenv_grpc.integrations.openenv.gateway_limits import SMALL_BYTES as _SMALL
 from openenv_grpc.integrations.openenv.gateway_limits import GatewayLimits
 from openenv_grpc.integrations.openenv.published import openenv_metadata, openenv_schemas
 from openenv_grpc.integrations.trl.tools import find_tool_fields
@@ -364,9 +365,13 @@ class OpenEnvGateway:
             nonlocal held
             async for chunk in request.stream():
                 if budget is not None:
-                    if not budget.try_take(len(chunk)):
+                    size = len(chunk)
+                    # Small bodies may use the reserve, as small WebSocket frames do.
+                    if not (
+                        budget.try_take(size) or (size <= _SMALL and budget.try_overdraw(size))
+                    ):
                         return None
-                    held += len(chunk)
+                    held += size
                 body.extend(chunk)
                 if len(body) > limit:
                     return False

@@ -28,7 +28,13 @@ log = logging.getLogger("openenv_grpc.gateway")
 
 #: Reads this small may use the byte budget's reserve (a neighbour's ordinary frames go
 #: on while stalled connections are closed): the session core's rule for small answers.
-_SMALL = 64 * 1024
+SMALL_BYTES = _SMALL = 64 * 1024
+#: Seconds a peer has to answer our close frame before its connection is dropped (uvicorn:
+#: 10, which let refused sockets hold a connection slot and keep sending for that long).
+_CLOSE_TIMEOUT = 1.0
+#: Connections waiting to be accepted: each accept turn takes at most this many, so the
+#: connection cap is overshot by at most this many fds for a moment.
+LISTEN_BACKLOG = 128
 
 __all__ = ["GatewayLimits", "uvicorn_settings"]
 
@@ -90,6 +96,51 @@ class GatewayLimits:
         )
 
 
+class _Unsent:
+    """Answers a connection's client has not taken: what its transport holds past the
+    high-water mark is counted against the byte budget while it is paused, and a client
+    that takes nothing for :data:`STALLED_AFTER` seconds while the budget is spent loses
+    its connection (the session core's rule for a stalled stream)."""
+
+    __slots__ = ("budget", "held", "stall", "transport")
+
+    def __init__(self) -> None:
+        self.held = 0
+        self.budget: ByteBudget | None = None
+        self.stall: asyncio.TimerHandle | None = None
+        self.transport: asyncio.Transport | None = None
+
+    def hold(self, transport: asyncio.Transport, budget: ByteBudget | None) -> None:
+        if budget is None or self.held:
+            return
+        self.held = transport.get_write_buffer_size()
+        self.budget, self.transport = budget, transport
+        budget.hold(self.held)  # they exist already: counted, never refused
+        self.stall = asyncio.get_running_loop().call_later(STALLED_AFTER, self._stalled)
+
+    def give(self) -> None:
+        if self.stall is not None:
+            self.stall.cancel()
+            self.stall = None
+        if self.budget is not None and self.held:
+            self.budget.give(self.held)
+            self.held = 0
+
+    def _stalled(self) -> None:
+        self.stall = None
+        budget, transport = self.budget, self.transport
+        if budget is None or transport is None or not self.held:
+            return
+        if budget.used <= budget.total:  # nobody needs the bytes: wait on
+            self.stall = asyncio.get_running_loop().call_later(STALLED_AFTER / 4, self._stalled)
+            return
+        log.warning(
+            "closing an OpenEnv connection whose client took no answer for %.0fs while the "
+            "byte budget is spent: %d bytes unsent", STALLED_AFTER, self.held,
+        )  # fmt: skip
+        transport.abort()
+
+
 class _BoundedHttp(H11Protocol):
     """uvicorn's HTTP/1.1 protocol, with a cap on connections at accept and a deadline for
     each request's head (a connection that sends nothing is closed)."""
@@ -97,6 +148,10 @@ class _BoundedHttp(H11Protocol):
     limits: GatewayLimits = GatewayLimits()
     _deadline: asyncio.TimerHandle | None = None
     _armed_for: Any = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._unsent = _Unsent()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         if len(self.connections) >= self.limits.max_connections:
@@ -109,9 +164,18 @@ class _BoundedHttp(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self._deadline is not None:
             self._deadline.cancel()
+        self._unsent.give()
         if getattr(self, "flow", None) is None:  # closed at accept: never made
             return
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._unsent.hold(self.transport, self.limits.budget)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._unsent.give()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -146,12 +210,24 @@ class _BoundedWebSocket(WebSocketsSansIOProtocol):
 
     limits: GatewayLimits = GatewayLimits()
     _parts: bytearray | None = None
-    #: Bytes received and not yet taken by the app; bytes counted for a paused transport.
+    #: Bytes received and not yet taken by the app.
     _arriving = 0
-    _unsent = 0
-    _stall: asyncio.TimerHandle | None = None
+    #: Bytes received after our close frame (the peer's close is a few bytes).
+    _after_close = 0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._unsent = _Unsent()
+        self.close_timeout = _CLOSE_TIMEOUT
 
     def data_received(self, data: bytes) -> None:
+        if self.close_sent:  # closing: nothing more is read, nothing counted
+            self._after_close += len(data)
+            if self._after_close > _SMALL:
+                self.transport.abort()
+                return
+            super().data_received(data)
+            return
         budget = self.limits.budget
         if budget is not None and data:
             size = len(data)
@@ -173,48 +249,33 @@ class _BoundedWebSocket(WebSocketsSansIOProtocol):
             self._arriving = 0
         return event
 
+    async def send(self, message: Any) -> None:
+        if message["type"] == "websocket.close" and not self.writable.is_set():
+            # The client takes nothing: a close frame would wait for ever behind the
+            # answers it has not taken (a drain, an idle socket). The connection goes.
+            self.transport.abort()
+            return
+        await super().send(message)
+        if message["type"] == "websocket.close" and self.close_timer is not None:
+            # uvicorn's timer closes gracefully, which waits for unsent bytes to leave.
+            self.close_timer.cancel()
+            self.close_timer = self.loop.call_later(self.close_timeout, self.transport.abort)
+
     def pause_writing(self) -> None:
         super().pause_writing()
-        budget = self.limits.budget
-        if budget is not None and not self._unsent:
-            self._unsent = self.transport.get_write_buffer_size()
-            budget.hold(self._unsent)  # they exist already: counted, never refused
-            self._stall = self.loop.call_later(STALLED_AFTER, self._stalled)
+        self._unsent.hold(self.transport, self.limits.budget)
 
     def resume_writing(self) -> None:
         super().resume_writing()
-        self._give_unsent()
+        self._unsent.give()
 
     def connection_lost(self, exc: Exception | None) -> None:
         budget = self.limits.budget
         if budget is not None and self._arriving:
             budget.give(self._arriving)
             self._arriving = 0
-        self._give_unsent()
+        self._unsent.give()
         super().connection_lost(exc)
-
-    def _give_unsent(self) -> None:
-        if self._stall is not None:
-            self._stall.cancel()
-            self._stall = None
-        budget = self.limits.budget
-        if budget is not None and self._unsent:
-            budget.give(self._unsent)
-            self._unsent = 0
-
-    def _stalled(self) -> None:
-        self._stall = None
-        budget = self.limits.budget
-        if budget is None or not self._unsent:
-            return
-        if budget.used <= budget.total:  # nobody needs the bytes: wait on
-            self._stall = self.loop.call_later(STALLED_AFTER / 4, self._stalled)
-            return
-        log.warning(
-            "closing an OpenEnv WebSocket whose client took no answer for %.0fs while the "
-            "byte budget is spent: %d bytes unsent", STALLED_AFTER, self._unsent,
-        )  # fmt: skip
-        self.transport.abort()
 
     def _refuse_bytes(self, budget: ByteBudget, size: int) -> None:
         log.warning(
@@ -276,5 +337,6 @@ def uvicorn_settings(limits: GatewayLimits) -> dict[str, Any]:
         "ws_max_size": limits.request_bytes,
         "ws_per_message_deflate": False,  # no inflation: what arrives is what is held
         "timeout_keep_alive": max(1, min(5, int(limits.arrival_timeout))),
+        "backlog": LISTEN_BACKLOG,
         "h11_max_incomplete_event_size": 16 * 1024,
     }
