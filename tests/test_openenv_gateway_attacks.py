@@ -508,6 +508,29 @@ def test_held_sessions_left_idle_are_freed() -> None:
         wait_for(lambda: server.active() == 0, "its session closed")
 
 
+def test_a_socket_attached_to_a_held_session_closes_with_it() -> None:
+    """``openenv/session/close`` over ``/mcp`` ends the session for a WebSocket attached
+    to it with ``?session_id=`` too: its next frame finds the socket closed, not an
+    error for every frame from then on."""
+    with serving("echo") as (_server, url):
+        session_id = rpc(url, "openenv/session/create")["result"]["session_id"]
+
+        async def attached() -> tuple[str, int | None]:
+            async with websockets.connect(f"{_ws(url)}?session_id={session_id}") as ws:
+                await ws.send(json.dumps({"type": "reset", "data": {}}))
+                first = json.loads(await ws.recv())["type"]
+                closed = rpc(url, "openenv/session/close", {"session_id": session_id})
+                assert closed["result"]["closed"] is True
+                with contextlib.suppress(websockets.ConnectionClosed):
+                    await ws.send(json.dumps({"type": "step", "data": {"message": "x"}}))
+                    await asyncio.wait_for(ws.recv(), 30)
+                return first, ws.close_code
+
+        first, code = asyncio.run(attached())
+        assert first == "observation"
+        assert code == 1000
+
+
 # -- 6. concurrent calls on one held session ---------------------------------------------------
 
 

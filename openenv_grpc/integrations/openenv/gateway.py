@@ -120,6 +120,8 @@ class _Held:
     owner: bytes
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
     last_used: float = 0.0
+    #: Closed (``openenv/session/close``, the idle reaper): sockets attached to it close.
+    closed: bool = False
 
 
 def _owner(token: str | None) -> bytes:
@@ -410,6 +412,7 @@ class OpenEnvGateway:
         """Forget and close a held session (exactly once: whoever pops it closes it)."""
         if self._held.get(session_id) is held:
             del self._held[session_id]
+            held.closed = True
             with contextlib.suppress(Exception):
                 await held.session.close()
             if held.session.is_open:
@@ -614,6 +617,8 @@ class OpenEnvGateway:
     ) -> str | None:
         """The frame answering the socket's next message (None: it asked to close)."""
         raw = await self._receive(websocket, timed=held is not None)
+        if held is not None and held.closed:  # closed meanwhile: so is the socket
+            return None
         if raw is None:
             return _error("INVALID_JSON", "Invalid JSON: a binary frame; send JSON text")
         try:
