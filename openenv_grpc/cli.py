@@ -219,7 +219,7 @@ def _openenv_door(port: int, config: ServerConfig) -> Door:
         raise ImportError(
             f"--openenv-port needs its extra: pip install 'openenv-grpc[openenv]' ({exc})"
         ) from exc
-    return door_for(port, config)  # type: ignore[no-any-return]
+    return door_for(port, config)
 
 
 def _info(args: argparse.Namespace) -> int:

@@ -155,9 +155,6 @@ class LocalCall:
         self._task.cancel()
         return True
 
-    def cancelled(self) -> bool:
-        return self._cancelled
-
     def done(self) -> bool:
         return self._status is not None
 

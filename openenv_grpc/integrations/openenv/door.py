@@ -16,15 +16,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import sys
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import uvicorn
 
 from openenv_grpc.integrations.openenv.gateway import OpenEnvGateway
 from openenv_grpc.integrations.openenv.gateway_limits import GatewayLimits, uvicorn_settings
+from openenv_grpc.server.app import say
 from openenv_grpc.server.local_wire import LocalStub
 from openenv_grpc.v1 import session_pb2 as pb
 
@@ -64,7 +63,7 @@ class OpenEnvDoor:
     def __init__(self, host: str, port: int, announce: Callable[[str], None] | None = None) -> None:
         self.host = host
         self.port = port
-        self._announce = announce or _say
+        self._announce = announce or say
         self.gateway: OpenEnvGateway | None = None
         self._server: _Uvicorn | None = None
         self._serving: asyncio.Task[None] | None = None
@@ -133,12 +132,7 @@ class OpenEnvDoor:
                 await asyncio.wait_for(self._serving, _SHUTDOWN_SECONDS + 1.0)
 
 
-def _say(line: str) -> None:
-    sys.stdout.flush()
-    os.write(sys.stdout.fileno(), f"{line}\n".encode())
-
-
-def door_for(port: int, config: ServerConfig) -> Any:
+def door_for(port: int, config: ServerConfig) -> OpenEnvDoor:
     """The OpenEnv door ``--openenv-port PORT`` asks for, on the gRPC address's host.
 
     Raises:

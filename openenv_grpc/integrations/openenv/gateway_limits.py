@@ -141,7 +141,24 @@ class _Unsent:
         transport.abort()
 
 
-class _BoundedHttp(H11Protocol):
+class _CountsUnsent:
+    """What both protocols share: while the transport is paused (its buffer past the
+    high-water mark), the answers in it are counted in :class:`_Unsent`."""
+
+    limits: GatewayLimits
+    transport: Any
+    _unsent: _Unsent
+
+    def pause_writing(self) -> None:
+        super().pause_writing()  # type: ignore[misc]
+        self._unsent.hold(self.transport, self.limits.budget)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()  # type: ignore[misc]
+        self._unsent.give()
+
+
+class _BoundedHttp(_CountsUnsent, H11Protocol):
     """uvicorn's HTTP/1.1 protocol, with a cap on connections at accept and a deadline for
     each request's head (a connection that sends nothing is closed)."""
 
@@ -169,14 +186,6 @@ class _BoundedHttp(H11Protocol):
             return
         super().connection_lost(exc)
 
-    def pause_writing(self) -> None:
-        super().pause_writing()
-        self._unsent.hold(self.transport, self.limits.budget)
-
-    def resume_writing(self) -> None:
-        super().resume_writing()
-        self._unsent.give()
-
     def on_response_complete(self) -> None:
         super().on_response_complete()
         self._arm()  # the next request's head has the same deadline
@@ -195,7 +204,7 @@ class _BoundedHttp(H11Protocol):
             self.transport.close()
 
 
-class _BoundedWebSocket(WebSocketsSansIOProtocol):
+class _BoundedWebSocket(_CountsUnsent, WebSocketsSansIOProtocol):
     """uvicorn's WebSocket protocol assembling a fragmented message in one ``bytearray``
     (one byte of memory per byte received); its size is capped by websockets itself.
 
@@ -260,14 +269,6 @@ class _BoundedWebSocket(WebSocketsSansIOProtocol):
             # uvicorn's timer closes gracefully, which waits for unsent bytes to leave.
             self.close_timer.cancel()
             self.close_timer = self.loop.call_later(self.close_timeout, self.transport.abort)
-
-    def pause_writing(self) -> None:
-        super().pause_writing()
-        self._unsent.hold(self.transport, self.limits.budget)
-
-    def resume_writing(self) -> None:
-        super().resume_writing()
-        self._unsent.give()
 
     def connection_lost(self, exc: Exception | None) -> None:
         budget = self.limits.budget
