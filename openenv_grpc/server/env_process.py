@@ -79,6 +79,7 @@ __all__ = [
     "BLOCK_OPEN",
     "HEADER",
     "READ_LIMIT",
+    "REFUSAL_FLAGS",
     "SIDE_CLOSE",
     "SIDE_CLOSED",
     "Op",
@@ -126,6 +127,10 @@ class Status:
 
     OK, FAILED, UNDECODABLE, READY, REFUSED, TOO_LARGE, UNKEPT = 0, 2, 3, 5, 6, 7, 8
     ANSWER, CALL_REFUSED = 48, 64
+
+
+#: ``CALL_REFUSED + flags`` for flags below this (:func:`refusal_flags`' four bits).
+REFUSAL_FLAGS = 16
 
 
 def refusal_flags(refused: BatchRefused) -> int:

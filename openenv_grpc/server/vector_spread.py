@@ -59,7 +59,7 @@ from openenv_grpc.environment import AutoresetMode
 from openenv_grpc.server.backend import SessionLostError
 from openenv_grpc.server.budget import ByteBudget
 from openenv_grpc.server.calls import BatchRefused, ResetArgs, RestoreArgs, StepArgs
-from openenv_grpc.server.env_process import Op, Status
+from openenv_grpc.server.env_process import REFUSAL_FLAGS, Op, Status
 from openenv_grpc.server.env_process_pool import (
     CallTimedOut,
     Charge,
@@ -664,16 +664,21 @@ class _Gathered:
 
 
 def _read(status: int, payload: Payload) -> pb.VectorSessionResponse | BatchRefused:
-    """A block's answer, or the whole-call refusal its env process answered (a block
-    closed under a queued frame answers that in plain text: the stream cannot go on)."""
+    """A block's answer, or the whole-call refusal its env process answered, read by its
+    status: only ANSWER and ``CALL_REFUSED + flags`` carry a VectorSessionResponse. A block
+    closed under a queued frame answers that in plain text: the stream cannot go on."""
     if status == Status.UNDECODABLE:
         why = payload.decode(errors="replace")
         return BatchRefused(_UNAVAILABLE, f"{why}; nothing was done", ends=True)
+    flags = status - Status.CALL_REFUSED
+    if status != Status.ANSWER and not 0 <= flags < REFUSAL_FLAGS:
+        # No request is answered so (a create's, a close's or a room's status): a bug of
+        # the frame protocol, said as one rather than parsed as what it is not.
+        return BatchRefused(_INTERNAL, f"env process answered status {status}", ends=True)
     # Parsed where it lies: the stubs say bytes, protobuf reads any buffer.
     response = pb.VectorSessionResponse.FromString(cast(bytes, payload))
     if status == Status.ANSWER:
         return response
-    flags = status - Status.CALL_REFUSED
     error = response.error
     return BatchRefused(
         error.code, error.message, error.exception_type,
