@@ -5,51 +5,37 @@ from __future__ import annotations
 
 import json
 import re
-import urllib.request
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from openenv_grpc import CapacityError, EnvError, Session, VectorSession
 from openenv_grpc_envs.echo import EchoAction, EchoEnv
+from support.metrics import samples
 from support.raw_vector import RawVector
 
 pytestmark = pytest.mark.shared_server
 
-_METRICS_LINE = re.compile(r"metrics on (http://\S+/metrics)")
 
-
-def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def scrape(server) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:  # type: ignore[no-untyped-def]
     """Every sample as {(name, sorted labels without env): value}."""
-    with urllib.request.urlopen(url, timeout=5) as response:
-        text = response.read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "env"))
-            samples[(sample.name, labels)] = sample.value
-    return samples
-
-
-def metrics_url(server) -> str:  # type: ignore[no-untyped-def]
-    for line in server.stdout_lines:
-        match = _METRICS_LINE.search(line)
-        if match:
-            return match.group(1)
-    raise AssertionError(f"no metrics line in {server.stdout_lines}")
+    return {
+        (sample.name, tuple(sorted((k, v) for k, v in sample.labels.items() if k != "env"))): (
+            sample.value
+        )
+        for sample in samples(server)
+    }
 
 
 def test_metrics_count_sessions_steps_errors_and_refusals(start_server) -> None:
     server = start_server(
         "support.envs:CountingEchoEnv", "--metrics-port", "0", "--max-concurrent-envs", "2"
     )
-    url = metrics_url(server)
-    before = scrape(url)
+    before = scrape(server)
     assert before[("openenv_sessions_active", ())] == 0
     assert before[("openenv_sessions_capacity", ())] == 2
     with EchoEnv(server.target) as first, EchoEnv(server.target) as second:
-        assert scrape(url)[("openenv_sessions_active", ())] == 2
+        assert scrape(server)[("openenv_sessions_active", ())] == 2
         with pytest.raises(CapacityError):
             EchoEnv(server.target).open()
         with pytest.raises(EnvError):
@@ -62,7 +48,7 @@ def test_metrics_count_sessions_steps_errors_and_refusals(start_server) -> None:
     second_env.open()
     second_env.abort()
     server.wait_until(lambda: server.active() == 0, what="sessions released")
-    after = scrape(url)
+    after = scrape(server)
     assert after[("openenv_sessions_active", ())] == 0
     assert after[("openenv_step_seconds_count", ())] == 10
     assert after[("openenv_request_errors_total", (("code", "FAILED_PRECONDITION"),))] == 1
@@ -81,16 +67,15 @@ def test_a_vector_stream_is_n_sessions_to_prometheus(start_server) -> None:
     server = start_server(
         "support.envs:FaultyEnv", "--metrics-port", "0", "--max-concurrent-envs", "6"
     )
-    url = metrics_url(server)
     with VectorSession(server.target, 4) as envs:
-        assert scrape(url)[("openenv_sessions_active", ())] == 4
+        assert scrape(server)[("openenv_sessions_active", ())] == 4
         refused = RawVector(server.target, 3).refusal()
         assert refused.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
         envs.reset()
         envs.step([EchoAction(message=m) for m in ("a", "b", "raise", "d")])
         envs.step([EchoAction(message=m) for m in ("a", "b", "c")], indices=[0, 1, 3])
     server.wait_until(lambda: server.active() == 0, what="slots released")
-    after = scrape(url)
+    after = scrape(server)
     assert after[("openenv_step_seconds_count", ())] == 6  # one per env that stepped
     assert after[("openenv_request_errors_total", (("code", "INTERNAL"),))] == 1
     assert after[("openenv_sessions_refused_total", (("reason", "full"),))] == 3

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import urllib.request
 
 import grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench.hostile import RssSampler, rss_mib
 from openenv_grpc.codec import pack
@@ -24,7 +22,7 @@ from openenv_grpc.server.session import STALLED_AFTER
 from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
 from openenv_grpc_envs.echo import EchoAction, EchoEnv
-from support.metrics import metrics_url
+from support.metrics import samples
 from support.raw_vector import open_metadata
 
 RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
@@ -38,12 +36,9 @@ CLIENT_OPTIONS = [("grpc.http2.bdp_probe", 0), ("grpc.max_receive_message_length
 
 def _gauges(server) -> dict[str, float]:  # type: ignore[no-untyped-def]
     """The server's ``openenv_held_bytes*`` gauges, by name."""
-    with urllib.request.urlopen(metrics_url(server), timeout=5) as response:
-        text = response.read().decode()
     return {
         sample.name: sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
+        for sample in samples(server)
         if sample.name.startswith("openenv_held_bytes")
     }
 

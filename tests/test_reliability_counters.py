@@ -19,20 +19,18 @@ import signal
 import subprocess
 import sys
 import textwrap
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from openenv_grpc import fetch_info
 from openenv_grpc.codec import pack
 from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
 from openenv_grpc_envs.echo import EchoAction
-from support.metrics import metrics_url
+from support.metrics import metric
 from support.raw_vector import open_metadata
 
 TESTS = Path(__file__).resolve().parent
@@ -135,14 +133,7 @@ def _killed_stream(target: str, kind: str) -> subprocess.Popen[str]:
 
 
 def _metrics_steps(server) -> float:  # type: ignore[no-untyped-def]
-    with urllib.request.urlopen(metrics_url(server), timeout=5) as response:
-        text = response.read().decode()
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "openenv_step_seconds_count"
-    )
+    return metric(server, "openenv_step_seconds_count")
 
 
 def _attack(server, kind: str) -> dict[str, int]:  # type: ignore[no-untyped-def]

@@ -17,6 +17,7 @@ import textwrap
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections import Counter
 
@@ -24,17 +25,15 @@ import pytest
 
 from bench.h2_attacks import closed_by_peer, half_open_http
 from openenv_grpc.server.metrics_endpoint import MAX_CONNECTIONS, REQUEST_TIMEOUT
+from support.metrics import metrics_url
 
-_METRICS_LINE = re.compile(r"metrics on http://(\S+):(\d+)/metrics")
 HALF_OPEN = 200
 
 
 def _endpoint(server) -> tuple[str, int]:  # type: ignore[no-untyped-def]
-    for line in server.stdout_lines:
-        match = _METRICS_LINE.search(line)
-        if match:
-            return match.group(1), int(match.group(2))
-    raise AssertionError(f"no metrics line in {server.stdout_lines}")
+    """(host as a URL writes it, "[::1]" for IPv6; port) of the server's /metrics."""
+    host, _, port = urllib.parse.urlsplit(metrics_url(server)).netloc.rpartition(":")
+    return host, int(port)
 
 
 def _get(host: str, port: int, path: str = "/metrics", **headers: str) -> tuple[int, str]:

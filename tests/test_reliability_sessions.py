@@ -9,22 +9,19 @@ notices (request_id 0) included.
 from __future__ import annotations
 
 import asyncio
-import re
 import signal
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
 from google.protobuf import any_pb2
-from prometheus_client.parser import text_string_to_metric_families
 
 from openenv_grpc.metadata import ADMITTED_KEY
 from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
 from openenv_grpc_envs.echo import EchoAction, EchoObservation, EchoResetOptions
-from support.metrics import sessions_ended
+from support.metrics import samples, sessions_ended
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -126,18 +123,7 @@ async def until(server, predicate, timeout: float = 10.0, what: str = "condition
 
 def scrape(server) -> dict[str, float]:  # type: ignore[no-untyped-def]
     """Every sample of the server's /metrics as {name: value} (labels dropped)."""
-    url = next(
-        match.group(1)
-        for line in server.stdout_lines
-        if (match := re.search(r"metrics on (http://\S+/metrics)", line))
-    )
-    with urllib.request.urlopen(url, timeout=5) as response:
-        text = response.read().decode()
-    return {
-        sample.name: sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
+    return {sample.name: sample.value for sample in samples(server)}
 
 
 # -- caps on client-chosen sizes ------------------------------------------------------
