@@ -64,9 +64,9 @@ class Outcome(enum.IntEnum):
 
     ANSWERED = 0  # any other command's answer (a reset, a state, a snapshot, ...)
     STEPPED = 1  # a completed step (counted in Info's activity and Prometheus)
-    CLOSED = 3  # the env is closed: the stream ends after this answer
-    FAILED = 4  # an in-band error; Answer.error names its code
-    SATURATED = 5  # RESOURCE_EXHAUSTED: the call never got an env thread in time
+    CLOSED = 2  # the env is closed: the stream ends after this answer
+    FAILED = 3  # an in-band error; Answer.error names its code
+    SATURATED = 4  # RESOURCE_EXHAUSTED: the call never got an env thread in time
 
 
 class Answer(NamedTuple):

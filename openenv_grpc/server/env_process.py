@@ -118,15 +118,18 @@ class Status:
     """Worker -> front statuses. OK: a block was created (the payload says ``native`` or
     ``loop``) or closed; FAILED: its factory (or its strict close) raised, the payload
     says what; REFUSED: ``make_batch`` refused (InvalidAction), or an env passed the memory
-    ceiling; UNDECODABLE: the block is gone (the payload says so, in plain text); READY:
-    sent once, when the worker is up, env id 0. An answered request is ANSWER (a
+    ceiling; BLOCK_GONE: a REQUEST or QUERY named a block this process no longer holds
+    (closed on the side while the frame was queued; the payload says so, in plain text);
+    READY: sent once, when the worker is up, env id 0. An answered request is ANSWER (a
     VectorSessionResponse), or ``CALL_REFUSED + flags`` (:func:`refusal_flags`) when the
     whole call failed; a QUERY whose answers passed its room is TOO_LARGE (the bytes read
     then, as ``vector_frames.ROOM``). UNKEPT is the front's own, never sent: an answer the
-    server's byte budget could not hold, read and dropped."""
+    server's byte budget could not hold, read and dropped. (Only this front and the
+    processes it spawns speak these, from the same code: the numbers are kept nowhere.)"""
 
-    OK, FAILED, UNDECODABLE, READY, REFUSED, TOO_LARGE, UNKEPT = 0, 2, 3, 5, 6, 7, 8
-    ANSWER, CALL_REFUSED = 48, 64
+    OK, FAILED, BLOCK_GONE, READY, REFUSED, TOO_LARGE, UNKEPT, ANSWER = 0, 1, 2, 3, 4, 5, 6, 7
+    #: The first of the ``REFUSAL_FLAGS`` statuses of a refused call.
+    CALL_REFUSED = 8
 
 
 #: ``CALL_REFUSED + flags`` for flags below this (:func:`refusal_flags`' four bits).
@@ -202,7 +205,7 @@ async def _serve(
             if op == Op.REQUEST or op == Op.QUERY:
                 block = blocks.get(env_id)
                 if block is None:  # closed on the side while this frame was queued
-                    await answer(env_id, Status.UNDECODABLE, b"the environment was closed")
+                    await answer(env_id, Status.BLOCK_GONE, b"the environment was closed")
                 elif op == Op.QUERY:
                     await answer(env_id, *await _query_answer(block, payload))
                 else:

@@ -667,7 +667,7 @@ def _read(status: int, payload: Payload) -> pb.VectorSessionResponse | BatchRefu
     """A block's answer, or the whole-call refusal its env process answered, read by its
     status: only ANSWER and ``CALL_REFUSED + flags`` carry a VectorSessionResponse. A block
     closed under a queued frame answers that in plain text: the stream cannot go on."""
-    if status == Status.UNDECODABLE:
+    if status == Status.BLOCK_GONE:
         why = payload.decode(errors="replace")
         return BatchRefused(_UNAVAILABLE, f"{why}; nothing was done", ends=True)
     flags = status - Status.CALL_REFUSED
