@@ -18,7 +18,8 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
-from openenv_grpc.server.errors import CODE_NAMES
+from openenv_grpc.server.calls import BatchRefused
+from openenv_grpc.server.errors import CODE_NAMES, RequestError
 
 __all__ = [
     "Answer",
@@ -105,23 +106,16 @@ class SessionBackend(Protocol):
         ...
 
 
-class Failure(Protocol):
-    """A request's failure as a whole (``errors.RequestError``, ``calls.BatchRefused``)."""
-
-    code: int
-    message: str
-    exception_type: str
-    saturated: bool
-
-
-def error_answer(response: Any, failure: Failure, ends: bool) -> Answer:
+def error_answer(response: Any, failure: RequestError | BatchRefused, ends: bool) -> Answer:
     """``response`` (a SessionResponse or a VectorSessionResponse, its request id set)
-    answering ``failure`` in-band; ``ends``: the stream ends after it."""
+    answering ``failure`` (a request's failure as a whole) in-band; ``ends``: the stream
+    ends after it. A call that never got an env thread is SATURATED, any other FAILED."""
     response.ClearField("outcome")
     error = response.error
     error.code = failure.code
     error.message = failure.message
     error.exception_type = failure.exception_type
-    outcome = Outcome.SATURATED if failure.saturated else Outcome.FAILED
+    saturated = isinstance(failure, BatchRefused) and failure.saturated
+    outcome = Outcome.SATURATED if saturated else Outcome.FAILED
     name = CODE_NAMES.get(failure.code, str(failure.code))
     return Answer(response.SerializeToString(), outcome, 0.0, name, ends)

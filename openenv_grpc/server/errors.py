@@ -45,15 +45,11 @@ class RequestError(Exception):
     """A request refused or failed as a whole; carried to the one place in each view that
     turns it into an in-band ``Error``."""
 
-    def __init__(
-        self, code: int, message: str, exception_type: str = "", *, saturated: bool = False
-    ) -> None:
+    def __init__(self, code: int, message: str, exception_type: str = "") -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.exception_type = exception_type
-        #: The env call never ran: every env thread was busy (its own metric).
-        self.saturated = saturated
 
 
 class RowError(NamedTuple):
