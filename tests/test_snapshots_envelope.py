@@ -8,7 +8,6 @@ The same refusals over real gRPC, with real server processes, are in
 from __future__ import annotations
 
 import logging
-import pickle
 from pathlib import Path
 
 import grpc
@@ -185,15 +184,10 @@ def test_keys_come_from_the_variable_or_a_file_not_both(
         KeyRing.from_config(ServerConfig(snapshot_keys_file=str(tmp_path / "missing")))
 
 
-def test_secrets_never_show_and_survive_the_trip_to_an_env_process() -> None:
+def test_secrets_never_show() -> None:
     keys = KeyRing.parse(f"{K2},{K1}", "test")
-    opener = SnapshotSeal("echo", "1.0", keys, 4096)
     assert "2222" not in repr(keys) and "2222" not in repr(keys.signing)
     assert "1111" not in repr(ServerConfig(snapshot_keys=K1))
-    # What multiprocessing's spawn does with the worker's arguments.
-    copy = pickle.loads(pickle.dumps(opener))
-    assert copy.keys.ids == ("k2", "k1") and copy.keys.signing.id == "k2"
-    assert copy.open(opener.seal(CAPTURED)) == CAPTURED
 
 
 def test_the_server_sees_whether_an_env_supports_snapshots() -> None:

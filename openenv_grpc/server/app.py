@@ -375,7 +375,8 @@ def serve(
     config = config or ServerConfig.from_env()
     spec = EnvSpec.from_factory(factory)  # fail before forking: bad types stop it at once
     # Once, before any fork: workers share the ring (a random one too), and env code never
-    # inherits the secrets through the environment (env processes get them as arguments).
+    # inherits the secrets through the environment (env processes never get them at all:
+    # the front seals and opens every snapshot).
     keys = KeyRing.from_config(config)
     os.environ.pop(ENV_VARS["snapshot_keys"], None)
     if config.workers > 1:

@@ -21,8 +21,9 @@ env's own snapshot is over the limit.
 Keys come from ``SNAPSHOT_KEYS`` (or ``SNAPSHOT_KEYS_FILE``): ``id:secret`` pairs, the
 first signs and all verify, so a key rotates by putting the new one first and dropping the
 old once its snapshots no longer matter. Without keys, one random key per server
-(:func:`ephemeral_ring`), made once and inherited by forked workers and handed to env
-processes: such snapshots restore on this server only, until it exits.
+(:func:`ephemeral_ring`), made once and inherited by forked workers: such snapshots
+restore on this server only, until it exits. Env processes of ``--isolated`` hold no key:
+the front seals what they answer and opens what it sends them.
 """
 
 from __future__ import annotations
@@ -131,9 +132,9 @@ class SnapshotKey:
 class KeyRing:
     """The keys a server signs and verifies snapshots with: the first signs, all verify.
 
-    Never shows a secret (repr, errors, logs). Travels to env processes of
-    ``--isolated`` as an argument of their start (multiprocessing's private pipe), never
-    through the environment or a command line.
+    Never shows a secret (repr, errors, logs), and stays in the server's processes: the
+    front seals and opens every snapshot, so env processes of ``--isolated`` never get it;
+    ``--workers`` inherit it through their fork.
     """
 
     __slots__ = ("_secrets", "ephemeral", "signing")
@@ -155,16 +156,6 @@ class KeyRing:
     def __repr__(self) -> str:
         kind = "ephemeral " if self.ephemeral else ""
         return f"<{kind}KeyRing signing={self.signing.id!r} ids={list(self._secrets)!r}>"
-
-    def __getstate__(self) -> tuple[list[SnapshotKey], bool]:
-        return [SnapshotKey(i, s) for i, s in self._secrets.items()], self.ephemeral
-
-    def __setstate__(self, state: tuple[list[SnapshotKey], bool]) -> None:
-        keys, ephemeral = state
-        signing = keys[0]
-        # The signing key first, as it was (dict order is insertion order).
-        ordered = [signing, *(k for k in keys if k.id != signing.id)]
-        KeyRing.__init__(self, ordered, ephemeral=ephemeral)
 
     @property
     def ids(self) -> tuple[str, ...]:
