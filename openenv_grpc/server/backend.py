@@ -19,24 +19,20 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 from google.protobuf.message import DecodeError, Message
 
 from openenv_grpc.server.calls import BatchRefused
-from openenv_grpc.server.errors import CODE_NAMES, RequestError
+from openenv_grpc.server.errors import CODE_NAMES, EnvFactoryError, RequestError, SessionLostError
 
 __all__ = [
     "Answer",
-    "EnvFactoryError",
+    "EnvFactoryError",  # errors.py's, re-exported until session.py imports it from there
     "Outcome",
     "SessionBackend",
-    "SessionLostError",
+    "SessionLostError",  # likewise
     "UndecodableRequest",
     "error_answer",
     "parse_request",
 ]
 
 _RequestT = TypeVar("_RequestT", bound=Message)
-
-
-class EnvFactoryError(Exception):
-    """The env factory raised where it ran (an env process); the message says what."""
 
 
 class UndecodableRequest(Exception):
@@ -54,10 +50,6 @@ def parse_request(raw: bytes, request_class: type[_RequestT]) -> _RequestT:
     except DecodeError as exc:
         name = request_class.DESCRIPTOR.full_name
         raise UndecodableRequest(f"request is not a valid {name}: {exc}") from None
-
-
-class SessionLostError(Exception):
-    """The backend lost the env (its process died): the session cannot go on."""
 
 
 class Outcome(enum.IntEnum):

@@ -137,7 +137,7 @@ class BatchCalls(Protocol):
     """A vector stream's envs, wherever they run: one call per request.
 
     Each method raises :class:`BatchRefused` when the whole call failed, and
-    :class:`~openenv_grpc.server.backend.SessionLostError` when the envs are gone.
+    :class:`~openenv_grpc.server.errors.SessionLostError` when the envs are gone.
     """
 
     @property

@@ -45,7 +45,6 @@ from collections.abc import Set as AbstractSet
 from typing import Any, Protocol
 
 from openenv_grpc.environment import AutoresetMode, InvalidAction
-from openenv_grpc.server.backend import EnvFactoryError, SessionLostError
 from openenv_grpc.server.budget import ByteBudget
 from openenv_grpc.server.env_process import (
     AUTORESET_MODES,
@@ -61,6 +60,7 @@ from openenv_grpc.server.env_process import (
     Status,
     worker_main,
 )
+from openenv_grpc.server.errors import EnvFactoryError, SessionLostError
 from openenv_grpc.server.orphans import OrphanReaper
 from openenv_grpc.server.spec import EnvSpec, ExecutionMode
 

@@ -4,6 +4,8 @@ A request fails as a whole (:class:`RequestError`: nothing was done, or the one 
 Session failed) or per env (:class:`RowError`: one index of a vector stream; its
 neighbours answer). What an env raised becomes a row error in one place
 (:func:`row_error`), so a Session and a vector stream word the same failure the same way.
+A stream whose envs are gone for good ends (:class:`SessionLostError`); an env factory
+that raised in an env process is said as an :class:`EnvFactoryError`.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ __all__ = [
     "CODE_NAMES",
     "BadTransition",
     "EnvExit",
+    "EnvFactoryError",
     "RequestError",
     "RowError",
+    "SessionLostError",
     "contained",
     "describe",
     "qualname",
@@ -50,6 +54,15 @@ class RequestError(Exception):
         self.code = code
         self.message = message
         self.exception_type = exception_type
+
+
+class SessionLostError(Exception):
+    """The stream lost its envs for good (their env process died, or none could replace
+    them): the session cannot go on."""
+
+
+class EnvFactoryError(Exception):
+    """The env factory raised where it ran (an env process); the message says what."""
 
 
 class RowError(NamedTuple):

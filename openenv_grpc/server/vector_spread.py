@@ -56,7 +56,6 @@ from typing import Any, cast
 import grpc
 
 from openenv_grpc.environment import AutoresetMode
-from openenv_grpc.server.backend import SessionLostError
 from openenv_grpc.server.budget import ByteBudget
 from openenv_grpc.server.calls import BatchRefused, ResetArgs, RestoreArgs, StepArgs
 from openenv_grpc.server.env_process import REFUSAL_FLAGS, Op, Status
@@ -69,7 +68,7 @@ from openenv_grpc.server.env_process_pool import (
     Payload,
     Worker,
 )
-from openenv_grpc.server.errors import RowError
+from openenv_grpc.server.errors import RowError, SessionLostError
 from openenv_grpc.server.phases import SESSION_WORDS
 from openenv_grpc.server.queries import AnswerTooLarge
 from openenv_grpc.server.vector_batch import BatchOutcome, BatchStates
