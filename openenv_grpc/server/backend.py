@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 from typing import Any, NamedTuple, Protocol, TypeVar
 
+import grpc
 from google.protobuf.message import DecodeError, Message
 
 from openenv_grpc.server.calls import BatchRefused
@@ -29,10 +30,13 @@ __all__ = [
     "SessionLostError",  # likewise
     "UndecodableRequest",
     "error_answer",
+    "exhausted",
     "parse_request",
 ]
 
 _RequestT = TypeVar("_RequestT", bound=Message)
+
+_RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 
 
 class UndecodableRequest(Exception):
@@ -111,3 +115,16 @@ def error_answer(response: Any, failure: RequestError | BatchRefused, ends: bool
     outcome = Outcome.SATURATED if saturated else Outcome.FAILED
     name = CODE_NAMES.get(failure.code, str(failure.code))
     return Answer(response.SerializeToString(), outcome, 0.0, name, ends)
+
+
+def exhausted(response: Any, message: str) -> bytes:
+    """``response`` (a SessionResponse or a VectorSessionResponse, its request id set)
+    answering RESOURCE_EXHAUSTED in-band with ``message``, serialized: the one builder of
+    that answer, for a result over the message limit or the byte budget, or a request
+    past a stream's cap. What it counts is the caller's to say."""
+    response.ClearField("outcome")
+    error = response.error
+    error.code = _RESOURCE_EXHAUSTED
+    error.message = message
+    serialized: bytes = response.SerializeToString()
+    return serialized

@@ -16,7 +16,7 @@ import grpc
 from google.protobuf import any_pb2
 from google.protobuf.message import DecodeError, Message
 
-from openenv_grpc.server.backend import Answer, Outcome, error_answer, parse_request
+from openenv_grpc.server.backend import Answer, Outcome, error_answer, exhausted, parse_request
 from openenv_grpc.server.calls import BatchRefused, ResetArgs, StepArgs
 from openenv_grpc.server.driver import Driver
 from openenv_grpc.server.errors import CODE_NAMES, RequestError, RowError
@@ -30,7 +30,6 @@ __all__ = ["VectorView"]
 
 _INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 _FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION.value[0]
-_RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 _ANSWER_MODES = {pb.VECTOR_ANSWER_MODE_UNSPECIFIED, pb.VECTOR_ANSWER_MODE_ALL}
 _EMPTY = "empty request: set one of " + ", ".join(
     field.name for field in pb.VectorSessionRequest.DESCRIPTOR.oneofs_by_name["command"].fields
@@ -325,12 +324,9 @@ class VectorView:
         """The RESOURCE_EXHAUSTED answer of a call that took effect but whose result is
         over the limit; counted as the session counts such an answer: the call's steps
         and per-env errors, and one RESOURCE_EXHAUSTED."""
-        response.ClearField("outcome")
-        response.error.code = _RESOURCE_EXHAUSTED
-        response.error.message = message
         codes = tuple(CODE_NAMES.get(e.code, str(e.code)) for e in errors.values())
         return Answer(
-            response.SerializeToString(), outcome, seconds, steps=steps,
+            exhausted(response, message), outcome, seconds, steps=steps,
             env_errors=(*codes, grpc.StatusCode.RESOURCE_EXHAUSTED.name),
         )  # fmt: skip
 
