@@ -884,10 +884,10 @@ def test_async_vector_snapshot_restore_and_fork(servers: dict[str, Ledgered]) ->
     server.settled()
 
 
-# -- isolated env processes and forked workers share the server's keys ------------------
+# -- isolated env processes and forked workers: one server, one key ring ----------------
 
 
-def test_env_processes_sign_with_the_servers_key_which_env_code_never_sees(
+def test_isolated_snapshots_are_sealed_with_the_servers_key_which_env_code_never_sees(
     servers: dict[str, Ledgered], tmp_path: Path
 ) -> None:
     isolated = Ledgered(SNAP, tmp_path / "iso", "--isolated", "2", keys=K1)
@@ -905,8 +905,8 @@ def test_env_processes_sign_with_the_servers_key_which_env_code_never_sees(
             assert play(plain, ACTIONS[3:]) == original
             peek = plain.step(EchoAction(message="environ:SNAPSHOT_KEYS"))  # env code inline
             assert peek.observation.echoed_message == "<unset>"
-        # The random key of a server is its env processes' too: a snapshot made on one
-        # worker restores on the other.
+        # The front seals for every env process with the server's one random key: a
+        # snapshot of an env in one restores in the other.
         with EchoEnv(ephemeral.target) as a, EchoEnv(ephemeral.target) as b:
             a.reset(seed=1)
             b.reset(seed=1)

@@ -1,7 +1,18 @@
-"""Assembles and runs a server process: the gRPC server, health, reflection, signals.
+"""One server process, assembled and run: the gRPC server and everything around it.
 
-:func:`serve` is what ``openenv-grpc serve`` runs; :class:`EnvServer` is the same
-server for embedding in an asyncio program or a test.
+:class:`EnvServer` builds what one process serves with -- the interceptors (bearer token,
+request deadlines, the outsiders' budget), the session limiter and the one byte budget,
+the env thread pools, the env process pool of ``--isolated``, the session manager and
+the EnvService, health and reflection, the ``/metrics`` endpoint, and the doors of other
+protocols onto the same sessions -- starts it, and drains it (NOT_SERVING, a notice to
+every session, the grace period, every env closed). :func:`grpc_options` bounds what a
+peer can make the server hold at the HTTP/2 level (docs/reliability.md).
+
+:func:`serve` is what ``openenv-grpc serve`` runs: the snapshot key ring is read once (and
+``SNAPSHOT_KEYS`` taken out of the environment env code inherits), then one process, or
+``--workers`` forked ones sharing the port (``workers.py``), serves until SIGTERM or
+SIGINT and drains. :class:`EnvServer` is the same server for embedding in an asyncio
+program or a test.
 """
 
 from __future__ import annotations

@@ -1,14 +1,19 @@
-"""Where a session's requests are answered: in this process, or in an env process.
+"""What the session lifecycle needs of a stream's request handler, and what the handler
+says it answered.
 
-The session lifecycle (``session.py``) reads raw request bytes, hands them to a backend
-and writes back the raw response bytes; it never needs to know which backend it has. A
-backend says what it answered (:class:`Answer`): the session records the metrics from
-that, and ends the stream after a close, so no flag or metrics sink is relayed through
-the layers below it.
+The session lifecycle (``session.py``) reads raw request bytes, hands them to the
+stream's :class:`SessionBackend` and writes back the bytes it returns; it never knows
+which kind of stream it serves or where its envs run. The backend is a view over the one
+driver (``driver.py``): :class:`~openenv_grpc.server.session_view.SessionView` for a
+Session, :class:`~openenv_grpc.server.vector_view.VectorView` for a VectorSession, in
+this process or ``--isolated`` alike (that difference lies below the driver, in
+``calls.py`` and ``vector_spread.py``).
 
-A Session's backend is :class:`~openenv_grpc.server.session_view.SessionView`, a
-VectorSession stream's :class:`~openenv_grpc.server.vector_view.VectorView`, wherever
-their envs run (``--isolated`` or not); both views ask the one driver (``driver.py``).
+Each answer says what it was (:class:`Answer`, :class:`Outcome`): the session records the
+metrics from that, and ends the stream after a close, so no flag or metrics sink is
+relayed through the layers below it. Both views parse a request (:func:`parse_request`),
+answer a failed request (:func:`error_answer`) and an in-band RESOURCE_EXHAUSTED
+(:func:`exhausted`) with the functions here.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ The gRPC front (one process) keeps the sessions and their drivers; each env live
 env process (``env_process.py``; "worker" below means one of them, never a ``--workers``
 server process), as a block of its stream: a Session's one env, or a sub-batch of a
 vector stream (``vector_spread.py``). So a segfault, ``os._exit`` or runaway memory in
-env code ends only the sessions on that worker (their clients get UNAVAILABLE "session
-lost"), the pool starts a replacement, and CPU-heavy envs use every core even when all
+env code costs only the envs on that worker (a Session there ends, UNAVAILABLE "session
+lost"; a vector stream's envs there answer UNAVAILABLE and are replaced, the stream goes
+on), the pool starts a replacement, and CPU-heavy envs use every core even when all
 streams share one HTTP/2 connection.
 
 The front never blocks on a worker: frames go out through asyncio streams (a frame for a
@@ -13,10 +14,11 @@ busy worker waits in that worker's queue, written as the worker reads), and answ
 in the same way. A worker answers its frames one at a time, in order, so the front knows
 which call each worker is busy with and since when. That is how it enforces the step
 timeout, which a worker running env code inline cannot: a worker that has not answered a
-call in time is killed; the session that waited gets DEADLINE_EXCEEDED in-band and a fresh
-env on a live worker, the other sessions on that worker lose their envs as on a crash,
-and a replacement worker starts. A drain uses the same watchdog to keep its grace period.
-After a worker dies, the env's ``reclaim_orphans`` hook runs in a thread (``orphans.py``).
+call in time is killed; that call fails :class:`CallTimedOut` (its stream answers
+DEADLINE_EXCEEDED in-band and gets fresh envs on a live worker), the other calls on that
+worker fail as on a crash, and a replacement worker starts. A drain uses the same watchdog
+to keep its grace period. After a worker dies, the env's ``reclaim_orphans`` hook runs in a
+thread (``orphans.py``).
 
 A vector stream's envs live here as sub-batches, one per worker, so that they step in
 parallel; a block counts as its size in a worker's load.

@@ -1,8 +1,10 @@
 """Logging for server processes: every line about a session carries its session id.
 
-The id lives in a context variable set when a Session stream starts; each gRPC call runs
-in its own asyncio task, so lines logged anywhere within that session (the lifecycle, the
-request handler, inline and async env code) carry it without passing it around.
+The id lives in a context variable set when a stream of either kind is admitted
+(``SessionManager.run``, in the stream's own asyncio task, whatever its wire), so lines
+logged anywhere within that session (the lifecycle, the request handler, inline and async
+env code, and pooled env code: ``runner.py`` carries it to the thread) carry it without
+passing it around.
 """
 
 from __future__ import annotations

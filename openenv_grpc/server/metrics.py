@@ -1,9 +1,11 @@
 """Prometheus metrics of one server process (served by :mod:`.metrics_endpoint`).
 
-The session lifecycle and the request handler report through one :class:`Metrics`
-object (a vector stream of N envs counts as N sessions, and its steps one per env); with
-metrics off they get :data:`NO_METRICS`, whose methods do nothing, so the hot path never
-branches on a setting. Gauges (active sessions, capacity, bytes held) are read from
+The session lifecycle reports through one :class:`Metrics` object, from what each answer
+says it was (``backend.Answer``); a stream's driver counts through it only the steps its
+envs completed after their request was given up (:data:`ORPHANED_STEPS`). A vector stream
+of N envs counts as N sessions, and its steps one per env. With metrics off they get
+:data:`NO_METRICS`, whose methods do nothing, so the hot path never branches on a
+setting. Gauges (active sessions, capacity, bytes held) are read from
 the limiter and the byte budget when scraped, costing nothing per step.
 """
 

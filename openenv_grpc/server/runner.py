@@ -1,21 +1,30 @@
-"""Runs one environment instance's methods where its execution mode says they belong.
+"""Where env code runs: a stream's batch of envs called where its execution mode says,
+and the event loop's task factory that contains env code's own tasks.
 
-No thread per session: inline and async envs run on the event loop, blocking sync envs
-share one bounded thread pool, and a measured env's calls go to whichever of the two its
+An :class:`EnvRunner` holds one batch (``calls.local_calls`` makes it from
+``vector_batch.batch_spec``: a Session's loop of one plain instance, a vector stream's
+loop or native batch, or an env process's block) and runs each call on it as a whole. No
+thread per session: inline and async envs run on the event loop, blocking sync envs share one
+bounded thread pool, and a measured env's calls go to whichever of the two its
 :class:`~openenv_grpc.server.placement.CostGroup` says now (timed either way; a call that
-must be given up on at a timeout always goes to the pool). Calls on one instance never
-overlap because a session awaits each call before reading its next request.
+must be given up on at a timeout always goes to the pool). Calls on one batch never
+overlap: its ``calls.LocalBatchCalls`` runs them one at a time, also for a vector stream
+with several requests in flight.
 
-Each instance holds one slot of the session limiter from before its factory runs until
-it is closed, wherever that happens: the runner gives the slot back (its ``release``
-callback) when the env is closed, when its factory raised, or -- for an open that was
-cancelled while the factory ran, or an instance abandoned in a hung call -- once the
-factory or the call finally returns and the env is closed. So the cap counts live envs,
-not sessions. Factories and closes of pooled envs run on their own ``lifecycle`` threads
-(a :class:`~openenv_grpc.server.env_threads.Lifecycle`: creates and closes on separate
-pools, with a timeout), so a fresh env is never built behind env calls that hang on the
-shared pool, nor behind closes that hang. A close past the timeout is abandoned: the
-session ends, and the env keeps its slot until its close returns (it still exists).
+A batch holds its envs' slots of the session limiter from before its factory runs until
+it is closed, wherever that happens: the runner gives them back (its ``release``
+callback) when the batch is closed, when its factory raised, or -- for an open that was
+cancelled while the factory ran, or a batch abandoned in a hung call -- once the factory
+or the call finally returns and the batch is closed. So the cap counts live envs, not
+sessions. Factories and closes of pooled envs run on their own ``lifecycle`` threads (a
+:class:`~openenv_grpc.server.env_threads.Lifecycle`: creates and closes on separate pools,
+with a timeout), so a fresh env is never built behind env calls that hang on the shared
+pool, nor behind closes that hang. A close past the timeout is abandoned: the session
+ends, and the envs keep their slots until the close returns (they still exist).
+
+Env code's ``SystemExit`` and kin come out of a runner as
+:class:`~openenv_grpc.server.errors.EnvExit`; :func:`contain_tasks` does the same for the
+tasks an async env starts itself, so none of them can stop the server's event loop.
 """
 
 from __future__ import annotations

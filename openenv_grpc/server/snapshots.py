@@ -2,11 +2,14 @@
 
 An env's ``snapshot()`` returns bytes; the server wraps them with the episode's
 bookkeeping (env name and version, episode id, step count, phase) and signs the whole
-with HMAC-SHA256 under the first key of its :class:`KeyRing`. On restore, everything
-about the bytes is checked here -- size, header, key id, signature (in constant time),
-then env name and version -- before the env's ``restore()`` ever sees them; a refusal is
-a :class:`SnapshotRefused` with the in-band code and message. Only protobuf is parsed,
-and only after the signature matched.
+with HMAC-SHA256 under the first key of its :class:`KeyRing` (:class:`SnapshotSeal`: one
+env's seal, per snapshot or per env of a vector stream). On restore, everything about the
+bytes is checked here -- size, header, key id, signature (in constant time), then env
+name and version -- before the env's ``restore()`` ever sees them; a refusal is a
+:class:`SnapshotRefused` with the in-band code and message. Only protobuf is parsed, and
+only after the signature matched. The driver seals and opens in the server's process,
+for both kinds of stream and both placements (off the event loop when large:
+:func:`sealing`).
 
 The layout (``proto/openenv_grpc/v1/snapshot.proto`` says the same)::
 

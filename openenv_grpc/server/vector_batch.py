@@ -1,15 +1,16 @@
-"""The envs of one vector stream, answered in one call: a loop over N plain instances, or
-the env's own native batch (:meth:`Environment.make_batch`).
+"""The envs of one stream, answered in one call: a loop over N plain instances, or the
+env's own native batch (:meth:`Environment.make_batch`).
 
-A vector stream's envs are one object, a :class:`VectorBatch`, with ``reset`` / ``step`` /
+A stream's envs are one object, a :class:`VectorBatch`, with ``reset`` / ``step`` /
 ``query`` / ``restore`` / ``close`` over env indices; a reset or step returns a
 :class:`BatchOutcome` (rows, observations already serialized, rewards, flags, infos,
-autoreset marks, per-env errors).
-The session runs each whole call where the env's execution mode says -- one
+autoreset marks, per-env errors). A Session's env is a loop of one plain instance (never
+the native batch), autoreset disabled.
+``calls.LocalBatchCalls`` runs each whole call where the env's execution mode says -- one
 :class:`~openenv_grpc.server.runner.EnvRunner` holds the batch -- so inline envs are
 stepped in one pass on the event loop, pooled ones in one thread hop for the whole batch
 (not one per env), async ones gathered on the loop. In an env process (``--isolated``)
-the same batch classes serve a sub-batch.
+the same batch classes serve a block: a vector stream's sub-batch, or a Session's env.
 
 The loop does the autoreset of Gymnasium's vector envs itself (a native batch does its
 own): NEXT_STEP resets an env on the step after its episode ended (its action ignored),

@@ -1,18 +1,20 @@
 """The wire's vector messages as the frames of a sub-batch, and a batch's outcome in the
 columns of a :class:`~openenv_grpc.v1.session_pb2.VectorResult`.
 
-Two users: the vector driver fills the answer to the client from a batch's outcome and
-its own bookkeeping (:func:`fill_result`); with ``--isolated`` the front sends each env
-process the part of a request that concerns its sub-batch as a ``VectorSessionRequest``
-(local indices, payloads as received), the env process answers with the sub-batch's
-outcome in a ``VectorResult``, and the front reads it back (:func:`read_outcome`). Between
-front and env process, ``episode_ids`` holds only the ids of episodes the sub-batch
-autoreset ("" for the other rows) and ``step_counts`` is empty: the front keeps the books.
-Infos come back as JSON text where JSON can write them (types kept), and the front
-answers each client in the form it asked for at open (``openenv-info``).
+Two users: the vector view (``vector_view.py``) fills the answer to the client from a
+batch's outcome and the driver's bookkeeping (:func:`fill_result`; the Session view takes
+only the info forms, :func:`info_text` and :func:`struct_info`); with ``--isolated`` the
+front sends each env process the part of a request that concerns its sub-batch as a
+``VectorSessionRequest`` (local indices, payloads as received), the env process answers
+with the sub-batch's outcome in a ``VectorResult``, and the front reads it back
+(:func:`read_outcome`). Between front and env process, ``episode_ids`` holds only the ids
+of episodes the sub-batch autoreset ("" for the other rows) and ``step_counts`` is empty:
+the front keeps the books. Infos come back as JSON text where JSON can write them (types
+kept), and the front answers each client in the form it asked for at open
+(``openenv-info``).
 
-A per-env query (``queries.py``: state, snapshot) goes as its own command with local
-indices, and every query's answer comes back as a ``VectorSnapshots``: each env's encoded
+A per-env query (``queries.py``: state, snapshot, render) goes as its own command with
+local indices, and every query's answer comes back as a ``VectorSnapshots``: each env's encoded
 bytes in ``SnapshotResult.snapshot`` (a state serialized, an env's own snapshot bytes,
 unsigned). Snapshots are sealed and opened in the front, which keeps the bookkeeping they
 carry: a ``VectorRestore`` frame carries each env's authenticated part as an unsigned
