@@ -25,14 +25,12 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from openenv_grpc.server.calls import BatchRefused
-from openenv_grpc.server.errors import CODE_NAMES, EnvFactoryError, RequestError, SessionLostError
+from openenv_grpc.server.errors import CODE_NAMES, RequestError
 
 __all__ = [
     "Answer",
-    "EnvFactoryError",  # errors.py's, re-exported until session.py imports it from there
     "Outcome",
     "SessionBackend",
-    "SessionLostError",  # likewise
     "UndecodableRequest",
     "error_answer",
     "exhausted",

@@ -10,7 +10,7 @@ and given back together; the idle reaper and the drain end it like any session.
 
 Every answer is held against the server's one byte budget (``budget.py``) from when it
 exists until its write is done; what a stream does when the budget is short is
-:class:`_Pipelined`'s (a Session writes one answer at a time: it is refused in-band).
+:class:`_StreamLoop`'s.
 
 A drain tells every held session at once with a notice (request_id 0), ends them when
 the grace period is over, and gives their envs a short budget to close; an env stuck in
@@ -36,17 +36,16 @@ from openenv_grpc.metadata import ADMITTED_KEY, RETRY_PUSHBACK_KEY, SESSION_ID_K
 from openenv_grpc.server.activity import Activity
 from openenv_grpc.server.backend import (
     Answer,
-    EnvFactoryError,
     Outcome,
     SessionBackend,
-    SessionLostError,
     UndecodableRequest,
+    exhausted,
     parse_request,
 )
 from openenv_grpc.server.budget import ByteBudget
 from openenv_grpc.server.calls import LocalBatchCalls, local_calls
 from openenv_grpc.server.config import ServerConfig
-from openenv_grpc.server.errors import describe
+from openenv_grpc.server.errors import EnvFactoryError, SessionLostError, describe
 from openenv_grpc.server.limiter import Admission, SessionLimiter
 from openenv_grpc.server.logs import SESSION_ID
 from openenv_grpc.server.metrics import ORPHANED_STEPS, Metrics, MetricsTee
@@ -70,8 +69,6 @@ _Context = Wire
 #: ended). Closing takes milliseconds; what is still closing after this is stuck in env
 #: code (a hung call, a hung close) and is abandoned so the process can exit.
 CLOSE_BUDGET = 2.0
-
-_RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 
 #: An answer is held twice until its write is done: our bytes, and gRPC's copy of them.
 _COPIES = 2
@@ -256,7 +253,7 @@ class SessionManager:
         self._closing: set[asyncio.Future[None]] = set()
         #: Longest an env call may take; the server's setting wins over the env's own.
         self._call_timeout = config.call_timeout(spec.env_class.step_timeout)
-        self._max_response = config.max_message_bytes
+        self.max_response = config.max_message_bytes
         #: Loop time before which :meth:`_end_stalled` does not scan the streams again.
         self._stalled_scan_at = 0.0
 
@@ -352,11 +349,7 @@ class SessionManager:
             live.ready = True
             if self._drain_deadline is not None:
                 live.notify(self._drain_notice(), self._notices)
-            if opening.in_flight:
-                pipelined = _Pipelined(self, context, held.backend, live, opening)
-                held.reason = await pipelined.run()
-            else:
-                held.reason = await self._loop(context, held.backend, live, opening)
+            held.reason = await _StreamLoop(self, context, held.backend, live, opening).run()
         except asyncio.CancelledError:
             end_reason = live.end_reason
             if end_reason is None:
@@ -418,62 +411,7 @@ class SessionManager:
         )  # fmt: skip
         return False
 
-    async def _loop(
-        self,
-        context: _Context,
-        backend: SessionBackend,
-        live: _LiveSession,
-        opening: StreamOpening,
-    ) -> str:
-        """Answer requests until the stream ends; returns how it ended."""
-        loop = asyncio.get_running_loop()
-        read, write, handle, record = context.read, context.write, backend.handle, self._record
-        max_response, take, give = self._max_response, self.budget.try_take, self.budget.give
-        live.waiting_since = loop.time()
-        while True:
-            # Idle = waiting on the client: for its next request, or for it to take our
-            # last answer (a client that stops reading blocks write() on flow control).
-            raw: object = await read()
-            live.waiting_since = None
-            if raw is grpc.aio.EOF:
-                # The client half-closed or cancelled: gRPC shows both as the end of input.
-                return "client_ended"
-            try:
-                answer = await handle(raw)  # type: ignore[arg-type]
-            except UndecodableRequest as exc:
-                # No request id to answer to: the stream is out of sync, so end it.
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            except SessionLostError as exc:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"session lost: {exc}")
-            record(answer)
-            response = answer.response
-            size = len(response)
-            held = size * _COPIES
-            if size > max_response or not take(held):  # else: held until written
-                response, held = await self._to_send(raw, response, opening)  # type: ignore[arg-type]
-            now = live.waiting_since = loop.time()
-            live.holding = held
-            try:
-                if live.side_write is not None:  # a notice is on its way: never overlap it
-                    await live.side_write
-                    live.side_write = None
-                live.writing = True
-                live.unread_since = now
-                await write(response)
-                live.writing = False
-            finally:
-                live.unread_since = None
-                live.holding = 0
-                give(held)
-            if answer.ends:
-                return "closed"  # nothing may follow the answer to a close
-            if live.deferred is not None:  # a notice arrived during our write
-                notice, live.deferred = live.deferred, None
-                live.writing = True
-                await write(notice)
-                live.writing = False
-
-    def _record(self, answer: Answer) -> None:
+    def record(self, answer: Answer) -> None:
         """Count what a request was answered with, in Info's activity and in Prometheus."""
         outcome = answer.outcome
         if outcome is Outcome.STEPPED:
@@ -491,7 +429,7 @@ class SessionManager:
             for code in answer.env_errors:
                 self._metrics.request_error(code)
 
-    async def _to_send(
+    async def to_send(
         self, raw: bytes, response: bytes, opening: StreamOpening
     ) -> tuple[bytes, int]:
         """What to write for the answer ``response`` to ``raw``, and the bytes taken from
@@ -500,9 +438,9 @@ class SessionManager:
         :data:`_SMALL`), else the small in-band RESOURCE_EXHAUSTED that replaces it
         (nothing taken)."""
         size = len(response)
-        if size > self._max_response:
+        if size > self.max_response:
             # gRPC would end the stream; fail this request instead.
-            return self._too_large(raw, size, opening), 0
+            return self.too_large(raw, size, opening), 0
         held = size * _COPIES
         budget = self.budget
         if budget.try_take(held):
@@ -524,7 +462,7 @@ class SessionManager:
                 return response, held
         return self._unheld(raw, size, opening), 0
 
-    def _too_large(self, raw: bytes, size: int, opening: StreamOpening) -> bytes:
+    def too_large(self, raw: bytes, size: int, opening: StreamOpening) -> bytes:
         """The in-band error that replaces a response over the message limit."""
         request, command = _command(raw, opening)
         hint = "" if opening.slots == 1 else " (name fewer envs per request, by indices)"
@@ -532,7 +470,7 @@ class SessionManager:
             opening,
             request,
             f"the {command} response is {size} bytes, over the server's message limit of "
-            f"{self._max_response} bytes (--max-message-bytes): the {command} took effect "
+            f"{self.max_response} bytes (--max-message-bytes): the {command} took effect "
             f"but its result cannot be sent{hint}; the session goes on",
         )
 
@@ -550,7 +488,7 @@ class SessionManager:
             "not undone); the session goes on",
         )
 
-    def _over_cap(self, raw: bytes, opening: StreamOpening, in_flight: int) -> bytes:
+    def over_cap(self, raw: bytes, opening: StreamOpening, in_flight: int) -> bytes:
         """The in-band RESOURCE_EXHAUSTED for a request past the stream's cap on requests
         in flight.
 
@@ -571,9 +509,7 @@ class SessionManager:
         # Set, not passed: Message's stubs take no field keywords.
         response = opening.response_class()
         response.request_id = request.request_id  # type: ignore[attr-defined]
-        response.error.code = _RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
-        response.error.message = message  # type: ignore[attr-defined]
-        return response.SerializeToString()
+        return exhausted(response, message)
 
     async def _refuse(self, context: _Context, admission: Admission, asked: int) -> None:
         if admission is Admission.DRAINING:
@@ -712,23 +648,25 @@ class SessionManager:
         return response.SerializeToString()
 
 
-class _Pipelined:
-    """A stream with several requests in flight (a VectorSession): one reader takes each
-    request as it comes and answers it in a task of its own; answers go out as each is
-    ready, one write at a time (the answers carry their request ids).
+class _StreamLoop:
+    """The one loop of every stream, whatever its kind or wire: read a request, answer
+    it, write the answer (its request id on it), until the stream ends.
 
-    Up to ``opening.in_flight`` requests are in flight at once: read, and not answered
-    or not yet written (an answer waiting for a client that does not read still counts).
-    Past that, while answers wait for the client the stream reads nothing more until one
-    is taken (backpressure); while all of them are in the env, a request is answered
-    RESOURCE_EXHAUSTED at once and the stream goes on. Every answer is held against the
-    server's byte budget until it is written; when its own answers make the budget short,
-    the stream stops reading too, and an answer the budget cannot hold at all is replaced
-    by an in-band RESOURCE_EXHAUSTED. Which envs each request may touch is the driver's
-    business (``Driver.hold``). The stream is idle (for the reaper) only while no request
-    is being handled. After a half-close the requests in flight are answered before the
-    stream ends; a close's answer (or any answer that ends the stream) is written last,
-    after the others.
+    A stream may have up to ``opening.in_flight`` requests in flight: read, and not
+    answered or not yet written (an answer waiting for a client that does not read still
+    counts). A Session has one: the reader answers each request itself before it reads
+    the next. A VectorSession's reader hands each request to a task of its own; answers
+    go out as each is ready, one write at a time. Past the cap, while answers wait for
+    the client the stream reads nothing more until one is taken (backpressure); while all
+    of them are in the env, a request is answered RESOURCE_EXHAUSTED at once and the
+    stream goes on. Every answer is held against the server's byte budget until it is
+    written; when its own answers make the budget short, the stream stops reading too,
+    and an answer the budget cannot hold at all is replaced by an in-band
+    RESOURCE_EXHAUSTED. Which envs each request may touch is the driver's business
+    (``Driver.hold``). The stream is idle (for the reaper) while it waits for its client:
+    for a request, or to take an answer. After a half-close the requests in flight are
+    answered before the stream ends; a close's answer (or any answer that ends the
+    stream) is written last, after the others.
     """
 
     __slots__ = (
@@ -754,9 +692,10 @@ class _Pipelined:
         #: How the stream ends, set once: ("eof",), ("ends", answer bytes), ("abort",
         #: code, message) or ("raise", exception).
         self._ended: asyncio.Future[tuple[object, ...]] = self._loop.create_future()
-        self._lock = asyncio.Lock()
+        self._cap = max(opening.in_flight, 1)
+        #: Writes of several answer tasks never overlap (one request in flight: one writer).
+        self._lock = asyncio.Lock() if self._cap > 1 else None
         self._tasks: set[asyncio.Task[None]] = set()
-        self._cap = opening.in_flight
         #: Requests read and not answered, or answered and not yet written (the cap).
         self._answering = 0
         #: Requests inside the backend (the stream is not idle while any is).
@@ -773,10 +712,15 @@ class _Pipelined:
         """Answer requests until the stream ends; returns how it ended."""
         live = self.live
         live.waiting_since = self._loop.time()
-        reader = self._loop.create_task(self._read_all())
+        # One request in flight: the reader is this task (the reaper and the drain cancel
+        # it); several: a task of its own, so that answers are written as they come.
+        reader = None if self._lock is None else self._loop.create_task(self._read_all())
         try:
+            if reader is None:
+                await self._read_all()
             end = await self._ended
-            reader.cancel()
+            if reader is not None:
+                reader.cancel()
             kind = end[0]
             if kind == "abort":
                 self._cancel_all()
@@ -792,7 +736,8 @@ class _Pipelined:
             await self._write(end[1])  # type: ignore[arg-type]
             return "closed"  # nothing may follow the answer to a close
         finally:
-            reader.cancel()
+            if reader is not None:
+                reader.cancel()
             self._cancel_all()
 
     def _cancel_all(self) -> None:
@@ -819,9 +764,10 @@ class _Pipelined:
         await self._taken
 
     async def _read_all(self) -> None:
-        read, live, cap = self._context.read, self.live, self._cap
+        read, live, cap, ended = self._context.read, self.live, self._cap, self._ended
+        inline = self._lock is None
         try:
-            while True:
+            while not ended.done():
                 while self._full():  # backpressure: the request stays in gRPC's window
                     await self._until_taken()
                 raw: object = await read()
@@ -833,7 +779,7 @@ class _Pipelined:
                     await self._until_taken()
                 if self._answering >= cap:  # every request in flight is in the env
                     try:
-                        refusal = self._manager._over_cap(raw, self._opening, self._answering)  # type: ignore[arg-type]
+                        refusal = self._manager.over_cap(raw, self._opening, self._answering)  # type: ignore[arg-type]
                     except UndecodableRequest as exc:
                         self._end("abort", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                         return
@@ -842,6 +788,9 @@ class _Pipelined:
                 live.waiting_since = None
                 self._answering += 1
                 self._working += 1
+                if inline:
+                    await self._answer(raw)  # type: ignore[arg-type]
+                    continue
                 task = self._loop.create_task(self._answer(raw))  # type: ignore[arg-type]
                 self._tasks.add(task)
                 task.add_done_callback(self._finished)
@@ -880,61 +829,67 @@ class _Pipelined:
         finally:
             self._working -= 1
             if not self._working:
+                # Idle from here: waiting for the client, to take this answer or to ask.
                 live.waiting_since = self._loop.time()
-        manager._record(answer)
+        manager.record(answer)
         if answer.ends:  # written last, by run(); small (a close's answer, an error)
             response = answer.response
-            if len(response) > manager._max_response:
-                response = manager._too_large(raw, len(response), self._opening)
+            if len(response) > manager.max_response:
+                response = manager.too_large(raw, len(response), self._opening)
             self._end("ends", response)
             return
         response = answer.response
         size = len(response)
         held = size * _COPIES
-        if size > manager._max_response or not self._budget.try_take(held):
-            response, held = await manager._to_send(raw, response, self._opening)
+        if size > manager.max_response or not self._budget.try_take(held):
+            response, held = await manager.to_send(raw, response, self._opening)
         del answer  # the bytes to send are ``response`` now
         live.holding = self._held = self._held + held
         if held > self._largest:
             self._largest = held
         try:
-            await self._write(response, held)
+            await self._write(response)
         finally:
             live.holding = self._held = self._held - held
             self._budget.give(held)
 
-    async def _write(self, response: bytes, held: int = 0) -> None:
-        """Write one answer (``held``: the budget bytes it holds); never two writes at
-        once (a drain notice included)."""
-        live, write = self.live, self._context.write
+    async def _write(self, response: bytes) -> None:
+        """Write one answer; never two writes at once (a drain notice included)."""
+        if self._lock is None:
+            await self._write_now(response)
+            return
         async with self._lock:
-            if live.side_write is not None:  # a notice is on its way: never overlap it
-                await live.side_write
-                live.side_write = None
+            await self._write_now(response)
+
+    async def _write_now(self, response: bytes) -> None:
+        live, write = self.live, self._context.write
+        if live.side_write is not None:  # a notice is on its way: never overlap it
+            await live.side_write
+            live.side_write = None
+        live.writing = True
+        # Any write, small or not: a client that takes none holds every answer queued
+        # behind it (``live.holding``).
+        live.unread_since = self._loop.time()
+        try:
+            await write(response)
+        except Exception as exc:
+            # grpc-core fails a write (ExecuteBatchError) only once the call is over:
+            # the client cancelled or went away mid-write, before the reader saw it.
+            # The stream ends as on any cancel, not as a server error with a
+            # traceback in the log (a client could fill the log with those).
+            log.debug("write failed, the call is over: %r", exc)
+            self._end("eof")
+            return
+        finally:
+            live.writing = False
+            live.unread_since = None
+        if live.deferred is not None:  # a notice arrived during our write
+            notice, live.deferred = live.deferred, None
             live.writing = True
-            # Any write, small or not: a client that takes none holds every answer queued
-            # behind it on the lock (``live.holding``).
-            live.unread_since = self._loop.time()
             try:
-                await write(response)
-            except Exception as exc:
-                # grpc-core fails a write (ExecuteBatchError) only once the call is over:
-                # the client cancelled or went away mid-write, before the reader saw it.
-                # The stream ends as on any cancel, not as a server error with a
-                # traceback in the log (a client could fill the log with those).
-                log.debug("write failed, the call is over: %r", exc)
-                self._end("eof")
-                return
+                await write(notice)
             finally:
                 live.writing = False
-                live.unread_since = None
-            if live.deferred is not None:  # a notice arrived during our write
-                notice, live.deferred = live.deferred, None
-                live.writing = True
-                try:
-                    await write(notice)
-                finally:
-                    live.writing = False
 
 
 def _command(raw: bytes, opening: StreamOpening) -> tuple[Message, str]:
