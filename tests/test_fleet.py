@@ -8,6 +8,7 @@ import asyncio
 import logging
 import signal
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -211,10 +212,17 @@ def test_every_episode_on_a_killed_node_resumes_on_a_survivor_with_the_same_rewa
 
 
 def test_async_sessions_open_on_the_fleet_target(nodes: list[ServerProcess]) -> None:
+    """Async sessions get the fleet's target, every node: with the first node killed,
+    each still opens, on a node that lives, and each node holds exactly the sessions that
+    say they are on it. (Each makes a channel of its own, so how they spread is not the
+    blocking sessions' exact rotation.)"""
+    killed, *alive = nodes
     with Fleet([server.target for server in nodes]) as fleet:
         fleet.wait_ready()
+        killed.proc.send_signal(signal.SIGKILL)
+        killed.proc.wait(10)
 
-        async def run() -> list[str]:
+        async def run() -> tuple[list[str], dict[str, int | None]]:
             envs = [fleet.session(AsyncEchoEnv) for _ in range(6)]
             for env in envs:
                 await env.open()
@@ -223,12 +231,18 @@ def test_async_sessions_open_on_the_fleet_target(nodes: list[ServerProcess]) -> 
                 (await env.step(EchoAction(message="pid"))).observation.echoed_message
                 for env in envs
             ]
+            loads = await asyncio.to_thread(fleet.loads)
             for env in envs:
                 await env.close()
-            return pids
+            return pids, loads
 
-        pids = asyncio.run(run())
-    assert {int(pid) for pid in pids} <= {server.proc.pid for server in nodes}
+        pids, loads = asyncio.run(run())
+    on = Counter(int(pid) for pid in pids)
+    assert set(on) <= {server.proc.pid for server in alive}, (on, nodes)
+    assert loads == {
+        killed.target: None,
+        **{server.target: on[server.proc.pid] for server in alive},
+    }, (loads, on)
 
 
 def test_a_rolling_restart_loses_no_episode(caplog: pytest.LogCaptureFixture) -> None:
