@@ -37,6 +37,8 @@ from test_openenv_bridge import openenv_server  # noqa: E402  (OpenEnv's own uvi
 GATEWAY = re.compile(r"OpenEnv protocol on (http://\S+)")
 BRIDGED_ECHO = "--openenv=support.openenv_envs.echo:EchoEnvironment"
 WAREHOUSE = "--openenv=support.openenv_envs.warehouse:WarehouseEnvironment"
+#: Seconds a test's sessions get to end on the server after the test; then it leaked them.
+LEAK_AFTER = 30.0
 
 
 def gateway_url(server: ServerProcess) -> str:
@@ -69,8 +71,10 @@ def serving(
 ) -> Iterator[tuple[ServerProcess, str]]:
     """The module's one server (and its gateway URL) for these settings, started on first
     use. A test gets it with no session open (counters are the server's since its start:
-    tests compare them with what they read first); one that fails, or leaves a session
-    open, has it stopped, and the next test starts another."""
+    tests compare them with what they read first). A test that leaves a session open
+    fails, naming the leak; the server is stopped, so the next test starts another and
+    does not inherit the leaked session (nor fail for it). A test that fails has its
+    server stopped too."""
     key = (env, *args, *sorted(f"{k}={v}" for k, v in (extra_env or {}).items()))
     shared = _SERVERS.get(key)
     if shared is None or shared[0].proc.poll() is not None:
@@ -85,15 +89,19 @@ def serving(
         _SERVERS.pop(key)[0].stop()
         raise
     token = (extra_env or {}).get("AUTH_TOKEN")
-
-    def active() -> int:
-        return fetch_info(server.target, token=token).capacity.active_sessions
-
     try:
-        wait_for(lambda: active() == 0, "the test's sessions closed")
+        # A session the client closed ends on the server a moment later: wait for that,
+        # with a deadline only as a hang guard.
+        deadline = time.monotonic() + LEAK_AFTER
+        while (left := fetch_info(server.target, token=token).capacity.active_sessions) > 0:
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"session leak: {left} session(s) still open on the shared server "
+                    f"{' '.join(key)!r} {LEAK_AFTER:g}s after the test ended (a test "
+                    "closes every session it opens, gRPC or OpenEnv's)"
+                )
+            time.sleep(0.05)
     except BaseException:
-        # A session the test left open is a leak: the test fails, and the next test
-        # gets a fresh server instead of this one's leftovers.
         _SERVERS.pop(key)[0].stop()
         raise
 
@@ -217,7 +225,8 @@ def test_capacity_refusal_is_openenv_s_capacity_error_and_shared_with_grpc() -> 
             env.reset()
             with pytest.raises(CapacityError):  # and the reverse: gRPC finds it full
                 EchoEnv(server.target).open()
-            assert env.step({"message": "still mine"}).observation["echoed_message"]
+            step = env.step({"message": "still mine"})
+            assert step.observation["echoed_message"] == "still mine"
 
 
 @pytest.mark.fresh_server  # a server of its own: make test
