@@ -21,7 +21,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from openenv_grpc import CapacityError, EnvError
+from openenv_grpc import CapacityError, EnvError, SessionLost
 from openenv_grpc.cli import main
 from openenv_grpc.client.info import fetch_info
 from openenv_grpc.integrations.openenv import described_session
@@ -199,38 +199,39 @@ def test_a_native_env_opts_into_openenvs_step_error_rule(env: str, goes_on: bool
 
 
 @pytest.mark.fresh_server  # its own OpenEnv-bridged server (seconds of imports): make test
-def test_an_async_env_blocking_its_loop_freezes_neither_health_nor_drain() -> None:
+def test_an_async_env_blocking_its_loop_freezes_neither_health_nor_drain(
+    tmp_path: Path,
+) -> None:
     """reset_async calls time.sleep(60): the server's loop is not the env's, so health,
-    Info and another session answer meanwhile, and a SIGTERM drain ends within its
-    bound (grace + 3 s), leaving the stuck env unclosed."""
+    Info and another session answer meanwhile, and a SIGTERM drain ends (its bound,
+    grace + 3 s, is only a hang guard here), leaving the stuck env unclosed."""
     server = bridged("support.openenv_envs.blocking:BlockingEnvironment", "--grace", "2")
     try:
         Ping = described_session(server.target)
         stuck = Ping(server.target)
         stuck.open()
-        started = threading.Event()
+        blocking = tmp_path / "blocking"
         errors: list[BaseException] = []
 
         def blocked_reset() -> None:
-            started.set()
             try:
-                stuck.reset(options=Ping.ResetOptions(block=60))
+                stuck.reset(options=Ping.ResetOptions(block=60, mark=str(blocking)))
             except BaseException as exc:  # the drain ends it
                 errors.append(exc)
 
         thread = threading.Thread(target=blocked_reset, daemon=True)
         thread.start()
-        started.wait(5)
-        server.wait_until(lambda: server.info().capacity.active_sessions == 1, what="open")
-        time.sleep(0.5)  # the reset is inside time.sleep now
+        # The env made the file just before time.sleep: its loop is blocked from now on.
+        server.wait_until(blocking.exists, 30, "the reset blocking its env's loop")
         assert server.health() == SERVING
         with Ping(server.target) as other:
             other.reset()
             assert other.step(Ping.Action(text="alive")).observation.text == "alive"
         assert fetch_info(server.target, timeout=5).capacity.active_sessions == 1
+        assert thread.is_alive() and not errors  # the blocked reset is still blocked
         server.proc.send_signal(signal.SIGTERM)
         began = time.monotonic()
-        code = server.proc.wait(2 + 3 + 10)  # the bound, plus slack for a loaded machine
+        code = server.proc.wait(2 + 3 + 10)  # the bound, plus slack: a hang guard
         assert code in (0, 1)
         # stdout's last lines reach stdout_lines through a reader thread after the exit.
         server.wait_until(
@@ -238,8 +239,14 @@ def test_an_async_env_blocking_its_loop_freezes_neither_health_nor_drain() -> No
             what="the drain's last line",
         )
         print(f"drain with a blocked env took {time.monotonic() - began:.2f}s")
+        assert "drained, 1 environment(s) stuck in env code left unclosed" in (
+            server.stderr() + "".join(server.stdout_lines)
+        )
         thread.join(10)
-        assert errors  # the stuck reset got an answer (the stream ended), not silence
+        assert not thread.is_alive(), "the stuck reset got no answer after the drain"
+        # The stuck reset got an answer (its stream ended), not silence.
+        [error] = errors
+        assert isinstance(error, SessionLost), repr(error)
     finally:
         server.stop()
 

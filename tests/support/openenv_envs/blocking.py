@@ -1,6 +1,7 @@
 """An async OpenEnv env whose ``reset_async`` blocks the event loop it runs on
 (``time.sleep`` instead of ``await asyncio.sleep``): the bridge must keep the server's
-own loop (health, other sessions, the drain) free of it."""
+own loop (health, other sessions, the drain) free of it. ``mark=PATH`` (a reset option)
+creates ``PATH`` just before the call blocks."""
 
 import asyncio
 import os
@@ -29,8 +30,11 @@ class BlockingEnvironment(Environment):
         raise NotImplementedError  # reset_async is what OpenEnv (and the bridge) call
 
     async def reset_async(
-        self, seed=None, episode_id=None, block: float = 0.0, **kwargs: Any
+        self, seed=None, episode_id=None, block: float = 0.0, mark: str = "", **kwargs: Any
     ) -> PingObservation:
+        if mark:  # a test waits for this file: the call is about to block its loop
+            with open(mark, "w"):  # noqa: ASYNC230 -- blocking is this env's point
+                pass
         time.sleep(block)  # noqa: ASYNC251 -- the bug under test: blocks whatever loop runs it
         await asyncio.sleep(0)
         return PingObservation(text=f"ready in {os.getpid()}")
