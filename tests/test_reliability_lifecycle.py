@@ -13,6 +13,7 @@ closes hung), never a duration.
 from __future__ import annotations
 
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -150,13 +151,18 @@ def test_drain_with_a_hung_close_exits_within_grace_plus_three(
     envs[0].step(EchoAction(message=f"gate-close:{gate}"))
     signalled = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
-    assert server.proc.wait(grace + 10) == 0
+    # The gate is never opened, so the hung close() could return only after its own 120 s:
+    # an exit before that means the drain gave up on it. grace + 10 s is a hang guard.
+    try:
+        code = server.proc.wait(grace + 10)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the drain waited for the hung close: still running {grace + 10:g}s on")
+    assert code == 0
     elapsed = time.monotonic() - signalled
-    # How long it took is printed, not asserted (speed belongs to benchmarks): what makes
-    # the bound hold is that the drain gave up on the hung close instead of waiting for
-    # it, which the log line below says and the still-shut gate proves.
+    # How long it took is printed, not asserted: speed belongs to benchmarks (the
+    # documented bound, grace + 3 s, is measured there and in docs/reliability.md).
     print(f"\ndrain with a hung close, --grace {grace:g}: exit 0 after {elapsed:.2f}s")
-    assert _entered(gate) == 1
+    assert _entered(gate) == 1  # the close did hang at its gate
     assert server.created() == 3 and server.closed_envs() == 2
     assert "openenv-grpc: drained, 1 environment(s) stuck in env code left unclosed\n" in (
         server.stdout_lines
