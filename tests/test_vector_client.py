@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import threading
-import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -105,14 +105,16 @@ def test_errors_are_typed_and_the_stream_goes_on(start_server) -> None:
         EchoVectorEnv(server.target, 2, autoreset="later")
 
 
-def test_a_timed_out_call_leaves_the_stream_usable(start_server) -> None:
+def test_a_timed_out_call_leaves_the_stream_usable(start_server, tmp_path: Path) -> None:
     server = start_server("support.envs:FaultyEnv")
+    gate = tmp_path / "gate"
     with VectorSession(server.target, 2) as envs:
         envs.reset()
-        started = time.monotonic()
+        # Env 0 waits at a gate only the test opens: a timeout is the only way back.
         with pytest.raises(SessionTimeout):
-            envs.step(_say("sleep:1", "fast"), timeout=0.2)
-        assert time.monotonic() - started < 0.9
+            envs.step(_say(f"gate:{gate}", "fast"), timeout=0.2)
+        assert Path(f"{gate}.entered").exists() and not gate.exists()
+        gate.touch()
         out = envs.step(_say("after", "after"), timeout=10)  # the late answer is dropped
         assert [o.echoed_message for o in out.observations] == ["after", "after"]
         assert out.step_counts == [2, 2]
