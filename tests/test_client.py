@@ -8,7 +8,9 @@ import re
 import subprocess
 import sys
 import threading
-import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
 
 import grpc
 import pytest
@@ -39,6 +41,8 @@ LOST_CODES = {grpc.StatusCode.UNAVAILABLE}
 #: grpc.aio may fail the *write* to a dead stream before the transport's status arrives;
 #: it then ends the call with INTERNAL "Internal error from Core" (grpc's, not the server's).
 ASYNC_LOST_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL}
+
+T = TypeVar("T")
 
 
 def act(message: str) -> EchoAction:
@@ -305,6 +309,45 @@ def test_sync_timeout_on_a_lost_stream_reports_the_loss(server) -> None:
 
 
 # -- a server that dies ---------------------------------------------------------------
+# Each call below can end only by the client noticing its server's death: the server is
+# gone, or the env waits at a gate no one opens. Each is run under a hang guard that
+# fails naming what hung, not timed.
+
+
+def _gate_entered(gate: Path) -> bool:
+    return Path(f"{gate}.entered").exists()
+
+
+def _hang_guarded(call: Callable[[], T], what: str, seconds: float = 10.0) -> T:
+    """``call()`` on a thread: its result, or its exception raised here; fails naming
+    ``what`` if it is still running after ``seconds``."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = call()
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        pytest.fail(f"still waiting after {seconds:g}s: {what}")
+    if "error" in outcome:
+        raise outcome["error"]
+    result: T = outcome["result"]
+    return result
+
+
+async def _hang_guarded_async(awaitable: Awaitable[T], what: str, seconds: float = 10.0) -> T:
+    """``await awaitable``; fails naming ``what`` if it is still pending after ``seconds``."""
+    task = asyncio.ensure_future(awaitable)
+    done, _ = await asyncio.wait({task}, timeout=seconds)
+    if not done:
+        task.cancel()
+        pytest.fail(f"still waiting after {seconds:g}s: {what}")
+    return task.result()
 
 
 @pytest.mark.timeout(15)
@@ -315,10 +358,8 @@ def test_sync_session_lost_when_server_killed_between_calls(server) -> None:
     env.step(act("alive"))
     server.proc.kill()
     server.proc.wait(5)
-    started = time.monotonic()
     with pytest.raises(SessionLost) as raised:
-        env.step(act("anyone?"))
-    assert time.monotonic() - started < 5
+        _hang_guarded(lambda: env.step(act("anyone?")), "a step on a killed server")
     assert raised.value.code in LOST_CODES
     # The session is over; it says so rather than hanging.
     with pytest.raises(SessionStateError, match="not open"):
@@ -327,17 +368,22 @@ def test_sync_session_lost_when_server_killed_between_calls(server) -> None:
 
 
 @pytest.mark.timeout(15)
-def test_sync_session_lost_when_server_killed_mid_step(start_server) -> None:
+def test_sync_session_lost_when_server_killed_mid_step(start_server, tmp_path: Path) -> None:
     faulty = start_server("support.envs:FaultyEnv")
+    gate = tmp_path / "gate"
     with EchoEnv(faulty.target) as env:
         env.reset()
-        killer = threading.Timer(0.3, faulty.proc.kill)
+
+        def kill_at_the_gate() -> None:
+            faulty.wait_until(lambda: _gate_entered(gate), 10, "the step at its gate")
+            faulty.proc.kill()
+
+        killer = threading.Thread(target=kill_at_the_gate, daemon=True)
         killer.start()
-        started = time.monotonic()
         with pytest.raises(SessionLost) as raised:
-            env.step(act("sleep:30"))
+            _hang_guarded(lambda: env.step(act(f"gate:{gate}")), "a step whose server died")
         killer.join()
-        assert time.monotonic() - started < 5
+        assert _gate_entered(gate) and not gate.exists()  # it died mid-step
         assert raised.value.code in LOST_CODES
 
 
@@ -350,10 +396,8 @@ def test_async_session_lost_when_server_killed_between_calls(server) -> None:
         await env.step(act("alive"))
         server.proc.kill()
         await asyncio.to_thread(server.proc.wait, 5)
-        started = time.monotonic()
         with pytest.raises(SessionLost) as raised:
-            await env.step(act("anyone?"))
-        assert time.monotonic() - started < 5
+            await _hang_guarded_async(env.step(act("anyone?")), "a step on a killed server")
         assert raised.value.code in ASYNC_LOST_CODES
         with pytest.raises(SessionStateError, match="not open"):
             await env.step(act("again"))
@@ -363,20 +407,21 @@ def test_async_session_lost_when_server_killed_between_calls(server) -> None:
 
 
 @pytest.mark.timeout(15)
-def test_async_session_lost_when_server_killed_mid_step(start_server) -> None:
+def test_async_session_lost_when_server_killed_mid_step(start_server, tmp_path: Path) -> None:
     faulty = start_server("support.envs:FaultyEnv")
+    gate = tmp_path / "gate"
 
     async def main() -> None:
         async with AsyncEchoEnv(faulty.target) as env:
             await env.reset()
-            step = asyncio.ensure_future(env.step(act("sleep:30")))
-            await asyncio.sleep(0.3)
+            step = asyncio.ensure_future(env.step(act(f"gate:{gate}")))
+            await asyncio.to_thread(
+                faulty.wait_until, lambda: _gate_entered(gate), 10, "the step at its gate"
+            )
             assert not step.done()
             faulty.proc.kill()
-            started = time.monotonic()
             with pytest.raises(SessionLost) as raised:
-                await step
-            assert time.monotonic() - started < 5
+                await _hang_guarded_async(step, "a step whose server died")
             assert raised.value.code in ASYNC_LOST_CODES
 
     asyncio.run(main())
@@ -449,47 +494,58 @@ def test_sync_with_block_exception_aborts_and_server_closes_env(server) -> None:
     assert_all_closed(server, 1)
 
 
-def test_sync_with_block_exception_aborts_a_step_in_flight(start_server) -> None:
+def test_sync_with_block_exception_aborts_a_step_in_flight(start_server, tmp_path: Path) -> None:
     faulty = start_server("support.envs:FaultyEnv")
+    gate = tmp_path / "gate"
     outcome: list[BaseException] = []
     with pytest.raises(Boom), EchoEnv(faulty.target) as env:
         env.reset()
 
         def slow_step() -> None:
             try:
-                env.step(act("sleep:2"))
+                env.step(act(f"gate:{gate}"))
             except BaseException as exc:
                 outcome.append(exc)
 
         thread = threading.Thread(target=slow_step, daemon=True)
         thread.start()
-        thread.join(0.3)
+        faulty.wait_until(lambda: _gate_entered(gate), 10, "the step at its gate")
         raise Boom
-    # Left at once (a graceful close would have waited for the step and the env's close).
+    # Left at once, the step still at its shut gate (a graceful close would have waited
+    # for the step, which cannot end until the gate opens, and the env's close).
     assert faulty.closed_envs() == 0
     thread.join(5)
+    assert not thread.is_alive(), "the step in flight did not end with the abort"
+    gate.touch()
     assert len(outcome) == 1 and isinstance(outcome[0], SessionLost), outcome
     assert outcome[0].code is grpc.StatusCode.CANCELLED  # type: ignore[attr-defined]
     # The server closes the env once the running step is over.
     assert_all_closed(faulty, 1)
 
 
-def test_async_with_block_exception_aborts_and_server_closes_env(start_server) -> None:
+def test_async_with_block_exception_aborts_and_server_closes_env(
+    start_server, tmp_path: Path
+) -> None:
     faulty = start_server("support.envs:FaultyEnv")
+    gate = tmp_path / "gate"
 
     async def main() -> None:
         with pytest.raises(Boom):
             async with AsyncEchoEnv(faulty.target) as env:
                 await env.reset()
-                step = asyncio.ensure_future(env.step(act("sleep:2")))
-                await asyncio.sleep(0.3)
+                step = asyncio.ensure_future(env.step(act(f"gate:{gate}")))
+                await asyncio.to_thread(
+                    faulty.wait_until, lambda: _gate_entered(gate), 10, "the step at its gate"
+                )
                 raise Boom
-        # Left at once (a graceful close would have waited for the step and the env's close).
+        # Left at once, the step still at its shut gate (a graceful close would have
+        # waited for the step, which cannot end until the gate opens, and the env's close).
         assert faulty.closed_envs() == 0
         # The orphaned step ends too (grpc.aio surfaces the cancelled call as a
         # cancellation of the read; the sync client gets SessionLost(CANCELLED)).
         with pytest.raises((SessionLost, asyncio.CancelledError)):
-            await step
+            await _hang_guarded_async(step, "the orphaned step")
+        gate.touch()
 
     asyncio.run(main())
     assert_all_closed(faulty, 1)
