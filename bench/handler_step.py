@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from openenv_grpc.codec import pack
-from openenv_grpc.server.spec import EnvSpec
+from openenv_grpc.server.model.spec import EnvSpec
 from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc_envs.echo import EchoAction, EchoEnvironment
 
@@ -26,12 +26,12 @@ from openenv_grpc_envs.echo import EchoAction, EchoEnvironment
 async def _handler(spec: EnvSpec, pool: ThreadPoolExecutor) -> tuple[str, Any]:
     try:
         from openenv_grpc.environment import AutoresetMode
-        from openenv_grpc.server.calls import local_calls
-        from openenv_grpc.server.phases import SESSION_WORDS
-        from openenv_grpc.server.session_view import SessionView
+        from openenv_grpc.server.local.calls import local_calls
+        from openenv_grpc.server.model.phases import SESSION_WORDS
+        from openenv_grpc.server.stream.session_view import SessionView
     except ImportError:  # a commit from before the one driver
         from openenv_grpc.server.episode import EpisodeDriver  # type: ignore[import-not-found]
-        from openenv_grpc.server.runner import EnvRunner
+        from openenv_grpc.server.local.runner import EnvRunner
 
         async def make() -> EnvRunner:
             return await EnvRunner.create(spec, pool)

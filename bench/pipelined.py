@@ -62,7 +62,7 @@ HALF = N // 2
 ECHO_NATIVE = "openenv_grpc_envs.echo.batch:EchoBatchEnvironment"
 
 
-#: The server's log lines of measured placement moving a group (see server/placement.py).
+#: The server's log lines of measured placement moving a group (see server/model/placement.py).
 MOVED_TO_POOL = "move to the thread pool"
 MOVED_TO_LOOP = "now run on the event loop"
 #: Each served child's placement moves so far, by pid (read from its log by a thread).

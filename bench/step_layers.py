@@ -28,10 +28,10 @@ from typing import Any
 
 from openenv_grpc.codec import pack
 from openenv_grpc.environment import AutoresetMode
-from openenv_grpc.server.calls import StepArgs, local_calls
-from openenv_grpc.server.phases import SESSION_WORDS
-from openenv_grpc.server.session_view import SessionView
-from openenv_grpc.server.spec import EnvSpec
+from openenv_grpc.server.local.calls import StepArgs, local_calls
+from openenv_grpc.server.model.phases import SESSION_WORDS
+from openenv_grpc.server.model.spec import EnvSpec
+from openenv_grpc.server.stream.session_view import SessionView
 from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc_envs.echo import EchoAction, EchoEnvironment
 

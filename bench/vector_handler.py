@@ -29,12 +29,12 @@ import numpy as np
 
 from openenv_grpc.codec import pack
 from openenv_grpc.environment import AutoresetMode
-from openenv_grpc.server.calls import local_calls
-from openenv_grpc.server.driver import Driver
-from openenv_grpc.server.phases import VECTOR_WORDS
-from openenv_grpc.server.placement import CallPlacement, batch_threshold
-from openenv_grpc.server.spec import EnvSpec
-from openenv_grpc.server.vector_view import VectorView
+from openenv_grpc.server.local.calls import local_calls
+from openenv_grpc.server.model.phases import VECTOR_WORDS
+from openenv_grpc.server.model.placement import CallPlacement, batch_threshold
+from openenv_grpc.server.model.spec import EnvSpec
+from openenv_grpc.server.stream.driver import Driver
+from openenv_grpc.server.stream.vector_view import VectorView
 from openenv_grpc.v1 import session_pb2 as pb
 
 SYSTEMS = ("echo-loop", "echo-native", "gym-gymnasium", "gym-envpool")

@@ -19,11 +19,10 @@ from openenv_grpc.client.errors import OpenEnvError
 from openenv_grpc.client.info import fetch_info
 from openenv_grpc.loader import available_envs, load_factory
 from openenv_grpc.scaffold import add_init_command, run_init
-from openenv_grpc.server.app import serve
+from openenv_grpc.server.app import Door, serve
 from openenv_grpc.server.config import ENV_VARS, ServerConfig, settings
-from openenv_grpc.server.logs import configure_logging
-from openenv_grpc.server.spec import EnvSpec
-from openenv_grpc.server.wire import Door
+from openenv_grpc.server.model.spec import EnvSpec
+from openenv_grpc.server.process.logs import configure_logging
 
 __all__ = ["main"]
 

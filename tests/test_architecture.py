@@ -132,3 +132,82 @@ def test_the_walk_sees_every_kind_of_import(tmp_path: Path, source: str, expecte
     assert expected in {name for _, name in imports_of(probe, module)}
     edge = f"{module}:{source.count(chr(10)) + 1} imports {expected}"
     assert edge in back_edges([(probe, module)])
+
+
+# -- the server's rooms ---------------------------------------------------------------------
+
+SERVER = LIBRARY / "server"
+
+#: The server's rooms, from the bottom up: a module imports from its own room and the rooms
+#: below it, never from one above (docs/architecture.md draws them).
+ROOMS = ("process", "model", "local", "isolated", "stream")
+
+#: Modules at the server's top level. The leaves are shared by every room and import no
+#: other server module; the composition (``app``, ``service``, the package's face) sits
+#: above every room.
+LEAVES = {"errors", "config"}
+COMPOSITION = {"app", "service", "__init__"}
+
+
+def server_place(module: str) -> str | None:
+    """The room (or top-level module) a dotted module name of the server is in."""
+    names = module.split(".")
+    if names[:2] != ["openenv_grpc", "server"]:
+        return None
+    if len(names) == 2:
+        return "__init__"
+    return names[2]
+
+
+def test_the_server_is_rooms_and_a_few_top_modules() -> None:
+    top = {p.stem for p in SERVER.glob("*.py")}
+    rooms = {p.name for p in SERVER.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert top == LEAVES | COMPOSITION, f"a new top-level module belongs in a room: {top}"
+    assert rooms == set(ROOMS)
+    assert len(top) <= 8
+
+
+def room_breaches(files: list[tuple[Path, str]]) -> list[str]:
+    """``module:line imports name`` for every server import that runs against the rooms."""
+    found = []
+    for path, module in files:
+        place = server_place(module)
+        if place is None:
+            continue
+        for line, imported in imports_of(path, module):
+            target = server_place(imported)
+            if target is None or target == place:
+                continue
+            if place in LEAVES:
+                bad = target != "errors" or place == "errors"  # config may word an error
+            elif place in COMPOSITION:
+                bad = target in COMPOSITION - {"app", "service"} and place != "__init__"
+            else:
+                bad = target in COMPOSITION or (
+                    target in ROOMS and ROOMS.index(target) > ROOMS.index(place)
+                )
+            if bad:
+                found.append(f"{module}:{line} imports {imported}")
+    return found
+
+
+def test_server_rooms_import_downwards_only() -> None:
+    """process < model < local < isolated < stream < (app, service): no room imports one
+    above it, the leaves import no room, nothing below imports the composition."""
+    assert room_breaches(library_files()) == []
+
+
+@pytest.mark.parametrize(
+    ("module", "source", "bad"),
+    [
+        ("openenv_grpc.server.model.spec", "from openenv_grpc.server.stream import driver", True),
+        ("openenv_grpc.server.stream.driver", "from openenv_grpc.server.model import spec", False),
+        ("openenv_grpc.server.local.calls", "from openenv_grpc.server.app import EnvServer", True),
+        ("openenv_grpc.server.errors", "from openenv_grpc.server.model.spec import EnvSpec", True),
+        ("openenv_grpc.server.process.budget", "from openenv_grpc.server.errors import X", False),
+    ],
+)  # fmt: skip
+def test_the_room_check_sees_a_breach(tmp_path: Path, module: str, source: str, bad: bool) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text(source + "\n", encoding="utf-8")
+    assert bool(room_breaches([(probe, module)])) is bad

@@ -1,4 +1,4 @@
-"""The byte budget's account (openenv_grpc/server/budget.py), in process: takes and gives
+"""The byte budget's account (openenv_grpc/server/process/budget.py), in process: takes and gives
 pair up, one message always fits an empty budget, waiters are served first come first
 served, and a waiter cancelled at any point takes nothing and loses no one's bytes."""
 
@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from openenv_grpc.server.budget import ByteBudget
+from openenv_grpc.server.process.budget import ByteBudget
 
 
 def test_takes_fit_the_total_and_one_oversize_take_fits_an_empty_budget() -> None:

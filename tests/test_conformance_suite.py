@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from openenv_grpc.server.spec import EnvSpec
+from openenv_grpc.server.model.spec import EnvSpec
 from support import envs
 
 TESTS = Path(__file__).resolve().parent

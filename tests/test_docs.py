@@ -1,6 +1,6 @@
 """The docs tell the truth about what they name: every ``pip install 'openenv-grpc[...]'``
 names extras that exist, and docs/modules.md's table lists every server and client
-module."""
+module (a row per room of the server)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,10 @@ def test_every_named_extra_exists() -> None:
 
 def test_module_table_lists_every_server_and_client_module() -> None:
     readme = (ROOT / "docs" / "modules.md").read_text(encoding="utf-8")
-    for package in ("server", "client"):
+    server = ROOT / "openenv_grpc" / "server"
+    rooms = [f"server/{p.name}" for p in server.iterdir() if (p / "__init__.py").exists()]
+    assert len(rooms) >= 4, rooms
+    for package in ("server", *rooms, "client"):
         row = next(line for line in readme.splitlines() if f"`openenv_grpc/{package}/`" in line)
         modules = {
             p.stem for p in (ROOT / "openenv_grpc" / package).glob("*.py") if p.stem != "__init__"

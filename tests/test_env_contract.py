@@ -10,7 +10,7 @@ from google.protobuf.empty_pb2 import Empty
 
 from openenv_grpc import AsyncEnvironment, Environment, Transition
 from openenv_grpc.environment import message_types
-from openenv_grpc.server.spec import EnvSpec, ExecutionMode
+from openenv_grpc.server.model.spec import EnvSpec, ExecutionMode
 from openenv_grpc_envs.echo import (
     EchoAction,
     EchoEnvironment,

@@ -17,13 +17,13 @@ import pytest
 from google.protobuf import any_pb2
 
 from openenv_grpc.environment import AutoresetMode
-from openenv_grpc.server.calls import BatchRefused, RestoreArgs, StepArgs
-from openenv_grpc.server.env_process import Op, Status
-from openenv_grpc.server.env_process_pool import EnvProcessPool
-from openenv_grpc.server.snapshots import Captured
-from openenv_grpc.server.vector_batch import BatchOutcome
-from openenv_grpc.server.vector_frames import ROOM
-from openenv_grpc.server.vector_spread import SpreadBatchCalls, _read
+from openenv_grpc.server.isolated.env_process import Op, Status
+from openenv_grpc.server.isolated.env_process_pool import EnvProcessPool
+from openenv_grpc.server.isolated.spread import SpreadBatchCalls, _read
+from openenv_grpc.server.local.batch import BatchOutcome
+from openenv_grpc.server.local.calls import BatchRefused, RestoreArgs, StepArgs
+from openenv_grpc.server.local.frames import ROOM
+from openenv_grpc.server.model.snapshots import Captured
 from openenv_grpc.v1 import snapshot_pb2
 from openenv_grpc_envs.echo import EchoAction, EchoEnvironment
 

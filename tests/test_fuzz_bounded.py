@@ -34,10 +34,10 @@ from google.protobuf import struct_pb2
 
 from openenv_grpc.codec import info_from_struct
 from openenv_grpc.environment import AutoresetMode
-from openenv_grpc.server.calls import local_calls
-from openenv_grpc.server.phases import SESSION_WORDS
-from openenv_grpc.server.session_view import SessionView
-from openenv_grpc.server.spec import EnvSpec
+from openenv_grpc.server.local.calls import local_calls
+from openenv_grpc.server.model.phases import SESSION_WORDS
+from openenv_grpc.server.model.spec import EnvSpec
+from openenv_grpc.server.stream.session_view import SessionView
 from openenv_grpc.tools.v1.tools_pb2 import ToolCall
 from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc_envs.echo import EchoAction, EchoEnvironment, EchoObservation

@@ -45,7 +45,7 @@ from hypothesis import strategies as st
 from openenv_grpc import EnvError
 from openenv_grpc.codec import info_from_struct, info_to_struct, type_name
 from openenv_grpc.metadata import ADMITTED_KEY
-from openenv_grpc.server.payloads import MAX_EPISODE_ID_BYTES
+from openenv_grpc.server.model.payloads import MAX_EPISODE_ID_BYTES
 from openenv_grpc.testing import ServerProcess
 from openenv_grpc.tools.v1.tools_pb2 import ToolCall
 from openenv_grpc.v1 import session_pb2 as pb

@@ -13,7 +13,7 @@ import socket
 
 from prometheus_client import CollectorRegistry, Counter
 
-from openenv_grpc.server.metrics_endpoint import EVICT_AFTER, MetricsEndpoint
+from openenv_grpc.server.process.metrics_endpoint import EVICT_AFTER, MetricsEndpoint
 
 _SCRAPE = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"
 

@@ -22,7 +22,7 @@ from openenv_grpc import InvalidAction
 from openenv_grpc.environment import message_types
 from openenv_grpc.integrations.openenv import openenv_environment
 from openenv_grpc.integrations.openenv.schema import JSON_TYPE
-from openenv_grpc.server.spec import EnvSpec, ExecutionMode
+from openenv_grpc.server.model.spec import EnvSpec, ExecutionMode
 
 
 class Color(enum.Enum):

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2
 
 from openenv_grpc import EnvError, Session
 from openenv_grpc.client.info import fetch_info
-from openenv_grpc.server.placement import PROBATION
+from openenv_grpc.server.model.placement import PROBATION
 from openenv_grpc_envs.echo import EchoAction
 
 MEASURED = "support.envs:MeasuredEnv"

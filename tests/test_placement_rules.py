@@ -11,7 +11,7 @@ from time import thread_time
 import pytest
 
 from openenv_grpc import AutoresetMode
-from openenv_grpc.server.placement import (
+from openenv_grpc.server.model.placement import (
     MAX_GROUPS,
     PROBATION,
     STALL_FACTOR,
@@ -231,9 +231,9 @@ def test_a_batch_that_computes_in_threads_gets_groups_judged_by_process_cpu() ->
     import asyncio
     from concurrent.futures import ThreadPoolExecutor
 
-    from openenv_grpc.server.runner import EnvRunner
-    from openenv_grpc.server.spec import ExecutionMode
-    from openenv_grpc.server.vector_batch import VectorBatch
+    from openenv_grpc.server.local.batch import VectorBatch
+    from openenv_grpc.server.local.runner import EnvRunner
+    from openenv_grpc.server.model.spec import ExecutionMode
 
     class Threaded(VectorBatch):
         def computes_in_threads(self) -> bool:

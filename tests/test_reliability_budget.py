@@ -18,7 +18,7 @@ import grpc
 
 from bench.hostile import RssSampler, rss_mib
 from openenv_grpc.codec import pack
-from openenv_grpc.server.session import STALLED_AFTER
+from openenv_grpc.server.stream.session import STALLED_AFTER
 from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
 from openenv_grpc_envs.echo import EchoAction, EchoEnv

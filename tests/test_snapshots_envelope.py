@@ -1,4 +1,4 @@
-"""The snapshot envelope and key ring (``server/snapshots.py``), without a server: every
+"""The snapshot envelope and key ring (``server/model/snapshots.py``), without a server: every
 refusal with its code and message, key parsing, rotation, and that secrets never show.
 
 The same refusals over real gRPC, with real server processes, are in
@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from openenv_grpc.server.config import ServerConfig
-from openenv_grpc.server.snapshots import (
+from openenv_grpc.server.model.snapshots import (
     Captured,
     KeyRing,
     SnapshotKey,
@@ -22,7 +22,7 @@ from openenv_grpc.server.snapshots import (
     SnapshotSeal,
     ephemeral_ring,
 )
-from openenv_grpc.server.spec import EnvSpec
+from openenv_grpc.server.model.spec import EnvSpec
 from openenv_grpc.v1 import snapshot_pb2
 from support.envs import AsyncEchoEnv, FaultyEnv, HalfSnapshotEnv, SnapshotEchoEnv
 

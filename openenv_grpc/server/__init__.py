@@ -2,6 +2,6 @@
 
 from openenv_grpc.server.app import EnvServer, serve
 from openenv_grpc.server.config import ServerConfig
-from openenv_grpc.server.spec import EnvSpec, ExecutionMode
+from openenv_grpc.server.model.spec import EnvSpec, ExecutionMode
 
 __all__ = ["EnvServer", "EnvSpec", "ExecutionMode", "ServerConfig", "serve"]

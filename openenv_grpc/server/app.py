@@ -25,7 +25,7 @@ import resource
 import signal
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -33,29 +33,28 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from openenv_grpc.metadata import SERVICE_NAME, serving_line
-from openenv_grpc.server.activity import Activity
-from openenv_grpc.server.auth import TokenAuthInterceptor
-from openenv_grpc.server.budget import ByteBudget
 from openenv_grpc.server.config import ENV_VARS, ServerConfig
-from openenv_grpc.server.env_process_pool import EnvProcessPool
-from openenv_grpc.server.env_threads import EnvThreadPool, Lifecycle
-from openenv_grpc.server.heap import start_heap_trimmer
-from openenv_grpc.server.limiter import SessionLimiter
-from openenv_grpc.server.metrics import PrometheusMetrics
-from openenv_grpc.server.metrics_endpoint import MetricsEndpoint
-from openenv_grpc.server.orphans import reclaim_orphans_quietly
-from openenv_grpc.server.outsiders import OutsiderBudget
-from openenv_grpc.server.request_deadline import UnaryRequestDeadline
-from openenv_grpc.server.runner import contain_tasks
+from openenv_grpc.server.isolated.env_process_pool import EnvProcessPool
+from openenv_grpc.server.local.env_threads import EnvThreadPool, Lifecycle
+from openenv_grpc.server.local.runner import contain_tasks
+from openenv_grpc.server.model.snapshots import KeyRing, SnapshotSeal
+from openenv_grpc.server.model.spec import EnvSpec
+from openenv_grpc.server.process.activity import Activity
+from openenv_grpc.server.process.auth import TokenAuthInterceptor
+from openenv_grpc.server.process.budget import ByteBudget
+from openenv_grpc.server.process.heap import start_heap_trimmer
+from openenv_grpc.server.process.limiter import SessionLimiter
+from openenv_grpc.server.process.metrics import PrometheusMetrics
+from openenv_grpc.server.process.metrics_endpoint import MetricsEndpoint
+from openenv_grpc.server.process.orphans import reclaim_orphans_quietly
+from openenv_grpc.server.process.outsiders import OutsiderBudget
+from openenv_grpc.server.process.request_deadline import UnaryRequestDeadline
+from openenv_grpc.server.process.tls import server_credentials
+from openenv_grpc.server.process.workers import serve_workers
 from openenv_grpc.server.service import EnvServicer, add_env_service
-from openenv_grpc.server.session import SessionManager
-from openenv_grpc.server.snapshots import KeyRing, SnapshotSeal
-from openenv_grpc.server.spec import EnvSpec
-from openenv_grpc.server.tls import server_credentials
-from openenv_grpc.server.wire import Door
-from openenv_grpc.server.workers import serve_workers
+from openenv_grpc.server.stream.session import SessionManager
 
-__all__ = ["EnvServer", "serve"]
+__all__ = ["Door", "EnvServer", "serve"]
 
 log = logging.getLogger(__name__)
 
@@ -150,11 +149,33 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, Any]]:
     return options
 
 
+class Door(Protocol):
+    """Another protocol's listener, served by the server process on its loop from the
+    same session core (``--openenv-port``): it starts once the gRPC port serves, stops
+    accepting when the drain begins, and stops once the sessions have drained."""
+
+    async def start(self, server: EnvServer) -> None:
+        """Listen, serving ``server``'s sessions (its ``servicer`` and ``sessions``).
+
+        Raises:
+            RuntimeError: the door's port could not be bound.
+        """
+        ...
+
+    def stop_accepting(self) -> None:
+        """The drain began: take no new connections."""
+        ...
+
+    async def stop(self) -> None:
+        """Every session has ended: close what is left."""
+        ...
+
+
 class EnvServer:
     """One gRPC server hosting one environment; start it, then drain or stop it.
 
     ``keys`` sign and verify snapshots (default: the ring the config names, see
-    :meth:`~openenv_grpc.server.snapshots.KeyRing.from_config`).
+    :meth:`~openenv_grpc.server.model.snapshots.KeyRing.from_config`).
 
     Raises:
         TypeError: the env class is unusable. ValueError, OSError: bad snapshot keys.
@@ -294,7 +315,7 @@ class EnvServer:
     async def drain(self, grace: float | None = None) -> int:
         """Report NOT_SERVING, tell running sessions and let them finish within ``grace``
         seconds (default: the config's), close every env, stop the server. Takes at most
-        ``grace`` + :data:`~openenv_grpc.server.session.CLOSE_BUDGET` + 0.5 s (plus the
+        ``grace`` + :data:`~openenv_grpc.server.stream.session.CLOSE_BUDGET` + 0.5 s (plus the
         env processes' stop).
 
         Returns the number of envs that could not be closed (stuck in env code); their

@@ -193,7 +193,7 @@ class ServerConfig:
         help="request and answer bytes the server process holds for all its clients at "
         "once (answers waiting for slow readers, isolated frames, states and snapshots "
         "being gathered)",
-        details="one budget across every stream (`openenv_grpc/server/budget.py`); a "
+        details="one budget across every stream (`openenv_grpc/server/process/budget.py`); a "
         "holder that finds it short stops reading or answers in-band "
         "`RESOURCE_EXHAUSTED` with pushback. One message up to `--max-message-bytes` "
         "always fits when nothing else is held. Sized for a 2-core, 24 GiB machine; "
@@ -209,7 +209,7 @@ class ServerConfig:
         "past the budget a newcomer pushes out the oldest read still arriving after "
         "5 ms (waiting that long for one), or is refused `RESOURCE_EXHAUSTED` with "
         "pushback before a byte is read; "
-        "such a request must arrive within 1 s (`openenv_grpc/server/outsiders.py`). "
+        "such a request must arrive within 1 s (`openenv_grpc/server/process/outsiders.py`). "
         "Token-bearing calls never draw from it",
     )  # fmt: skip
     env_threads: int = setting(

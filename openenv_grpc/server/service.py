@@ -8,7 +8,7 @@ sessions it holds -- one, or N admitted all or nothing -- with the same admissio
 timeout, drain notice and ending, every env closed and every slot freed once. What backs
 a stream's envs is decided here: a batch in this process (``calls.local_calls``: a
 Session's one plain instance, or a vector's native batch or loop), or, with
-``--isolated``, blocks in the env processes (``vector_spread.py``).
+``--isolated``, blocks in the env processes (``spread.py``).
 """
 
 from __future__ import annotations
@@ -32,17 +32,17 @@ from openenv_grpc.metadata import (
     PROTOCOL,
     SERVICE_NAME,
 )
-from openenv_grpc.server.backend import SessionBackend
-from openenv_grpc.server.calls import BatchCalls
-from openenv_grpc.server.driver import Driver
-from openenv_grpc.server.env_process_pool import EnvProcessPool
-from openenv_grpc.server.phases import SESSION_WORDS, VECTOR_WORDS
-from openenv_grpc.server.placement import CallPlacement, batch_threshold
-from openenv_grpc.server.session import Held, SessionManager
-from openenv_grpc.server.session_view import SessionView
-from openenv_grpc.server.vector_batch import natively_batched
-from openenv_grpc.server.vector_spread import SpreadBatchCalls
-from openenv_grpc.server.vector_view import VectorView
+from openenv_grpc.server.isolated.env_process_pool import EnvProcessPool
+from openenv_grpc.server.isolated.spread import SpreadBatchCalls
+from openenv_grpc.server.local.batch import natively_batched
+from openenv_grpc.server.local.calls import BatchCalls
+from openenv_grpc.server.model.phases import SESSION_WORDS, VECTOR_WORDS
+from openenv_grpc.server.model.placement import CallPlacement, batch_threshold
+from openenv_grpc.server.stream.backend import SessionBackend
+from openenv_grpc.server.stream.driver import Driver
+from openenv_grpc.server.stream.session import Held, SessionManager
+from openenv_grpc.server.stream.session_view import SessionView
+from openenv_grpc.server.stream.vector_view import VectorView
 from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
 
@@ -120,7 +120,7 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
         try:
             size, autoreset = read_open(context.invocation_metadata(), self._max_envs)
         except ValueError as exc:
-            await self._sessions.limiter.refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await self._sessions.refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         json_info = reads_json_info(context.invocation_metadata())
         await self._sessions.run(context, _VectorOpening(self, size, autoreset, json_info))
 

@@ -57,10 +57,10 @@ with atheris.instrument_imports(
 
     from openenv_grpc.codec import PayloadError, info_from_struct, unpack
     from openenv_grpc.environment import AutoresetMode, InvalidAction
-    from openenv_grpc.server.calls import local_calls
-    from openenv_grpc.server.phases import SESSION_WORDS
-    from openenv_grpc.server.session_view import SessionView
-    from openenv_grpc.server.spec import EnvSpec
+    from openenv_grpc.server.local.calls import local_calls
+    from openenv_grpc.server.model.phases import SESSION_WORDS
+    from openenv_grpc.server.model.spec import EnvSpec
+    from openenv_grpc.server.stream.session_view import SessionView
     from openenv_grpc.tools.v1.tools_pb2 import ToolCall
     from openenv_grpc.v1 import session_pb2 as pb
     from openenv_grpc_envs.echo import (

@@ -66,8 +66,8 @@ from openenv_grpc.integrations.openenv.gateway_limits import SMALL_BYTES as _SMA
 from openenv_grpc.integrations.openenv.gateway_limits import GatewayLimits
 from openenv_grpc.integrations.openenv.published import openenv_metadata, openenv_schemas
 from openenv_grpc.integrations.trl.tools import find_tool_fields
-from openenv_grpc.server.auth import AUTHORIZATION_KEY, TokenAuthInterceptor
-from openenv_grpc.server.limiter import SessionLimiter
+from openenv_grpc.server.process.auth import AUTHORIZATION_KEY, TokenAuthInterceptor
+from openenv_grpc.server.process.limiter import SessionLimiter
 from openenv_grpc.v1 import session_pb2 as pb
 
 __all__ = ["OpenEnvGateway"]
@@ -133,7 +133,7 @@ class OpenEnvGateway:
 
     Args:
         stub: Opens the core's Session streams in this process (a
-            :class:`~openenv_grpc.server.local_wire.LocalStub`).
+            :class:`~openenv_grpc.server.stream.local_wire.LocalStub`).
         info: The server's Info answer (names, descriptors, capacity).
         token: The server's ``AUTH_TOKEN``, if any: every route but ``/health`` and every
             WebSocket want it as a bearer token, checked by the gRPC port's own check.

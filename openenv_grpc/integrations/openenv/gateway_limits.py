@@ -21,8 +21,8 @@ from typing import Any
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
-from openenv_grpc.server.budget import ByteBudget
-from openenv_grpc.server.session import STALLED_AFTER
+from openenv_grpc.server.process.budget import ByteBudget
+from openenv_grpc.server.stream.session import STALLED_AFTER
 
 log = logging.getLogger("openenv_grpc.gateway")
 

@@ -13,7 +13,7 @@ import itertools
 import os
 from dataclasses import dataclass
 
-from openenv_grpc.server.snapshots import phase_codes
+from openenv_grpc.server.model.snapshots import phase_codes
 
 __all__ = [
     "CAPTURED_PHASE",

@@ -30,10 +30,16 @@ from dataclasses import dataclass, field
 import grpc
 
 from openenv_grpc.environment import AutoresetMode
-from openenv_grpc.server.calls import BatchCalls, BatchRefused, ResetArgs, RestoreArgs, StepArgs
 from openenv_grpc.server.errors import RequestError, RowError, describe, qualname
-from openenv_grpc.server.metrics import ORPHANED_STEPS
-from openenv_grpc.server.phases import (
+from openenv_grpc.server.local.batch import BatchOutcome
+from openenv_grpc.server.local.calls import (
+    BatchCalls,
+    BatchRefused,
+    ResetArgs,
+    RestoreArgs,
+    StepArgs,
+)
+from openenv_grpc.server.model.phases import (
     CAPTURED_PHASE,
     RESTORED_PHASE,
     Phase,
@@ -41,16 +47,16 @@ from openenv_grpc.server.phases import (
     ended_phase,
     new_episode_id,
 )
-from openenv_grpc.server.queries import QUERIES, AnswerTooLarge, ReadsWithin
-from openenv_grpc.server.snapshots import (
+from openenv_grpc.server.model.queries import QUERIES, AnswerTooLarge, BatchStates, ReadsWithin
+from openenv_grpc.server.model.snapshots import (
     Captured,
     SnapshotRefused,
     SnapshotSeal,
     default_seal,
     sealing,
 )
-from openenv_grpc.server.spec import EnvSpec
-from openenv_grpc.server.vector_batch import BatchOutcome, BatchStates
+from openenv_grpc.server.model.spec import EnvSpec
+from openenv_grpc.server.process.metrics import ORPHANED_STEPS
 
 __all__ = ["Driver", "Restored", "Sealed"]
 

@@ -16,14 +16,20 @@ import grpc
 from google.protobuf import any_pb2
 from google.protobuf.message import DecodeError, Message
 
-from openenv_grpc.server.backend import Answer, Outcome, error_answer, exhausted, parse_request
-from openenv_grpc.server.calls import BatchRefused, ResetArgs, StepArgs
-from openenv_grpc.server.driver import Driver
 from openenv_grpc.server.errors import CODE_NAMES, RequestError, RowError
-from openenv_grpc.server.payloads import PayloadRefused, decode_payload, reset_problem
-from openenv_grpc.server.phases import Phase, new_episode_id
-from openenv_grpc.server.vector_batch import BatchOutcome
-from openenv_grpc.server.vector_frames import fill_errors, fill_result, fill_states
+from openenv_grpc.server.local.batch import BatchOutcome
+from openenv_grpc.server.local.calls import BatchRefused, ResetArgs, StepArgs
+from openenv_grpc.server.local.frames import fill_errors, fill_result, fill_states
+from openenv_grpc.server.model.payloads import PayloadRefused, decode_payload, reset_problem
+from openenv_grpc.server.model.phases import Phase, new_episode_id
+from openenv_grpc.server.stream.backend import (
+    Answer,
+    Outcome,
+    error_answer,
+    exhausted,
+    parse_request,
+)
+from openenv_grpc.server.stream.driver import Driver
 from openenv_grpc.v1 import session_pb2 as pb
 
 __all__ = ["VectorView"]

@@ -17,11 +17,11 @@ is busy with. The only other frame is READY, sent once when the worker is up.
 Every env here is a block of a stream (``CREATE``, then ``REQUEST`` frames): a vector
 stream's sub-batch, or a Session's one env (a block of one). The front keeps the stream's
 books -- the driver runs there, for both kinds -- and sends each env process the part of a
-request that concerns its envs (``vector_frames.py``); the env process runs it on a
-:class:`~openenv_grpc.server.vector_batch.VectorBatch`, inline, and answers the outcome.
+request that concerns its envs (``frames.py``); the env process runs it on a
+:class:`~openenv_grpc.server.local.batch.VectorBatch`, inline, and answers the outcome.
 So the env process speaks one protocol, and no client command is decoded twice.
 
-A vector stream's query comes as ``QUERY``: the query with its room (``vector_frames.py``).
+A vector stream's query comes as ``QUERY``: the query with its room (``frames.py``).
 The env process reads its envs one by one and stops once their answers pass the room,
 answering ``TOO_LARGE`` and how many bytes that was, never the answers themselves.
 
@@ -51,7 +51,8 @@ import grpc
 
 from openenv_grpc.codec import PayloadError, unpack
 from openenv_grpc.environment import AutoresetMode, InvalidAction
-from openenv_grpc.server.calls import (
+from openenv_grpc.server.errors import describe, qualname
+from openenv_grpc.server.local.calls import (
     BatchRefused,
     LocalBatchCalls,
     ResetArgs,
@@ -59,12 +60,7 @@ from openenv_grpc.server.calls import (
     StepArgs,
     local_calls,
 )
-from openenv_grpc.server.errors import describe, qualname
-from openenv_grpc.server.phases import SESSION_WORDS, VECTOR_WORDS
-from openenv_grpc.server.runner import contain_tasks
-from openenv_grpc.server.spec import EnvSpec, ExecutionMode
-from openenv_grpc.server.vector_batch import BatchStates
-from openenv_grpc.server.vector_frames import (
+from openenv_grpc.server.local.frames import (
     ROOM,
     fill_errors,
     fill_result,
@@ -72,6 +68,10 @@ from openenv_grpc.server.vector_frames import (
     read_restore,
     read_room_frame,
 )
+from openenv_grpc.server.local.runner import contain_tasks
+from openenv_grpc.server.model.phases import SESSION_WORDS, VECTOR_WORDS
+from openenv_grpc.server.model.queries import BatchStates
+from openenv_grpc.server.model.spec import EnvSpec, ExecutionMode
 from openenv_grpc.v1 import session_pb2 as pb
 
 __all__ = [
@@ -109,7 +109,7 @@ STRICT_CLOSE = b"strict"
 
 class Op:
     """Front -> worker operations, about one block (its env id). QUERY is a REQUEST that
-    is a query with its room (``vector_frames.room_frame``)."""
+    is a query with its room (``frames.room_frame``)."""
 
     CREATE, REQUEST, CLOSE, QUERY = 1, 2, 3, 4
 
@@ -123,7 +123,7 @@ class Status:
     READY: sent once, when the worker is up, env id 0. An answered request is ANSWER (a
     VectorSessionResponse), or ``CALL_REFUSED + flags`` (:func:`refusal_flags`) when the
     whole call failed; a QUERY whose answers passed its room is TOO_LARGE (the bytes read
-    then, as ``vector_frames.ROOM``). UNKEPT is the front's own, never sent: an answer the
+    then, as ``frames.ROOM``). UNKEPT is the front's own, never sent: an answer the
     server's byte budget could not hold, read and dropped. (Only this front and the
     processes it spawns speak these, from the same code: the numbers are kept nowhere.)"""
 

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import time
 
-from openenv_grpc.server.limiter import SessionLimiter
+from openenv_grpc.server.process.limiter import SessionLimiter
 from openenv_grpc.v1 import session_pb2 as pb
 
 __all__ = ["Activity"]
 
 
 class Activity:
-    """Counters fed through the :class:`~openenv_grpc.server.metrics.Metrics` calls."""
+    """Counters fed through the :class:`~openenv_grpc.server.process.metrics.Metrics` calls."""
 
     __slots__ = ("_started", "sessions_ended", "sessions_refused", "steps")
 

@@ -3,7 +3,7 @@ over them, a Session's one env a block of one.
 
 The stream's N envs are cut into contiguous blocks, one sub-batch per env process (the
 least loaded first), so a step runs on every core at once: the front sends each process
-the part of the request about its block (``vector_frames.py``), awaits them together and
+the part of the request about its block (``frames.py``), awaits them together and
 gathers the answers into one outcome, in index order. The vector driver in the front
 keeps the books and checks every request before any of it is sent, so a refusal never
 leaves some blocks stepped and others not.
@@ -56,10 +56,9 @@ from typing import Any, cast
 import grpc
 
 from openenv_grpc.environment import AutoresetMode
-from openenv_grpc.server.budget import ByteBudget
-from openenv_grpc.server.calls import BatchRefused, ResetArgs, RestoreArgs, StepArgs
-from openenv_grpc.server.env_process import REFUSAL_FLAGS, Op, Status
-from openenv_grpc.server.env_process_pool import (
+from openenv_grpc.server.errors import RowError, SessionLostError
+from openenv_grpc.server.isolated.env_process import REFUSAL_FLAGS, Op, Status
+from openenv_grpc.server.isolated.env_process_pool import (
     CallTimedOut,
     Charge,
     CloseFailed,
@@ -68,11 +67,9 @@ from openenv_grpc.server.env_process_pool import (
     Payload,
     Worker,
 )
-from openenv_grpc.server.errors import RowError, SessionLostError
-from openenv_grpc.server.phases import SESSION_WORDS
-from openenv_grpc.server.queries import AnswerTooLarge
-from openenv_grpc.server.vector_batch import BatchOutcome, BatchStates
-from openenv_grpc.server.vector_frames import (
+from openenv_grpc.server.local.batch import BatchOutcome
+from openenv_grpc.server.local.calls import BatchRefused, ResetArgs, RestoreArgs, StepArgs
+from openenv_grpc.server.local.frames import (
     ROOM,
     query_frame,
     read_errors,
@@ -83,6 +80,9 @@ from openenv_grpc.server.vector_frames import (
     room_frame,
     step_frame,
 )
+from openenv_grpc.server.model.phases import SESSION_WORDS
+from openenv_grpc.server.model.queries import AnswerTooLarge, BatchStates
+from openenv_grpc.server.process.budget import ByteBudget
 from openenv_grpc.v1 import session_pb2 as pb
 
 __all__ = ["SpreadBatchCalls"]

@@ -15,27 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import Sequence
-from typing import Any
-
-import grpc
-
-from openenv_grpc.server.wire import Wire
 
 __all__ = ["Admission", "NoSlot", "SessionLimiter"]
-
-#: A refusal first waits this long for the client's first request (or its half-close),
-#: so that its status does not race a write: grpc.aio reports such a write as INTERNAL
-#: "Internal error from Core" instead of our status (grpc/grpc#36066, fix proposed in
-#: #43486). Clients that wait for the headers before writing (ours, grpc-js, grpc-go)
-#: write nothing, so they get their refusal this much later. Longer waits (up to 5 s, as
-#: a 4,000-open burst's writes can lag on a loaded machine) made a 16,384-open burst see
-#: grpc cancel thousands of opens still queued, so the wait stays short.
-REFUSAL_WAIT = 0.25
-#: Refusals that may wait at once; past it a refusal goes out at once. Each holds its call
-#: (~20 KiB) and what of its first request has arrived (at most the request limit, as for
-#: an admitted stream) for at most REFUSAL_WAIT seconds.
-MAX_WAITING_REFUSALS = 1024
 
 
 class Admission(enum.Enum):
@@ -63,7 +44,6 @@ class SessionLimiter:
         self._idle = asyncio.Event()
         self._idle.set()
         #: Refusals waiting for their client's first request (:meth:`refuse`).
-        self._waiting = 0
 
     @property
     def free(self) -> int | None:
@@ -114,34 +94,3 @@ class SessionLimiter:
         """``"capacity 64/64 sessions"``, as sent with RESOURCE_EXHAUSTED."""
         cap = self.capacity or "unlimited"
         return f"capacity {self.active}/{cap} sessions"
-
-    async def refuse(
-        self,
-        context: Wire,
-        code: grpc.StatusCode,
-        message: str,
-        trailing_metadata: Sequence[tuple[str, str]] = (),
-    ) -> None:
-        """End a stream that was not admitted with ``code``, once the client's first
-        request came or :data:`REFUSAL_WAIT` is over (see there why).
-
-        Raises:
-            grpc.aio.AbortError: always (what ``context.abort`` raises to end the handler).
-        """
-        # A reset stream has no write in flight: no read (a failed batch) on it.
-        if not context.cancelled() and self._waiting < MAX_WAITING_REFUSALS:
-            # A task, not wait_for: cancelling a pending read would cancel the call itself.
-            first = asyncio.ensure_future(context.read())
-            # It ends (EOF) once the status is out, or with the call; nobody needs its outcome.
-            first.add_done_callback(_ignore)
-            self._waiting += 1
-            try:
-                await asyncio.wait((first,), timeout=REFUSAL_WAIT)
-            finally:
-                self._waiting -= 1
-        await context.abort(code, message, trailing_metadata=tuple(trailing_metadata))
-
-
-def _ignore(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled():
-        task.exception()

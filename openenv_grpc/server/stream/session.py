@@ -25,16 +25,29 @@ import enum
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from concurrent.futures import Executor
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 from google.protobuf.message import DecodeError, Message
 
 from openenv_grpc.environment import AutoresetMode, InvalidAction
 from openenv_grpc.metadata import ADMITTED_KEY, RETRY_PUSHBACK_KEY, SESSION_ID_KEY
-from openenv_grpc.server.activity import Activity
-from openenv_grpc.server.backend import (
+from openenv_grpc.server.config import ServerConfig
+from openenv_grpc.server.errors import EnvFactoryError, SessionLostError, describe
+from openenv_grpc.server.local.calls import LocalBatchCalls, local_calls
+from openenv_grpc.server.local.runner import CreateTimeout
+from openenv_grpc.server.model.phases import Words
+from openenv_grpc.server.model.placement import CallPlacement
+from openenv_grpc.server.model.snapshots import SnapshotSeal
+from openenv_grpc.server.model.spec import EnvSpec
+from openenv_grpc.server.process.activity import Activity
+from openenv_grpc.server.process.budget import ByteBudget
+from openenv_grpc.server.process.limiter import Admission, SessionLimiter
+from openenv_grpc.server.process.logs import SESSION_ID
+from openenv_grpc.server.process.metrics import ORPHANED_STEPS, Metrics, MetricsTee
+from openenv_grpc.server.stream.backend import (
     Answer,
     Outcome,
     SessionBackend,
@@ -42,19 +55,7 @@ from openenv_grpc.server.backend import (
     exhausted,
     parse_request,
 )
-from openenv_grpc.server.budget import ByteBudget
-from openenv_grpc.server.calls import LocalBatchCalls, local_calls
-from openenv_grpc.server.config import ServerConfig
-from openenv_grpc.server.errors import EnvFactoryError, SessionLostError, describe
-from openenv_grpc.server.limiter import Admission, SessionLimiter
-from openenv_grpc.server.logs import SESSION_ID
-from openenv_grpc.server.metrics import ORPHANED_STEPS, Metrics, MetricsTee
-from openenv_grpc.server.phases import Words
-from openenv_grpc.server.placement import CallPlacement
-from openenv_grpc.server.runner import CreateTimeout
-from openenv_grpc.server.snapshots import SnapshotSeal
-from openenv_grpc.server.spec import EnvSpec
-from openenv_grpc.server.wire import Wire
+from openenv_grpc.server.stream.wire import Wire
 from openenv_grpc.v1 import session_pb2 as pb
 
 __all__ = ["CLOSE_BUDGET", "Held", "SessionManager", "StreamOpening"]
@@ -88,6 +89,19 @@ _TINY = 4 * 1024
 STALLED_AFTER = 5.0
 #: Seconds an answer waits for bytes that stalled streams give back before it is refused.
 _BUDGET_WAIT = 1.0
+
+#: A refusal first waits this long for the client's first request (or its half-close),
+#: so that its status does not race a write: grpc.aio reports such a write as INTERNAL
+#: "Internal error from Core" instead of our status (grpc/grpc#36066, fix proposed in
+#: #43486). Clients that wait for the headers before writing (ours, grpc-js, grpc-go)
+#: write nothing, so they get their refusal this much later. Longer waits (up to 5 s, as
+#: a 4,000-open burst's writes can lag on a loaded machine) made a 16,384-open burst see
+#: grpc cancel thousands of opens still queued, so the wait stays short.
+REFUSAL_WAIT = 0.25
+#: Refusals that may wait at once; past it a refusal goes out at once. Each holds its call
+#: (~20 KiB) and what of its first request has arrived (at most the request limit, as for
+#: an admitted stream) for at most REFUSAL_WAIT seconds.
+MAX_WAITING_REFUSALS = 1024
 
 
 class _EndReason(enum.Enum):
@@ -256,6 +270,8 @@ class SessionManager:
         self.max_response = config.max_message_bytes
         #: Loop time before which :meth:`_end_stalled` does not scan the streams again.
         self._stalled_scan_at = 0.0
+        #: Refusals waiting for their client's first request (``MAX_WAITING_REFUSALS``).
+        self._refusals_waiting = 0
 
     @property
     def call_timeout(self) -> float | None:
@@ -513,7 +529,7 @@ class SessionManager:
 
     async def _refuse(self, context: _Context, admission: Admission, asked: int) -> None:
         if admission is Admission.DRAINING:
-            await self.limiter.refuse(
+            await self.refuse(
                 context,
                 grpc.StatusCode.UNAVAILABLE,
                 "server is draining: not admitting new sessions",
@@ -536,7 +552,33 @@ class SessionManager:
                 f"server at {limiter.describe()}: {asked} envs asked, {limiter.free} free; "
                 "retry later or elsewhere"
             )
-        await limiter.refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, message, pushback)
+        await self.refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, message, pushback)
+
+    async def refuse(
+        self,
+        context: _Context,
+        code: grpc.StatusCode,
+        message: str,
+        trailing_metadata: Sequence[tuple[str, str]] = (),
+    ) -> None:
+        """End a stream that was not admitted with ``code``, once the client's first
+        request came or :data:`REFUSAL_WAIT` is over (see there why).
+
+        Raises:
+            grpc.aio.AbortError: always (what ``context.abort`` raises to end the handler).
+        """
+        # A reset stream has no write in flight: no read (a failed batch) on it.
+        if not context.cancelled() and self._refusals_waiting < MAX_WAITING_REFUSALS:
+            # A task, not wait_for: cancelling a pending read would cancel the call itself.
+            first = asyncio.ensure_future(context.read())
+            # It ends (EOF) once the status is out, or with the call; nobody needs its outcome.
+            first.add_done_callback(_ignore)
+            self._refusals_waiting += 1
+            try:
+                await asyncio.wait((first,), timeout=REFUSAL_WAIT)
+            finally:
+                self._refusals_waiting -= 1
+        await context.abort(code, message, trailing_metadata=tuple(trailing_metadata))
 
     def _end_message(self, reason: _EndReason) -> str:
         if reason is _EndReason.IDLE:
@@ -907,3 +949,8 @@ async def _write_quietly(context: _Context, message: bytes) -> None:
     """Write ``message`` on a stream that may end meanwhile (then it is simply not sent)."""
     with contextlib.suppress(Exception):
         await context.write(message)
+
+
+def _ignore(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()

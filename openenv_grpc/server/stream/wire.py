@@ -1,6 +1,6 @@
 """What the session core needs of a stream's transport: the one surface every wire gives.
 
-:meth:`SessionManager.run <openenv_grpc.server.session.SessionManager.run>` drives a
+:meth:`SessionManager.run <openenv_grpc.server.stream.session.SessionManager.run>` drives a
 stream through this and nothing else, so admission, the idle reaper, the drain, the byte
 budget and the metrics are the same on every wire. gRPC's ``ServicerContext`` is one (the
 ``Session`` and ``VectorSession`` RPCs); :mod:`.local_wire` is the other, an in-process
@@ -10,14 +10,11 @@ stream that the OpenEnv door (``integrations/openenv``) drives without a network
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn, Protocol
+from typing import Any, NoReturn, Protocol
 
 import grpc
 
-if TYPE_CHECKING:
-    from openenv_grpc.server.app import EnvServer
-
-__all__ = ["Door", "Wire"]
+__all__ = ["Wire"]
 
 
 class Wire(Protocol):
@@ -56,26 +53,4 @@ class Wire(Protocol):
 
     def invocation_metadata(self) -> Iterable[tuple[str, Any]] | None:
         """The metadata the client opened the stream with."""
-        ...
-
-
-class Door(Protocol):
-    """Another protocol's listener, served by the server process on its loop from the
-    same session core (``--openenv-port``): it starts once the gRPC port serves, stops
-    accepting when the drain begins, and stops once the sessions have drained."""
-
-    async def start(self, server: EnvServer) -> None:
-        """Listen, serving ``server``'s sessions (its ``servicer`` and ``sessions``).
-
-        Raises:
-            RuntimeError: the door's port could not be bound.
-        """
-        ...
-
-    def stop_accepting(self) -> None:
-        """The drain began: take no new connections."""
-        ...
-
-    async def stop(self) -> None:
-        """Every session has ended: close what is left."""
         ...

@@ -3,7 +3,7 @@
 The gRPC front (one process) keeps the sessions and their drivers; each env lives in one
 env process (``env_process.py``; "worker" below means one of them, never a ``--workers``
 server process), as a block of its stream: a Session's one env, or a sub-batch of a
-vector stream (``vector_spread.py``). So a segfault, ``os._exit`` or runaway memory in
+vector stream (``spread.py``). So a segfault, ``os._exit`` or runaway memory in
 env code costs only the envs on that worker (a Session there ends, UNAVAILABLE "session
 lost"; a vector stream's envs there answer UNAVAILABLE and are replaced, the stream goes
 on), the pool starts a replacement, and CPU-heavy envs use every core even when all
@@ -47,8 +47,8 @@ from collections.abc import Set as AbstractSet
 from typing import Any, Protocol
 
 from openenv_grpc.environment import AutoresetMode, InvalidAction
-from openenv_grpc.server.budget import ByteBudget
-from openenv_grpc.server.env_process import (
+from openenv_grpc.server.errors import EnvFactoryError, SessionLostError
+from openenv_grpc.server.isolated.env_process import (
     AUTORESET_MODES,
     BLOCK_OPEN,
     HEADER,
@@ -62,9 +62,9 @@ from openenv_grpc.server.env_process import (
     Status,
     worker_main,
 )
-from openenv_grpc.server.errors import EnvFactoryError, SessionLostError
-from openenv_grpc.server.orphans import OrphanReaper
-from openenv_grpc.server.spec import EnvSpec, ExecutionMode
+from openenv_grpc.server.model.spec import EnvSpec, ExecutionMode
+from openenv_grpc.server.process.budget import ByteBudget
+from openenv_grpc.server.process.orphans import OrphanReaper
 
 __all__ = [
     "CallTimedOut", "Charge", "CloseFailed", "EnvProcessPool", "Late", "Payload", "Worker",

@@ -29,7 +29,7 @@ from openenv_grpc.environment import (
     EnvironmentTypes,
     message_types,
 )
-from openenv_grpc.server.placement import CallPlacement
+from openenv_grpc.server.model.placement import CallPlacement
 
 __all__ = ["DEFAULT_INLINE_THRESHOLD", "EnvSpec", "ExecutionMode"]
 

@@ -4,10 +4,10 @@ says it answered.
 The session lifecycle (``session.py``) reads raw request bytes, hands them to the
 stream's :class:`SessionBackend` and writes back the bytes it returns; it never knows
 which kind of stream it serves or where its envs run. The backend is a view over the one
-driver (``driver.py``): :class:`~openenv_grpc.server.session_view.SessionView` for a
-Session, :class:`~openenv_grpc.server.vector_view.VectorView` for a VectorSession, in
+driver (``driver.py``): :class:`~openenv_grpc.server.stream.session_view.SessionView` for a
+Session, :class:`~openenv_grpc.server.stream.vector_view.VectorView` for a VectorSession, in
 this process or ``--isolated`` alike (that difference lies below the driver, in
-``calls.py`` and ``vector_spread.py``).
+``calls.py`` and ``spread.py``).
 
 Each answer says what it was (:class:`Answer`, :class:`Outcome`): the session records the
 metrics from that, and ends the stream after a close, so no flag or metrics sink is
@@ -24,8 +24,8 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from openenv_grpc.server.calls import BatchRefused
 from openenv_grpc.server.errors import CODE_NAMES, RequestError
+from openenv_grpc.server.local.calls import BatchRefused
 
 __all__ = [
     "Answer",

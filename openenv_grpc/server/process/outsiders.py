@@ -36,7 +36,7 @@ from typing import Any
 import grpc
 
 from openenv_grpc.metadata import RETRY_PUSHBACK_KEY
-from openenv_grpc.server.budget import ByteBudget
+from openenv_grpc.server.process.budget import ByteBudget
 
 __all__ = ["EVICTABLE_AFTER_SECONDS", "OUTSIDER_ARRIVAL_SECONDS", "OutsiderBudget"]
 

@@ -16,8 +16,8 @@ from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from openenv_grpc.server.budget import ByteBudget
-from openenv_grpc.server.limiter import SessionLimiter
+from openenv_grpc.server.process.budget import ByteBudget
+from openenv_grpc.server.process.limiter import SessionLimiter
 
 __all__ = ["NO_METRICS", "ORPHANED_STEPS", "Metrics", "MetricsTee", "PrometheusMetrics"]
 

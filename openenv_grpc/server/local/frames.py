@@ -37,8 +37,9 @@ from google.protobuf import any_pb2, struct_pb2
 
 from openenv_grpc.codec import info_from_json, info_to_json, info_to_struct
 from openenv_grpc.server.errors import RowError
-from openenv_grpc.server.snapshots import Captured
-from openenv_grpc.server.vector_batch import BatchOutcome, BatchStates
+from openenv_grpc.server.local.batch import BatchOutcome
+from openenv_grpc.server.model.queries import BatchStates
+from openenv_grpc.server.model.snapshots import Captured
 from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc.v1 import snapshot_pb2
 

@@ -16,16 +16,16 @@ from google.protobuf.message import Message
 
 from openenv_grpc.codec import PayloadError, unpack
 from openenv_grpc.environment import AutoresetMode
-from openenv_grpc.server.backend import Answer, Outcome, error_answer, parse_request
-from openenv_grpc.server.calls import BatchCalls, BatchRefused, ResetArgs, StepArgs
-from openenv_grpc.server.driver import Driver
 from openenv_grpc.server.errors import RequestError, RowError
-from openenv_grpc.server.payloads import reset_problem
-from openenv_grpc.server.phases import SESSION_WORDS, Phase, new_episode_id
-from openenv_grpc.server.snapshots import SnapshotSeal
-from openenv_grpc.server.spec import EnvSpec
-from openenv_grpc.server.vector_batch import BatchOutcome
-from openenv_grpc.server.vector_frames import info_text, struct_info
+from openenv_grpc.server.local.batch import BatchOutcome
+from openenv_grpc.server.local.calls import BatchCalls, BatchRefused, ResetArgs, StepArgs
+from openenv_grpc.server.local.frames import info_text, struct_info
+from openenv_grpc.server.model.payloads import reset_problem
+from openenv_grpc.server.model.phases import SESSION_WORDS, Phase, new_episode_id
+from openenv_grpc.server.model.snapshots import SnapshotSeal
+from openenv_grpc.server.model.spec import EnvSpec
+from openenv_grpc.server.stream.backend import Answer, Outcome, error_answer, parse_request
+from openenv_grpc.server.stream.driver import Driver
 from openenv_grpc.v1 import session_pb2 as pb
 
 __all__ = ["SessionView"]
@@ -44,7 +44,7 @@ class SessionView:
     or inside an env process of ``--isolated``.
 
     It answers serialized requests with serialized responses and says what it answered
-    (an :class:`~openenv_grpc.server.backend.Answer`); metrics are the caller's to record.
+    (an :class:`~openenv_grpc.server.stream.backend.Answer`); metrics are the caller's to record.
     An env call past the call timeout is answered DEADLINE_EXCEEDED and the env replaced
     with a fresh one (the client must reset); a pooled call still waiting for a thread
     then never runs: RESOURCE_EXHAUSTED, the episode unchanged.

@@ -2,11 +2,11 @@
 and the event loop's task factory that contains env code's own tasks.
 
 An :class:`EnvRunner` holds one batch (``calls.local_calls`` makes it from
-``vector_batch.batch_spec``: a Session's loop of one plain instance, a vector stream's
+``batch.batch_spec``: a Session's loop of one plain instance, a vector stream's
 loop or native batch, or an env process's block) and runs each call on it as a whole. No
 thread per session: inline and async envs run on the event loop, blocking sync envs share one
 bounded thread pool, and a measured env's calls go to whichever of the two its
-:class:`~openenv_grpc.server.placement.CostGroup` says now (timed either way; a call that
+:class:`~openenv_grpc.server.model.placement.CostGroup` says now (timed either way; a call that
 must be given up on at a timeout always goes to the pool). Calls on one batch never
 overlap: its ``calls.LocalBatchCalls`` runs them one at a time, also for a vector stream
 with several requests in flight.
@@ -17,7 +17,7 @@ callback) when the batch is closed, when its factory raised, or -- for an open t
 cancelled while the factory ran, or a batch abandoned in a hung call -- once the factory
 or the call finally returns and the batch is closed. So the cap counts live envs, not
 sessions. Factories and closes of pooled envs run on their own ``lifecycle`` threads (a
-:class:`~openenv_grpc.server.env_threads.Lifecycle`: creates and closes on separate pools,
+:class:`~openenv_grpc.server.local.env_threads.Lifecycle`: creates and closes on separate pools,
 with a timeout), so a fresh env is never built behind env calls that hang on the shared
 pool, nor behind closes that hang. A close past the timeout is abandoned: the session
 ends, and the envs keep their slots until the close returns (they still exist).
@@ -41,10 +41,10 @@ from concurrent.futures import Executor
 from typing import Any, ParamSpec, TypeVar
 
 from openenv_grpc.environment import AnyEnvironment, Environment
-from openenv_grpc.server.env_threads import EnvCall, EnvThreadPool, Lifecycle
 from openenv_grpc.server.errors import EnvExit, contained
-from openenv_grpc.server.placement import CallPlacement, CostGroup
-from openenv_grpc.server.spec import EnvSpec, ExecutionMode
+from openenv_grpc.server.local.env_threads import EnvCall, EnvThreadPool, Lifecycle
+from openenv_grpc.server.model.placement import CallPlacement, CostGroup
+from openenv_grpc.server.model.spec import EnvSpec, ExecutionMode
 
 __all__ = [
     "CloseAbandoned",
@@ -141,7 +141,7 @@ class EnvRunner:
         #: The env's own cost_class(), if it has one (else every call is in class "").
         self._cost_class: Callable[[], str] | None = None
         if mode is ExecutionMode.MEASURED:
-            # A batch (vector_batch.VectorBatch) answers for its envs: always ask it.
+            # A batch (batch.VectorBatch) answers for its envs: always ask it.
             own = getattr(type(env), "cost_class", Environment.cost_class)
             measured: Any = env  # an Environment or a VectorBatch: both have cost_class
             self._cost_class = None if own is Environment.cost_class else measured.cost_class

@@ -15,7 +15,7 @@ slow senders on reflection held +1,543 MiB for as long as their connections live
 
 An outsider's read (a caller without a valid token: every health call) also reserves the
 request limit from the outsiders' budget first, and gets at most
-:data:`~openenv_grpc.server.outsiders.OUTSIDER_ARRIVAL_SECONDS` (outsiders.py).
+:data:`~openenv_grpc.server.process.outsiders.OUTSIDER_ARRIVAL_SECONDS` (outsiders.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 import grpc
 
 from openenv_grpc.metadata import SERVICE_NAME
-from openenv_grpc.server.outsiders import OUTSIDER_ARRIVAL_SECONDS, OutsiderBudget
+from openenv_grpc.server.process.outsiders import OUTSIDER_ARRIVAL_SECONDS, OutsiderBudget
 
 __all__ = ["UnaryRequestDeadline"]
 

@@ -5,7 +5,7 @@ A query is the env method of its name, called with no argument (a native batch's
 env's index). What it returned is checked and serialized here, once for every batch kind
 and placement; a wrong type is that env's INTERNAL error, its neighbours answer. The
 query's name is also its command field in both streams' requests, so the way from a view
-to the envs and back (``calls.py``, ``vector_spread.py``, ``vector_frames.py``,
+to the envs and back (``calls.py``, ``spread.py``, ``frames.py``,
 ``env_process.py``) is one path for every query: a new one is an entry here.
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
 
 from google.protobuf.message import Message
 
@@ -22,10 +22,7 @@ from openenv_grpc.environment import EnvironmentTypes
 from openenv_grpc.server.errors import BadTransition, RowError
 from openenv_grpc.v1.session_pb2 import Frame
 
-if TYPE_CHECKING:
-    from openenv_grpc.server.vector_batch import BatchStates
-
-__all__ = ["QUERIES", "AnswerTooLarge", "Query", "ReadsWithin", "wrong_type"]
+__all__ = ["QUERIES", "AnswerTooLarge", "BatchStates", "Query", "ReadsWithin", "wrong_type"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,3 +153,13 @@ QUERIES: dict[str, Query] = {
     query.name: query
     for query in (Query("state", _state), Query("snapshot", _snapshot), Query("render", _frame))
 }
+
+
+@dataclass(slots=True)
+class BatchStates:
+    """What a query (``queries.py``) returned: each env's encoded answer for ``rows``
+    (a serialized state, the env's own snapshot bytes), and the envs whose call failed."""
+
+    rows: list[int] = field(default_factory=list)
+    states: list[bytes] = field(default_factory=list)
+    errors: dict[int, RowError] = field(default_factory=dict)

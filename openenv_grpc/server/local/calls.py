@@ -2,8 +2,8 @@
 
 :class:`BatchCalls` is what the driver (``driver.py``) needs of the envs: one call per
 request over env indices. :class:`LocalBatchCalls` runs the envs in this process (or in an
-env process) as one :class:`~openenv_grpc.server.vector_batch.VectorBatch` through one
-runner; ``vector_spread.py`` spreads them over env processes. A Session's env is a batch
+env process) as one :class:`~openenv_grpc.server.local.batch.VectorBatch` through one
+runner; ``spread.py`` spreads them over env processes. A Session's env is a batch
 of one here, so a hung call, a saturated pool and a raising batch are handled once.
 """
 
@@ -22,13 +22,14 @@ from google.protobuf.message import Message
 
 from openenv_grpc.environment import AutoresetMode, InvalidAction
 from openenv_grpc.server.errors import RowError, describe, qualname
-from openenv_grpc.server.limiter import NoSlot
-from openenv_grpc.server.phases import VECTOR_WORDS, Words
-from openenv_grpc.server.placement import CallPlacement
-from openenv_grpc.server.runner import CloseAbandoned, EnvRunner, Orphaned, PoolSaturated
-from openenv_grpc.server.snapshots import Captured
-from openenv_grpc.server.spec import EnvSpec
-from openenv_grpc.server.vector_batch import BatchOutcome, BatchStates, VectorBatch, batch_spec
+from openenv_grpc.server.local.batch import BatchOutcome, VectorBatch, batch_spec
+from openenv_grpc.server.local.runner import CloseAbandoned, EnvRunner, Orphaned, PoolSaturated
+from openenv_grpc.server.model.phases import VECTOR_WORDS, Words
+from openenv_grpc.server.model.placement import CallPlacement
+from openenv_grpc.server.model.queries import BatchStates
+from openenv_grpc.server.model.snapshots import Captured
+from openenv_grpc.server.model.spec import EnvSpec
+from openenv_grpc.server.process.limiter import NoSlot
 from openenv_grpc.v1 import snapshot_pb2
 
 __all__ = [
@@ -207,7 +208,7 @@ class LocalBatchCalls:
         words: Words = VECTOR_WORDS,
     ) -> None:
         self._runner = runner
-        self._batch: Any = runner.env  # a VectorBatch (see vector_batch.batch_spec)
+        self._batch: Any = runner.env  # a VectorBatch (see batch.batch_spec)
         self._make = replace
         self._timeout = call_timeout
         self._words = words

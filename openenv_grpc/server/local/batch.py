@@ -7,7 +7,7 @@ A stream's envs are one object, a :class:`VectorBatch`, with ``reset`` / ``step`
 autoreset marks, per-env errors). A Session's env is a loop of one plain instance (never
 the native batch), autoreset disabled.
 ``calls.LocalBatchCalls`` runs each whole call where the env's execution mode says -- one
-:class:`~openenv_grpc.server.runner.EnvRunner` holds the batch -- so inline envs are
+:class:`~openenv_grpc.server.local.runner.EnvRunner` holds the batch -- so inline envs are
 stepped in one pass on the event loop, pooled ones in one thread hop for the whole batch
 (not one per env), async ones gathered on the loop. In an env process (``--isolated``)
 the same batch classes serve a block: a vector stream's sub-batch, or a Session's env.
@@ -54,15 +54,14 @@ from openenv_grpc.environment import (
     Transition,
 )
 from openenv_grpc.server.errors import BadTransition, RowError, contained, row_error
-from openenv_grpc.server.phases import new_episode_id
-from openenv_grpc.server.placement import CallPlacement
-from openenv_grpc.server.queries import QUERIES, wrong_type
-from openenv_grpc.server.spec import EnvSpec
+from openenv_grpc.server.model.phases import new_episode_id
+from openenv_grpc.server.model.placement import CallPlacement
+from openenv_grpc.server.model.queries import QUERIES, BatchStates, wrong_type
+from openenv_grpc.server.model.spec import EnvSpec
 
 __all__ = [
     "AsyncLoopBatch",
     "BatchOutcome",
-    "BatchStates",
     "LoopBatch",
     "NativeBatch",
     "VectorBatch",
@@ -98,16 +97,6 @@ class BatchOutcome:
     batch_final_observation: bytes | None = None
     #: SAME_STEP: env index -> the ended episode's last info (mapping or ``Struct``).
     final_infos: dict[int, Any] = field(default_factory=dict)
-    errors: dict[int, RowError] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class BatchStates:
-    """What a query (``queries.py``) returned: each env's encoded answer for ``rows``
-    (a serialized state, the env's own snapshot bytes), and the envs whose call failed."""
-
-    rows: list[int] = field(default_factory=list)
-    states: list[bytes] = field(default_factory=list)
     errors: dict[int, RowError] = field(default_factory=dict)
 
 
@@ -606,7 +595,7 @@ def batch_spec(
 ) -> EnvSpec:
     """``spec`` for one vector stream's batch: its factory builds the batch
     (:func:`build_batch`), and its execution mode is the env's, so an
-    :class:`~openenv_grpc.server.runner.EnvRunner` runs each batch call as a whole where
+    :class:`~openenv_grpc.server.local.runner.EnvRunner` runs each batch call as a whole where
     one env call would run. A measured env's batch calls are measured by ``placement``
     (their own: a batch call costs N env calls; None puts them on the pool)."""
     # EnvRunner calls whatever object the factory makes; a batch is one such object.
