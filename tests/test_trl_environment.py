@@ -10,7 +10,6 @@ import asyncio
 import gc
 import inspect
 import json
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -165,9 +164,17 @@ def test_keepalive_holds_an_episode_through_a_pause_past_the_idle_timeout(
         env = factory()
         env.reset(seed=2)
         call(env.guess, word="crane")
-        time.sleep(2.5)  # a long generation between two turns
+        # A long generation between two turns: a witness session opened now, with no
+        # keepalive, is reaped once it has sat idle past the timeout; the episode has sat
+        # idle at least as long, held only by its keepalive.
+        witness = WordleEnv(server.target)
+        witness.open()
+        server.wait_until(lambda: server.active() < 2, 30, "the idle witness reaped")
+        assert server.active() == 1, "the episode was reaped too: its keepalive did not hold it"
+        witness.abort()
         assert "You have 4 guesses left" in call(env.guess, word="slate")
-        assert server.info().activity.sessions_opened == 1
+        # The episode's session and the witness's: the episode was never reopened.
+        assert server.info().activity.sessions_opened == 2
 
 
 def test_without_keepalive_a_lost_episode_is_text_and_the_next_reset_reconnects(
@@ -177,8 +184,7 @@ def test_without_keepalive_a_lost_episode_is_text_and_the_next_reset_reconnects(
     with environment_factory(server.target, WordleEnv, keepalive=None) as factory:
         env = factory()
         env.reset(seed=2)
-        time.sleep(2.5)
-        server.wait_until(lambda: server.active() == 0, what="the idle session to be reaped")
+        server.wait_until(lambda: server.active() == 0, 30, "the idle session to be reaped")
         lost = call(env.guess, word="crane")
         assert lost.startswith("The environment session was lost (session idle for more than 1s")
         assert "episode is over" in lost
