@@ -714,7 +714,7 @@ class _StreamLoop:
     __slots__ = (
         "_answering", "_backend", "_budget", "_cap", "_context", "_ended", "_held",
         "_largest", "_lock", "_loop", "_manager", "_opening", "_taken", "_tasks", "_working",
-        "live",
+        "_write", "live",
     )  # fmt: skip
 
     def __init__(
@@ -737,6 +737,8 @@ class _StreamLoop:
         self._cap = max(opening.in_flight, 1)
         #: Writes of several answer tasks never overlap (one request in flight: one writer).
         self._lock = asyncio.Lock() if self._cap > 1 else None
+        #: How an answer is written: at once, or after the other tasks' writes.
+        self._write = self._write_now if self._lock is None else self._write_locked
         self._tasks: set[asyncio.Task[None]] = set()
         #: Requests read and not answered, or answered and not yet written (the cap).
         self._answering = 0
@@ -810,14 +812,15 @@ class _StreamLoop:
         inline = self._lock is None
         try:
             while not ended.done():
-                while self._full():  # backpressure: the request stays in gRPC's window
+                # Backpressure (a Session's one answer is written before it reads again).
+                while not inline and self._full():  # the request stays in gRPC's window
                     await self._until_taken()
                 raw: object = await read()
                 if raw is grpc.aio.EOF:
                     # The client half-closed or cancelled: gRPC shows both as the end.
                     self._end("eof")
                     return
-                while self._full():  # answers left the env meanwhile: wait for one
+                while not inline and self._full():  # answers left the env meanwhile
                     await self._until_taken()
                 if self._answering >= cap:  # every request in flight is in the env
                     try:
@@ -847,63 +850,60 @@ class _StreamLoop:
             self._end("raise", task.exception())
 
     async def _answer(self, raw: bytes) -> None:
+        """Answer one request and write the answer; it counts against the cap until it
+        is written (an answer the client never takes counts)."""
+        manager, live = self._manager, self.live
         try:
-            await self._answer_now(raw)
+            try:
+                answer = await self._backend.handle(raw)
+            except UndecodableRequest as exc:
+                # No request id to answer to: the stream is out of sync, so end it.
+                self._end("abort", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                return
+            except SessionLostError as exc:
+                self._end("abort", grpc.StatusCode.UNAVAILABLE, f"session lost: {exc}")
+                return
+            finally:
+                self._working -= 1
+                if not self._working:
+                    # Idle from here: waiting for the client, to take this answer or to ask.
+                    live.waiting_since = self._loop.time()
+            manager.record(answer)
+            response = answer.response
+            size = len(response)
+            if answer.ends:  # written last, by run(); small (a close's answer, an error)
+                if size > manager.max_response:
+                    response = manager.too_large(raw, size, self._opening)
+                self._end("ends", response)
+                return
+            held = size * _COPIES
+            if size > manager.max_response or not self._budget.try_take(held):
+                response, held = await manager.to_send(raw, response, self._opening)
+            del answer  # the bytes to send are ``response`` now
+            live.holding = self._held = self._held + held
+            if held > self._largest:
+                self._largest = held
+            try:
+                await self._write(response)
+            finally:
+                live.holding = self._held = self._held - held
+                self._budget.give(held)
         finally:
-            self._answering -= 1  # after the write: an answer the client never takes counts
+            self._answering -= 1
             taken = self._taken
             if taken is not None:
                 self._taken = None
                 if not taken.done():
                     taken.set_result(None)
 
-    async def _answer_now(self, raw: bytes) -> None:
-        manager, live = self._manager, self.live
-        try:
-            answer = await self._backend.handle(raw)
-        except UndecodableRequest as exc:
-            # No request id to answer to: the stream is out of sync, so end it.
-            self._end("abort", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            return
-        except SessionLostError as exc:
-            self._end("abort", grpc.StatusCode.UNAVAILABLE, f"session lost: {exc}")
-            return
-        finally:
-            self._working -= 1
-            if not self._working:
-                # Idle from here: waiting for the client, to take this answer or to ask.
-                live.waiting_since = self._loop.time()
-        manager.record(answer)
-        if answer.ends:  # written last, by run(); small (a close's answer, an error)
-            response = answer.response
-            if len(response) > manager.max_response:
-                response = manager.too_large(raw, len(response), self._opening)
-            self._end("ends", response)
-            return
-        response = answer.response
-        size = len(response)
-        held = size * _COPIES
-        if size > manager.max_response or not self._budget.try_take(held):
-            response, held = await manager.to_send(raw, response, self._opening)
-        del answer  # the bytes to send are ``response`` now
-        live.holding = self._held = self._held + held
-        if held > self._largest:
-            self._largest = held
-        try:
-            await self._write(response)
-        finally:
-            live.holding = self._held = self._held - held
-            self._budget.give(held)
-
-    async def _write(self, response: bytes) -> None:
-        """Write one answer; never two writes at once (a drain notice included)."""
-        if self._lock is None:
-            await self._write_now(response)
-            return
+    async def _write_locked(self, response: bytes) -> None:
+        """:meth:`_write_now` for a stream of several answer tasks: one write at a time."""
+        assert self._lock is not None
         async with self._lock:
             await self._write_now(response)
 
     async def _write_now(self, response: bytes) -> None:
+        """Write one answer, never overlapping a drain notice."""
         live, write = self.live, self._context.write
         if live.side_write is not None:  # a notice is on its way: never overlap it
             await live.side_write
