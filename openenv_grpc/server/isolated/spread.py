@@ -16,11 +16,10 @@ When an env process dies (a crash, or killed past the step timeout), only the en
 block are lost: the call that saw it answers UNAVAILABLE (DEADLINE_EXCEEDED when this
 call's own block hung) for each of those indices, a fresh sub-batch replaces the block on
 a live process (reset those envs to go on), and the other blocks' results come as usual.
-The block's envs that call did not name are fresh ones too: each is answered the same
-error by the next step, state or snapshot that names it (never run on an env that was not
-reset), once, unless a reset or a restore gave it an episode before; from then on the
-driver knows it has none. If no fresh sub-batch can be
-made, the stream ends (UNAVAILABLE).
+The block's envs that call did not name are fresh ones too: they are reported, there and
+then, to the driver's books (``calls.Losses``), which keep them LOST and say what a
+request naming one gets (``driver.py``); this keeps only its blocks. If no fresh sub-batch
+can be made, the stream ends (UNAVAILABLE).
 
 A Session is the same path with one block of one env (``session=True``) and a Session's
 promises: its own call past the step timeout is refused DEADLINE_EXCEEDED and a fresh env
@@ -49,7 +48,7 @@ import bisect
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -68,7 +67,13 @@ from openenv_grpc.server.isolated.env_process_pool import (
     Worker,
 )
 from openenv_grpc.server.local.batch import BatchOutcome
-from openenv_grpc.server.local.calls import BatchRefused, ResetArgs, RestoreArgs, StepArgs
+from openenv_grpc.server.local.calls import (
+    BatchRefused,
+    Losses,
+    ResetArgs,
+    RestoreArgs,
+    StepArgs,
+)
 from openenv_grpc.server.local.frames import (
     ROOM,
     query_frame,
@@ -92,7 +97,6 @@ log = logging.getLogger(__name__)
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 _DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
 _INTERNAL = grpc.StatusCode.INTERNAL.value[0]
-_FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION.value[0]
 _RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 
 
@@ -120,7 +124,7 @@ _Orphaned = Callable[[BatchOutcome, float], None]
 class SpreadBatchCalls:
     """A stream's envs as blocks in the env processes (``BatchCalls``)."""
 
-    __slots__ = ("_autoreset", "_blocks", "_lost", "_native", "_pool", "_session", "_starts")
+    __slots__ = ("_autoreset", "_blocks", "_losses", "_native", "_pool", "_session", "_starts")
 
     def __init__(
         self,
@@ -136,9 +140,9 @@ class SpreadBatchCalls:
         self._autoreset = autoreset
         self._native = native
         self._session = session
-        #: Envs of a lost block that the call which lost it did not name: their error,
-        #: until a reset or a restore names them (see the module's docstring).
-        self._lost: dict[int, RowError] = {}
+        #: Where the envs of a lost block that the call which lost it did not name are
+        #: reported (the driver's books; see the module's docstring).
+        self._losses: Losses = _UNBOOKED
 
     @classmethod
     async def open(
@@ -189,6 +193,9 @@ class SpreadBatchCalls:
     def native(self) -> bool:
         return self._native
 
+    def report_losses(self, losses: Losses) -> None:
+        self._losses = losses
+
     @property
     def unsettled(self) -> bool:
         # A vector's lost block is waited for by its own next call only; a Session has
@@ -208,7 +215,6 @@ class SpreadBatchCalls:
                 block.rebuilding = None
 
     async def reset(self, args: ResetArgs) -> BatchOutcome:
-        lost = self._found(args.indices)  # a fresh env's reset may start its episode
         seeds, ids, options = args.seeds, args.episode_ids, args.wire_options
 
         def frame(positions: list[int], local: list[int]) -> bytes:
@@ -217,20 +223,10 @@ class SpreadBatchCalls:
                 [options[k] for k in positions], args.batch_form,
             )  # fmt: skip
 
-        try:
-            out = await self._outcomes("reset", args.indices, frame)
-        except BaseException:
-            self._lost.update(lost)  # nothing was done: they are still lost
-            raise
-        # Only a reset that succeeded gave a lost env an episode; a refused one did not.
-        self._lost.update((i, e) for i, e in lost.items() if i in out.errors)
-        return out
+        return await self._outcomes("reset", args.indices, frame)
 
     async def step(self, args: StepArgs) -> BatchOutcome:
         wire = args.wire
-
-        if args.batch_form and self._lost:
-            self._refuse_lost_batch(args.indices)
 
         def frame(positions: list[int], local: list[int]) -> bytes:
             if args.batch_form:  # one block: a native batch is never spread
@@ -243,13 +239,13 @@ class SpreadBatchCalls:
         """Each block's part of the query, together; the answers in index order (the
         env processes answer a snapshot's own bytes: the front seals them)."""
         out = BatchStates()
-        parts = self._split(indices, out.errors)
+        parts = self._split(indices)
         answers = await asyncio.gather(
             *(self._call(name, part, query_frame(name, part[2])) for part in parts)
         )
         for part, (status, payload) in zip(parts, answers, strict=True):
             if status is None:  # the block was lost: its envs are fresh ones now
-                out.errors.update(self._lost_rows(part, indices, payload))
+                out.errors.update(_rows(part, indices, payload))
                 continue
             response = _read(status, payload)
             if isinstance(response, BatchRefused):
@@ -271,7 +267,7 @@ class SpreadBatchCalls:
             SessionLostError: as :meth:`_call`.
         """
         lost: dict[int, RowError] = {}
-        parts = self._split(indices, lost)
+        parts = self._split(indices)
         gathered = _Gathered(room, self._pool.budget)
         got: list[BatchStates | None] = [None] * len(parts)
         refused: BatchRefused | None = None
@@ -281,7 +277,7 @@ class SpreadBatchCalls:
             frame = room_frame(name, part[2], room)
             status, payload = await self._call(name, part, frame, Op.QUERY, charge=gathered)
             if status is None:  # the block was lost: its envs are fresh ones now
-                lost.update(self._lost_rows(part, indices, payload))
+                lost.update(_rows(part, indices, payload))
             elif status == Status.TOO_LARGE:
                 gathered.seen += ROOM.unpack(payload)[0]
             elif status == Status.UNKEPT:
@@ -304,7 +300,8 @@ class SpreadBatchCalls:
         if error is None and gathered.short is not None:
             error = _unkept(name, gathered.budget, *gathered.short)
         if error is not None:
-            self._lost.update(lost)  # not told: the next call naming them is
+            if lost:  # not told: the next call naming them is
+                self._losses.book_lost(lost)
             raise error
         if gathered.over:
             raise AnswerTooLarge(gathered.seen, lost)
@@ -317,16 +314,6 @@ class SpreadBatchCalls:
         return out
 
     async def restore(self, args: RestoreArgs) -> dict[int, RowError]:
-        lost = self._found(args.indices)  # a restore gives a fresh env an episode, too
-        try:
-            errors = await self._restore(args)
-        except BaseException:
-            self._lost.update(lost)
-            raise
-        self._lost.update((i, e) for i, e in lost.items() if i in errors)
-        return errors
-
-    async def _restore(self, args: RestoreArgs) -> dict[int, RowError]:
         captured = args.captured
 
         def frame(positions: list[int], local: list[int]) -> bytes:
@@ -339,7 +326,7 @@ class SpreadBatchCalls:
         errors: dict[int, RowError] = {}
         for part, (status, payload) in zip(parts, answers, strict=True):
             if status is None:  # the block was lost: its envs are fresh ones now
-                errors.update(self._lost_rows(part, args.indices, payload))
+                errors.update(_rows(part, args.indices, payload))
                 continue
             response = _read(status, payload)
             if isinstance(response, BatchRefused):
@@ -411,7 +398,7 @@ class SpreadBatchCalls:
         gather the answers in index order. Cancelled meanwhile, each block's answer is
         handed to ``orphaned`` as it comes (see :meth:`_gather_or_hand_on`)."""
         out = BatchOutcome()
-        parts = self._split(indices, out.errors)
+        parts = self._split(indices)
         if orphaned is None:
             answers = await asyncio.gather(
                 *(self._call(what, part, frame(part[1], part[2])) for part in parts)
@@ -420,7 +407,7 @@ class SpreadBatchCalls:
             answers = await self._gather_or_hand_on(what, parts, frame, orphaned)
         for part, (status, payload) in zip(parts, answers, strict=True):
             if status is None:
-                out.errors.update(self._lost_rows(part, indices, payload))
+                out.errors.update(_rows(part, indices, payload))
                 continue
             response = _read(status, payload)
             if isinstance(response, BatchRefused):
@@ -473,19 +460,12 @@ class SpreadBatchCalls:
                         loop.call_soon(late_of(part), status, payload)
             raise
 
-    def _split(
-        self, indices: Sequence[int], lost: dict[int, RowError] | None = None
-    ) -> list[_Part]:
-        """The call's indices, block by block (only blocks with envs in the call); with
-        ``lost``, the envs of a lost block not told since are left out, their errors put
-        there (the driver then forgets their episodes)."""
+    def _split(self, indices: Sequence[int]) -> list[_Part]:
+        """The call's indices, block by block (only blocks with envs in the call)."""
         parts: list[_Part] = []
         starts, blocks = self._starts, self._blocks
         current: _Part | None = None
         for position, index in enumerate(indices):
-            if lost is not None and self._lost and index in self._lost:
-                lost[index] = self._lost.pop(index)  # told once: then it has no episode
-                continue
             block = blocks[bisect.bisect_right(starts, index) - 1]
             if current is None or current[0] is not block:
                 current = (block, [], [])
@@ -539,8 +519,7 @@ class SpreadBatchCalls:
         if block.rebuilding is not None or block.worker is not worker or block.env_id != env_id:
             # Another request in flight on this block saw the loss first: one rebuild.
             # This call's envs are told here, so they are not told again later.
-            for local in part[2]:
-                self._lost.pop(block.start + local, None)
+            self._losses.book_told(block.start + local for local in part[2])
             return None, RowError(code, message)
         # Answered now, not once the fresh block is made: with the process killed past
         # the step timeout, its replacement may take seconds to start.
@@ -551,9 +530,9 @@ class SpreadBatchCalls:
             f"its env process was lost during a {what} of other envs ({why}); a fresh "
             "environment took this one's place: reset it",
         )
-        for index in range(block.start, block.start + block.size):
-            if index not in named:
-                self._lost[index] = gone
+        unnamed = {i: gone for i in range(block.start, block.start + block.size) if i not in named}
+        if unnamed:
+            self._losses.book_lost(unnamed)
         block.worker.envs.pop(block.env_id, None)
         block.rebuilding = asyncio.get_running_loop().create_task(self._rebuild(block))
         if self._session:
@@ -591,36 +570,6 @@ class SpreadBatchCalls:
             "envs %d..%d replaced on env worker pid %s",
             block.start, block.start + block.size - 1, worker.process.pid,
         )  # fmt: skip
-
-    def _found(self, indices: Sequence[int]) -> dict[int, RowError]:
-        """A reset or restore names these envs: take them off the lost list (returned, for
-        the caller to put back those whose reset or restore failed)."""
-        found: dict[int, RowError] = {}
-        if self._lost:
-            for index in indices:
-                error = self._lost.pop(index, None)
-                if error is not None:
-                    found[index] = error
-        return found
-
-    def _refuse_lost_batch(self, indices: Sequence[int]) -> None:
-        """A batch-form step steps every env it names or none.
-
-        Raises:
-            BatchRefused: FAILED_PRECONDITION, some of ``indices`` are lost envs.
-        """
-        lost = [index for index in indices if index in self._lost]
-        if lost:
-            named = ", ".join(map(str, lost[:8])) + (" ..." if len(lost) > 8 else "")
-            raise BatchRefused(
-                _FAILED_PRECONDITION,
-                f"envs {named} are fresh ones since their env process was lost: reset them "
-                "(a batch_action steps every env it names; nothing was done)",
-            )
-
-    @staticmethod
-    def _lost_rows(part: _Part, indices: Sequence[int], error: RowError) -> dict[int, RowError]:
-        return {indices[k]: error for k in part[1]}
 
 
 class _Gathered:
@@ -660,6 +609,24 @@ class _Gathered:
         self.held -= length
         if self.budget is not None and length:
             self.budget.give(length)
+
+
+class _Unbooked:
+    """The books of calls no driver reads (losses are reported to nobody)."""
+
+    def book_lost(self, errors: Mapping[int, RowError]) -> None:
+        pass
+
+    def book_told(self, indices: Iterable[int]) -> None:
+        pass
+
+
+_UNBOOKED = _Unbooked()
+
+
+def _rows(part: _Part, indices: Sequence[int], error: RowError) -> dict[int, RowError]:
+    """``error`` for each env of ``part`` (of a call over ``indices``)."""
+    return {indices[k]: error for k in part[1]}
 
 
 def _read(status: int, payload: Payload) -> pb.VectorSessionResponse | BatchRefused:

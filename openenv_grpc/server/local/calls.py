@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, NoReturn, Protocol
+from typing import Any, NoReturn, Protocol, runtime_checkable
 
 import grpc
 from google.protobuf import any_pb2
@@ -36,6 +36,8 @@ __all__ = [
     "BatchCalls",
     "BatchRefused",
     "LocalBatchCalls",
+    "LosesEnvs",
+    "Losses",
     "ResetArgs",
     "RestoreArgs",
     "StepArgs",
@@ -185,6 +187,29 @@ class BatchCalls(Protocol):
                 up on (the stream ends), wherever the envs live.
         """
         ...
+
+
+class Losses(Protocol):
+    """Who books the envs that batch calls lost with their env process (the driver): the
+    calls report each loss as they learn of it, the books say what a request naming such
+    an env gets."""
+
+    def book_lost(self, errors: Mapping[int, RowError]) -> None:
+        """These envs are fresh ones since their process was lost, and nobody told them
+        yet: each is told its error by the next request that asks about it."""
+        ...
+
+    def book_told(self, indices: Iterable[int]) -> None:
+        """These envs are told of their loss by the answer of the call under way."""
+        ...
+
+
+@runtime_checkable
+class LosesEnvs(Protocol):
+    """Batch calls that can lose envs a call did not name, with their process
+    (``--isolated``): they report those to :meth:`report_losses`'s books."""
+
+    def report_losses(self, losses: Losses) -> None: ...
 
 
 class LocalBatchCalls:

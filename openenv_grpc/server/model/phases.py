@@ -33,6 +33,11 @@ class Phase(enum.IntEnum):
     TERMINATED = 2
     TRUNCATED = 3
     BROKEN = 4  # the env raised mid-episode; only a reset may follow
+    #: Its env process was lost to a call that did not name it: a fresh env is in its
+    #: place, which the next step, state or snapshot naming it is told, once (then it is
+    #: NO_EPISODE), unless a reset or a restore gives it an episode first. Until then the
+    #: driver keeps the phase its client knows it in (what refusals quote).
+    LOST = 5
 
 
 #: Phase -> snapshot phase code, for the phases that can be captured; and back.

@@ -7,6 +7,9 @@ wire's answers; the driver owns what both need once:
 
 - each env's bookkeeping (episode id, step count, its :class:`~.phases.Phase`), so the
   phase machine, the autoreset books and what a failure does to an episode live here;
+- the envs lost with their env process (``--isolated``): the batch calls report them
+  (``calls.Losses``), they are LOST here, and the driver says what a request naming one
+  gets (:meth:`Driver.book_lost`);
 - which envs may step, and what the ones that may not are told (in the view's words);
 - snapshots, sealed and opened with ``snapshots.py`` (the same bytes for both kinds of
   stream: a snapshot of one env of a vector restores into a Session and back), each
@@ -24,7 +27,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -35,6 +38,7 @@ from openenv_grpc.server.local.batch import BatchOutcome
 from openenv_grpc.server.local.calls import (
     BatchCalls,
     BatchRefused,
+    LosesEnvs,
     ResetArgs,
     RestoreArgs,
     StepArgs,
@@ -93,13 +97,24 @@ class Restored:
     errors: dict[int, RowError] = field(default_factory=dict)
 
 
+@dataclass(slots=True)
+class _Lost:
+    """What the driver keeps of an env in :attr:`Phase.LOST`."""
+
+    #: What it is told, once, by the next step, state or snapshot that names it.
+    error: RowError
+    #: The phase its client knows it in: what a refusal of a request naming it quotes,
+    #: and what a call that ran before the loss books.
+    known: Phase
+
+
 class Driver:
     """The envs of one stream (``size`` of them) and their episodes."""
 
     __slots__ = (
-        "_calls", "_closing", "_held", "_max_response", "_metrics", "_mode", "_orphan",
-        "_quiet", "_seal", "_size", "_spec", "_steppable", "_words", "all", "ends",
-        "episode_ids", "phases", "step_counts",
+        "_calls", "_closing", "_held", "_lost", "_max_response", "_metrics", "_mode",
+        "_orphan", "_quiet", "_seal", "_size", "_spec", "_steppable", "_words", "all",
+        "ends", "episode_ids", "phases", "step_counts",
     )  # fmt: skip
 
     def __init__(
@@ -146,6 +161,11 @@ class Driver:
         #: Counts the steps the envs completed after their request was given up.
         self._metrics = ORPHANED_STEPS.get()
         self._orphan = self._orphaned  # bound once: every step hands it on
+        #: The envs in Phase.LOST (index -> what it is told, the phase its client knows):
+        #: an env is here exactly when its phase is LOST.
+        self._lost: dict[int, _Lost] = {}
+        if isinstance(calls, LosesEnvs):
+            calls.report_losses(self)
 
     @property
     def spec(self) -> EnvSpec:
@@ -167,8 +187,9 @@ class Driver:
     # -- which envs may step --------------------------------------------------------------
 
     def cannot_step(self, index: int) -> str | None:
-        """Why env ``index`` may not step now (None: it may)."""
-        phase = self.phases[index]
+        """Why env ``index`` may not step now (None: it may; a LOST env that may is told
+        of its loss by the step)."""
+        phase = self.known_phase(index)
         return None if phase in self._steppable else self._words.needs_reset[phase]
 
     def blocked(self, indices: Sequence[int]) -> dict[int, RowError]:
@@ -179,12 +200,106 @@ class Driver:
         named = set(phases) if indices is self.all else {phases[i] for i in indices}
         if named <= steppable:
             return {}
-        words = self._words
+        words, known = self._words, self.known_phase
         return {
             index: RowError(_FAILED_PRECONDITION, words.row(index, words.needs_reset[phase]))
             for index in indices
-            if (phase := phases[index]) not in steppable
+            if (phase := known(index)) not in steppable
         }
+
+    def known_phase(self, index: int) -> Phase:
+        """Env ``index``'s phase as its client knows it (a LOST env's, from before)."""
+        phase = self.phases[index]
+        return self._lost[index].known if phase is Phase.LOST else phase
+
+    # -- envs lost with their env process ---------------------------------------------------
+
+    def book_lost(self, errors: Mapping[int, RowError]) -> None:
+        """``calls.Losses``: these envs are fresh ones since their process was lost to a
+        call that did not name them (or their answer was never sent). Each is LOST: the
+        next step, state or snapshot naming it is told its error (never run on an env that
+        was not reset), once, and it has no episode from then on; a reset or a restore
+        that succeeds gives it an episode first; a step in batch form naming it is
+        refused as a whole."""
+        phases, lost = self.phases, self._lost
+        for index, error in errors.items():
+            entry = lost.get(index)
+            if entry is None:
+                lost[index] = _Lost(error, phases[index])
+                phases[index] = Phase.LOST
+            else:
+                entry.error = error
+
+    def book_told(self, indices: Iterable[int]) -> None:
+        """``calls.Losses``: these envs learn of their loss from the answer under way."""
+        lost = self._lost
+        if lost:
+            for index in indices:
+                entry = lost.pop(index, None)
+                if entry is not None:
+                    self.phases[index] = entry.known
+
+    def _tell(self, indices: Sequence[int]) -> tuple[Sequence[int], dict[int, RowError]]:
+        """The envs of ``indices`` that are not LOST, and the LOST ones' errors: these are
+        told now (no longer LOST; the answer's errors book them as fresh envs)."""
+        lost = self._lost
+        if not lost or lost.keys().isdisjoint(indices):
+            return indices, {}
+        rest: list[int] = []
+        told: dict[int, RowError] = {}
+        for index in indices:
+            entry = lost.pop(index, None)
+            if entry is None:
+                rest.append(index)
+            else:
+                self.phases[index] = entry.known
+                told[index] = entry.error
+        return rest, told
+
+    def _found(self, indices: Sequence[int]) -> dict[int, RowError]:
+        """A reset or a restore names these envs: the LOST ones are not (returned, for
+        :meth:`_still_lost` to book again those that got no episode)."""
+        lost = self._lost
+        if not lost or lost.keys().isdisjoint(indices):
+            return {}
+        found: dict[int, RowError] = {}
+        for index in indices:
+            entry = lost.pop(index, None)
+            if entry is not None:
+                self.phases[index] = entry.known
+                found[index] = entry.error
+        return found
+
+    def _still_lost(self, found: dict[int, RowError]) -> None:
+        """After a booking: the envs of ``found`` (see :meth:`_found`) that got no episode
+        are LOST again, and an env that is LOST stays so, what was booked for it being
+        the phase its client knows it in."""
+        lost = self._lost
+        if lost:
+            phases = self.phases
+            for index, entry in lost.items():
+                if phases[index] is not Phase.LOST:
+                    entry.known = phases[index]
+                    phases[index] = Phase.LOST
+        if found:
+            self.book_lost(found)
+
+    def _refuse_lost_batch(self, indices: Sequence[int]) -> None:
+        """A batch-form step steps every env it names or none.
+
+        Raises:
+            BatchRefused: FAILED_PRECONDITION, some of ``indices`` are LOST.
+        """
+        lost = [index for index in indices if index in self._lost]
+        if lost:
+            named = ", ".join(map(str, lost[:8])) + (" ..." if len(lost) > 8 else "")
+            refused = BatchRefused(
+                _FAILED_PRECONDITION,
+                f"envs {named} are fresh ones since their env process was lost: reset them "
+                "(a batch_action steps every env it names; nothing was done)",
+            )
+            refused.indices = indices
+            raise refused
 
     # -- requests in flight -----------------------------------------------------------------
 
@@ -259,15 +374,30 @@ class Driver:
             BatchRefused: the whole call failed (see :meth:`refused`).
         """
         started = time.perf_counter()
-        indices = args.indices
+        named = args.indices
+        told: dict[int, RowError] = {}
+        if self._lost:  # a LOST env is told, not stepped; in batch form, nothing steps
+            if args.batch_form:
+                self._refuse_lost_batch(named)
+            else:
+                indices, told = self._tell(named)
+                if told:
+                    keep = [k for k, index in enumerate(named) if index not in told]
+                    actions, wire = args.actions, args.wire
+                    args = StepArgs(
+                        indices, [actions[k] for k in keep], [wire[k] for k in keep], False
+                    )
         # Should the stream end while the envs step, their steps are booked and counted
         # all the same (an env in a thread finishes its step); else its answer counts them.
         args.orphaned = self._orphan
         try:
-            outcome = await self._calls.step(args) if indices else BatchOutcome()
+            outcome = await self._calls.step(args) if args.indices else BatchOutcome()
         except BatchRefused as err:
-            err.indices = indices
+            err.indices = named
             raise
+        if told:  # the answer's errors: the told ones first, in index order
+            told.update(outcome.errors)
+            outcome.errors = told
         seconds = time.perf_counter() - started
         return outcome, self._book_step(outcome), seconds
 
@@ -286,10 +416,13 @@ class Driver:
         Raises:
             BatchRefused: the whole call failed.
         """
+        found = self._found(args.indices)  # a reset may give a LOST env an episode
         try:
             outcome = await self._calls.reset(args)
-        except BatchRefused as err:
-            err.indices = args.indices
+        except BaseException as err:
+            if isinstance(err, BatchRefused):
+                err.indices = args.indices
+            self._still_lost(found)  # nothing was done: they are still lost
             raise
         chosen = dict(zip(args.indices, args.episode_ids, strict=True))
         phases, ids, counts = self.phases, self.episode_ids, self.step_counts
@@ -300,6 +433,8 @@ class Driver:
             counts[index] = 0
             phases[index] = ended_phase(terminated, truncated)
         self._book_errors(outcome.errors)
+        # Only a reset that succeeded gave a LOST env an episode; a failed one did not.
+        self._still_lost({i: e for i, e in found.items() if i in outcome.errors})
         return outcome
 
     async def query(self, name: str, indices: Sequence[int]) -> tuple[BatchStates, int]:
@@ -309,7 +444,7 @@ class Driver:
         Raises:
             BatchRefused: the whole call failed.
         """
-        got = await self._states_within(name, indices)
+        got = await self._states_told(name, indices)
         self._forget_replaced(got[0].errors)
         return got
 
@@ -325,14 +460,14 @@ class Driver:
             out.errors = errors
             return out
         errors = out.errors
-        phases, words = self.phases, self._words
-        capture = [i for i in indices if phases[i] in CAPTURED_PHASE]
+        known, words = self.known_phase, self._words
+        capture = [i for i in indices if known(i) in CAPTURED_PHASE]
         for index in indices:
-            if phases[index] not in CAPTURED_PHASE:
-                message = words.row(index, words.nothing_to_capture[phases[index]])
+            if (phase := known(index)) not in CAPTURED_PHASE:
+                message = words.row(index, words.nothing_to_capture[phase])
                 errors[index] = RowError(_FAILED_PRECONDITION, message)
         got, payload = (
-            await self._states_within("snapshot", capture) if capture else (BatchStates(), 0)
+            await self._states_told("snapshot", capture) if capture else (BatchStates(), 0)
         )
         errors.update(got.errors)
         self._forget_replaced(got.errors)
@@ -341,7 +476,7 @@ class Driver:
             return out
         ids, counts = self.episode_ids, self.step_counts
         captured = [
-            Captured(ids[i], counts[i], CAPTURED_PHASE[phases[i]], data)
+            Captured(ids[i], counts[i], CAPTURED_PHASE[known(i)], data)
             for i, data in zip(got.rows, got.states, strict=True)
         ]
         sealed = await sealing(lambda: self._seal.seal_each(captured), payload)
@@ -375,10 +510,13 @@ class Driver:
             else:
                 named.append(index)
                 captured.append(one)
+        found = self._found(named)  # a restore may give a LOST env an episode
         try:
             failed = await self._calls.restore(RestoreArgs(named, captured)) if named else {}
-        except BatchRefused as err:
-            err.indices = named
+        except BaseException as err:
+            if isinstance(err, BatchRefused):
+                err.indices = named
+            self._still_lost(found)
             raise
         phases, ids, counts = self.phases, self.episode_ids, self.step_counts
         for index, one in zip(named, captured, strict=True):
@@ -388,6 +526,7 @@ class Driver:
                 phases[index] = RESTORED_PHASE[one.phase]
                 out.rows.append(index)
         self._book_errors(failed)
+        self._still_lost({i: e for i, e in found.items() if i in failed})
         errors.update(failed)
         return out
 
@@ -421,8 +560,9 @@ class Driver:
                 self._forget(index)
         elif err.broken and command not in QUERIES:  # a query changes no episode
             for index in err.indices:
-                if self.phases[index] is not Phase.NO_EPISODE:
+                if self.known_phase(index) is not Phase.NO_EPISODE:
                     self.phases[index] = Phase.BROKEN
+        self._still_lost({})
 
     def too_large(self, command: str, payload: int) -> str | None:
         """The in-band message for a result whose payloads alone (``payload`` bytes: a lower
@@ -454,6 +594,21 @@ class Driver:
             f"implement snapshot() and restore()); {self._words.stream} goes on",
         )
         return dict.fromkeys(indices, error)
+
+    async def _states_told(self, name: str, indices: Sequence[int]) -> tuple[BatchStates, int]:
+        """:meth:`_states_within`, the LOST envs of ``indices`` told rather than read."""
+        indices, told = self._tell(indices)
+        if not told:
+            return await self._states_within(name, indices)
+        try:
+            got = await self._states_within(name, indices) if indices else (BatchStates(), 0)
+        except BaseException:
+            self.book_lost(told)  # not told: the next call naming them is
+            raise
+        states = got[0]
+        told.update(states.errors)  # the told ones first, in index order
+        states.errors = told
+        return got
 
     async def _states_within(self, name: str, indices: Sequence[int]) -> tuple[BatchStates, int]:
         """What query ``name`` answers for ``indices``, and its bytes, read no further
@@ -509,6 +664,8 @@ class Driver:
         stepped = self._book_all(outcome) if full else self._book_rows(outcome)
         if outcome.errors:
             self._book_errors(outcome.errors, stepping=True)
+        if self._lost:
+            self._still_lost({})
         return stepped
 
     def _book_all(self, outcome: BatchOutcome) -> int:
@@ -584,6 +741,8 @@ class Driver:
         for index, error in errors.items():
             if error.code in _REPLACED:
                 self._forget(index)
+        if self._lost:
+            self._still_lost({})
 
     def _forget(self, index: int) -> None:
         self.phases[index] = Phase.NO_EPISODE
