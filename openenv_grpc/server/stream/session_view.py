@@ -9,6 +9,8 @@ Session's own (``phases.SESSION_WORDS``).
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -20,6 +22,7 @@ from openenv_grpc.server.errors import RequestError, RowError
 from openenv_grpc.server.local.batch import BatchOutcome
 from openenv_grpc.server.local.calls import BatchCalls, BatchRefused, ResetArgs, StepArgs
 from openenv_grpc.server.local.frames import info_text, struct_info
+from openenv_grpc.server.model.commands import command_table, empty_request
 from openenv_grpc.server.model.payloads import reset_problem
 from openenv_grpc.server.model.phases import SESSION_WORDS, Phase, new_episode_id
 from openenv_grpc.server.model.snapshots import SnapshotSeal
@@ -32,11 +35,21 @@ __all__ = ["SessionView"]
 
 _INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 _FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION.value[0]
-_EMPTY = "empty request: set one of " + ", ".join(
-    field.name for field in pb.SessionRequest.DESCRIPTOR.oneofs_by_name["command"].fields
-)
+_EMPTY = empty_request(pb.SessionRequest)
 #: The one row a Session's commands name.
 _ROW = (0,)
+
+
+@dataclass(frozen=True, slots=True)
+class _Command:
+    """One command of a Session: what answers it, and what its answer is to the session."""
+
+    #: Fills the response from the request; returns the seconds the env call took (a
+    #: step's, for the metrics; 0.0 for the others).
+    run: Callable[[SessionView, pb.SessionRequest, pb.SessionResponse], Awaitable[float]]
+    outcome: Outcome = Outcome.ANSWERED
+    #: The stream ends after this answer.
+    ends: bool = False
 
 
 class SessionView:
@@ -86,35 +99,17 @@ class SessionView:
         request = parse_request(raw, pb.SessionRequest)
         response = pb.SessionResponse(request_id=request.request_id)
         command = request.WhichOneof("command")
-        seconds = 0.0
+        entry = _COMMANDS[command]
         try:
             if self._calls.unsettled:  # the fresh env of a hung call, made meanwhile
                 await self._calls.settle()
-            if command == "step":
-                seconds = await self._step(request.step, response.result)
-            elif command == "reset":
-                await self._reset(request.reset, response.result)
-            elif command == "state":
-                await self._state(response.state)
-            elif command == "snapshot":
-                await self._snapshot(response.snapshot)
-            elif command == "restore":
-                await self._restore(request.restore, response.restored)
-            elif command == "render":
-                await self._render(response.rendered)
-            elif command == "close":
-                await self._driver.close_command()
-                response.closed.SetInParent()
-                return Answer(response.SerializeToString(), Outcome.CLOSED, ends=True)
-            else:
-                raise RequestError(_INVALID_ARGUMENT, _EMPTY)
+            seconds = await entry.run(self, request, response)
         except RequestError as err:
             return error_answer(response, err, self._driver.ends)
         except BatchRefused as err:
             self._driver.refused(err, command)
             return error_answer(response, err, self._driver.ends)
-        outcome = Outcome.STEPPED if command == "step" else Outcome.ANSWERED
-        return Answer(response.SerializeToString(), outcome, seconds)
+        return Answer(response.SerializeToString(), entry.outcome, seconds, "", entry.ends)
 
     async def close(self) -> None:
         """Close the env, once (``backend.SessionBackend``)."""
@@ -122,18 +117,20 @@ class SessionView:
 
     # -- commands -------------------------------------------------------------------------
 
-    async def _step(self, command: pb.StepCommand, result: pb.StepResult) -> float:
-        """Take one step into ``result``; returns the seconds the env call took."""
+    async def _step(self, request: pb.SessionRequest, response: pb.SessionResponse) -> float:
+        """Take one step into the response; returns the seconds the env call took."""
+        command = request.step
         driver = self._driver
         why = driver.cannot_step(0)
         if why is not None:
             raise RequestError(_FAILED_PRECONDITION, why)
         action = _decode(command.action, self._action_class, "action")
         outcome, _, seconds = await driver.step(StepArgs(_ROW, (action,), (command.action,), False))
-        self._fill(outcome, result)
+        self._fill(outcome, response.result)
         return seconds
 
-    async def _reset(self, command: pb.ResetCommand, result: pb.StepResult) -> None:
+    async def _reset(self, request: pb.SessionRequest, response: pb.SessionResponse) -> float:
+        command = request.reset
         problem = reset_problem(command)
         if problem is not None:
             raise RequestError(_INVALID_ARGUMENT, f"{problem} (the episode is unchanged)")
@@ -145,43 +142,60 @@ class SessionView:
         episode_id = command.episode_id if command.HasField("episode_id") else new_episode_id()
         seed = command.seed if command.HasField("seed") else None
         args = ResetArgs(_ROW, (seed,), (episode_id,), (options,), (wire,), False)
-        self._fill(await self._driver.reset(args), result)
+        self._fill(await self._driver.reset(args), response.result)
+        return 0.0
 
-    async def _state(self, result: pb.StateResult) -> None:
+    async def _state(self, request: pb.SessionRequest, response: pb.SessionResponse) -> float:
         driver = self._driver
+        result = response.state
         states, _ = await driver.query("state", _ROW)
         _raise_row(states.errors)
         result.state.type_url = self._state_url
         result.state.value = states.states[0]
         result.episode_id = driver.episode_ids[0]
         result.step_count = driver.step_counts[0]
+        return 0.0
 
-    async def _snapshot(self, result: pb.SnapshotResult) -> None:
-        """Capture the episode into ``result``; the episode is never changed."""
+    async def _snapshot(self, request: pb.SessionRequest, response: pb.SessionResponse) -> float:
+        """Capture the episode into the response; the episode is never changed."""
         driver = self._driver
+        result = response.snapshot
         sealed = await driver.snapshot(_ROW)
         _raise_row(sealed.errors)
         result.snapshot = sealed.snapshots[0]
         result.episode_id = driver.episode_ids[0]
         result.step_count = driver.step_counts[0]
+        return 0.0
 
-    async def _render(self, result: pb.RenderResult) -> None:
+    async def _render(self, request: pb.SessionRequest, response: pb.SessionResponse) -> float:
         driver = self._driver
+        result = response.rendered
         frames, _ = await driver.query("render", _ROW)
         _raise_row(frames.errors)
         result.frame.MergeFromString(frames.states[0])
         result.episode_id = driver.episode_ids[0]
         result.step_count = driver.step_counts[0]
+        return 0.0
 
-    async def _restore(self, command: pb.RestoreCommand, result: pb.RestoreResult) -> None:
+    async def _restore(self, request: pb.SessionRequest, response: pb.SessionResponse) -> float:
         driver = self._driver
-        restored = await driver.restore(_ROW, (command.snapshot,))
+        result = response.restored
+        restored = await driver.restore(_ROW, (request.restore.snapshot,))
         _raise_row(restored.errors)
         phase = driver.phases[0]
         result.episode_id = driver.episode_ids[0]
         result.step_count = driver.step_counts[0]
         result.terminated = phase is Phase.TERMINATED
         result.truncated = phase is Phase.TRUNCATED
+        return 0.0
+
+    async def _close(self, request: pb.SessionRequest, response: pb.SessionResponse) -> float:
+        await self._driver.close_command()
+        response.closed.SetInParent()
+        return 0.0
+
+    async def _empty(self, request: pb.SessionRequest, response: pb.SessionResponse) -> float:
+        raise RequestError(_INVALID_ARGUMENT, _EMPTY)
 
     # -- the wire ---------------------------------------------------------------------------
 
@@ -204,6 +218,23 @@ class SessionView:
                 result.info_json = text
             else:
                 struct_info(info, result.info)
+
+
+#: Each command of a SessionRequest, by its field (``None``: no command set). A command
+#: added to the proto without an entry here fails this module's import.
+_COMMANDS = command_table(
+    pb.SessionRequest,
+    {
+        "step": _Command(SessionView._step, Outcome.STEPPED),
+        "reset": _Command(SessionView._reset),
+        "state": _Command(SessionView._state),
+        "snapshot": _Command(SessionView._snapshot),
+        "restore": _Command(SessionView._restore),
+        "render": _Command(SessionView._render),
+        "close": _Command(SessionView._close, Outcome.CLOSED, ends=True),
+    },
+    empty=_Command(SessionView._empty),
+)
 
 
 def _raise_row(errors: dict[int, RowError]) -> None:

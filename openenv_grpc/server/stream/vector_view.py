@@ -9,8 +9,9 @@ result, with per-env errors by index.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import grpc
 from google.protobuf import any_pb2
@@ -20,6 +21,7 @@ from openenv_grpc.server.errors import CODE_NAMES, RequestError, RowError
 from openenv_grpc.server.local.batch import BatchOutcome
 from openenv_grpc.server.local.calls import BatchRefused, ResetArgs, StepArgs
 from openenv_grpc.server.local.frames import fill_errors, fill_result, fill_states
+from openenv_grpc.server.model.commands import command_table, empty_request
 from openenv_grpc.server.model.payloads import PayloadRefused, decode_payload, reset_problem
 from openenv_grpc.server.model.phases import Phase, new_episode_id
 from openenv_grpc.server.stream.backend import (
@@ -37,9 +39,35 @@ __all__ = ["VectorView"]
 _INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 _FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION.value[0]
 _ANSWER_MODES = {pb.VECTOR_ANSWER_MODE_UNSPECIFIED, pb.VECTOR_ANSWER_MODE_ALL}
-_EMPTY = "empty request: set one of " + ", ".join(
-    field.name for field in pb.VectorSessionRequest.DESCRIPTOR.oneofs_by_name["command"].fields
-)
+_EMPTY = empty_request(pb.VectorSessionRequest)
+
+
+class _Done(NamedTuple):
+    """What a command did, for its answer: the per-env errors, a step's seconds and steps,
+    and the message of a result that took effect but is over the message limit."""
+
+    errors: dict[int, RowError]
+    seconds: float = 0.0
+    steps: int = 0
+    too_large: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Command:
+    """One command of a vector stream: what answers it, and what its answer is to the
+    session."""
+
+    #: Fills the response from the request, on the env indices it names (checked and
+    #: held for it when ``holds``; none otherwise).
+    run: Callable[
+        [VectorView, pb.VectorSessionRequest, Sequence[int], pb.VectorSessionResponse],
+        Awaitable[_Done],
+    ]
+    outcome: Outcome = Outcome.ANSWERED
+    #: The command names envs (its ``indices``): they are held until its answer.
+    holds: bool = True
+    #: The stream ends after this answer.
+    ends: bool = False
 
 
 class VectorView:
@@ -76,33 +104,20 @@ class VectorView:
         request_id = request.request_id
         response = pb.VectorSessionResponse(request_id=request_id)
         command = request.WhichOneof("command")
+        entry = _COMMANDS[command]
         driver = self._driver
         held: Sequence[int] = ()
         try:
-            if command == "step":
-                held = self._hold(request.step.indices, request_id)
-                return await self._step(request.step, held, response)
-            if command == "reset":
-                held = self._hold(request.reset.indices, request_id)
-                return await self._reset(request.reset, held, response)
-            if command == "state":
-                held = self._hold(request.state.indices, request_id)
-                return await self._state(held, response)
-            if command == "snapshot":
-                held = self._hold(request.snapshot.indices, request_id)
-                return await self._snapshot(held, response)
-            if command == "restore":
-                held = self._hold(request.restore.indices, request_id)
-                return await self._restore(request.restore, held, response)
-            if command == "render":
-                held = self._hold(request.render.indices, request_id)
-                return await self._render(held, response)
-            if command == "close":
-                await driver.closing(request_id)  # the requests in flight are answered first
-                await driver.close_command()
-                response.closed.SetInParent()
-                return Answer(response.SerializeToString(), Outcome.CLOSED, ends=True)
-            raise RequestError(_INVALID_ARGUMENT, _EMPTY)
+            if entry.holds:
+                held = self._hold(getattr(request, str(command)).indices, request_id)
+            done = await entry.run(self, request, held, response)
+            if done.too_large is not None:
+                return self._oversize(
+                    response, done.too_large, entry.outcome, done.errors, done.seconds, done.steps
+                )
+            return self._answer(
+                response, entry.outcome, done.errors, done.seconds, done.steps, entry.ends
+            )
         except RequestError as err:
             return error_answer(response, err, driver.ends)
         except BatchRefused as err:
@@ -119,8 +134,12 @@ class VectorView:
     # -- commands -------------------------------------------------------------------------
 
     async def _step(
-        self, command: pb.VectorStep, indices: Sequence[int], response: pb.VectorSessionResponse
-    ) -> Answer:
+        self,
+        request: pb.VectorSessionRequest,
+        indices: Sequence[int],
+        response: pb.VectorSessionResponse,
+    ) -> _Done:
+        command = request.step
         driver = self._driver
         if command.answer_mode not in _ANSWER_MODES:
             raise RequestError(
@@ -178,16 +197,17 @@ class VectorView:
         outcome, stepped, seconds = await driver.step(args)
         outcome.errors.update(blocked)
         too_large = driver.too_large("step", _result_bytes(outcome))
-        if too_large is not None:
-            return self._oversize(
-                response, too_large, Outcome.STEPPED, outcome.errors, seconds, stepped
-            )
-        self._fill(response.result, outcome)
-        return self._answer(response, Outcome.STEPPED, outcome.errors, seconds, stepped)
+        if too_large is None:
+            self._fill(response.result, outcome)
+        return _Done(outcome.errors, seconds, stepped, too_large)
 
     async def _reset(
-        self, command: pb.VectorReset, indices: Sequence[int], response: pb.VectorSessionResponse
-    ) -> Answer:
+        self,
+        request: pb.VectorSessionRequest,
+        indices: Sequence[int],
+        response: pb.VectorSessionResponse,
+    ) -> _Done:
+        command = request.reset
         batch_form = command.batch_observation
         if batch_form:
             self._need_native("batch_observation")
@@ -221,42 +241,55 @@ class VectorView:
         args = ResetArgs(indices, seeds, episode_ids, options, wire, batch_form)
         outcome = await self._driver.reset(args)
         too_large = self._driver.too_large("reset", _result_bytes(outcome))
-        if too_large is not None:
-            return self._oversize(response, too_large, Outcome.ANSWERED, outcome.errors)
-        self._fill(response.result, outcome)
-        return self._answer(response, Outcome.ANSWERED, outcome.errors)
+        if too_large is None:
+            self._fill(response.result, outcome)
+        return _Done(outcome.errors, too_large=too_large)
 
-    async def _state(self, indices: Sequence[int], response: pb.VectorSessionResponse) -> Answer:
+    async def _state(
+        self,
+        request: pb.VectorSessionRequest,
+        indices: Sequence[int],
+        response: pb.VectorSessionResponse,
+    ) -> _Done:
         driver = self._driver
         states, payload = await driver.query("state", indices)
         too_large = driver.too_large("state", payload)
-        if too_large is not None:
-            return self._oversize(response, too_large, Outcome.ANSWERED, states.errors)
-        fill_states(
-            response.states, states, self._state_url, driver.episode_ids, driver.step_counts
-        )
-        return self._answer(response, Outcome.ANSWERED, states.errors)
+        if too_large is None:
+            fill_states(
+                response.states, states, self._state_url, driver.episode_ids, driver.step_counts
+            )
+        return _Done(states.errors, too_large=too_large)
 
-    async def _snapshot(self, indices: Sequence[int], response: pb.VectorSessionResponse) -> Answer:
+    async def _snapshot(
+        self,
+        request: pb.VectorSessionRequest,
+        indices: Sequence[int],
+        response: pb.VectorSessionResponse,
+    ) -> _Done:
         driver = self._driver
         answer = response.snapshots
         answer.SetInParent()
         sealed = await driver.snapshot(indices)
         if sealed.too_large is not None:
-            return self._oversize(response, sealed.too_large, Outcome.ANSWERED, sealed.errors)
+            return _Done(sealed.errors, too_large=sealed.too_large)
         ids, counts = driver.episode_ids, driver.step_counts
         for index, one in zip(sealed.rows, sealed.snapshots, strict=True):
             answer.indices.append(index)
             answer.snapshots.add(snapshot=one, episode_id=ids[index], step_count=counts[index])
         fill_errors(answer.errors, sealed.errors)
-        return self._answer(response, Outcome.ANSWERED, sealed.errors)
+        return _Done(sealed.errors)
 
-    async def _render(self, indices: Sequence[int], response: pb.VectorSessionResponse) -> Answer:
+    async def _render(
+        self,
+        request: pb.VectorSessionRequest,
+        indices: Sequence[int],
+        response: pb.VectorSessionResponse,
+    ) -> _Done:
         driver = self._driver
         frames, payload = await driver.query("render", indices)
         too_large = driver.too_large("render", payload)
         if too_large is not None:
-            return self._oversize(response, too_large, Outcome.ANSWERED, frames.errors)
+            return _Done(frames.errors, too_large=too_large)
         answer = response.frames
         answer.SetInParent()
         ids, counts = driver.episode_ids, driver.step_counts
@@ -265,12 +298,15 @@ class VectorView:
             entry = answer.frames.add(episode_id=ids[index], step_count=counts[index])
             entry.frame.MergeFromString(frame)
         fill_errors(answer.errors, frames.errors)
-        return self._answer(response, Outcome.ANSWERED, frames.errors)
+        return _Done(frames.errors)
 
     async def _restore(
-        self, command: pb.VectorRestore, indices: Sequence[int], response: pb.VectorSessionResponse
-    ) -> Answer:
-        data = command.snapshots
+        self,
+        request: pb.VectorSessionRequest,
+        indices: Sequence[int],
+        response: pb.VectorSessionResponse,
+    ) -> _Done:
+        data = request.restore.snapshots
         if len(data) != len(indices):
             raise RequestError(
                 _INVALID_ARGUMENT,
@@ -292,7 +328,27 @@ class VectorView:
                 truncated=phase is Phase.TRUNCATED,
             )
         fill_errors(answer.errors, restored.errors)
-        return self._answer(response, Outcome.ANSWERED, restored.errors)
+        return _Done(restored.errors)
+
+    async def _close(
+        self,
+        request: pb.VectorSessionRequest,
+        indices: Sequence[int],
+        response: pb.VectorSessionResponse,
+    ) -> _Done:
+        driver = self._driver
+        await driver.closing(request.request_id)  # the requests in flight are answered first
+        await driver.close_command()
+        response.closed.SetInParent()
+        return _Done({})
+
+    async def _empty(
+        self,
+        request: pb.VectorSessionRequest,
+        indices: Sequence[int],
+        response: pb.VectorSessionResponse,
+    ) -> _Done:
+        raise RequestError(_INVALID_ARGUMENT, _EMPTY)
 
     # -- the wire ---------------------------------------------------------------------------
 
@@ -312,11 +368,12 @@ class VectorView:
         errors: dict[int, RowError],
         seconds: float = 0.0,
         steps: int = 0,
+        ends: bool = False,
     ) -> Answer:
         codes = (
             tuple(CODE_NAMES.get(e.code, str(e.code)) for e in errors.values()) if errors else ()
         )
-        return Answer(response.SerializeToString(), outcome, seconds, steps=steps, env_errors=codes)
+        return Answer(response.SerializeToString(), outcome, seconds, "", ends, steps, codes)
 
     def _oversize(
         self,
@@ -382,6 +439,23 @@ class VectorView:
                 "over plain instances (the openenv-batch header said 'loop'): give one "
                 "payload per env instead",
             )
+
+
+#: Each command of a VectorSessionRequest, by its field (``None``: no command set). A
+#: command added to the proto without an entry here fails this module's import.
+_COMMANDS = command_table(
+    pb.VectorSessionRequest,
+    {
+        "step": _Command(VectorView._step, Outcome.STEPPED),
+        "reset": _Command(VectorView._reset),
+        "state": _Command(VectorView._state),
+        "snapshot": _Command(VectorView._snapshot),
+        "restore": _Command(VectorView._restore),
+        "render": _Command(VectorView._render),
+        "close": _Command(VectorView._close, Outcome.CLOSED, holds=False, ends=True),
+    },
+    empty=_Command(VectorView._empty, holds=False),
+)
 
 
 def _bad_indices(indices: list[int], size: int) -> str:
