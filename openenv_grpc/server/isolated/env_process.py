@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import enum
 import inspect
 import logging
 import os
@@ -44,7 +45,7 @@ import signal
 import socket
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -69,8 +70,9 @@ from openenv_grpc.server.local.frames import (
     read_room_frame,
 )
 from openenv_grpc.server.local.runner import contain_tasks
+from openenv_grpc.server.model.commands import command_table, complete_table
 from openenv_grpc.server.model.phases import SESSION_WORDS, VECTOR_WORDS
-from openenv_grpc.server.model.queries import BatchStates
+from openenv_grpc.server.model.queries import QUERIES, BatchStates
 from openenv_grpc.server.model.spec import EnvSpec, ExecutionMode
 from openenv_grpc.v1 import session_pb2 as pb
 
@@ -107,11 +109,15 @@ VECTOR_BLOCK, SESSION_BLOCK = 0, 1
 STRICT_CLOSE = b"strict"
 
 
-class Op:
+class Op(enum.IntEnum):
     """Front -> worker operations, about one block (its env id). QUERY is a REQUEST that
-    is a query with its room (``frames.room_frame``)."""
+    is a query with its room (``frames.room_frame``). Each has one handler in the worker's
+    table (``_OPS``)."""
 
-    CREATE, REQUEST, CLOSE, QUERY = 1, 2, 3, 4
+    CREATE = 1
+    REQUEST = 2
+    CLOSE = 3
+    QUERY = 4
 
 
 class Status:
@@ -180,7 +186,8 @@ async def _serve(
         # The worker is the env's own process: blocking calls run inline, one at a time.
         spec = dataclasses.replace(spec, mode=ExecutionMode.INLINE)
     reader, writer = await asyncio.open_unix_connection(sock=sock, limit=READ_LIMIT)
-    blocks: dict[int, LocalBatchCalls] = {}
+    worker = _Worker(spec, call_timeout, max_env_bytes)
+    blocks = worker.blocks
     if side is not None:
         threading.Thread(
             target=_serve_side, args=(side, blocks, threaded),
@@ -197,36 +204,77 @@ async def _serve(
         del payload  # the transport holds what it has not sent: not held twice meanwhile
         await writer.drain()
 
+    ops = _OPS
     try:
         await answer(0, Status.READY)
         while True:
             length, env_id, op = HEADER.unpack(await reader.readexactly(HEADER.size))
             payload = await reader.readexactly(length) if length else b""
-            if op == Op.REQUEST or op == Op.QUERY:
-                block = blocks.get(env_id)
-                if block is None:  # closed on the side while this frame was queued
-                    await answer(env_id, Status.BLOCK_GONE, b"the environment was closed")
-                elif op == Op.QUERY:
-                    await answer(env_id, *await _query_answer(block, payload))
-                else:
-                    await answer(env_id, *await _block_answer(block, spec, payload))
-            elif op == Op.CREATE:
-                size, mode, kind = BLOCK_OPEN.unpack(payload)
-                status, text = await _create(
-                    spec, size, AUTORESET_MODES[mode], kind, call_timeout, max_env_bytes
-                )
-                if isinstance(text, LocalBatchCalls):
-                    blocks[env_id] = text
-                    text = b"native" if text.native else b"loop"
-                await answer(env_id, status, text)
-            elif op == Op.CLOSE:
-                await answer(env_id, *await _close(blocks.pop(env_id, None), payload))
+            run = ops.get(op)
+            if run is not None:  # a frame of no known op is read and left unanswered
+                await answer(env_id, *await run(worker, env_id, payload))
     except (asyncio.IncompleteReadError, ConnectionError):
         pass  # the front is gone (or ended this worker): close what is left
     finally:
         # popitem, not a loop over values(): the side thread may pop meanwhile.
         while blocks:
             await blocks.popitem()[1].close()
+
+
+class _Worker:
+    """One env process's blocks, and the handler of each frame the front sends (``_OPS``:
+    each takes the frame's env id and payload, and returns the status and payload of its
+    one answer)."""
+
+    __slots__ = ("blocks", "call_timeout", "max_env_bytes", "spec")
+
+    def __init__(self, spec: EnvSpec, call_timeout: float | None, max_env_bytes: int) -> None:
+        self.spec = spec
+        self.call_timeout = call_timeout
+        self.max_env_bytes = max_env_bytes
+        #: The blocks by env id (the side thread may pop a thread-safe env's).
+        self.blocks: dict[int, LocalBatchCalls] = {}
+
+    async def create(self, env_id: int, payload: bytes) -> tuple[int, bytes]:
+        size, mode, kind = BLOCK_OPEN.unpack(payload)
+        status, text = await _create(
+            self.spec, size, AUTORESET_MODES[mode], kind, self.call_timeout, self.max_env_bytes
+        )
+        if isinstance(text, LocalBatchCalls):
+            self.blocks[env_id] = text
+            text = b"native" if text.native else b"loop"
+        return status, text
+
+    async def request(self, env_id: int, payload: bytes) -> tuple[int, bytes]:
+        block = self.blocks.get(env_id)
+        if block is None:  # closed on the side while this frame was queued
+            return _BLOCK_GONE
+        return await _block_answer(block, self.spec, payload)
+
+    async def query(self, env_id: int, payload: bytes) -> tuple[int, bytes]:
+        block = self.blocks.get(env_id)
+        if block is None:  # closed on the side while this frame was queued
+            return _BLOCK_GONE
+        return await _query_answer(block, payload)
+
+    async def close(self, env_id: int, payload: bytes) -> tuple[int, bytes]:
+        return await _close(self.blocks.pop(env_id, None), payload)
+
+
+_BLOCK_GONE = (Status.BLOCK_GONE, b"the environment was closed")
+
+#: The handler of each operation (a method of :class:`_Worker`); an ``Op`` added without
+#: one fails this module's import.
+_OPS: dict[int, Callable[[_Worker, int, bytes], Awaitable[tuple[int, bytes]]]] = complete_table(
+    "the env process's frame table",
+    Op,
+    {
+        Op.CREATE: _Worker.create,
+        Op.REQUEST: _Worker.request,
+        Op.CLOSE: _Worker.close,
+        Op.QUERY: _Worker.query,
+    },
+)
 
 
 async def _close(block: LocalBatchCalls | None, payload: bytes) -> tuple[int, bytes]:
@@ -373,52 +421,9 @@ async def _block_answer(calls: LocalBatchCalls, spec: EnvSpec, payload: bytes) -
     request = pb.VectorSessionRequest.FromString(payload)
     response = pb.VectorSessionResponse(request_id=request.request_id)
     command = request.WhichOneof("command")
-    types = spec.types
+    run = _BLOCK_COMMANDS[command]
     try:
-        if command == "step":
-            step = request.step
-            indices = list(step.indices)
-            if step.HasField("batch_action"):
-                action = unpack(step.batch_action, types.action, "batch action")
-                args = StepArgs(indices, action, step.batch_action, True)
-            else:
-                actions = [unpack(a, types.action, "action") for a in step.actions]
-                args = StepArgs(indices, actions, step.actions, False)
-            outcome = await calls.step(args)
-            # Only the ids of episodes autoreset here: the front keeps the other books.
-            new_ids = outcome.new_episode_ids
-            autoreset = outcome.autoreset is not None
-            ids = [new_ids.get(index, "") for index in outcome.rows] if autoreset else []
-            # Infos as JSON text (types kept); the front answers each client's form.
-            fill_result(response.result, outcome, spec.observation_url, ids, (), info_json=True)
-        elif command == "reset":
-            reset = request.reset
-            commands = reset.envs
-            options = [
-                unpack(c.options, types.reset_options, "reset options")
-                if c.HasField("options")
-                else None
-                for c in commands
-            ]
-            args_reset = ResetArgs(
-                list(reset.indices),
-                [c.seed if c.HasField("seed") else None for c in commands],
-                [c.episode_id for c in commands],
-                options,
-                [c.options if c.HasField("options") else None for c in commands],
-                reset.batch_observation,
-            )
-            outcome = await calls.reset(args_reset)
-            fill_result(response.result, outcome, spec.observation_url, (), (), info_json=True)
-        elif command == "restore":  # authenticated by the front already
-            indices, captured = read_restore(request.restore)
-            failed = await calls.restore(RestoreArgs(indices, captured))
-            response.restored.SetInParent()
-            fill_errors(response.restored.errors, failed)
-        else:  # a query (queries.py); a snapshot's bytes are sealed by the front
-            name = str(command)
-            rows = await calls.query(name, list(getattr(request, name).indices))
-            fill_rows(response.snapshots, rows)
+        await run(calls, spec, str(command), request, response)
     except PayloadError as exc:  # the front checked the payloads: not expected
         response.ClearField("outcome")
         response.error.code = grpc.StatusCode.INVALID_ARGUMENT.value[0]
@@ -427,6 +432,100 @@ async def _block_answer(calls: LocalBatchCalls, spec: EnvSpec, payload: bytes) -
     except BatchRefused as refused:
         return _refused(response, refused)
     return Status.ANSWER, response.SerializeToString()
+
+
+async def _block_step(
+    calls: LocalBatchCalls,
+    spec: EnvSpec,
+    command: str,
+    request: pb.VectorSessionRequest,
+    response: pb.VectorSessionResponse,
+) -> None:
+    step = request.step
+    types = spec.types
+    indices = list(step.indices)
+    if step.HasField("batch_action"):
+        action = unpack(step.batch_action, types.action, "batch action")
+        args = StepArgs(indices, action, step.batch_action, True)
+    else:
+        actions = [unpack(a, types.action, "action") for a in step.actions]
+        args = StepArgs(indices, actions, step.actions, False)
+    outcome = await calls.step(args)
+    # Only the ids of episodes autoreset here: the front keeps the other books.
+    new_ids = outcome.new_episode_ids
+    autoreset = outcome.autoreset is not None
+    ids = [new_ids.get(index, "") for index in outcome.rows] if autoreset else []
+    # Infos as JSON text (types kept); the front answers each client's form.
+    fill_result(response.result, outcome, spec.observation_url, ids, (), info_json=True)
+
+
+async def _block_reset(
+    calls: LocalBatchCalls,
+    spec: EnvSpec,
+    command: str,
+    request: pb.VectorSessionRequest,
+    response: pb.VectorSessionResponse,
+) -> None:
+    reset = request.reset
+    commands = reset.envs
+    options = [
+        unpack(c.options, spec.types.reset_options, "reset options")
+        if c.HasField("options")
+        else None
+        for c in commands
+    ]
+    args = ResetArgs(
+        list(reset.indices),
+        [c.seed if c.HasField("seed") else None for c in commands],
+        [c.episode_id for c in commands],
+        options,
+        [c.options if c.HasField("options") else None for c in commands],
+        reset.batch_observation,
+    )
+    outcome = await calls.reset(args)
+    fill_result(response.result, outcome, spec.observation_url, (), (), info_json=True)
+
+
+async def _block_restore(
+    calls: LocalBatchCalls,
+    spec: EnvSpec,
+    command: str,
+    request: pb.VectorSessionRequest,
+    response: pb.VectorSessionResponse,
+) -> None:
+    """Restore the block's envs (the snapshots were authenticated by the front)."""
+    indices, captured = read_restore(request.restore)
+    failed = await calls.restore(RestoreArgs(indices, captured))
+    response.restored.SetInParent()
+    fill_errors(response.restored.errors, failed)
+
+
+async def _block_query(
+    calls: LocalBatchCalls,
+    spec: EnvSpec,
+    command: str,
+    request: pb.VectorSessionRequest,
+    response: pb.VectorSessionResponse,
+) -> None:
+    """Any query (``queries.py``), by its name; a snapshot's bytes are sealed by the
+    front."""
+    rows = await calls.query(command, list(getattr(request, command).indices))
+    fill_rows(response.snapshots, rows)
+
+
+#: The handler of each command a block's REQUEST frame carries: every query of
+#: ``queries.py`` is one handler. A close is a frame of its own (``Op.CLOSE``), never a
+#: request. A command added to the proto without an entry here fails this module's import.
+_BLOCK_COMMANDS = command_table(
+    pb.VectorSessionRequest,
+    {
+        "step": _block_step,
+        "reset": _block_reset,
+        "restore": _block_restore,
+        **dict.fromkeys(QUERIES, _block_query),
+    },
+    elsewhere=("close",),
+)
 
 
 async def _query_answer(calls: LocalBatchCalls, payload: bytes) -> tuple[int, bytes]:
