@@ -212,10 +212,9 @@ def test_every_episode_on_a_killed_node_resumes_on_a_survivor_with_the_same_rewa
 
 
 def test_async_sessions_open_on_the_fleet_target(nodes: list[ServerProcess]) -> None:
-    """Async sessions get the fleet's target, every node: with the first node killed,
-    each still opens, on a node that lives, and each node holds exactly the sessions that
-    say they are on it. (Each makes a channel of its own, so how they spread is not the
-    blocking sessions' exact rotation.)"""
+    """Async sessions reach the fleet's every node: with the first node killed, each
+    still opens, on a node that lives, and each node holds exactly the sessions that say
+    they are on it."""
     killed, *alive = nodes
     with Fleet([server.target for server in nodes]) as fleet:
         fleet.wait_ready()
@@ -243,6 +242,36 @@ def test_async_sessions_open_on_the_fleet_target(nodes: list[ServerProcess]) -> 
         killed.target: None,
         **{server.target: on[server.proc.pid] for server in alive},
     }, (loads, on)
+
+
+def test_async_sessions_share_the_loops_channel_and_spread_exactly(
+    nodes: list[ServerProcess],
+) -> None:
+    """Async sessions made on one event loop share the fleet's asyncio channel: once
+    ``wait_ready_async`` has it reach every node, 12 sessions on 3 nodes are 4 on each,
+    the blocking sessions' exact rotation (each on a channel of its own, runs put them
+    [12, 0, 0] or [1, 2, 9])."""
+
+    async def run(fleet: Fleet) -> tuple[list[int], bool]:
+        assert sorted(await fleet.wait_ready_async()) == sorted(fleet.nodes)
+        envs = [fleet.session(AsyncEchoEnv) for _ in range(12)]
+        for env in envs:
+            await env.open()
+            await env.reset(seed=1)
+        pids = [
+            int((await env.step(EchoAction(message="pid"))).observation.echoed_message)
+            for env in envs
+        ]
+        shared = fleet.aio_channel() is fleet.aio_channel()
+        for env in envs:
+            await env.close()
+        await fleet.aclose()
+        return pids, shared
+
+    with Fleet([server.target for server in nodes]) as fleet:
+        pids, shared = asyncio.run(run(fleet))
+    assert shared
+    assert Counter(pids) == {server.proc.pid: 4 for server in nodes}, (Counter(pids), nodes)
 
 
 def test_a_rolling_restart_loses_no_episode(caplog: pytest.LogCaptureFixture) -> None:
