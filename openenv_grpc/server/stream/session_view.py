@@ -182,7 +182,7 @@ class SessionView:
         result = response.restored
         restored = await driver.restore(_ROW, (request.restore.snapshot,))
         _raise_row(restored.errors)
-        phase = driver.phases[0]
+        phase = driver.known_phase(0)
         result.episode_id = driver.episode_ids[0]
         result.step_count = driver.step_counts[0]
         result.terminated = phase is Phase.TERMINATED

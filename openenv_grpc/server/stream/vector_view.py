@@ -317,9 +317,10 @@ class VectorView:
         answer = response.restored
         answer.SetInParent()
         restored = await driver.restore(indices, data)
-        phases, ids, counts = driver.phases, driver.episode_ids, driver.step_counts
+        ids, counts = driver.episode_ids, driver.step_counts
         for index in restored.rows:
-            phase = phases[index]
+            # As the client knows it: an env lost meanwhile is told at its next request.
+            phase = driver.known_phase(index)
             answer.indices.append(index)
             answer.restored.add(
                 episode_id=ids[index],
