@@ -19,7 +19,9 @@ stream's sub-batch, or a Session's one env (a block of one). The front keeps the
 books -- the driver runs there, for both kinds -- and sends each env process the part of a
 request that concerns its envs (``frames.py``); the env process runs it on a
 :class:`~openenv_grpc.server.local.batch.VectorBatch`, inline, and answers the outcome.
-So the env process speaks one protocol, and no client command is decoded twice.
+So the env process speaks one protocol, and no client command is decoded twice. A step
+frame carries the autoresets the front's driver decided (which envs, their new episode
+ids and options): the env process keeps no autoreset state.
 
 A vector stream's query comes as ``QUERY``: the query with its room (``frames.py``).
 The env process reads its envs one by one and stops once their answers pass the room,
@@ -53,6 +55,7 @@ import grpc
 from openenv_grpc.codec import PayloadError, unpack
 from openenv_grpc.environment import AutoresetMode, InvalidAction
 from openenv_grpc.server.errors import describe, qualname
+from openenv_grpc.server.local.batch import Autoresets
 from openenv_grpc.server.local.calls import (
     BatchRefused,
     LocalBatchCalls,
@@ -68,6 +71,7 @@ from openenv_grpc.server.local.frames import (
     fill_rows,
     read_restore,
     read_room_frame,
+    read_step_frame,
 )
 from openenv_grpc.server.local.runner import contain_tasks
 from openenv_grpc.server.model.commands import command_table, complete_table
@@ -418,12 +422,12 @@ def _close_now(env: Any) -> None:
 async def _block_answer(calls: LocalBatchCalls, spec: EnvSpec, payload: bytes) -> tuple[int, bytes]:
     """Run one block's frame (checked by the front already); returns the status and the
     answer (a VectorSessionResponse)."""
-    request = pb.VectorSessionRequest.FromString(payload)
+    request, autoresets = read_step_frame(payload)
     response = pb.VectorSessionResponse(request_id=request.request_id)
     command = request.WhichOneof("command")
     run = _BLOCK_COMMANDS[command]
     try:
-        await run(calls, spec, str(command), request, response)
+        await run(calls, spec, str(command), request, response, autoresets)
     except PayloadError as exc:  # the front checked the payloads: not expected
         response.ClearField("outcome")
         response.error.code = grpc.StatusCode.INVALID_ARGUMENT.value[0]
@@ -440,6 +444,7 @@ async def _block_step(
     command: str,
     request: pb.VectorSessionRequest,
     response: pb.VectorSessionResponse,
+    autoresets: pb.VectorReset | None,
 ) -> None:
     step = request.step
     types = spec.types
@@ -450,6 +455,17 @@ async def _block_step(
     else:
         actions = [unpack(a, types.action, "action") for a in step.actions]
         args = StepArgs(indices, actions, step.actions, False)
+    if autoresets is not None and autoresets.indices:
+        # The autoresets the front's driver decided: ids and options as it sent them.
+        commands = autoresets.envs
+        args.autoresets = Autoresets(
+            {i: c.episode_id for i, c in zip(autoresets.indices, commands, strict=True)},
+            {
+                i: unpack(c.options, types.reset_options, "reset options")
+                for i, c in zip(autoresets.indices, commands, strict=True)
+                if c.HasField("options")
+            },
+        )
     outcome = await calls.step(args)
     # Only the ids of episodes autoreset here: the front keeps the other books.
     new_ids = outcome.new_episode_ids
@@ -465,6 +481,7 @@ async def _block_reset(
     command: str,
     request: pb.VectorSessionRequest,
     response: pb.VectorSessionResponse,
+    autoresets: pb.VectorReset | None,
 ) -> None:
     reset = request.reset
     commands = reset.envs
@@ -492,6 +509,7 @@ async def _block_restore(
     command: str,
     request: pb.VectorSessionRequest,
     response: pb.VectorSessionResponse,
+    autoresets: pb.VectorReset | None,
 ) -> None:
     """Restore the block's envs (the snapshots were authenticated by the front)."""
     indices, captured = read_restore(request.restore)
@@ -506,6 +524,7 @@ async def _block_query(
     command: str,
     request: pb.VectorSessionRequest,
     response: pb.VectorSessionResponse,
+    autoresets: pb.VectorReset | None,
 ) -> None:
     """Any query (``queries.py``), by its name; a snapshot's bytes are sealed by the
     front."""

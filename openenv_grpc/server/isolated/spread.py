@@ -226,12 +226,19 @@ class SpreadBatchCalls:
         return await self._outcomes("reset", args.indices, frame)
 
     async def step(self, args: StepArgs) -> BatchOutcome:
-        wire = args.wire
+        wire, indices = args.wire, args.indices
+        ids, options = args.autoresets.episode_ids, args.autoresets.wire_options
 
         def frame(positions: list[int], local: list[int]) -> bytes:
             if args.batch_form:  # one block: a native batch is never spread
                 return step_frame(local, wire, True)
-            return step_frame(local, [wire[k] for k in positions], False)
+            # The driver's autoresets of this block's envs, by their local indices.
+            autoresets = [
+                (at, ids[index], options.get(index))
+                for k, at in zip(positions, local, strict=True)
+                if (index := indices[k]) in ids
+            ]
+            return step_frame(local, [wire[k] for k in positions], False, autoresets)
 
         return await self._outcomes("step", args.indices, frame, args.orphaned)
 

@@ -12,11 +12,14 @@ stepped in one pass on the event loop, pooled ones in one thread hop for the who
 (not one per env), async ones gathered on the loop. In an env process (``--isolated``)
 the same batch classes serve a block: a vector stream's sub-batch, or a Session's env.
 
-The loop does the autoreset of Gymnasium's vector envs itself (a native batch does its
-own): NEXT_STEP resets an env on the step after its episode ended (its action ignored),
-SAME_STEP resets it at once and keeps the last observation and info as the final ones.
-An autoreset starts the next episode unseeded (the env's generators go on) with the
-options of the env's last reset by the client, and a fresh episode id.
+The loop makes the autoresets of Gymnasium's vector envs that the driver decides (a
+native batch does its own): each step carries them (:class:`Autoresets`). NEXT_STEP
+resets the envs it names instead of stepping them (their episodes ended; their actions
+ignored), SAME_STEP resets an env whose episode ends at this step at once and keeps the
+last observation and info as the final ones. An autoreset starts the next episode
+unseeded (the env's generators go on) with the episode id and the options the step
+carries (the driver's: the options of the env's last reset by the client). The loop keeps
+no autoreset state of its own.
 
 An env's exception becomes an error for its index only (``InvalidAction``:
 INVALID_ARGUMENT, the episode unchanged; anything else: INTERNAL); its neighbours answer.
@@ -27,10 +30,8 @@ as a signal, see app.py), so the loops catch ``BaseException`` around env code.
 Snapshots go per index too: ``query("snapshot", indices)`` returns each env's own bytes (the
 driver seals them with the bookkeeping, as for one env), ``restore(indices, states,
 ended)`` hands each env the bytes the driver authenticated; an env that cannot answers
-UNIMPLEMENTED for its index (``NotImplementedError``, with its reason). A restored env
-whose episode had ended autoresets at its next step under NEXT_STEP, as if its last step
-had ended it; its autoresets use no reset options (those of the slot's last reset belong
-to the episode the restore replaced).
+UNIMPLEMENTED for its index (``NotImplementedError``, with its reason). Whether a restored
+env whose episode had ended autoresets at its next step is the driver's (its phase).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, cast
 
@@ -60,7 +61,9 @@ from openenv_grpc.server.model.queries import QUERIES, BatchStates, wrong_type
 from openenv_grpc.server.model.spec import EnvSpec
 
 __all__ = [
+    "NO_AUTORESETS",
     "AsyncLoopBatch",
+    "Autoresets",
     "BatchOutcome",
     "LoopBatch",
     "NativeBatch",
@@ -100,13 +103,38 @@ class BatchOutcome:
     errors: dict[int, RowError] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class Autoresets:
+    """The autoresets one step of a loop batch makes, as the driver decided them (a native
+    batch makes its own and ignores these).
+
+    NEXT_STEP: the envs of ``episode_ids`` ended their episodes, so this step resets them
+    instead of stepping them (their actions ignored). SAME_STEP: every env stepped has an
+    id in ``episode_ids``, which its next episode takes should its episode end at this
+    step. An autoreset uses the env's ``options`` (those of its last reset by the client;
+    absent: none).
+    """
+
+    #: Env index -> the id of the episode its autoreset starts.
+    episode_ids: Mapping[int, str] = field(default_factory=dict)
+    #: Env index -> its autoreset's options (decoded), where it has some.
+    options: Mapping[int, Message] = field(default_factory=dict)
+    #: The same options as they came on the wire (what an env process is sent).
+    wire_options: Mapping[int, Any] = field(default_factory=dict)
+
+
+#: A step that autoresets nothing.
+NO_AUTORESETS = Autoresets()
+
+
 class VectorBatch:
     """The envs of one vector stream (the session calls its methods through one runner).
 
     ``reset(indices, seeds, episode_ids, options, batch_form)`` and ``step(indices,
-    actions, batch_form)`` return a :class:`BatchOutcome`; ``query(name, indices)`` (a
-    per-env query, ``queries.py``) a :class:`BatchStates`; ``restore(indices, states, ended)`` the
-    per-index errors (every other index was restored); ``close()`` closes every env.
+    actions, batch_form, autoresets)`` return a :class:`BatchOutcome`; ``query(name,
+    indices)`` (a per-env query, ``queries.py``) a :class:`BatchStates`; ``restore(indices,
+    states, ended)`` the per-index errors (every other index was restored); ``close()``
+    closes every env.
     Methods are coroutines in :class:`AsyncLoopBatch`. Raising (rather than answering per
     index) means the whole call failed: ``InvalidAction`` refuses it, anything else breaks
     every named env.
@@ -131,7 +159,7 @@ class VectorBatch:
 
 
 class _Instances(VectorBatch):
-    """N plain instances of one env class, and the bookkeeping the loop's autoreset needs."""
+    """N plain instances of one env class."""
 
     def __init__(self, spec: EnvSpec, size: int, autoreset: AutoresetMode) -> None:
         super().__init__(size, autoreset)
@@ -153,10 +181,6 @@ class _Instances(VectorBatch):
         self._types = spec.types
         self._same_step = autoreset is AutoresetMode.SAME_STEP
         self._next_step = autoreset is AutoresetMode.NEXT_STEP
-        #: NEXT_STEP: the env's episode ended, so its next step resets it instead.
-        self._pending = [False] * size
-        #: The options of each env's last reset by the client, reused by its autoresets.
-        self._options: list[Message | None] = [None] * size
         #: A loop of one (a Session's env) is measured as that env: its own cost class.
         own = getattr(type(envs[0]), "cost_class", Environment.cost_class)
         one = size == 1 and own is not Environment.cost_class
@@ -179,11 +203,10 @@ class _Instances(VectorBatch):
     def _add(
         self, out: BatchOutcome, index: int, transition: Transition[Any], *, auto: bool = False
     ) -> None:
-        """One row from a checked transition; remembers an ended episode for NEXT_STEP."""
+        """One row from a checked transition."""
         out.rows.append(index)
         out.observations.append(transition.observation.SerializeToString())
         out.rewards.append(transition.reward)
-        ended = transition.terminated or transition.truncated
         out.terminated.append(transition.terminated)
         out.truncated.append(transition.truncated)
         if transition.info:
@@ -195,8 +218,6 @@ class _Instances(VectorBatch):
             marks.append(True)
         elif marks is not None:
             marks.append(False)
-        if ended and self._next_step:
-            self._pending[index] = True
 
     def _add_same_step(
         self,
@@ -217,23 +238,21 @@ class _Instances(VectorBatch):
             out.final_infos[index] = ended.info
         out.new_episode_ids[index] = episode_id
 
-    def _restart(self, index: int) -> tuple[Any, str]:
-        """Autoreset env ``index``: start its next episode unseeded, with the options of its
-        last reset by the client and a fresh id. Returns what its ``reset`` returned (a
-        coroutine, for an asyncio env) and the id. The one place an autoreset is made."""
-        self._pending[index] = False
-        episode_id = new_episode_id()
-        env = self._envs[index]
-        return env.reset(seed=None, episode_id=episode_id, options=self._options[index]), episode_id
+    def _restart(self, index: int, autoresets: Autoresets) -> tuple[Any, str]:
+        """Autoreset env ``index``: start its next episode unseeded, with the id and the
+        options ``autoresets`` give it (a fresh id if none). Returns what its ``reset``
+        returned (a coroutine, for an asyncio env) and the id. The one place an autoreset
+        is made."""
+        episode_id = autoresets.episode_ids.get(index) or new_episode_id()
+        options = autoresets.options.get(index)
+        first = self._envs[index].reset(seed=None, episode_id=episode_id, options=options)
+        return first, episode_id
 
-    def _restored(self, index: int, ended: bool) -> None:
-        """Env ``index`` took a snapshot: its autoreset bookkeeping follows it."""
-        self._pending[index] = ended and self._next_step
-        self._options[index] = None
+    def _restarts(self, autoresets: Autoresets) -> Mapping[int, str]:
+        """The envs this step resets instead of stepping (NEXT_STEP's), by index."""
+        return autoresets.episode_ids if self._next_step else {}
 
-    def _reset_row(
-        self, out: BatchOutcome, index: int, option: Message | None, answer: Any
-    ) -> None:
+    def _reset_row(self, out: BatchOutcome, index: int, answer: Any) -> None:
         """One env's part of a reset: its row, or its error (``answer`` is what its reset
         returned or raised)."""
         try:
@@ -241,8 +260,6 @@ class _Instances(VectorBatch):
         except BaseException as exc:
             out.errors[index] = row_error(exc, "reset")
             return
-        self._pending[index] = False
-        self._options[index] = option
         self._add(out, index, first)
 
 
@@ -266,14 +283,18 @@ class LoopBatch(_Instances):
                 first: Any = envs[index].reset(seed=seed, episode_id=episode_id, options=option)
             except BaseException as exc:
                 first = exc
-            self._reset_row(out, index, option, first)
+            self._reset_row(out, index, first)
         return out
 
     def step(
-        self, indices: Sequence[int], actions: Sequence[Message], batch_form: bool = False
+        self,
+        indices: Sequence[int],
+        actions: Sequence[Message],
+        batch_form: bool = False,
+        autoresets: Autoresets = NO_AUTORESETS,
     ) -> BatchOutcome:
         out = BatchOutcome()
-        envs, pending = self._envs, self._pending
+        envs, restarts = self._envs, self._restarts(autoresets)
         add, checked, same_step = self._add, self._checked, self._same_step
         # The common row (a step that does not end its episode, no autoreset yet in this
         # call) is written here, without a call per row: it is most of a vector step.
@@ -285,8 +306,8 @@ class LoopBatch(_Instances):
         for index, action in zip(indices, actions, strict=True):
             env = envs[index]
             try:
-                if pending[index]:  # NEXT_STEP: this step starts the next episode
-                    first, episode_id = self._restart(index)
+                if index in restarts:  # NEXT_STEP: this step starts the next episode
+                    first, episode_id = self._restart(index, autoresets)
                     add(out, index, checked(first), auto=True)
                     out.new_episode_ids[index] = episode_id
                     continue
@@ -299,7 +320,7 @@ class LoopBatch(_Instances):
                 ended = transition.terminated or transition.truncated
                 if ended or transition.info or out.autoreset is not None:
                     if same_step and ended:
-                        first, episode_id = self._restart(index)
+                        first, episode_id = self._restart(index, autoresets)
                         self._add_same_step(out, index, transition, checked(first), episode_id)
                     else:
                         add(out, index, transition)
@@ -325,7 +346,6 @@ class LoopBatch(_Instances):
 
         def put(index: int, state: bytes, over: bool) -> None:
             envs[index].restore(state)
-            self._restored(index, over)
 
         return _restores(indices, states, ended, put)
 
@@ -358,15 +378,21 @@ class AsyncLoopBatch(_Instances):
         ]
         answers = await _gather(calls)
         out = BatchOutcome()
-        for index, option, answer in zip(indices, options, answers, strict=True):
-            self._reset_row(out, index, option, answer)
+        for index, answer in zip(indices, answers, strict=True):
+            self._reset_row(out, index, answer)
         return out
 
     async def step(
-        self, indices: Sequence[int], actions: Sequence[Message], batch_form: bool = False
+        self,
+        indices: Sequence[int],
+        actions: Sequence[Message],
+        batch_form: bool = False,
+        autoresets: Autoresets = NO_AUTORESETS,
     ) -> BatchOutcome:
+        restarts = self._restarts(autoresets)
         answers = await _gather(
-            self._one_step(index, action) for index, action in zip(indices, actions, strict=True)
+            self._one_step(index, action, index in restarts, autoresets)
+            for index, action in zip(indices, actions, strict=True)
         )
         out = BatchOutcome()
         for index, answer in zip(indices, answers, strict=True):
@@ -383,15 +409,18 @@ class AsyncLoopBatch(_Instances):
                     out.new_episode_ids[index] = episode_id
         return out
 
-    async def _one_step(self, index: int, action: Message) -> tuple[str, Transition[Any], Any, str]:
-        """One env's part of a step: (what happened, the transition, the first transition
-        of a SAME_STEP autoreset, the new episode's id)."""
-        if self._pending[index]:
-            call, episode_id = self._restart(index)
+    async def _one_step(
+        self, index: int, action: Message, restart: bool, autoresets: Autoresets
+    ) -> tuple[str, Transition[Any], Any, str]:
+        """One env's part of a step (``restart``: NEXT_STEP resets it instead): (what
+        happened, the transition, the first transition of a SAME_STEP autoreset, the new
+        episode's id)."""
+        if restart:
+            call, episode_id = self._restart(index, autoresets)
             return "next_step", self._checked(await call), None, episode_id
         transition = self._checked(await self._envs[index].step(action))
         if self._same_step and (transition.terminated or transition.truncated):
-            call, episode_id = self._restart(index)
+            call, episode_id = self._restart(index, autoresets)
             return "same_step", transition, self._checked(await call), episode_id
         return "step", transition, None, ""
 
@@ -411,13 +440,11 @@ class AsyncLoopBatch(_Instances):
             envs[index].restore(state) for index, state in zip(indices, states, strict=True)
         )
         errors: dict[int, RowError] = {}
-        for index, answer, over in zip(indices, answers, ended, strict=True):
+        for index, answer in zip(indices, answers, strict=True):
             try:
                 _result(answer)
             except BaseException as exc:
                 errors[index] = row_error(exc, "restore")
-                continue
-            self._restored(index, over)
         return errors
 
     async def close(self) -> None:
@@ -459,7 +486,15 @@ class NativeBatch(VectorBatch):
         transition = self._batch.reset(indices, seeds, options)
         return self._outcome(indices, transition, batch_form, resets=False)
 
-    def step(self, indices: Sequence[int], actions: Any, batch_form: bool = False) -> BatchOutcome:
+    def step(
+        self,
+        indices: Sequence[int],
+        actions: Any,
+        batch_form: bool = False,
+        autoresets: Autoresets = NO_AUTORESETS,
+    ) -> BatchOutcome:
+        """A step of the native batch (its autoresets are its own: ``autoresets`` is
+        ignored)."""
         batch = self._batch
         action = actions if batch_form else batch.join_actions(actions)
         return self._outcome(indices, batch.step(indices, action), batch_form, resets=True)

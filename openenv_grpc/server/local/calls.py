@@ -22,7 +22,13 @@ from google.protobuf.message import Message
 
 from openenv_grpc.environment import AutoresetMode, InvalidAction
 from openenv_grpc.server.errors import RowError, describe, qualname
-from openenv_grpc.server.local.batch import BatchOutcome, VectorBatch, batch_spec
+from openenv_grpc.server.local.batch import (
+    NO_AUTORESETS,
+    Autoresets,
+    BatchOutcome,
+    VectorBatch,
+    batch_spec,
+)
 from openenv_grpc.server.local.runner import CloseAbandoned, EnvRunner, Orphaned, PoolSaturated
 from openenv_grpc.server.model.phases import VECTOR_WORDS, Words
 from openenv_grpc.server.model.placement import CallPlacement
@@ -103,6 +109,9 @@ class StepArgs:
     #: given up (its stream ended meanwhile), so it is still booked and counted (the
     #: driver's).
     orphaned: Callable[[BatchOutcome, float], None] | None = None
+    #: The autoresets this step makes, as the driver decided them (a loop batch's; a
+    #: native batch makes its own).
+    autoresets: Autoresets = NO_AUTORESETS
 
 
 @dataclass(slots=True)
@@ -268,7 +277,7 @@ class LocalBatchCalls:
     async def step(self, args: StepArgs) -> BatchOutcome:
         result: BatchOutcome = await self._call(
             "step", len(args.indices), self._batch.step, args.indices, args.actions,
-            args.batch_form, orphaned=args.orphaned,
+            args.batch_form, args.autoresets, orphaned=args.orphaned,
         )  # fmt: skip
         return result
 

@@ -9,9 +9,11 @@ front sends each env process the part of a request that concerns its sub-batch a
 with the sub-batch's outcome in a ``VectorResult``, and the front reads it back
 (:func:`read_outcome`). Between front and env process, ``episode_ids`` holds only the ids
 of episodes the sub-batch autoreset ("" for the other rows) and ``step_counts`` is empty:
-the front keeps the books. Infos come back as JSON text where JSON can write them (types
-kept), and the front answers each client in the form it asked for at open
-(``openenv-info``).
+the front keeps the books. A step frame carries the autoresets the driver decided
+(:func:`step_frame`): the sub-batch's envs to autoreset, each with its new episode id and
+its options as received (``batch.Autoresets``); the env process keeps no autoreset state.
+Infos come back as JSON text where JSON can write them (types kept), and the front answers
+each client in the form it asked for at open (``openenv-info``).
 
 A per-env query (``queries.py``: state, snapshot, render) goes as its own command with
 local indices, and every query's answer comes back as a ``VectorSnapshots``: each env's encoded
@@ -56,6 +58,7 @@ __all__ = [
     "read_restore",
     "read_room_frame",
     "read_rows",
+    "read_step_frame",
     "reset_frame",
     "restore_frame",
     "room_frame",
@@ -66,6 +69,10 @@ __all__ = [
 #: A query's room (front -> env process, before the query), and the bytes an env
 #: process had read when its answers passed it (its whole answer then).
 ROOM = struct.Struct("<Q")
+#: A step frame's head: a first byte no serialized ``VectorSessionRequest`` starts with
+#: (a field's tag is never 0), then the length of its step request.
+STEP_HEAD = struct.Struct("<BI")
+_STEP_MARK = 0
 
 
 # -- a batch's outcome in the wire's columns --------------------------------------------------
@@ -241,9 +248,17 @@ def _read_infos(structs: Any, texts: Any, offset: int) -> dict[int, Any]:
 # -- requests for a sub-batch -----------------------------------------------------------------
 
 
-def step_frame(indices: Sequence[int], actions: Any, batch_form: bool) -> bytes:
+def step_frame(
+    indices: Sequence[int],
+    actions: Any,
+    batch_form: bool,
+    autoresets: Sequence[tuple[int, str, any_pb2.Any | None]] = (),
+) -> bytes:
     """A step of a sub-batch: local ``indices`` and their actions as received (Anys, or
-    one batch-form Any)."""
+    one batch-form Any), and its autoresets: (local index, new episode id, options as
+    received or None) each. The frame is :data:`STEP_HEAD`, the step's
+    ``VectorSessionRequest``, then the autoresets as a ``VectorReset`` (its indices and
+    one ``ResetCommand`` each, with the id and the options)."""
     request = pb.VectorSessionRequest(request_id=1)
     step = request.step
     step.indices.extend(indices)
@@ -251,7 +266,26 @@ def step_frame(indices: Sequence[int], actions: Any, batch_form: bool) -> bytes:
         step.batch_action.CopyFrom(actions)
     else:
         step.actions.extend(actions)
-    return request.SerializeToString()
+    body = request.SerializeToString()
+    restarts = pb.VectorReset()
+    add = restarts.envs.add
+    for index, episode_id, option in autoresets:
+        restarts.indices.append(index)
+        command = add(episode_id=episode_id)
+        if option is not None:
+            command.options.CopyFrom(option)
+    return STEP_HEAD.pack(_STEP_MARK, len(body)) + body + restarts.SerializeToString()
+
+
+def read_step_frame(payload: bytes) -> tuple[pb.VectorSessionRequest, pb.VectorReset | None]:
+    """The env process's side of a request frame: the request, and a step's autoresets
+    (:func:`step_frame`; None for any other frame)."""
+    if payload[:1] != bytes((_STEP_MARK,)):
+        return pb.VectorSessionRequest.FromString(payload), None
+    _, length = STEP_HEAD.unpack_from(payload)
+    start = STEP_HEAD.size
+    request = pb.VectorSessionRequest.FromString(payload[start : start + length])
+    return request, pb.VectorReset.FromString(payload[start + length :])
 
 
 def reset_frame(

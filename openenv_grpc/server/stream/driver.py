@@ -7,6 +7,11 @@ wire's answers; the driver owns what both need once:
 
 - each env's bookkeeping (episode id, step count, its :class:`~.phases.Phase`), so the
   phase machine, the autoreset books and what a failure does to an episode live here;
+- the autoresets of a loop batch: each step carries them (``batch.Autoresets``): under
+  NEXT_STEP the envs stepped whose episodes ended (their phase) and the ids of the
+  episodes they start, under SAME_STEP an id for every env stepped, and the options of
+  each env's last reset by the client (kept here; a restore drops them). The batch keeps
+  no autoreset state; a native batch makes its own autoresets;
 - the envs lost with their env process (``--isolated``): the batch calls report them
   (``calls.Losses``), they are LOST here, and the driver says what a request naming one
   gets (:meth:`Driver.book_lost`);
@@ -31,10 +36,12 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
+from google.protobuf import any_pb2
+from google.protobuf.message import Message
 
 from openenv_grpc.environment import AutoresetMode
 from openenv_grpc.server.errors import RequestError, RowError, describe, qualname
-from openenv_grpc.server.local.batch import BatchOutcome
+from openenv_grpc.server.local.batch import NO_AUTORESETS, Autoresets, BatchOutcome
 from openenv_grpc.server.local.calls import (
     BatchCalls,
     BatchRefused,
@@ -75,6 +82,8 @@ _UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED.value[0]
 _REPLACED = {_UNAVAILABLE, _DEADLINE_EXCEEDED}
 #: Envs whose states (or snapshots) a large command reads first, to measure their size.
 _STATE_PROBE = 4
+#: The phases of an ended episode (under NEXT_STEP, its next step autoresets it).
+_ENDED = (Phase.TERMINATED, Phase.TRUNCATED)
 
 
 @dataclass(slots=True)
@@ -113,8 +122,8 @@ class Driver:
 
     __slots__ = (
         "_calls", "_closing", "_held", "_lost", "_max_response", "_metrics", "_mode",
-        "_orphan", "_quiet", "_seal", "_size", "_spec", "_steppable", "_words", "all",
-        "ends", "episode_ids", "phases", "step_counts",
+        "_options", "_orphan", "_quiet", "_seal", "_size", "_spec", "_steppable",
+        "_wire_options", "_words", "all", "ends", "episode_ids", "phases", "step_counts",
     )  # fmt: skip
 
     def __init__(
@@ -164,6 +173,10 @@ class Driver:
         #: The envs in Phase.LOST (index -> what it is told, the phase its client knows):
         #: an env is here exactly when its phase is LOST.
         self._lost: dict[int, _Lost] = {}
+        #: Env index -> the options of its last reset by the client (decoded, and as they
+        #: came on the wire), which its autoresets use; absent: none (or a restore since).
+        self._options: dict[int, Message] = {}
+        self._wire_options: dict[int, any_pb2.Any] = {}
         if isinstance(calls, LosesEnvs):
             calls.report_losses(self)
 
@@ -390,6 +403,8 @@ class Driver:
         # Should the stream end while the envs step, their steps are booked and counted
         # all the same (an env in a thread finishes its step); else its answer counts them.
         args.orphaned = self._orphan
+        if self._mode is not AutoresetMode.DISABLED:
+            args.autoresets = self._autoresets(args.indices)
         try:
             outcome = await self._calls.step(args) if args.indices else BatchOutcome()
         except BatchRefused as err:
@@ -400,6 +415,31 @@ class Driver:
             outcome.errors = told
         seconds = time.perf_counter() - started
         return outcome, self._book_step(outcome), seconds
+
+    def _autoresets(self, indices: Sequence[int]) -> Autoresets:
+        """The autoresets a step of ``indices`` makes (a loop batch's; a native batch makes
+        its own): under NEXT_STEP the envs whose episodes ended, under SAME_STEP every env
+        (the id is used if its episode ends), each with a fresh episode id and the options
+        of its last reset by the client."""
+        if self._calls.native:
+            return NO_AUTORESETS
+        if self._mode is AutoresetMode.SAME_STEP:
+            ids = {index: new_episode_id() for index in indices}
+        else:
+            phases = self.phases
+            if Phase.TERMINATED not in phases and Phase.TRUNCATED not in phases:
+                return NO_AUTORESETS
+            ids = {index: new_episode_id() for index in indices if phases[index] in _ENDED}
+            if not ids:
+                return NO_AUTORESETS
+        options, wire = self._options, self._wire_options
+        if not options:
+            return Autoresets(ids)
+        return Autoresets(
+            ids,
+            {index: options[index] for index in ids if index in options},
+            {index: wire[index] for index in ids if index in wire},
+        )
 
     def _orphaned(self, outcome: BatchOutcome, seconds: float) -> None:
         """Book a step the envs completed (in ``seconds``) after its request was given up,
@@ -432,10 +472,30 @@ class Driver:
             ids[index] = chosen[index]
             counts[index] = 0
             phases[index] = ended_phase(terminated, truncated)
+        if self._mode is not AutoresetMode.DISABLED:
+            self._keep_options(args, outcome.rows)
         self._book_errors(outcome.errors)
         # Only a reset that succeeded gave a LOST env an episode; a failed one did not.
         self._still_lost({i: e for i, e in found.items() if i in outcome.errors})
         return outcome
+
+    def _keep_options(self, args: ResetArgs, rows: Sequence[int]) -> None:
+        """The envs of ``rows`` were reset by ``args``: their autoresets use its options."""
+        options, wire = self._options, self._wire_options
+        position = {index: k for k, index in enumerate(args.indices)}
+        for index in rows:
+            k = position[index]
+            option = args.options[k]
+            if option is None:
+                options.pop(index, None)
+                wire.pop(index, None)
+            else:
+                options[index] = option
+                wired = args.wire_options[k]
+                if wired is None:
+                    wire.pop(index, None)
+                else:
+                    wire[index] = wired
 
     async def query(self, name: str, indices: Sequence[int]) -> tuple[BatchStates, int]:
         """Each env's answer to query ``name`` (``queries.py``) and their bytes, read no
@@ -524,6 +584,9 @@ class Driver:
                 ids[index] = one.episode_id
                 counts[index] = one.step_count
                 phases[index] = RESTORED_PHASE[one.phase]
+                # Its autoresets use no options: the slot's belong to the episode replaced.
+                self._options.pop(index, None)
+                self._wire_options.pop(index, None)
                 out.rows.append(index)
         self._book_errors(failed)
         self._still_lost({i: e for i, e in found.items() if i in failed})
@@ -685,8 +748,11 @@ class Driver:
         self.step_counts = [
             0 if auto else count + 1 for count, auto in zip(self.step_counts, marks, strict=True)
         ]
+        # A loop's NEXT_STEP autoreset row has the new episode's first flags: ended there,
+        # its next step autoresets it again (see _restart_ends).
+        restart_ends = self._restart_ends()
         self.phases = [
-            running if auto else ended if term else cut if trunc else running
+            running if auto and not restart_ends else ended if term else cut if trunc else running
             for term, trunc, auto in zip(terminated, truncated, marks, strict=True)
         ]
         ids, new_ids = self.episode_ids, outcome.new_episode_ids
@@ -710,6 +776,7 @@ class Driver:
                 phases[index] = ended_phase(terminated, truncated)
             return len(outcome.rows)
         same_step = self._mode is AutoresetMode.SAME_STEP
+        restart_ends = self._restart_ends()
         new_ids = outcome.new_episode_ids
         for index, terminated, truncated, auto in zip(
             outcome.rows, outcome.terminated, outcome.truncated, marks, strict=True
@@ -717,13 +784,21 @@ class Driver:
             if auto:  # a new episode began: the row's observation is its first
                 ids[index] = new_ids.get(index) or new_episode_id()
                 counts[index] = 0
-                phases[index] = Phase.RUNNING
+                phases[index] = (
+                    ended_phase(terminated, truncated) if restart_ends else Phase.RUNNING
+                )
                 stepped += same_step  # SAME_STEP's row also took the ending step
             else:
                 counts[index] += 1
                 phases[index] = ended_phase(terminated, truncated)
                 stepped += 1
         return stepped
+
+    def _restart_ends(self) -> bool:
+        """A loop batch's NEXT_STEP autoreset row carries its reset's flags: an episode that
+        ended as it began is ended (its next step autoresets it again), as a client reset's
+        is. (A native batch's autoresets are its own: its rows start RUNNING.)"""
+        return self._mode is AutoresetMode.NEXT_STEP and not self._calls.native
 
     def _book_errors(self, errors: dict[int, RowError], stepping: bool = False) -> None:
         # An env may keep its episode after a step that raised (step_errors_end_episode).
@@ -748,3 +823,5 @@ class Driver:
         self.phases[index] = Phase.NO_EPISODE
         self.episode_ids[index] = ""
         self.step_counts[index] = 0
+        self._options.pop(index, None)
+        self._wire_options.pop(index, None)
