@@ -79,7 +79,7 @@ def test_only_the_ended_envs_named_are_autoreset(server) -> None:
         assert len(set(out.episode_ids)) == 4
 
 
-def test_same_step_autoresets_with_the_drivers_ids(server) -> None:
+def test_same_step_autoresets_start_the_episodes_their_answers_name(server) -> None:
     with EchoVectorEnv(server.target, 3, autoreset=AutoresetMode.SAME_STEP) as envs:
         start = envs.reset(options=[EchoResetOptions(max_steps=n) for n in (1, 2, 0)])
         one = envs.step(say("a", "b", "c"))

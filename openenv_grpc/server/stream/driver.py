@@ -418,13 +418,20 @@ class Driver:
 
     def _autoresets(self, indices: Sequence[int]) -> Autoresets:
         """The autoresets a step of ``indices`` makes (a loop batch's; a native batch makes
-        its own): under NEXT_STEP the envs whose episodes ended, under SAME_STEP every env
-        (the id is used if its episode ends), each with a fresh episode id and the options
-        of its last reset by the client."""
+        its own): under NEXT_STEP the envs whose episodes ended, each with a fresh episode
+        id, under SAME_STEP every env stepped (should its episode end at this step), each
+        with the options of its last reset by the client. A SAME_STEP autoreset's id is
+        made where it happens and reported in the outcome: an id for every env on every
+        step would cost each step of N envs N ids (and, isolated, N ids in its frame) for
+        the few episodes that end."""
         if self._calls.native:
             return NO_AUTORESETS
         if self._mode is AutoresetMode.SAME_STEP:
-            ids = {index: new_episode_id() for index in indices}
+            kept = self._options
+            # No id ("": made where the autoreset happens); only the envs with options.
+            ids = {index: "" for index in indices if index in kept} if kept else {}
+            if not ids:
+                return NO_AUTORESETS
         else:
             phases = self.phases
             if Phase.TERMINATED not in phases and Phase.TRUNCATED not in phases:
