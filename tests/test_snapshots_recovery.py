@@ -16,9 +16,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from openenv_grpc.client import Recovery, SessionLost
+from openenv_grpc.client.channel import channel_options
 from openenv_grpc.testing import ServerProcess
 from openenv_grpc_envs.echo import AsyncEchoEnv, EchoAction, EchoEnv, EchoResetOptions
 
@@ -178,7 +180,15 @@ def test_what_cannot_be_recovered_is_raised_as_the_loss(servers: list[ServerProc
             env.step(EchoAction(message="two"))
     gone = serve()
     servers.append(gone)
-    with EchoEnv(gone.target, recovery=Recovery(within=1.5)) as env:
+    # The session's own channel, with a short reconnect backoff: after the kill its
+    # backoff would otherwise grow past the recovery's 1.5 s (1, 1.6, 2.6 s, ...), and
+    # the call after the server is back could fall between two reconnects.
+    own = grpc.insecure_channel(
+        gone.target,
+        options=[*channel_options(), ("grpc.initial_reconnect_backoff_ms", 100),
+                 ("grpc.min_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 200)],
+    )  # fmt: skip
+    with own, EchoEnv(own, recovery=Recovery(within=1.5)) as env:
         env.reset(seed=SEED, options=EchoResetOptions(max_steps=50))
         trajectory = [_entry(env, MESSAGES[0])]
         kill(gone)
