@@ -46,7 +46,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from openenv_grpc.client.channel import auth_metadata, channel_options, round_robin_options
 from openenv_grpc.client.errors import InfoUnavailable
 from openenv_grpc.client.info import fetch_info
-from openenv_grpc.client.recovery import Recovery
+from openenv_grpc.client.recovery import Recovery, run_blocking
 from openenv_grpc.client.sync_session import SyncStream
 from openenv_grpc.metadata import SERVICE_NAME
 from openenv_grpc.v1 import session_pb2 as pb
@@ -202,8 +202,7 @@ class Fleet:
         loop = asyncio.get_running_loop()
         channel = self._aio.get(loop)
         if channel is None:
-            for gone in [other for other in self._aio if other.is_closed()]:
-                del self._aio[gone]  # its channel went with its loop
+            self._close_orphans()
             options = [*channel_options(), *fleet_options()]
             channel = (
                 grpc.aio.insecure_channel(self._target, options=options)
@@ -381,22 +380,34 @@ class Fleet:
         """
         self.wait_ready()
 
+    def _close_orphans(self) -> None:
+        """Close the asyncio channels, current or retired, of loops that are closed: no
+        session can use them any more, yet each holds its connections until closed."""
+        orphans = [(loop, channel) for loop, channel in self._aio.items() if loop.is_closed()]
+        for loop, _ in orphans:
+            del self._aio[loop]
+        orphans += [(loop, channel) for loop, channel in self._aio_retired if loop.is_closed()]
+        self._aio_retired = [(o, c) for o, c in self._aio_retired if not o.is_closed()]
+        for _, channel in orphans:
+            _close_off_loop(channel)
+
     def stop(self) -> None:
         """Close the fleet's channels (their streams end). Safe to call twice. An asyncio
         channel whose loop is running is closed by a task on it (``await``
-        :meth:`aclose` to wait for it); one whose loop is closed went with it."""
+        :meth:`aclose` to wait for it); one whose loop is closed or not running is
+        closed here."""
         channels = [*self._retired, *([self._channel] if self._channel else [])]
         self._retired, self._channel = [], None
         for channel in channels:
             channel.close()
         aio, self._aio, self._aio_retired = [*self._aio_retired, *self._aio.items()], {}, []
         for loop, aio_channel in aio:
-            if loop.is_closed():
-                continue
             if loop.is_running():
                 loop.call_soon_threadsafe(loop.create_task, aio_channel.close())
             else:
-                loop.run_until_complete(aio_channel.close())
+                # Not loop.run_until_complete: another loop may be running in this thread
+                # (``aclose`` on a second loop comes here), and a closed loop cannot run.
+                _close_off_loop(aio_channel)
 
     async def aclose(self) -> None:
         """Close the fleet's channels, waiting for the running loop's asyncio channels."""
@@ -433,6 +444,13 @@ class Fleet:
         tb: TracebackType | None,
     ) -> None:
         await self.aclose()
+
+
+def _close_off_loop(channel: grpc.aio.Channel) -> None:
+    """Close an asyncio channel whose loop is not running. Without a grace its close
+    awaits nothing (it cancels the channel's calls and destroys it), so it runs to its
+    end here, with no loop."""
+    run_blocking(channel.close())
 
 
 def fleet_options() -> list[tuple[str, Any]]:
