@@ -81,6 +81,7 @@ class OpenEnvDoor:
         limits = GatewayLimits.from_config(config, budget=server.sessions.budget)
         self.gateway = gateway = OpenEnvGateway(
             LocalStub(servicer.Session),  # type: ignore[arg-type]
+            servicer.Session,
             info,
             config.auth_token or None,
             limits,

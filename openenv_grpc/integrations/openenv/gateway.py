@@ -9,14 +9,17 @@ simulation mode: ``WS /ws`` frames ``{"type": "reset" | "step" | "state" | "clos
 a session; ``/health``, ``/metadata``, ``/schema`` (for a bridged env its own models'
 schemas and ``get_metadata()``: :mod:`.published`).
 
-Each WebSocket is one real gRPC ``Session`` on the local server, opened over loopback
-when the socket connects and closed when it goes: the capacity limiter, the auth token
-(the client's ``Authorization: Bearer`` header is passed on), idle timeouts, drain and
-metrics are exactly the gRPC ones, and a full server answers with OpenEnv's own
-``CAPACITY_REACHED`` frame. JSON actions become the env's typed action through the Info
-RPC's descriptors (:mod:`openenv_grpc.integrations.json_view`): native envs and bridged
-OpenEnv envs alike. A frame that is not JSON, an action that does not fit, or an env
-error is an error frame, and the session goes on, as with OpenEnv.
+Every session is a Session stream of this process's core: a ``/ws`` socket's own task
+runs its stream (:mod:`.socket_wire`: no client library or second task between the
+socket and the env); held ``/mcp`` sessions, the stateless calls and ``WS /mcp`` open
+theirs through the in-process stub. So the capacity limiter, the token check (the gRPC
+port's own), idle timeouts, drain, the byte budget and metrics are exactly the gRPC ones,
+and a full server answers with OpenEnv's own ``CAPACITY_REACHED`` frame. Frames and tool
+calls are answered by the programs of :mod:`.frames`, the same on either kind of session.
+JSON actions become the env's typed action through the Info RPC's descriptors
+(:mod:`openenv_grpc.integrations.json_view`): native envs and bridged OpenEnv envs alike.
+A frame that is not JSON, an action that does not fit, or an env error is an error frame,
+and the session goes on, as with OpenEnv.
 
 Differences from OpenEnv (docs/from-openenv.md lists them, and
 tests/test_openenv_differential.py checks every other answer is OpenEnv's): reset keyword
@@ -43,28 +46,36 @@ import hashlib
 import hmac
 import json
 import logging
-import math
 import os
 import secrets
 import types
-import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
 from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse
-from google.protobuf import json_format
 from starlette.requests import ClientDisconnect
 
 from openenv_grpc.client import AsyncSession, CapacityError, EnvError, OpenEnvError, SessionLost
 from openenv_grpc.client.errors import SessionRefused
 from openenv_grpc.client.info import message_classes
-from openenv_grpc.codec import value_to_python
-from openenv_grpc.integrations.json_view import JsonViewError, from_json, to_json
+from openenv_grpc.client.protocol import SessionTypes
+from openenv_grpc.integrations.json_view import JsonViewError, from_json
+from openenv_grpc.integrations.openenv.frames import (
+    FrameAnswers,
+    error_frame,
+    parse_frame,
+    rpc_error,
+    rpc_request_problem,
+    rpc_result,
+    run_on,
+    state_data,
+)
 from openenv_grpc.integrations.openenv.gateway_limits import SMALL_BYTES as _SMALL
 from openenv_grpc.integrations.openenv.gateway_limits import GatewayLimits
 from openenv_grpc.integrations.openenv.published import openenv_metadata, openenv_schemas
+from openenv_grpc.integrations.openenv.socket_wire import SocketWire
 from openenv_grpc.integrations.trl.tools import find_tool_fields
 from openenv_grpc.server.process.auth import AUTHORIZATION_KEY, TokenAuthInterceptor
 from openenv_grpc.server.process.limiter import SessionLimiter
@@ -75,9 +86,6 @@ __all__ = ["OpenEnvGateway"]
 log = logging.getLogger("openenv_grpc.gateway")
 
 
-#: Reset keywords that are the session's own, not the env's reset options.
-_SESSION_KEYS = ("seed", "episode_id")
-
 #: gRPC codes an OpenEnv client reads as a bad request rather than a failing env.
 _VALIDATION = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION}
 
@@ -86,10 +94,6 @@ _VALIDATION = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDI
 _CLOSE_POLICY, _CLOSE_IDLE, _CLOSE_DRAIN = 1008, 1001, 1012
 
 _UNAUTHORIZED = {"detail": "missing or wrong bearer token"}
-
-
-def _error(code: str, message: str, **extra: Any) -> str:
-    return json.dumps({"type": "error", "data": {"message": message, "code": code, **extra}})
 
 
 def openenv_mode() -> str:
@@ -133,7 +137,10 @@ class OpenEnvGateway:
 
     Args:
         stub: Opens the core's Session streams in this process (a
-            :class:`~openenv_grpc.server.stream.local_wire.LocalStub`).
+            :class:`~openenv_grpc.server.stream.local_wire.LocalStub`): held ``/mcp``
+            sessions, stateless calls and ``WS /mcp``.
+        session_handler: The servicer's ``Session`` handler: each ``/ws`` socket's own
+            task runs its stream with it (:mod:`.socket_wire`).
         info: The server's Info answer (names, descriptors, capacity).
         token: The server's ``AUTH_TOKEN``, if any: every route but ``/health`` and every
             WebSocket want it as a bearer token, checked by the gRPC port's own check.
@@ -143,6 +150,7 @@ class OpenEnvGateway:
     def __init__(
         self,
         stub: Any,
+        session_handler: Callable[[Any, Any], Awaitable[None]],
         info: pb.InfoResponse,
         token: str | None = None,
         limits: GatewayLimits | None = None,
@@ -154,10 +162,12 @@ class OpenEnvGateway:
         self.limits = limits or GatewayLimits()
         self._limiter = limiter
         self._stub = stub
+        self._session_handler = session_handler
         classes = message_classes(info)
         self._action = classes["action"]
-        self._reset_options = classes.get("reset_options")
-        roles = (classes["action"], classes["observation"], classes["state"], self._reset_options)
+        roles = (classes["action"], classes["observation"], classes["state"],
+                 classes.get("reset_options"))  # fmt: skip
+        self._types = SessionTypes(*roles)
         self._session_class: Any = types.new_class(
             "GatewaySession",
             (AsyncSession[roles],),  # type: ignore[valid-type,misc]
@@ -172,9 +182,11 @@ class OpenEnvGateway:
         #: Closes of sockets whose sessions the core ended (referenced until done).
         self._closers: set[asyncio.Future[None]] = set()
         self.draining = False
-        self._tool_fields = find_tool_fields(
+        tool_fields = find_tool_fields(
             classes["action"].DESCRIPTOR, classes["observation"].DESCRIPTOR
         )
+        #: What every frame and tool call is answered with, on any session.
+        self.answers = FrameAnswers(self._action, roles[3], tool_fields, self._mcp)
         # No /docs, /redoc, /openapi.json: they answered without a token (issue 37).
         self.app = FastAPI(
             title=f"{info.env_name} (openenv-grpc)",
@@ -259,12 +271,12 @@ class OpenEnvGateway:
             try:
                 call = json.loads(body)
             except (ValueError, RecursionError):  # not JSON, 5,000 digits, too deep
-                return _rpc_error(None, -32700, "Parse error")
+                return rpc_error(None, -32700, "Parse error")
             if not isinstance(call, dict):  # OpenEnv: JsonRpcRequest(**call) fails to parse
-                return _rpc_error(None, -32700, "Parse error")
-            problem = _rpc_request_problem(call)
+                return rpc_error(None, -32700, "Parse error")
+            problem = rpc_request_problem(call)
             if problem:
-                return _rpc_error(None, -32600, f"Invalid request: {problem}")
+                return rpc_error(None, -32600, f"Invalid request: {problem}")
             return await self._mcp(call, _bearer(request.headers.get("authorization")))
 
     def _simulation_routes(self) -> None:
@@ -306,9 +318,10 @@ class OpenEnvGateway:
         try:
             async with self._one_call_session(_bearer(header)) as session:
                 if route == "reset":
-                    return self._http_observation(await self._reset(session, payload))
+                    result = await run_on(session, self.answers.reset(payload))
+                    return self._http_observation(result)
                 if route == "state":  # a fresh env's state, as OpenEnv's (no reset)
-                    return self._state_data(session, await self._fresh_state(session))
+                    return state_data(session, await self._fresh_state(session))
                 await session.reset()
                 action = from_json(payload["action"], self._action, "action")
                 return self._http_observation(await session.step(action))
@@ -338,15 +351,8 @@ class OpenEnvGateway:
     def _http_observation(self, result: Any) -> dict[str, Any]:
         """A step result as OpenEnv's ``ResetResponse`` / ``StepResponse`` (``metadata``
         always there, null when none)."""
-        data = self._observation_data(result)
+        data = self.answers.observation_data(result)
         data.setdefault("metadata", None)
-        return data
-
-    @staticmethod
-    def _state_data(session: Any, state: Any) -> dict[str, Any]:
-        data = to_json(state)
-        data.setdefault("episode_id", session.episode_id or None)
-        data.setdefault("step_count", session.step_count)
         return data
 
     async def _body(self, request: Request) -> bytes | JSONResponse:
@@ -459,7 +465,7 @@ class OpenEnvGateway:
         own (the same auth, limiter, message cap and idle timeout as ``/ws``)."""
         header = websocket.headers.get("authorization")
         if not self._authorized(header):
-            refused = _rpc_error(None, -32000, "UNAUTHENTICATED: missing or wrong bearer token")
+            refused = rpc_error(None, -32000, "UNAUTHENTICATED: missing or wrong bearer token")
             await _send(websocket, json.dumps(refused))
             await _close(websocket, _CLOSE_POLICY)
             return
@@ -472,11 +478,11 @@ class OpenEnvGateway:
                     answer = await self._jsonrpc_message(session, raw, own_id, token)
                     await websocket.send_text(json.dumps(answer))
         except _NoRoom as exc:
-            await _send(websocket, json.dumps(_rpc_error(None, -32000, exc.message, exc.data)))
+            await _send(websocket, json.dumps(rpc_error(None, -32000, exc.message, exc.data)))
         except WebSocketDisconnect:
             pass  # the client went: the session closes with the block above
         except SessionLost as exc:
-            lost = _rpc_error(None, -32000, f"{exc.code.name}: {exc.message}")
+            lost = rpc_error(None, -32000, f"{exc.code.name}: {exc.message}")
             await _send(websocket, json.dumps(lost))
         finally:
             await _close(websocket, *self._closing())
@@ -487,28 +493,28 @@ class OpenEnvGateway:
         """The JSON-RPC answer to one ``WS /mcp`` message; never raises for what the
         client sent. Raises SessionLost if the session's stream ended."""
         if raw is None:
-            return _rpc_error(None, -32700, "Parse error: a binary frame; send JSON text")
+            return rpc_error(None, -32700, "Parse error: a binary frame; send JSON text")
         try:
             call = json.loads(raw)
         except (ValueError, RecursionError) as exc:
-            return _rpc_error(None, -32700, f"Parse error: {str(exc)[:200]}")
+            return rpc_error(None, -32700, f"Parse error: {str(exc)[:200]}")
         if not isinstance(call, dict):
-            return _rpc_error(None, -32600, "Invalid request: expected a JSON object")
-        problem = _rpc_request_problem(call)
+            return rpc_error(None, -32600, "Invalid request: expected a JSON object")
+        problem = rpc_request_problem(call)
         if problem:
-            return _rpc_error(None, -32600, f"Invalid request: {problem}")
+            return rpc_error(None, -32600, f"Invalid request: {problem}")
         try:
-            return await self._mcp_on(session, call, own_id, token)
+            return await run_on(session, self.answers.mcp_on(session, call, own_id, token))
         except SessionLost:
             raise
         except Exception as exc:  # a bug here must not end the client's session
             log.exception("the OpenEnv gateway failed to answer a WS /mcp message")
-            return _rpc_error(call.get("id"), -32603, f"{type(exc).__name__}: {exc}")
+            return rpc_error(call.get("id"), -32603, f"{type(exc).__name__}: {exc}")
 
     async def _serve_accepted(self, websocket: WebSocket) -> None:
         token = _bearer(websocket.headers.get("authorization"))
         if not self._authorized(websocket.headers.get("authorization")):
-            await _send(websocket, _error("SESSION_ERROR", "UNAUTHENTICATED: missing or wrong "
+            await _send(websocket, error_frame("SESSION_ERROR", "UNAUTHENTICATED: missing or wrong "
                                           "bearer token"))  # fmt: skip
             await _close(websocket, _CLOSE_POLICY)
             return
@@ -516,7 +522,9 @@ class OpenEnvGateway:
         if attach:  # MCPToolClient: the session its HTTP /mcp call made
             held = self._find(attach, token)
             if held is None:
-                await _send(websocket, _error("SESSION_ERROR", f"Unknown session_id: {attach}"))
+                await _send(
+                    websocket, error_frame("SESSION_ERROR", f"Unknown session_id: {attach}")
+                )
                 await _close(websocket)
                 return
             try:
@@ -528,40 +536,37 @@ class OpenEnvGateway:
             finally:
                 await _close(websocket, *self._closing())
             return
-        session = self._session_class(self._socket_stub(websocket))
+        # The id an mcp frame's openenv/session/create answers: the socket's own.
+        wire = SocketWire(websocket, self.answers, self._types, secrets.token_urlsafe(24), token)
         try:
-            await session.open()
-        except CapacityError as exc:
+            await self._session_handler(None, wire)
+        except grpc.aio.AbortError:
+            await self._ended(websocket, wire)
+            return
+        await _close(websocket, *self._closing())
+
+    async def _ended(self, websocket: WebSocket, wire: SocketWire) -> None:
+        """Tell a socket how the core ended its stream, and close it: a full server's
+        ``CAPACITY_REACHED``, a refusal's or a lost session's error frame (to a client
+        waiting for an answer), an idle session's close 1001."""
+        assert wire.status is not None
+        code, details = wire.status
+        if not wire.admitted and code is grpc.StatusCode.RESOURCE_EXHAUSTED:
             active, limit = await self._capacity()
-            await _send(
-                websocket,
-                _error(
-                    "CAPACITY_REACHED",
-                    f"Server at capacity: {active}/{limit} sessions active. Cannot accept "
-                    f"new connections. ({exc.message})",
-                    active_sessions=active,
-                    max_sessions=limit,
-                ),
-            )
+            await _send(websocket, error_frame(
+                "CAPACITY_REACHED",
+                f"Server at capacity: {active}/{limit} sessions active. Cannot accept new "
+                f"connections. ({details})",
+                active_sessions=active, max_sessions=limit,
+            ))  # fmt: skip
             await _close(websocket)
             return
-        except SessionRefused as exc:
-            await _send(websocket, _error("SESSION_ERROR", f"{exc.code.name}: {exc.message}"))
-            await _close(websocket)
+        if wire.admitted and code is grpc.StatusCode.DEADLINE_EXCEEDED and not wire.in_flight:
+            await _close(websocket, _CLOSE_IDLE, "idle timeout")
             return
-        try:
-            # The id an mcp frame's openenv/session/create answers: the socket's own.
-            await self._loop(websocket, session, secrets.token_urlsafe(24), token)
-        except WebSocketDisconnect:
-            pass  # the client went: the session closes below
-        except SessionLost as exc:
-            await _send(websocket, _error("SESSION_ERROR", f"{exc.code.name}: {exc.message}"))
-        finally:
-            with contextlib.suppress(Exception):
-                await session.close()
-            if session.is_open:
-                await session.abort()
-            await _close(websocket, *self._closing())
+        if not wire.admitted or wire.in_flight:
+            await _send(websocket, error_frame("SESSION_ERROR", f"{code.name}: {details}"))
+        await _close(websocket, *self._closing())
 
     def _socket_stub(self, websocket: WebSocket) -> Any:
         """The stub of a socket's own session: when the core ends the session as idle,
@@ -619,138 +624,71 @@ class OpenEnvGateway:
         raw = await self._receive(websocket, timed=held is not None)
         if held is not None and held.closed:  # closed meanwhile: so is the socket
             return None
-        if raw is None:
-            return _error("INVALID_JSON", "Invalid JSON: a binary frame; send JSON text")
-        try:
-            message = json.loads(raw)
-        except (ValueError, RecursionError) as exc:  # 5,000 digits, nesting too deep
-            return _error("INVALID_JSON", f"Invalid JSON: {exc}")
+        frame = parse_frame(raw)
         del raw
-        if not isinstance(message, dict):
-            return _error("VALIDATION_ERROR", "expected a JSON object with a 'type', got "
-                          f"{type(message).__name__}", errors=[])  # fmt: skip
-        kind = message.get("type", "")
+        if isinstance(frame, str):
+            return frame
+        kind, data = frame
         if kind == "close":
             return None
-        data = message.get("data")
+        program = self.answers.frame(session, kind, data, own_id, token)
         if held is None:
-            return await self._answer(session, kind, data, own_id, token)
+            return await run_on(session, program)
         async with held.lock:  # one call at a time on a session /mcp shares
             try:
-                return await self._answer(session, kind, data, own_id, token)
+                return await run_on(session, program)
             finally:
                 held.last_used = asyncio.get_running_loop().time()
-
-    async def _answer(
-        self, session: Any, kind: str, data: Any, own_id: str = "", token: str | None = None
-    ) -> str:
-        """The frame answering one request; never raises for what the client sent."""
-        try:
-            if kind == "mcp":
-                return await self._mcp_frame(session, data, own_id, token)
-            if kind == "reset":
-                return self._observation(
-                    await self._reset(session, data if data is not None else {})
-                )
-            if kind == "step":
-                action = from_json(data if data is not None else {}, self._action, "action")
-                if not session.episode_id:  # OpenEnv steps a fresh env; ours needs a reset
-                    await session.reset()
-                return self._observation(await session.step(action))
-            if kind == "state":
-                state = self._state_data(session, await session.state())
-                return json.dumps({"type": "state", "data": state})
-            return _error("UNKNOWN_TYPE", f"Unknown message type: {str(kind)[:200]}")
-        except (JsonViewError, TypeError, ValueError, RecursionError) as exc:
-            return _error("VALIDATION_ERROR", str(exc)[:2000], errors=[{"msg": str(exc)[:2000]}])
-        except EnvError as exc:
-            code = "VALIDATION_ERROR" if exc.code in _VALIDATION else "EXECUTION_ERROR"
-            return _error(code, exc.message)
-        except SessionLost:
-            raise
-        except OpenEnvError as exc:
-            return _error("EXECUTION_ERROR", f"{exc.code.name}: {exc.message}")
-        except Exception as exc:  # a bug here must not end the client's session
-            log.exception("the OpenEnv gateway failed to answer a %s frame", kind)
-            return _error("EXECUTION_ERROR", f"{type(exc).__name__}: {exc}")
-
-    def _observation(self, result: Any) -> str:
-        """OpenEnv's observation frame for a step result."""
-        return json.dumps({"type": "observation", "data": self._observation_data(result)})
-
-    def _observation_data(self, result: Any) -> dict[str, Any]:
-        """OpenEnv's ``serialize_observation`` of a step result; a tools-protocol env's
-        tool list as OpenEnv's ``ListToolsObservation`` has it (a list of tools), so MCP
-        clients read it."""
-        data = _observation_data(result)
-        fields = self._tool_fields
-        if fields is not None:
-            observation = data["observation"]
-            listed = observation.pop(fields.tools, None)
-            if listed and listed.get("tools"):
-                observation["tools"] = listed["tools"]
-        return data
-
-    async def _reset(self, session: Any, data: Any) -> Any:
-        if not isinstance(data, dict):
-            raise JsonViewError("reset", f"expected an object of keyword arguments, got {data!r}")
-        seed, episode_id = data.get("seed"), data.get("episode_id")
-        rest = {k: v for k, v in data.items() if k not in _SESSION_KEYS}
-        options = None
-        if rest:
-            if self._reset_options is None:
-                raise JsonViewError("reset", f"this env takes no reset options: {sorted(rest)}")
-            options = from_json(_spill(rest, self._reset_options), self._reset_options, "reset")
-        return await session.reset(seed=seed, episode_id=episode_id, options=options)
 
     async def _mcp(self, call: dict[str, Any], token: str | None) -> dict[str, Any]:
         """One JSON-RPC call of OpenEnv's HTTP /mcp (session create/close, tools)."""
         method, ident = call["method"], call.get("id")
         params = call.get("params") or {}
         if not isinstance(params, dict):
-            return _rpc_error(ident, -32602, "Params must be an object")
+            return rpc_error(ident, -32602, "Params must be an object")
         if method == "openenv/session/create":
             session = self._session_class(self._stub)
             try:
                 await session.open()
             except CapacityError:
                 active, limit = await self._capacity()
-                return _rpc_error(
+                return rpc_error(
                     ident, -32000,
                     f"Server at capacity: {active}/{limit} sessions active. Cannot accept "
                     "new connections.",
                     {"active_sessions": active, "max_sessions": limit},
                 )  # fmt: skip
             except SessionRefused as exc:
-                return _rpc_error(ident, -32000, f"{exc.code.name}: {exc.message}")
+                return rpc_error(ident, -32000, f"{exc.code.name}: {exc.message}")
             # A random capability of its own, not the gRPC session id the server logs.
             session_id = secrets.token_urlsafe(24)
             loop = asyncio.get_running_loop()
             self._held[session_id] = _Held(session, _owner(token), last_used=loop.time())
-            return _rpc_result(ident, {"session_id": session_id})
+            return rpc_result(ident, {"session_id": session_id})
         requested = params.get("session_id")
         session_id = str(requested or "")
         held = self._find(session_id, token)
         if method == "openenv/session/close":
             if not requested:
-                return _rpc_error(ident, -32602, "Invalid params - 'session_id' is required")
+                return rpc_error(ident, -32602, "Invalid params - 'session_id' is required")
             if held is None:
-                return _rpc_error(ident, -32602, f"Unknown session_id: {session_id[:64]}")
+                return rpc_error(ident, -32602, f"Unknown session_id: {session_id[:64]}")
             async with held.lock:  # after the calls in flight on it
                 await self._let_go(session_id, held)
-            return _rpc_result(ident, {"session_id": session_id, "closed": True})
+            return rpc_result(ident, {"session_id": session_id, "closed": True})
         if method not in ("tools/list", "tools/call"):
-            return _rpc_error(ident, -32601, f"Method not found: {str(method)[:200]}")
+            return rpc_error(ident, -32601, f"Method not found: {str(method)[:200]}")
         if not requested:  # OpenEnv's throwaway env: here a session of its own, one call
             return await self._throwaway_call(ident, method, params, token)
         if held is None:
-            return _rpc_error(ident, -32602, f"Unknown session_id: {session_id[:64]}")
+            return rpc_error(ident, -32602, f"Unknown session_id: {session_id[:64]}")
         async with held.lock:  # one call at a time: each answer to its own request
             try:
-                return await self._tool_method(ident, method, params, held.session)
+                program = self.answers.tool_method(held.session, ident, method, params)
+                return await run_on(held.session, program)
             except SessionLost as exc:
                 await self._let_go(session_id, held)
-                return _rpc_error(ident, -32603, f"{exc.code.name}: {exc.message}")
+                return rpc_error(ident, -32603, f"{exc.code.name}: {exc.message}")
             finally:
                 held.last_used = asyncio.get_running_loop().time()
 
@@ -761,11 +699,12 @@ class OpenEnvGateway:
         alone (it takes a slot of the one limiter while it lasts) and closed after it."""
         try:
             async with self._one_call_session(token) as session:
-                return await self._tool_method(ident, method, params, session)
+                program = self.answers.tool_method(session, ident, method, params)
+                return await run_on(session, program)
         except _NoRoom as exc:
-            return _rpc_error(ident, -32000, exc.message, exc.data)
+            return rpc_error(ident, -32000, exc.message, exc.data)
         except SessionLost as exc:
-            return _rpc_error(ident, -32603, f"{exc.code.name}: {exc.message}")
+            return rpc_error(ident, -32603, f"{exc.code.name}: {exc.message}")
 
     @contextlib.asynccontextmanager
     async def _one_call_session(
@@ -795,127 +734,11 @@ class OpenEnvGateway:
             if session.is_open:
                 await session.abort()
 
-    async def _mcp_frame(self, session: Any, data: Any, own_id: str, token: str | None) -> str:
-        """The answer to a WebSocket ``{"type": "mcp"}`` frame: JSON-RPC on the socket's
-        own session (OpenEnv's ``mcp_handler`` with the session's env)."""
-        if not isinstance(data, dict):
-            return _error("VALIDATION_ERROR", "Invalid message", errors=[
-                {"type": "dict_type", "loc": ["data"], "msg": "Input should be a valid "
-                 "dictionary", "input": data}])  # fmt: skip
-        problem = _rpc_request_problem(data)
-        if problem:
-            answer = _rpc_error(None, -32600, f"Invalid request: {problem}")
-        else:
-            answer = await self._mcp_on(session, data, own_id, token)
-        return json.dumps({"type": "mcp", "data": answer})
-
-    async def _mcp_on(
-        self, session: Any, call: dict[str, Any], own_id: str, token: str | None
-    ) -> dict[str, Any]:
-        method, ident = call["method"], call.get("id")
-        params = call.get("params") or {}
-        if method == "openenv/session/create":
-            return _rpc_result(ident, {"session_id": own_id})
-        if method == "openenv/session/close":
-            target = params.get("session_id")
-            if target and str(target) == own_id:
-                return _rpc_error(ident, -32600, "Cannot close active WebSocket-managed "
-                                  "session via MCP method")  # fmt: skip
-            return await self._mcp(call, token)
-        if method not in ("tools/list", "tools/call"):
-            return _rpc_error(ident, -32601, f"Method not found: {str(method)[:200]}")
-        return await self._tool_method(ident, method, params, session)
-
-    async def _tool_method(
-        self, ident: Any, method: str, params: dict[str, Any], session: Any
-    ) -> dict[str, Any]:
-        """The answer to ``tools/list`` or ``tools/call`` on ``session``. Raises
-        SessionLost if its stream ended."""
-        try:
-            if not session.episode_id:  # OpenEnv calls tools before any reset; we need one
-                await session.reset()
-            if method == "tools/list":
-                return _rpc_result(ident, {"tools": await self._list_tools(session)})
-            name = params.get("name")
-            if not isinstance(name, str) or not name:
-                return _rpc_error(ident, -32602, "Missing 'name' in params")
-            arguments = params.get("arguments")
-            return _rpc_result(ident, await self._call_tool(session, name, arguments))
-        except SessionLost:
-            raise
-        except _ToolFailed as exc:
-            return _rpc_error(ident, -32603, str(exc))
-        except (JsonViewError, TypeError, ValueError, RecursionError) as exc:
-            return _rpc_error(ident, -32602, str(exc)[:2000])
-        except OpenEnvError as exc:
-            return _rpc_error(ident, -32603, f"{exc.code.name}: {exc.message}")
-
-    async def _list_tools(self, session: Any) -> list[dict[str, Any]]:
-        fields = self._tool_fields
-        if fields is not None:  # the tools protocol of openenv_grpc.tools (native envs)
-            action = self._action()
-            getattr(action, fields.list_call).SetInParent()
-            tools = getattr((await session.step(action)).observation, fields.tools)
-            return [
-                {
-                    "name": tool.name,
-                    "description": tool.description,
-                    "inputSchema": json_format.MessageToDict(tool.input_schema),
-                }
-                for tool in tools.tools
-            ]
-        observation = to_json(
-            (await session.step(self._mcp_action({"type": "list_tools"}))).observation
-        )
-        if "tools" not in observation:
-            raise _ToolFailed("Environment does not support MCP")
-        return [_tool_json(tool) for tool in observation["tools"] or []]
-
-    async def _call_tool(self, session: Any, name: str, arguments: Any) -> Any:
-        arguments = arguments if arguments is not None else {}
-        if not isinstance(arguments, dict):
-            raise JsonViewError("arguments", f"expected an object, got {arguments!r}")
-        fields = self._tool_fields
-        if fields is not None:
-            action = self._action()
-            call = getattr(action, fields.tool_call)
-            call.name, call.call_id = name, uuid.uuid4().hex[:12]
-            call.arguments.update(arguments)
-            observation = (await session.step(action)).observation
-            result = getattr(observation, fields.tool_result)
-            if result.is_error:
-                raise _ToolFailed(f"Tool '{name}' failed: {result.error}")
-            return {"data": value_to_python(result.content)}
-        action = self._mcp_action({"type": "call_tool", "tool_name": name, "arguments": arguments})
-        observation = to_json((await session.step(action)).observation)
-        if observation.get("error"):
-            # The env's own words, as OpenEnv's /mcp answers an MCP env's failed call.
-            raise _ToolFailed(str(observation["error"].get("message")))
-        return observation.get("result")
-
-    def _mcp_action(self, data: dict[str, Any]) -> Any:
-        return from_json(data, self._action, "action")
-
     async def _capacity(self) -> tuple[int, int]:
         limiter = self._limiter
         if limiter is None:
             return self.info.capacity.active_sessions, self.info.capacity.max_sessions
         return limiter.active, limiter.capacity
-
-
-def _spill(options: dict[str, Any], message_class: Any) -> dict[str, Any]:
-    """Reset options as the options message takes them: keywords it has no field for go
-    into its ``kwargs`` field when ``reset`` takes ``**kwargs`` (the bridge then passes
-    them to ``reset(**kwargs)``, as OpenEnv does); without one they stay, to be refused."""
-    names = {field.name for field in message_class.DESCRIPTOR.fields}
-    spill = next((name for name in ("extra_kwargs", "kwargs") if name in names), None)
-    extra = {key: value for key, value in options.items() if key not in names}
-    if spill is None or not extra:
-        return options
-    given = options.get(spill)
-    kept = {key: value for key, value in options.items() if key in names}
-    kept[spill] = {**(given if isinstance(given, dict) else {}), **extra}
-    return kept
 
 
 class _NoRoom(Exception):
@@ -930,73 +753,6 @@ def _unprocessable(message: str, *where: str) -> JSONResponse:
     """FastAPI's 422 answer, as OpenEnv's routes give it for a body that does not fit."""
     loc = [part for part in where if part]
     return JSONResponse({"detail": [{"type": "value_error", "loc": loc, "msg": message}]}, 422)
-
-
-def _rpc_request_problem(call: dict[str, Any]) -> str | None:
-    """Why ``call`` is no JSON-RPC 2.0 request as OpenEnv's ``JsonRpcRequest`` takes it
-    (None: it is one)."""
-    extra = sorted(set(call) - {"jsonrpc", "method", "params", "id"})
-    if extra:
-        return f"extra fields not permitted: {extra[:5]}"
-    if call.get("jsonrpc") != "2.0":
-        return "jsonrpc: Input should be '2.0'"
-    if not isinstance(call.get("method"), str):
-        return "method: Input should be a valid string"
-    if not isinstance(call.get("params", {}), dict):
-        return "params: Input should be a valid dictionary"
-    ident = call.get("id")
-    if ident is not None and (isinstance(ident, bool) or not isinstance(ident, (str, int))):
-        return "id: Input should be a valid string or integer"
-    return None
-
-
-class _ToolFailed(Exception):
-    """A tool answered an error (a JSON-RPC error for the caller)."""
-
-
-def _rpc_result(ident: Any, result: Any) -> dict[str, Any]:
-    return {"jsonrpc": "2.0", "result": result, "id": ident}
-
-
-def _rpc_error(ident: Any, code: int, message: str, data: Any = None) -> dict[str, Any]:
-    """A JSON-RPC error as OpenEnv writes it (``data`` always there, null when none)."""
-    return {"jsonrpc": "2.0", "id": ident, "error": {"code": code, "message": message,
-                                                     "data": data}}  # fmt: skip
-
-
-def _tool_json(tool: Any) -> dict[str, Any]:
-    """A bridged env's Tool as MCP lists it (``inputSchema``)."""
-    schema = tool.get("input_schema", tool.get("inputSchema")) or {}
-    return {"name": tool.get("name"), "description": tool.get("description") or "",
-            "inputSchema": schema}  # fmt: skip
-
-
-def _finite(value: Any) -> Any:
-    """``value`` with every NaN or infinity (which JSON cannot write) as None, as OpenEnv's
-    pydantic serialization writes them (``null``)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {key: _finite(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(item) for item in value]
-    return value
-
-
-def _observation_data(result: Any) -> dict[str, Any]:
-    """What OpenEnv's ``serialize_observation`` makes of a step result; non-finite
-    numbers in the info or the reward as ``null`` (never a bare ``NaN`` token)."""
-    observation = to_json(result.observation)
-    metadata = _finite(dict(result.info)) if result.info else {}
-    observation.setdefault("metadata", metadata)
-    data: dict[str, Any] = {
-        "observation": observation,
-        "reward": _finite(result.reward),
-        "done": bool(result.terminated or result.truncated),
-    }
-    if metadata:
-        data["metadata"] = metadata
-    return data
 
 
 def _json_schema(descriptor: Any) -> dict[str, Any]:

@@ -1,0 +1,149 @@
+"""A ``/ws`` socket is itself a Session stream of the core (``socket_wire.py``): what that
+wire promises beyond OpenEnv's frames, on real serve processes with a raw WebSocket
+client: one answer in flight per socket (frames sent back to back are answered in
+order), a frame needing several requests of the core, a close frame's close, the core
+ending a stream while the client waits (an error frame) and while it does not (a close
+frame only, nothing it could take for an answer)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import glob
+import json
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import websockets
+
+from openenv_grpc.testing import ServerProcess
+
+TESTS = Path(__file__).parent
+sys.path.insert(0, str(TESTS))
+from test_openenv_gateway import gateway_url  # noqa: E402
+
+
+@contextlib.contextmanager
+def door(*args: str) -> Iterator[tuple[ServerProcess, str]]:
+    server = ServerProcess("echo", ["--openenv-port", "0", *args], pythonpath=[TESTS])
+    try:
+        yield server, gateway_url(server).replace("http://", "ws://") + "/ws"
+    finally:
+        server.stop()
+
+
+def _step(message: str) -> str:
+    return json.dumps({"type": "step", "data": {"message": message}})
+
+
+@pytest.mark.fresh_server  # a server of its own: make test
+def test_frames_sent_back_to_back_are_answered_each_in_turn() -> None:
+    """Twenty steps written at once, the first before any reset (two requests of the
+    core: a reset, then the step): twenty observations, in order, steps 1 to 20."""
+
+    async def run(url: str) -> list[dict[str, Any]]:
+        async with websockets.connect(url) as ws:
+            for k in range(20):
+                await ws.send(_step(f"m{k}"))
+            answers = [json.loads(await ws.recv()) for _ in range(20)]
+            await ws.send(json.dumps({"type": "state"}))
+            answers.append(json.loads(await ws.recv()))
+            return answers
+
+    with door() as (_server, url):
+        answers = asyncio.run(run(url))
+    echoed = [a["data"]["observation"]["echoed_message"] for a in answers[:20]]
+    assert echoed == [f"m{k}" for k in range(20)]
+    state = answers[20]
+    assert state["type"] == "state"
+    assert state["data"]["step_count"] == 20
+    assert state["data"]["history"] == [f"m{k}" for k in range(20)]
+    assert state["data"]["episode_id"]  # the reset the first step made
+
+
+@pytest.mark.fresh_server  # a server of its own: make test
+def test_a_close_frame_closes_the_env_then_the_socket_with_1000() -> None:
+    async def run(url: str) -> int | None:
+        async with websockets.connect(url) as ws:
+            await ws.send(json.dumps({"type": "reset", "data": {}}))
+            await ws.recv()
+            await ws.send(json.dumps({"type": "close"}))
+            with pytest.raises(websockets.ConnectionClosedOK):
+                await ws.recv()  # no answer to a close: the close frame
+            return ws.close_code
+
+    with door() as (server, url):
+        opened = server.info().activity.sessions_opened
+        assert asyncio.run(run(url)) == 1000
+        server.wait_until(lambda: server.active() == 0, what="the env closed")
+        assert server.info().activity.sessions_opened == opened + 1
+
+
+@pytest.mark.fresh_server  # a server of its own: make test
+def test_a_drain_closes_an_idle_socket_with_no_frame_before_the_close() -> None:
+    """The drain ends the stream of a socket that waits for nothing: the client gets the
+    close frame (1012) and no error frame it would read as its next answer."""
+
+    async def run(url: str, server: ServerProcess) -> tuple[list[str], int | None]:
+        async with websockets.connect(url) as ws:
+            await ws.send(json.dumps({"type": "reset", "data": {}}))
+            await ws.recv()
+            server.proc.send_signal(signal.SIGTERM)
+            frames: list[str] = []
+            with contextlib.suppress(websockets.ConnectionClosed):
+                while True:
+                    frames.append(str(await ws.recv()))
+            return frames, ws.close_code
+
+    with door("--grace", "1") as (server, url):
+        frames, code = asyncio.run(run(url, server))
+        assert server.proc.wait(30) == 0
+    assert frames == []
+    assert code == 1012
+
+
+def _env_processes(server_pid: int) -> list[int]:
+    """The server's env processes (its multiprocessing children)."""
+    children: list[str] = []
+    for path in glob.glob(f"/proc/{server_pid}/task/*/children"):
+        with open(path) as listing:
+            children += listing.read().split()
+    found = []
+    for pid in children:
+        with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/cmdline", "rb") as cmd:
+            if b"spawn_main" in cmd.read():
+                found.append(int(pid))
+    return found
+
+
+@pytest.mark.fresh_server  # a server of its own: make test
+def test_a_session_lost_under_a_frame_answers_that_frame_then_closes() -> None:
+    """``--isolated``: the env process of a socket's session is killed; the socket's next
+    frame is answered with the core's own words (UNAVAILABLE, session lost) and the
+    socket closes; the slot is free again."""
+
+    async def run(url: str, server: ServerProcess) -> tuple[dict[str, Any], int | None]:
+        async with websockets.connect(url) as ws:
+            await ws.send(json.dumps({"type": "reset", "data": {}}))
+            await ws.recv()
+            for pid in _env_processes(server.proc.pid):
+                os.kill(pid, signal.SIGKILL)
+            await ws.send(_step("x"))
+            answer = json.loads(await ws.recv())
+            with contextlib.suppress(websockets.ConnectionClosed):
+                await ws.recv()
+            return answer, ws.close_code
+
+    with door("--isolated", "1") as (server, url):
+        server.wait_until(lambda: bool(_env_processes(server.proc.pid)), what="env process")
+        answer, code = asyncio.run(run(url, server))
+        server.wait_until(lambda: server.active() == 0, what="the slot freed")
+    assert answer["type"] == "error"
+    assert answer["data"]["code"] == "SESSION_ERROR"
+    assert answer["data"]["message"].startswith("UNAVAILABLE: session lost")
+    assert code == 1000
