@@ -32,8 +32,9 @@ from openenv_grpc.metadata import (
     PROTOCOL,
     SERVICE_NAME,
 )
+from openenv_grpc.server.isolated.env_process import SESSION_BLOCK
 from openenv_grpc.server.isolated.env_process_pool import EnvProcessPool
-from openenv_grpc.server.isolated.spread import SpreadBatchCalls
+from openenv_grpc.server.isolated.spread import BlockPolicy, SpreadBatchCalls
 from openenv_grpc.server.local.batch import natively_batched
 from openenv_grpc.server.local.calls import BatchCalls
 from openenv_grpc.server.model.phases import SESSION_WORDS, VECTOR_WORDS
@@ -50,6 +51,14 @@ __all__ = ["PROTOCOL", "SERVICE_NAME", "EnvServicer", "add_env_service", "read_o
 
 _Context = grpc.aio.ServicerContext[bytes, bytes]
 
+#: A Session's env with ``--isolated``: one plain env (timed in its process, in a
+#: Session's words) on the least loaded process. A Session's stream cannot be replayed
+#: (its client cannot tell which request took effect), so a loss it did not cause ends it
+#: and its own timeout refuses the whole call.
+_SESSION_BLOCK = BlockPolicy(
+    SESSION_BLOCK, prefer_ready=False, refuse_timed_out_call=True, lost_process_ends=True,
+    words=SESSION_WORDS,
+)  # fmt: skip
 #: Vector sizes whose batch calls are measured apart (a measured env; more go to the pool).
 _MAX_PLACEMENTS = 64
 
@@ -148,9 +157,9 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
         manager = self._sessions
         if self._processes is not None:
             spread = await SpreadBatchCalls.open(
-                self._processes, 1, AutoresetMode.DISABLED, False, session=True
+                self._processes, 1, AutoresetMode.DISABLED, False, _SESSION_BLOCK
             )
-            return SessionView(manager.spec, spread, manager.snapshots, info_json)
+            return SessionView(manager.spec, spread, manager.snapshots, info_json, spread.replacing)
         # From here the runner frees the session's slot: when its env is closed, when the
         # factory fails, or -- open cancelled -- once the factory returns and its env closes.
         held.owns_slot = False

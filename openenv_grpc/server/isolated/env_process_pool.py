@@ -53,7 +53,6 @@ from openenv_grpc.server.isolated.env_process import (
     BLOCK_OPEN,
     HEADER,
     READ_LIMIT,
-    SESSION_BLOCK,
     SIDE_CLOSE,
     SIDE_CLOSED,
     STRICT_CLOSE,
@@ -451,10 +450,11 @@ class EnvProcessPool:
             raise
 
     async def place_block(
-        self, size: int, autoreset: AutoresetMode, *, session: bool, prefer_ready: bool
-    ) -> tuple[_Worker, int]:
-        """Create a block on the first worker of :meth:`for_new_envs`; returns the worker
-        and the block's env id. A worker that dies before it answered (e.g. killed a
+        self, size: int, autoreset: AutoresetMode, *, kind: int, prefer_ready: bool
+    ) -> tuple[_Worker, int, bool]:
+        """Create a block (of ``kind``, as :meth:`create_block`) on the first worker of
+        :meth:`for_new_envs`; returns the worker, the block's env id and whether it is
+        the env's native batch. A worker that dies before it answered (e.g. killed a
         moment before the front noticed) costs nothing but time: the block is made on
         another one, each worker tried at most once.
 
@@ -467,7 +467,7 @@ class EnvProcessPool:
             worker = self.for_new_envs(prefer_ready=prefer_ready, tried=tried)[0]
             tried.add(id(worker))
             try:
-                env_id, _ = await self.create_block(worker, size, autoreset, session=session)
+                env_id, native = await self.create_block(worker, size, autoreset, kind=kind)
             except SessionLostError:
                 if len(tried) >= 2 * self._size:
                     raise
@@ -475,7 +475,7 @@ class EnvProcessPool:
                     "env worker pid %s died during a create: trying another", worker.process.pid
                 )
                 continue
-            return worker, env_id
+            return worker, env_id, native
 
     def for_new_envs(
         self, *, prefer_ready: bool = False, tried: AbstractSet[int] = frozenset()
@@ -537,17 +537,17 @@ class EnvProcessPool:
         return sorted(live, key=lambda w: (prefer_ready and not w.ready, sum(w.envs.values())))
 
     async def create_block(
-        self, worker: _Worker, size: int, autoreset: AutoresetMode, *, session: bool = False
+        self, worker: _Worker, size: int, autoreset: AutoresetMode, *, kind: int = VECTOR_BLOCK
     ) -> tuple[int, bool]:
-        """Create a block of ``size`` envs on ``worker`` (``session``: a Session's one env);
-        returns its env id and whether it is the env's native batch.
+        """Create a block of ``size`` envs on ``worker`` (``kind``: what the env process
+        makes of it, ``env_process.BLOCK_OPEN``'s last field, passed on as it is); returns
+        its env id and whether it is the env's native batch.
 
         Raises:
             EnvFactoryError: the factory (or ``make_batch``) raised in the worker.
             InvalidAction: ``make_batch`` refused.
             SessionLostError: the worker died meanwhile.
         """
-        kind = SESSION_BLOCK if session else VECTOR_BLOCK
         payload = BLOCK_OPEN.pack(size, AUTORESET_MODES.index(autoreset), kind)
         env_id = self._next_env
         self._next_env += 1

@@ -21,11 +21,13 @@ then, to the driver's books (``calls.Losses``), which keep them LOST and say wha
 request naming one gets (``driver.py``); this keeps only its blocks. If no fresh sub-batch
 can be made, the stream ends (UNAVAILABLE).
 
-A Session is the same path with one block of one env (``session=True``) and a Session's
-promises: its own call past the step timeout is refused DEADLINE_EXCEEDED and a fresh env
-made meanwhile (its next request waits for it; if none can be made, INTERNAL and the
-stream ends); losing its process any other way ends the stream ("session lost"), as the
-client cannot tell which of its requests took effect.
+A Session is the same path with one block of one env, opened with a policy of its own
+(:class:`BlockPolicy`, chosen by ``service``; these calls never ask what kind of stream
+they serve): its own call past the step timeout is refused DEADLINE_EXCEEDED and a fresh
+env made meanwhile (the Session's view waits for it, :meth:`SpreadBatchCalls.replacing`,
+before its next request; if none can be made, INTERNAL and the stream ends); losing its
+process any other way ends the stream ("session lost"), as the client cannot tell which
+of its requests took effect.
 
 A vector stream's query is read within the message limit (:meth:`query_within`): each
 block's frame carries the room, its env process stops reading its envs once their answers
@@ -48,7 +50,7 @@ import bisect
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -56,7 +58,7 @@ import grpc
 
 from openenv_grpc.environment import AutoresetMode
 from openenv_grpc.server.errors import RowError, SessionLostError
-from openenv_grpc.server.isolated.env_process import REFUSAL_FLAGS, Op, Status
+from openenv_grpc.server.isolated.env_process import REFUSAL_FLAGS, VECTOR_BLOCK, Op, Status
 from openenv_grpc.server.isolated.env_process_pool import (
     CallTimedOut,
     Charge,
@@ -85,12 +87,12 @@ from openenv_grpc.server.local.frames import (
     room_frame,
     step_frame,
 )
-from openenv_grpc.server.model.phases import SESSION_WORDS
+from openenv_grpc.server.model.phases import VECTOR_WORDS, Words
 from openenv_grpc.server.model.queries import AnswerTooLarge, BatchStates
 from openenv_grpc.server.process.budget import ByteBudget
 from openenv_grpc.v1 import session_pb2 as pb
 
-__all__ = ["SpreadBatchCalls"]
+__all__ = ["BlockPolicy", "SpreadBatchCalls"]
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +100,32 @@ _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 _DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
 _INTERNAL = grpc.StatusCode.INTERNAL.value[0]
 _RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockPolicy:
+    """Where a stream's blocks go, what its env processes make of them and what losing
+    one's process means to the stream: chosen by who opens it (``service``); the
+    defaults are a vector's."""
+
+    #: CREATE's block kind (``env_process.BLOCK_OPEN``), passed on as it is.
+    kind: int = VECTOR_BLOCK
+    #: New blocks go to the env processes up already first; else to the least loaded,
+    #: even one still starting, so streams opened one after the other spread out.
+    prefer_ready: bool = True
+    #: A call that ran past the step timeout is refused as a whole (DEADLINE_EXCEEDED,
+    #: ``replaced``) rather than per env; should the fresh block not be made, INTERNAL
+    #: and the stream ends (a stream of one block).
+    refuse_timed_out_call: bool = False
+    #: Losing an env process other than by the call's own timeout ends the stream
+    #: (SessionLostError) rather than a fresh block taking the lost one's place.
+    lost_process_ends: bool = False
+    #: The words of those refusals.
+    words: Words = VECTOR_WORDS
+
+
+#: A vector stream's blocks (see the module's docstring).
+VECTOR_BLOCKS = BlockPolicy()
 
 
 @dataclass(slots=True)
@@ -124,7 +152,7 @@ _Orphaned = Callable[[BatchOutcome, float], None]
 class SpreadBatchCalls:
     """A stream's envs as blocks in the env processes (``BatchCalls``)."""
 
-    __slots__ = ("_autoreset", "_blocks", "_losses", "_native", "_pool", "_session", "_starts")
+    __slots__ = ("_autoreset", "_blocks", "_losses", "_native", "_policy", "_pool", "_starts")
 
     def __init__(
         self,
@@ -132,14 +160,14 @@ class SpreadBatchCalls:
         blocks: list[_Block],
         autoreset: AutoresetMode,
         native: bool,
-        session: bool,
+        policy: BlockPolicy,
     ) -> None:
         self._pool = pool
         self._blocks = blocks
         self._starts = [block.start for block in blocks]
         self._autoreset = autoreset
         self._native = native
-        self._session = session
+        self._policy = policy
         #: Where the envs of a lost block that the call which lost it did not name are
         #: reported (the driver's books; see the module's docstring).
         self._losses: Losses = _UNBOOKED
@@ -151,29 +179,33 @@ class SpreadBatchCalls:
         size: int,
         autoreset: AutoresetMode,
         batches: bool,
-        *,
-        session: bool = False,
+        policy: BlockPolicy = VECTOR_BLOCKS,
     ) -> SpreadBatchCalls:
-        """Build the stream's blocks, all at once: over every live env process, or in one
-        when the env ``batches`` natively or the stream is a Session (``session``).
+        """Build the stream's blocks, all at once, as ``policy`` says: over every live env
+        process, or in one when the env ``batches`` natively or ``size`` is one.
 
         Raises:
             EnvFactoryError, InvalidAction: building a block failed (the others made are
                 closed).
-            SessionLostError: no env process is running, or one died meanwhile.
+            SessionLostError: no env process is running, or one died meanwhile (one block:
+                every one tried died).
         """
-        if session:
-            # The least loaded process, even one still starting, so that sessions opened
-            # one after the other spread over the processes.
-            worker, env_id = await pool.place_block(1, autoreset, session=True, prefer_ready=False)
-            return cls(pool, [_Block(worker, env_id, 0, 1)], autoreset, False, True)
+        if batches or size == 1:
+            # One block: made on another process should the one picked die meanwhile.
+            worker, env_id, native = await pool.place_block(
+                size, autoreset, kind=policy.kind, prefer_ready=policy.prefer_ready
+            )
+            return cls(pool, [_Block(worker, env_id, 0, size)], autoreset, native, policy)
         # Never behind another stream's call if it can be helped (see for_new_envs).
-        workers = pool.for_new_envs(prefer_ready=True)
-        count = 1 if batches else min(len(workers), size)
+        workers = pool.for_new_envs(prefer_ready=policy.prefer_ready)
+        count = min(len(workers), size)
         sizes = [size // count + (k < size % count) for k in range(count)]
         starts = [sum(sizes[:k]) for k in range(count)]
         made = await asyncio.gather(
-            *(pool.create_block(workers[k], sizes[k], autoreset) for k in range(count)),
+            *(
+                pool.create_block(workers[k], sizes[k], autoreset, kind=policy.kind)
+                for k in range(count)
+            ),
             return_exceptions=True,
         )
         blocks = [
@@ -187,7 +219,7 @@ class SpreadBatchCalls:
                 pool.close_env(block.worker, block.env_id)
             raise failed[0]
         native = all(not isinstance(a, BaseException) and a[1] for a in made)
-        return cls(pool, blocks, autoreset, native, session)
+        return cls(pool, blocks, autoreset, native, policy)
 
     @property
     def native(self) -> bool:
@@ -196,23 +228,19 @@ class SpreadBatchCalls:
     def report_losses(self, losses: Losses) -> None:
         self._losses = losses
 
-    @property
-    def unsettled(self) -> bool:
-        # A vector's lost block is waited for by its own next call only; a Session has
-        # one block, and its client must learn of a failed replacement at its next
-        # request, whatever it is (the timeout's answer said "replaced").
-        return self._session and self._blocks[0].rebuilding is not None
+    def replacing(self) -> Awaitable[None] | None:
+        """The wait for the fresh blocks of lost ones still being made (None: none is);
+        awaiting it raises what making one raised (see :meth:`_rebuild`). A block's own
+        next call waits for it anyway: this is for a stream whose client must learn of a
+        failed replacement at its next request, whatever it is (a Session's view)."""
+        for block in self._blocks:
+            if block.rebuilding is not None:
+                return self._replaced()
+        return None
 
-    async def settle(self) -> None:
-        block = self._blocks[0]
-        rebuilding = block.rebuilding
-        if rebuilding is None:
-            return
-        try:
-            await rebuilding
-        finally:
-            if block.rebuilding is rebuilding:
-                block.rebuilding = None
+    async def _replaced(self) -> None:
+        for block in self._blocks:
+            await _rebuilt(block)
 
     async def reset(self, args: ResetArgs) -> BatchOutcome:
         seeds, ids, options = args.seeds, args.episode_ids, args.wire_options
@@ -373,7 +401,7 @@ class SpreadBatchCalls:
                     _INTERNAL, f"close failed: {answer.message}", answer.exception_type,
                     ends=True,
                 )  # fmt: skip
-            if isinstance(answer, SessionLostError) and self._session:
+            if isinstance(answer, SessionLostError) and self._policy.lost_process_ends:
                 raise answer
             if isinstance(answer, BaseException) and not isinstance(answer, SessionLostError):
                 raise answer  # a vector block that died is closed with its process
@@ -443,7 +471,7 @@ class SpreadBatchCalls:
 
             return late
 
-        if len(parts) == 1:  # a Session's, or a native batch's: no task to gather
+        if len(parts) == 1:  # one block's (one env's, a native batch's): no task to gather
             part = parts[0]
             return [await self._call(what, part, frame(part[1], part[2]), late=late_of(part))]
         calls = [
@@ -498,20 +526,17 @@ class SpreadBatchCalls:
         :meth:`EnvProcessPool.call` says.
 
         Raises:
-            SessionLostError: the block could not be rebuilt; or a Session's process was
-                lost other than by this call's own timeout.
-            BatchRefused: a Session's call ran past the step timeout (the env is being
-                replaced), or its replacement could not be made (the stream ends).
+            SessionLostError: the block could not be rebuilt; or its process was lost other
+                than by this call's own timeout (``BlockPolicy.lost_process_ends``).
+            BatchRefused: the call ran past the step timeout (the block is being replaced)
+                or that replacement could not be made (the stream ends), as
+                ``BlockPolicy.refuse_timed_out_call`` says.
         """
         block = part[0]
         if block.rebuilding is not None:
-            rebuilding = block.rebuilding
-            try:
-                await rebuilding
-            finally:
-                if block.rebuilding is rebuilding:
-                    block.rebuilding = None
+            await _rebuilt(block)
         worker, env_id = block.worker, block.env_id
+        policy = self._policy
         try:
             return await self._pool.call(
                 worker, env_id, op, frame, envs=len(part[1]), charge=charge, late=late
@@ -519,7 +544,7 @@ class SpreadBatchCalls:
         except CallTimedOut as exc:  # this call's own block hung
             code, why = _DEADLINE_EXCEEDED, str(exc)
         except SessionLostError as exc:
-            if self._session:  # the client cannot know which of its requests took effect
+            if policy.lost_process_ends:
                 raise
             code, why = _UNAVAILABLE, str(exc)
         message = f"{why}; a fresh environment took this one's place: reset it"
@@ -541,33 +566,35 @@ class SpreadBatchCalls:
         if unnamed:
             self._losses.book_lost(unnamed)
         block.worker.envs.pop(block.env_id, None)
-        block.rebuilding = asyncio.get_running_loop().create_task(self._rebuild(block))
-        if self._session:
+        refused = code == _DEADLINE_EXCEEDED and policy.refuse_timed_out_call
+        block.rebuilding = asyncio.get_running_loop().create_task(self._rebuild(block, refused))
+        if refused:
             raise BatchRefused(
                 _DEADLINE_EXCEEDED,
                 f"{what} did not finish within {self._pool.call_timeout:g}s; "
-                f"{SESSION_WORDS.replaced}",
+                f"{policy.words.replaced}",
                 replaced=True,
             )
         return None, RowError(code, message)
 
-    async def _rebuild(self, block: _Block) -> None:
-        """A fresh block for a lost one, on a live env process.
+    async def _rebuild(self, block: _Block, hung: bool) -> None:
+        """A fresh block for a lost one, on a live env process (``hung``: for a call
+        refused as a whole past the step timeout).
 
         Raises:
-            SessionLostError: none could be made (a Session: BatchRefused, INTERNAL, and
-                the stream ends).
+            SessionLostError: none could be made (after ``hung``: BatchRefused, INTERNAL,
+                and the stream ends).
         """
         block.worker.envs.pop(block.env_id, None)
         try:
-            worker, block.env_id = await self._pool.place_block(
-                block.size, self._autoreset, session=self._session, prefer_ready=True
+            worker, block.env_id, _ = await self._pool.place_block(
+                block.size, self._autoreset, kind=self._policy.kind, prefer_ready=True
             )
         except Exception as exc:  # a factory error, make_batch refusing, no live process
             log.error("could not replace the envs of a lost env process: %s", exc)
-            if self._session:
+            if hung:
                 raise BatchRefused(
-                    _INTERNAL, f"{SESSION_WORDS.not_replaced}: {exc}", ends=True
+                    _INTERNAL, f"{self._policy.words.not_replaced}: {exc}", ends=True
                 ) from None
             raise SessionLostError(
                 f"the envs of an env process that died could not be replaced: {exc}"
@@ -629,6 +656,18 @@ class _Unbooked:
 
 
 _UNBOOKED = _Unbooked()
+
+
+async def _rebuilt(block: _Block) -> None:
+    """Wait for ``block``'s fresh sub-batch being made; raises what making it raised."""
+    rebuilding = block.rebuilding
+    if rebuilding is None:
+        return
+    try:
+        await rebuilding
+    finally:
+        if block.rebuilding is rebuilding:
+            block.rebuilding = None
 
 
 def _rows(part: _Part, indices: Sequence[int], error: RowError) -> dict[int, RowError]:

@@ -157,19 +157,6 @@ class BatchCalls(Protocol):
         """The envs answer in a native batch form."""
         ...
 
-    @property
-    def unsettled(self) -> bool:
-        """A Session's env is being replaced after a hung call: :meth:`settle` first."""
-        ...
-
-    async def settle(self) -> None:
-        """Wait until the fresh env of a hung Session's call exists.
-
-        Raises:
-            BatchRefused: it could not be made (the stream ends).
-        """
-        ...
-
     async def reset(self, args: ResetArgs) -> BatchOutcome: ...
 
     async def step(self, args: StepArgs) -> BatchOutcome: ...
@@ -259,12 +246,6 @@ class LocalBatchCalls:
     def native(self) -> bool:
         batch: VectorBatch = self._batch
         return batch.native
-
-    #: The replacement of a hung batch is made before its call is answered: never pending.
-    unsettled = False
-
-    async def settle(self) -> None:
-        pass
 
     async def reset(self, args: ResetArgs) -> BatchOutcome:
         batch = self._batch

@@ -64,7 +64,7 @@ class SessionView:
     """
 
     __slots__ = (
-        "_action_class", "_calls", "_driver", "_info_json", "_obs_url", "_options_class",
+        "_action_class", "_driver", "_info_json", "_obs_url", "_options_class", "_replacing",
         "_state_url",
     )  # fmt: skip
 
@@ -74,12 +74,16 @@ class SessionView:
         calls: BatchCalls,
         snapshots: SnapshotSeal | None = None,
         info_json: bool = False,
+        replacing: Callable[[], Awaitable[None] | None] | None = None,
     ) -> None:
         #: The client reads info as JSON text (it opened with ``openenv-info: json``).
         self._info_json = info_json
         # The session checks the serialized answer against the message limit itself.
         self._driver = Driver(spec, 1, AutoresetMode.DISABLED, calls, SESSION_WORDS, snapshots)
-        self._calls = calls
+        #: The wait for a fresh env still being made, if any, when the env's calls answer
+        #: a hung call before its replacement exists (``--isolated``): the answer said
+        #: "replaced", so the next request, whatever it is, learns should it not be made.
+        self._replacing = replacing
         self._obs_url = spec.observation_url
         self._state_url = spec.state_url
         self._action_class = spec.types.action
@@ -101,8 +105,8 @@ class SessionView:
         command = request.WhichOneof("command")
         entry = _COMMANDS[command]
         try:
-            if self._calls.unsettled:  # the fresh env of a hung call, made meanwhile
-                await self._calls.settle()
+            if self._replacing is not None and (waiting := self._replacing()) is not None:
+                await waiting
             seconds = await entry.run(self, request, response)
         except RequestError as err:
             return error_answer(response, err, self._driver.ends)
