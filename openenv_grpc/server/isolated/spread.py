@@ -29,6 +29,10 @@ before its next request; if none can be made, INTERNAL and the stream ends); los
 process any other way ends the stream ("session lost"), as the client cannot tell which
 of its requests took effect.
 
+A call over several blocks whose env process refused it as a whole with the end of the
+stream (a block closed under its frame) ends the stream as a call of one block does,
+with that refusal; the blocks that stepped meanwhile are handed to ``StepArgs.orphaned``.
+
 A vector stream's query is read within the message limit (:meth:`query_within`): each
 block's frame carries the room, its env process stops reading its envs once their answers
 pass it, and each part that comes back is held against the server's byte budget (taken
@@ -434,36 +438,44 @@ class SpreadBatchCalls:
         handed to ``orphaned`` as it comes (see :meth:`_gather_or_hand_on`)."""
         out = BatchOutcome()
         parts = self._split(indices)
+        started = time.perf_counter()
         if orphaned is None:
             answers = await asyncio.gather(
                 *(self._call(what, part, frame(part[1], part[2])) for part in parts)
             )
         else:
-            answers = await self._gather_or_hand_on(what, parts, frame, orphaned)
-        for part, (status, payload) in zip(parts, answers, strict=True):
-            if status is None:
+            answers = await self._gather_or_hand_on(what, parts, frame, orphaned, started)
+        read = [None if status is None else _read(status, payload) for status, payload in answers]
+        refused = [response for response in read if isinstance(response, BatchRefused)]
+        if refused:
+            # A refusal that ends the stream is the whole call's, whatever the other blocks
+            # answered (as a refusal of a call of one block is).
+            ending = next((one for one in refused if one.ends), None)
+            if ending is not None or len(parts) == 1:
+                if orphaned is not None:  # what stepped is booked and counted all the same
+                    seconds = time.perf_counter() - started
+                    for part, response in zip(parts, read, strict=True):
+                        if isinstance(response, pb.VectorSessionResponse):
+                            orphaned(read_outcome(response.result, part[0].start), seconds)
+                raise ending or refused[0]
+        for part, (_, payload), response in zip(parts, answers, read, strict=True):
+            if response is None:  # the block was lost: its envs are fresh ones now
                 out.errors.update(_rows(part, indices, payload))
-                continue
-            response = _read(status, payload)
-            if isinstance(response, BatchRefused):
-                refused = response
-                if len(parts) == 1:
-                    raise refused
+            elif isinstance(response, BatchRefused):
                 # Only a whole block failed (e.g. no env thread in time): its envs say so.
-                error = RowError(refused.code, refused.message, refused.exception_type)
+                error = RowError(response.code, response.message, response.exception_type)
                 out.errors.update({indices[k]: error for k in part[1]})
-                continue
-            _merge(out, read_outcome(response.result, part[0].start))
+            else:
+                _merge(out, read_outcome(response.result, part[0].start))
         return out
 
     async def _gather_or_hand_on(
-        self, what: str, parts: list[_Part], frame: Any, orphaned: _Orphaned
+        self, what: str, parts: list[_Part], frame: Any, orphaned: _Orphaned, started: float
     ) -> list[tuple[int | None, Any]]:
         """Each part's answer, as :meth:`_outcomes` gathers them; should this be cancelled
         (the stream ended), every block's step that the env process completes is handed
-        to ``orphaned`` exactly once: an answer still to come by the pool (``late``), one
-        its part's call got already here."""
-        started = time.perf_counter()
+        to ``orphaned`` exactly once (with the seconds since ``started``): an answer still
+        to come by the pool (``late``), one its part's call got already here."""
 
         def late_of(part: _Part) -> Late:
             def late(status: int, payload: Payload) -> None:
