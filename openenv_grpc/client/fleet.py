@@ -59,9 +59,6 @@ __all__ = ["Fleet", "HasTargets", "fleet_target"]
 
 ClientT = TypeVar("ClientT")
 
-#: Reconnect backoff cap for a fleet's channels: a restarted node rejoins within this.
-_MAX_RECONNECT_MS = 2_000
-
 
 class HasTargets(Protocol):
     """Anything that lists its servers (``RayProvider``, ``SlurmProvider``, ...)."""
@@ -454,7 +451,7 @@ def _close_off_loop(channel: grpc.aio.Channel) -> None:
 
 
 def fleet_options() -> list[tuple[str, Any]]:
-    """Channel arguments of a fleet's channel: round robin over the healthy addresses
-    (also for a fleet of one), and a short reconnect backoff so a node that comes back
-    rejoins soon."""
-    return [*round_robin_options(), ("grpc.max_reconnect_backoff_ms", _MAX_RECONNECT_MS)]
+    """Channel arguments of a fleet's channel, after :func:`channel_options` (whose short
+    reconnect backoff has a node that comes back rejoin within 1.2 s): round robin over
+    the healthy addresses (also for a fleet of one)."""
+    return round_robin_options()

@@ -17,6 +17,12 @@ env without snapshots is recovered by replaying the episode from its seeded rese
 (every action since is kept); an unseeded episode of such an env cannot be recovered,
 and the loss is raised as usual.
 
+A session that made its channel reopens on a fresh one each attempt; one given a
+channel reopens on it, so it waits for that channel to reconnect: channels made by
+:mod:`openenv_grpc.client.channel` (and a fleet's) retry a connect at most 1.2 s apart
+(``MAX_RECONNECT_BACKOFF_MS``), where gRPC's defaults grow to 120 s and kept a
+recovery waiting up to 11 s after its server was back.
+
 The procedure is written once, as coroutines, over the three things a shell does
 (:class:`RecoveryIO`); the blocking ``Session`` runs it with :func:`run_blocking`,
 its awaits finishing at once.

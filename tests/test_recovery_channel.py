@@ -1,0 +1,126 @@
+"""Recovery on a channel the session was given waits for that channel to reconnect: its
+server killed, the port held by a listener that refuses every connect (as a down
+server does, but counted), then a new server on the same port. gRPC's reconnect backoff
+grew while the server was down (1, 1.6, 2.6, 4.1, 6.6, 10.5 s by default): the channel
+must still reach the new server within the recovery's window."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from openenv_grpc.client import Recovery
+from openenv_grpc.client.channel import sync_channel
+from openenv_grpc.testing import ServerProcess
+from openenv_grpc_envs.echo import EchoAction, EchoEnv, EchoResetOptions
+
+pytestmark = pytest.mark.timeout(120)
+
+TESTS = Path(__file__).resolve().parent
+SNAP = "support.envs:SnapshotEchoEnv"
+KEYS = {"SNAPSHOT_KEYS": "k1:0123456789abcdef0123456789abcdef"}
+MESSAGES = ["alpha", "be", "gamma-ray", "d", "epsilon"]
+SEED = 11
+#: Failed connects the channel makes before the new server starts: with gRPC's default
+#: backoff the next one would be 10.5 s (+-20 %) after the last, far past the window.
+CONNECTS = 6
+#: The recovery's window: a channel that reconnects within a second or so of its
+#: server's return makes it; one that waits out a backoff of many seconds does not.
+WITHIN = 3.0
+
+Trajectory = list[tuple[float, int, bool]]
+
+
+def serve(*args: str) -> ServerProcess:
+    return ServerProcess(SNAP, args, KEYS, pythonpath=[TESTS])
+
+
+@pytest.fixture
+def servers() -> Iterator[list[ServerProcess]]:
+    """Servers a test starts; each is stopped at the end."""
+    started: list[ServerProcess] = []
+    yield started
+    for server in started:
+        server.stop()
+
+
+class RefusingListener:
+    """Holds a port while its server is down: accepts each connect and closes it at
+    once (a failed connect to gRPC), counting them."""
+
+    def __init__(self, port: int) -> None:
+        self._socket = socket.create_server(("127.0.0.1", port))
+        self._socket.settimeout(0.05)
+        self.connects = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._socket.accept()
+            except TimeoutError:
+                continue
+            conn.close()
+            self.connects += 1
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._socket.close()
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def entry(env: EchoEnv, message: str) -> tuple[float, int, bool]:
+    result = env.step(EchoAction(message=message))
+    return result.reward, result.step_count, result.done
+
+
+def undisturbed(target: str) -> Trajectory:
+    with EchoEnv(target) as env:
+        env.reset(seed=SEED, options=EchoResetOptions(max_steps=50))
+        return [entry(env, message) for message in MESSAGES]
+
+
+@pytest.mark.fresh_server  # a server of its own, killed and replaced: make test
+def test_a_session_on_a_given_channel_recovers_once_its_server_is_back(
+    servers: list[ServerProcess],
+) -> None:
+    first = serve()
+    servers.append(first)
+    port = first.port
+    channel = sync_channel(first.target)
+    recovery = Recovery(every=2, within=WITHIN)
+    with channel, EchoEnv(channel, recovery=recovery) as env:
+        start = env.reset(seed=SEED, options=EchoResetOptions(max_steps=50))
+        trajectory = [entry(env, MESSAGES[0])]
+        first.proc.send_signal(signal.SIGKILL)
+        first.proc.wait(10)
+        listener = RefusingListener(port)
+        # The channel keeps trying to connect, as it does while a session waits on it.
+        trying = grpc.channel_ready_future(channel)
+        try:
+            wait_for(lambda: listener.connects >= CONNECTS, f"{CONNECTS} failed connects")
+        finally:
+            listener.close()
+        servers.append(serve("--port", str(port)))
+        trying.cancel()
+        # The next call finds its stream lost and recovers on the given channel.
+        trajectory += [entry(env, message) for message in MESSAGES[1:]]
+        assert env.episode_id == start.episode_id
+        assert (env.recoveries, recovery.recovered) == (1, 1)
+    assert trajectory == undisturbed(servers[-1].target)
