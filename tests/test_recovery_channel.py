@@ -6,6 +6,7 @@ must still reach the new server within the recovery's window."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import socket
 import threading
@@ -17,9 +18,9 @@ import grpc
 import pytest
 
 from openenv_grpc.client import Recovery
-from openenv_grpc.client.channel import sync_channel
+from openenv_grpc.client.channel import AioChannelPool, sync_channel
 from openenv_grpc.testing import ServerProcess
-from openenv_grpc_envs.echo import EchoAction, EchoEnv, EchoResetOptions
+from openenv_grpc_envs.echo import AsyncEchoEnv, EchoAction, EchoEnv, EchoResetOptions
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -123,4 +124,44 @@ def test_a_session_on_a_given_channel_recovers_once_its_server_is_back(
         trajectory += [entry(env, message) for message in MESSAGES[1:]]
         assert env.episode_id == start.episode_id
         assert (env.recoveries, recovery.recovered) == (1, 1)
+    assert trajectory == undisturbed(servers[-1].target)
+
+
+@pytest.mark.fresh_server  # a server of its own, killed and replaced: make test
+def test_an_async_session_on_a_pool_channel_recovers_once_its_server_is_back(
+    servers: list[ServerProcess],
+) -> None:
+    first = serve()
+    servers.append(first)
+    port = first.port
+    recovery = Recovery(every=2, within=WITHIN)
+
+    async def run() -> tuple[Trajectory, str, str]:
+        async with AioChannelPool(first.target, size=1) as pool:
+            channel = pool.next()
+            async with AsyncEchoEnv(channel, recovery=recovery) as env:
+                start = await env.reset(seed=SEED, options=EchoResetOptions(max_steps=50))
+                result = await env.step(EchoAction(message=MESSAGES[0]))
+                trajectory = [(result.reward, result.step_count, result.done)]
+                first.proc.send_signal(signal.SIGKILL)
+                await asyncio.to_thread(first.proc.wait, 10)
+                listener = RefusingListener(port)
+                trying = asyncio.ensure_future(channel.channel_ready())  # keeps it trying
+                try:
+                    await asyncio.to_thread(
+                        wait_for, lambda: listener.connects >= CONNECTS, "failed connects"
+                    )
+                finally:
+                    listener.close()
+                servers.append(await asyncio.to_thread(serve, "--port", str(port)))
+                trying.cancel()
+                for message in MESSAGES[1:]:
+                    result = await env.step(EchoAction(message=message))
+                    trajectory.append((result.reward, result.step_count, result.done))
+                assert env.recoveries == 1
+                return trajectory, start.episode_id, env.episode_id
+
+    trajectory, started, now = asyncio.run(run())
+    assert now == started
+    assert recovery.recovered == 1
     assert trajectory == undisturbed(servers[-1].target)
