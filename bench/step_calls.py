@@ -13,8 +13,8 @@ import cProfile
 import json
 import pstats
 
+from bench.local_wire import LocalStub
 from openenv_grpc.server import EnvServer, ServerConfig
-from openenv_grpc.server.stream.local_wire import LocalStub
 from openenv_grpc_envs.echo import AsyncEchoEnv, EchoAction, EchoEnvironment
 
 

@@ -3,7 +3,7 @@ itself, on its own event loop, from its own session core.
 
 :class:`OpenEnvDoor` is a door of :class:`~openenv_grpc.server.app.EnvServer`: it starts
 once the gRPC server is up and runs uvicorn on the same loop. Every WebSocket and HTTP
-session is a Session stream of the core opened in process (``server/stream/local_wire.py``), so
+session is a Session stream of the core run in process (:mod:`.streams`), so
 the limiter, the idle reaper, the drain, the byte budget and the metrics are the gRPC
 port's, with no loopback hop; the token check is the gRPC port's too
 (:class:`~openenv_grpc.server.process.auth.TokenAuthInterceptor`). What the door adds at the
@@ -24,7 +24,6 @@ import uvicorn
 from openenv_grpc.integrations.openenv.gateway import OpenEnvGateway
 from openenv_grpc.integrations.openenv.gateway_limits import GatewayLimits, uvicorn_settings
 from openenv_grpc.server.app import say
-from openenv_grpc.server.stream.local_wire import LocalStub
 from openenv_grpc.v1 import session_pb2 as pb
 
 if TYPE_CHECKING:
@@ -80,7 +79,6 @@ class OpenEnvDoor:
         info = await servicer.Info(pb.InfoRequest(), None)  # type: ignore[arg-type]
         limits = GatewayLimits.from_config(config, budget=server.sessions.budget)
         self.gateway = gateway = OpenEnvGateway(
-            LocalStub(servicer.Session),  # type: ignore[arg-type]
             servicer.Session,
             info,
             config.auth_token or None,

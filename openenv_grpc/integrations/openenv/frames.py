@@ -3,13 +3,11 @@ the door reaches a session of the core.
 
 An answer is a *program*: a generator that yields the session calls it needs
 (:data:`Call`: reset, step, state, or any other awaitable) and gets each call's result
-(or its exception, thrown in) back; it returns the answer. Two drivers run programs:
-
-* :class:`~.socket_wire.SocketWire` runs them inside the core's own stream loop: a
-  WebSocket's task is the session's task, and each call is a request of that stream;
-* :func:`run_on` runs them on an :class:`~openenv_grpc.client.AsyncSession` over the
-  in-process stub: held ``/mcp`` sessions, the sockets attached to them, the stateless
-  HTTP routes and ``WS /mcp``.
+(or its exception, thrown in) back; it returns the answer. The wires of :mod:`.streams` run
+them inside the core's stream loop, each call a request of that stream: a ``/ws``
+socket's own task (:class:`~.streams.SocketWire`), or a stream of its own that takes
+programs from any task (:class:`~.streams.ProgramStream`: held ``/mcp`` sessions and the
+sockets attached to them, the stateless HTTP routes, ``WS /mcp``).
 
 So a frame means the same whichever way it came, and answers are OpenEnv's ``/ws``
 frames (``{"type": "observation" | "state" | "mcp" | "error", "data": ...}``) and
@@ -28,7 +26,7 @@ from typing import Any, Protocol, TypeVar
 import grpc
 from google.protobuf import json_format
 
-from openenv_grpc.client import EnvError, OpenEnvError, SessionLost
+from openenv_grpc.client import EnvError, OpenEnvError
 from openenv_grpc.codec import value_to_python
 from openenv_grpc.integrations.json_view import JsonViewError, from_json, to_json
 from openenv_grpc.integrations.trl.tools import ToolFields
@@ -44,7 +42,6 @@ __all__ = [
     "rpc_error",
     "rpc_request_problem",
     "rpc_result",
-    "run_on",
 ]
 
 log = logging.getLogger("openenv_grpc.gateway")
@@ -106,8 +103,7 @@ class FrameAnswers:
     def frame(
         self, session: SessionView, kind: str, data: Any, own_id: str, token: str | None
     ) -> Program[str]:
-        """The frame answering one ``/ws`` request; never raises for what the client sent
-        (a SessionLost from the async driver goes through)."""
+        """The frame answering one ``/ws`` request; never raises for what the client sent."""
         try:
             if kind == "mcp":
                 return (yield from self._mcp_frame(session, data, own_id, token))
@@ -129,8 +125,6 @@ class FrameAnswers:
         except EnvError as exc:
             code = "VALIDATION_ERROR" if exc.code in _VALIDATION else "EXECUTION_ERROR"
             return error_frame(code, exc.message)
-        except SessionLost:
-            raise
         except OpenEnvError as exc:
             return error_frame("EXECUTION_ERROR", f"{exc.code.name}: {exc.message}")
         except Exception as exc:  # a bug here must not end the client's session
@@ -150,6 +144,24 @@ class FrameAnswers:
                 raise JsonViewError("reset", f"this env takes no reset options: {sorted(rest)}")
             options = from_json(_spill(rest, self._reset_options), self._reset_options, "reset")
         return (yield ("reset", seed, episode_id, options))
+
+    @staticmethod
+    def stepped(action: Any) -> Program[Any]:
+        """A step of a fresh env (OpenEnv's stateless ``/step``: ours needs a reset)."""
+        yield ("reset", None, None, None)
+        return (yield ("step", action))
+
+    @staticmethod
+    def fresh_state() -> Program[Any]:
+        """The state of a fresh env (OpenEnv's stateless ``/state``); an env that has none
+        before a reset (FAILED_PRECONDITION) is reset first."""
+        try:
+            return (yield ("state",))
+        except EnvError as exc:
+            if exc.code != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+        yield ("reset", None, None, None)
+        return (yield ("state",))
 
     def observation(self, result: Any) -> str:
         """OpenEnv's observation frame for a step result."""
@@ -208,8 +220,7 @@ class FrameAnswers:
     def tool_method(
         self, session: SessionView, ident: Any, method: str, params: dict[str, Any]
     ) -> Program[dict[str, Any]]:
-        """The answer to ``tools/list`` or ``tools/call``; a SessionLost from the async
-        driver goes through."""
+        """The answer to ``tools/list`` or ``tools/call``."""
         try:
             if not session.episode_id:  # OpenEnv calls tools before any reset; we need one
                 yield ("reset", None, None, None)
@@ -220,8 +231,6 @@ class FrameAnswers:
                 return rpc_error(ident, -32602, "Missing 'name' in params")
             arguments = params.get("arguments")
             return rpc_result(ident, (yield from self._call_tool(name, arguments)))
-        except SessionLost:
-            raise
         except _ToolFailed as exc:
             return rpc_error(ident, -32603, str(exc))
         except (JsonViewError, TypeError, ValueError, RecursionError) as exc:
@@ -273,38 +282,6 @@ class FrameAnswers:
 
     def _mcp_action(self, data: dict[str, Any]) -> Any:
         return from_json(data, self._action, "action")
-
-
-# -- the async driver ------------------------------------------------------------------------
-
-
-async def run_on(session: Any, program: Program[T]) -> T:
-    """Run ``program`` on an ``AsyncSession``: each call awaited on it in turn, its result
-    sent back (its exception thrown in). What the program raises comes out here."""
-    value: Any = None
-    error: BaseException | None = None
-    while True:
-        try:
-            call = program.throw(error) if error is not None else program.send(value)
-        except StopIteration as stop:
-            result: T = stop.value
-            return result
-        value = error = None
-        try:
-            value = await _perform(session, call)
-        except Exception as exc:  # the program's to map (or to let out)
-            error = exc
-
-
-async def _perform(session: Any, call: Call) -> Any:
-    kind = call[0]
-    if kind == "step":
-        return await session.step(call[1])
-    if kind == "reset":
-        return await session.reset(seed=call[1], episode_id=call[2], options=call[3])
-    if kind == "state":
-        return await session.state()
-    return await call[1]
 
 
 # -- what answers look like ----------------------------------------------------------------

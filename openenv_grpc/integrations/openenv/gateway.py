@@ -9,10 +9,11 @@ simulation mode: ``WS /ws`` frames ``{"type": "reset" | "step" | "state" | "clos
 a session; ``/health``, ``/metadata``, ``/schema`` (for a bridged env its own models'
 schemas and ``get_metadata()``: :mod:`.published`).
 
-Every session is a Session stream of this process's core: a ``/ws`` socket's own task
-runs its stream (:mod:`.socket_wire`: no client library or second task between the
-socket and the env); held ``/mcp`` sessions, the stateless calls and ``WS /mcp`` open
-theirs through the in-process stub. So the capacity limiter, the token check (the gRPC
+Every session is a Session stream of this process's core, run by the core's own handler
+with a wire of :mod:`.streams` (no client library, no network hop): a ``/ws`` socket's
+own task runs its stream; held ``/mcp`` sessions, the stateless calls and ``WS /mcp``
+are streams in a task of their own that take the door's calls in turn. So the capacity
+limiter, the token check (the gRPC
 port's own), idle timeouts, drain, the byte budget and metrics are exactly the gRPC ones,
 and a full server answers with OpenEnv's own ``CAPACITY_REACHED`` frame. Frames and tool
 calls are answered by the programs of :mod:`.frames`, the same on either kind of session.
@@ -48,7 +49,6 @@ import json
 import logging
 import os
 import secrets
-import types
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -57,8 +57,7 @@ from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
-from openenv_grpc.client import AsyncSession, CapacityError, EnvError, OpenEnvError, SessionLost
-from openenv_grpc.client.errors import SessionRefused
+from openenv_grpc.client import EnvError, OpenEnvError
 from openenv_grpc.client.info import message_classes
 from openenv_grpc.client.protocol import SessionTypes
 from openenv_grpc.integrations.json_view import JsonViewError, from_json
@@ -69,13 +68,17 @@ from openenv_grpc.integrations.openenv.frames import (
     rpc_error,
     rpc_request_problem,
     rpc_result,
-    run_on,
     state_data,
 )
 from openenv_grpc.integrations.openenv.gateway_limits import SMALL_BYTES as _SMALL
 from openenv_grpc.integrations.openenv.gateway_limits import GatewayLimits
 from openenv_grpc.integrations.openenv.published import openenv_metadata, openenv_schemas
-from openenv_grpc.integrations.openenv.socket_wire import SocketWire
+from openenv_grpc.integrations.openenv.streams import (
+    ProgramStream,
+    Refused,
+    SocketWire,
+    StreamEnded,
+)
 from openenv_grpc.integrations.trl.tools import find_tool_fields
 from openenv_grpc.server.process.auth import AUTHORIZATION_KEY, TokenAuthInterceptor
 from openenv_grpc.server.process.limiter import SessionLimiter
@@ -136,11 +139,8 @@ class OpenEnvGateway:
     """The FastAPI app speaking OpenEnv's protocol on the session core of this process.
 
     Args:
-        stub: Opens the core's Session streams in this process (a
-            :class:`~openenv_grpc.server.stream.local_wire.LocalStub`): held ``/mcp``
-            sessions, stateless calls and ``WS /mcp``.
-        session_handler: The servicer's ``Session`` handler: each ``/ws`` socket's own
-            task runs its stream with it (:mod:`.socket_wire`).
+        session_handler: The servicer's ``Session`` handler: every session of the door is
+            a stream it runs (:mod:`.streams`).
         info: The server's Info answer (names, descriptors, capacity).
         token: The server's ``AUTH_TOKEN``, if any: every route but ``/health`` and every
             WebSocket want it as a bearer token, checked by the gRPC port's own check.
@@ -149,7 +149,6 @@ class OpenEnvGateway:
 
     def __init__(
         self,
-        stub: Any,
         session_handler: Callable[[Any, Any], Awaitable[None]],
         info: pb.InfoResponse,
         token: str | None = None,
@@ -161,17 +160,12 @@ class OpenEnvGateway:
         self._auth = TokenAuthInterceptor(token) if token else None
         self.limits = limits or GatewayLimits()
         self._limiter = limiter
-        self._stub = stub
         self._session_handler = session_handler
         classes = message_classes(info)
         self._action = classes["action"]
         roles = (classes["action"], classes["observation"], classes["state"],
                  classes.get("reset_options"))  # fmt: skip
         self._types = SessionTypes(*roles)
-        self._session_class: Any = types.new_class(
-            "GatewaySession",
-            (AsyncSession[roles],),  # type: ignore[valid-type,misc]
-        )
         #: Sessions made by ``openenv/session/create`` over HTTP /mcp, by a random id of
         #: their own: MCP calls and a WebSocket opened with ``?session_id=`` share them
         #: until ``openenv/session/close`` or the idle timeout (MCPToolClient's
@@ -318,15 +312,16 @@ class OpenEnvGateway:
         try:
             async with self._one_call_session(_bearer(header)) as session:
                 if route == "reset":
-                    result = await run_on(session, self.answers.reset(payload))
+                    result = await session.run(self.answers.reset(payload))
                     return self._http_observation(result)
                 if route == "state":  # a fresh env's state, as OpenEnv's (no reset)
-                    return state_data(session, await self._fresh_state(session))
-                await session.reset()
+                    return state_data(session, await session.run(self.answers.fresh_state()))
                 action = from_json(payload["action"], self._action, "action")
-                return self._http_observation(await session.step(action))
+                return self._http_observation(await session.run(self.answers.stepped(action)))
         except _NoRoom as exc:
             return JSONResponse({"detail": exc.message}, 503)
+        except StreamEnded as exc:
+            return JSONResponse({"detail": f"{exc.code.name}: {exc.details}"}, 500)
         except (JsonViewError, TypeError, ValueError, RecursionError) as exc:
             return _unprocessable(str(exc)[:2000], "body", "action" if route == "step" else "")
         except EnvError as exc:
@@ -335,18 +330,6 @@ class OpenEnvGateway:
             return JSONResponse({"detail": exc.message}, 500)
         except OpenEnvError as exc:
             return JSONResponse({"detail": f"{exc.code.name}: {exc.message}"}, 500)
-
-    @staticmethod
-    async def _fresh_state(session: Any) -> Any:
-        """The state of a session never reset; an env that has none before a reset
-        (FAILED_PRECONDITION) is reset first."""
-        try:
-            return await session.state()
-        except EnvError as exc:
-            if exc.code != grpc.StatusCode.FAILED_PRECONDITION:
-                raise
-        await session.reset()
-        return await session.state()
 
     def _http_observation(self, result: Any) -> dict[str, Any]:
         """A step result as OpenEnv's ``ResetResponse`` / ``StepResponse`` (``metadata``
@@ -419,10 +402,7 @@ class OpenEnvGateway:
         if self._held.get(session_id) is held:
             del self._held[session_id]
             held.closed = True
-            with contextlib.suppress(Exception):
-                await held.session.close()
-            if held.session.is_open:
-                await held.session.abort()
+            await held.session.close()
 
     async def reap_idle(self) -> None:
         """Close held sessions left idle past the idle timeout, forever (the server has
@@ -481,8 +461,8 @@ class OpenEnvGateway:
             await _send(websocket, json.dumps(rpc_error(None, -32000, exc.message, exc.data)))
         except WebSocketDisconnect:
             pass  # the client went: the session closes with the block above
-        except SessionLost as exc:
-            lost = rpc_error(None, -32000, f"{exc.code.name}: {exc.message}")
+        except StreamEnded as exc:
+            lost = rpc_error(None, -32000, f"{exc.code.name}: {exc.details}")
             await _send(websocket, json.dumps(lost))
         finally:
             await _close(websocket, *self._closing())
@@ -491,7 +471,7 @@ class OpenEnvGateway:
         self, session: Any, raw: str | None, own_id: str, token: str | None
     ) -> dict[str, Any]:
         """The JSON-RPC answer to one ``WS /mcp`` message; never raises for what the
-        client sent. Raises SessionLost if the session's stream ended."""
+        client sent. Raises StreamEnded if the session's stream ended."""
         if raw is None:
             return rpc_error(None, -32700, "Parse error: a binary frame; send JSON text")
         try:
@@ -504,8 +484,11 @@ class OpenEnvGateway:
         if problem:
             return rpc_error(None, -32600, f"Invalid request: {problem}")
         try:
-            return await run_on(session, self.answers.mcp_on(session, call, own_id, token))
-        except SessionLost:
+            answer: dict[str, Any] = await session.run(
+                self.answers.mcp_on(session, call, own_id, token)
+            )
+            return answer
+        except StreamEnded:
             raise
         except Exception as exc:  # a bug here must not end the client's session
             log.exception("the OpenEnv gateway failed to answer a WS /mcp message")
@@ -531,7 +514,7 @@ class OpenEnvGateway:
                 await self._loop(websocket, held.session, attach, token, held)
             except WebSocketDisconnect:
                 pass  # the session stays until openenv/session/close
-            except SessionLost:
+            except StreamEnded:
                 await self._let_go(attach, held)
             finally:
                 await _close(websocket, *self._closing())
@@ -568,9 +551,9 @@ class OpenEnvGateway:
             await _send(websocket, error_frame("SESSION_ERROR", f"{code.name}: {details}"))
         await _close(websocket, *self._closing())
 
-    def _socket_stub(self, websocket: WebSocket) -> Any:
-        """The stub of a socket's own session: when the core ends the session as idle,
-        the socket is closed 1001 (one idle policy: the core's, no timer per message)."""
+    def _socket_ending(self, websocket: WebSocket) -> Callable[[grpc.StatusCode, str], None]:
+        """What a socket on a stream of its own does when the core ends that stream as
+        idle: it closes 1001 (one idle policy: the core's, no timer per message)."""
 
         def ended(code: grpc.StatusCode, _details: str) -> None:
             if code is grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -578,7 +561,7 @@ class OpenEnvGateway:
                 self._closers.add(closing)
                 closing.add_done_callback(self._closers.discard)
 
-        return self._stub.ending_with(ended)
+        return ended
 
     def _closing(self) -> tuple[int, str]:
         return (_CLOSE_DRAIN, "server draining") if self.draining else (1000, "")
@@ -586,7 +569,7 @@ class OpenEnvGateway:
     async def _receive(self, websocket: WebSocket, timed: bool = False) -> str | None:
         """The next text message; None for a binary one. Raises WebSocketDisconnect when
         the client goes. A socket on a session of its own is closed when the core ends
-        that session (:meth:`_socket_stub`: idle); one attached to a held session
+        that session (:meth:`_socket_ending`: idle); one attached to a held session
         (``timed``) is closed here if it stays silent past the idle timeout (1001)."""
         idle = self.limits.idle_timeout
         try:
@@ -633,10 +616,12 @@ class OpenEnvGateway:
             return None
         program = self.answers.frame(session, kind, data, own_id, token)
         if held is None:
-            return await run_on(session, program)
+            answer: str = await session.run(program)
+            return answer
         async with held.lock:  # one call at a time on a session /mcp shares
             try:
-                return await run_on(session, program)
+                answer = await session.run(program)
+                return answer
             finally:
                 held.last_used = asyncio.get_running_loop().time()
 
@@ -647,19 +632,10 @@ class OpenEnvGateway:
         if not isinstance(params, dict):
             return rpc_error(ident, -32602, "Params must be an object")
         if method == "openenv/session/create":
-            session = self._session_class(self._stub)
             try:
-                await session.open()
-            except CapacityError:
-                active, limit = await self._capacity()
-                return rpc_error(
-                    ident, -32000,
-                    f"Server at capacity: {active}/{limit} sessions active. Cannot accept "
-                    "new connections.",
-                    {"active_sessions": active, "max_sessions": limit},
-                )  # fmt: skip
-            except SessionRefused as exc:
-                return rpc_error(ident, -32000, f"{exc.code.name}: {exc.message}")
+                session = await self._open()
+            except _NoRoom as exc:
+                return rpc_error(ident, -32000, exc.message, exc.data)
             # A random capability of its own, not the gRPC session id the server logs.
             session_id = secrets.token_urlsafe(24)
             loop = asyncio.get_running_loop()
@@ -685,10 +661,11 @@ class OpenEnvGateway:
         async with held.lock:  # one call at a time: each answer to its own request
             try:
                 program = self.answers.tool_method(held.session, ident, method, params)
-                return await run_on(held.session, program)
-            except SessionLost as exc:
+                answer: dict[str, Any] = await held.session.run(program)
+                return answer
+            except StreamEnded as exc:
                 await self._let_go(session_id, held)
-                return rpc_error(ident, -32603, f"{exc.code.name}: {exc.message}")
+                return rpc_error(ident, -32603, f"{exc.code.name}: {exc.details}")
             finally:
                 held.last_used = asyncio.get_running_loop().time()
 
@@ -700,39 +677,43 @@ class OpenEnvGateway:
         try:
             async with self._one_call_session(token) as session:
                 program = self.answers.tool_method(session, ident, method, params)
-                return await run_on(session, program)
+                answer: dict[str, Any] = await session.run(program)
+                return answer
         except _NoRoom as exc:
             return rpc_error(ident, -32000, exc.message, exc.data)
-        except SessionLost as exc:
-            return rpc_error(ident, -32603, f"{exc.code.name}: {exc.message}")
+        except StreamEnded as exc:
+            return rpc_error(ident, -32603, f"{exc.code.name}: {exc.details}")
 
     @contextlib.asynccontextmanager
     async def _one_call_session(
         self, token: str | None, websocket: WebSocket | None = None
-    ) -> AsyncIterator[Any]:
+    ) -> AsyncIterator[ProgramStream]:
         """A session of the core for one stateless call (HTTP ``/reset``, ``/step``,
         ``/state``, sessionless ``/mcp``) or one ``WS /mcp`` socket, closed when it ends.
         Raises _NoRoom when the server is full or refuses the token."""
-        stub = self._stub if websocket is None else self._socket_stub(websocket)
-        session = self._session_class(stub)
+        session = await self._open(websocket)
+        try:
+            yield session
+        finally:
+            await session.close()
+
+    async def _open(self, websocket: WebSocket | None = None) -> ProgramStream:
+        """A session of the core that takes programs (a socket's: closed 1001 when the
+        core ends it as idle). Raises _NoRoom when the server is full or refuses it."""
+        ending = None if websocket is None else self._socket_ending(websocket)
+        session = ProgramStream(self._session_handler, self._types, ending)
         try:
             await session.open()
-        except CapacityError:
+        except Refused as exc:
+            if exc.code is not grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise _NoRoom(str(exc)) from None
             active, limit = await self._capacity()
             raise _NoRoom(
                 f"Server at capacity: {active}/{limit} sessions active. Cannot accept new "
                 "connections.",
                 {"active_sessions": active, "max_sessions": limit},
             ) from None
-        except SessionRefused as exc:
-            raise _NoRoom(f"{exc.code.name}: {exc.message}") from None
-        try:
-            yield session
-        finally:
-            with contextlib.suppress(Exception):
-                await session.close()
-            if session.is_open:
-                await session.abort()
+        return session
 
     async def _capacity(self) -> tuple[int, int]:
         limiter = self._limiter

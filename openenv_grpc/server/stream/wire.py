@@ -3,8 +3,8 @@
 :meth:`SessionManager.run <openenv_grpc.server.stream.session.SessionManager.run>` drives a
 stream through this and nothing else, so admission, the idle reaper, the drain, the byte
 budget and the metrics are the same on every wire. gRPC's ``ServicerContext`` is one (the
-``Session`` and ``VectorSession`` RPCs); :mod:`.local_wire` is the other, an in-process
-stream that the OpenEnv door (``integrations/openenv``) drives without a network hop.
+``Session`` and ``VectorSession`` RPCs); the OpenEnv door's (``integrations/openenv/
+streams.py``) are the others: a WebSocket's frames, or calls handed over in process.
 """
 
 from __future__ import annotations

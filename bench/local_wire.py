@@ -1,12 +1,12 @@
-"""A Session stream served in this process: the session core without a network hop.
+"""A Session stream served in this process, for counting what a step costs in Python
+(``bench.step_calls``): the session core and the typed client, without a network hop.
 
 :class:`LocalStub` stands where a gRPC ``EnvServiceStub`` would: its ``Session()`` call
 runs the servicer's own ``Session`` handler (``SessionManager.run``: the limiter, the
 idle reaper, the drain, the byte budget, the metrics) in a task on this loop, with a
-:class:`LocalCall` as the client's end and a :class:`_ServerEnd` (a :class:`~.wire.Wire`)
-as the server's. The typed ``AsyncSession`` client works on it unchanged, so the OpenEnv
-door (``integrations/openenv``) opens real sessions of the core for its WebSockets and
-HTTP calls. Requests and answers cross as the same bytes a gRPC stream would carry.
+:class:`LocalCall` as the client's end and a :class:`_ServerEnd` (a
+``server.stream.wire.Wire``) as the server's. The typed ``AsyncSession`` client works on
+it unchanged. Requests and answers cross as the same bytes a gRPC stream would carry.
 
 The caller authenticates before it opens a stream: nothing here checks a token.
 """

@@ -1,9 +1,9 @@
-"""A ``/ws`` socket is itself a Session stream of the core (``socket_wire.py``): what that
-wire promises beyond OpenEnv's frames, on real serve processes with a raw WebSocket
-client: one answer in flight per socket (frames sent back to back are answered in
-order), a frame needing several requests of the core, a close frame's close, the core
-ending a stream while the client waits (an error frame) and while it does not (a close
-frame only, nothing it could take for an answer)."""
+"""The OpenEnv door's sessions are Session streams of the core (``streams.py``): what a
+``/ws`` socket's own wire (``SocketWire``) promises beyond OpenEnv's frames, on real
+serve processes with a raw WebSocket client: one answer in flight per socket (frames
+sent back to back are answered in order), a frame needing several requests of the core,
+a close frame's close, the core ending a stream while the client waits (an error frame)
+and while it does not (a close frame only, nothing it could take for an answer)."""
 
 from __future__ import annotations
 
@@ -147,3 +147,39 @@ def test_a_session_lost_under_a_frame_answers_that_frame_then_closes() -> None:
     assert answer["data"]["code"] == "SESSION_ERROR"
     assert answer["data"]["message"].startswith("UNAVAILABLE: session lost")
     assert code == 1000
+
+
+@pytest.mark.fresh_server  # a server of its own: make test
+def test_an_http_step_whose_client_goes_mid_call_frees_its_session(tmp_path: Path) -> None:
+    """``POST /step`` is a stream of its own (``ProgramStream``): its client hangs up while
+    the env is inside the step; the step ends, the stream closes, the slot is free, and
+    the next call is answered."""
+    import socket
+    import urllib.request
+
+    gate = tmp_path / "gate"
+    server = ServerProcess("support.envs:FaultyEnv", ["--openenv-port", "0"], pythonpath=[TESTS])
+    try:
+        url = gateway_url(server)
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        body = json.dumps({"action": {"message": f"gate:{gate}"}}).encode()
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(
+                b"POST /step HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            server.wait_until(
+                lambda: gate.with_name("gate.entered").exists(), 30, "the step is inside"
+            )
+            assert server.active() == 1
+        gate.touch()  # the client has gone; the step may end now
+        server.wait_until(lambda: server.active() == 0, 30, "the slot freed")
+        request = urllib.request.Request(
+            f"{url}/step", json.dumps({"action": {"message": "hi"}}).encode(),
+            {"Content-Type": "application/json"},
+        )  # fmt: skip
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            assert json.load(answer)["observation"]["echoed_message"] == "hi"
+    finally:
+        server.stop()
