@@ -908,3 +908,54 @@ def test_refused_sockets_cannot_spend_the_budget_of_those_with_the_token() -> No
               f"HTTP /step {http_status}")  # fmt: skip
         assert answers and set(answers) == {"y"}
         assert http_status == 200
+
+
+# -- 11. what the attack on the door's stream wires found -------------------------------------
+
+
+@pytest.mark.fresh_server  # a server of its own: make test
+def test_clients_that_go_right_after_a_frame_leave_no_traceback() -> None:
+    """Frames answered without a request of the core's stream (an mcp frame closing
+    another, held session; not JSON): their clients go at once, before the answer. Each
+    stream ends quietly, as when a client goes between frames (before: an ERROR traceback
+    per socket)."""
+    with own_server() as (server, url):
+        for k in range(30):
+            held = rpc(url, "openenv/session/create")["result"]["session_id"]
+            close_held = {"jsonrpc": "2.0", "method": "openenv/session/close",
+                          "params": {"session_id": held}, "id": 1}  # fmt: skip
+            sock = ws_handshake(url)
+            sock.sendall(
+                frame(0x1, json.dumps({"type": "mcp", "data": close_held}).encode())
+                if k % 2 == 0
+                else frame(0x1, b"{nope")
+            )
+            sock.close()
+            if k % 2:
+                rpc(url, "openenv/session/close", {"session_id": held})
+        server.wait_until(lambda: server.active() == 0, 30, "every session ended")
+        errors = server.stderr()
+    print(f"\n30 clients gone right after a frame: {errors.count('Traceback')} tracebacks")
+    assert "Traceback" not in errors
+    assert "failed serving a WebSocket" not in errors
+
+
+@pytest.mark.fresh_server  # a server of its own: make test
+def test_a_reset_behind_thousands_of_queued_frames_answers_none_of_them() -> None:
+    """Eight clients each send one read's worth of 7-byte frames (37,449 of them) and reset
+    the connection: what they queued is dropped with them, not answered into the dead
+    transport one warning at a time (before: 356,677 warnings from 20 such clients)."""
+    blob = frame(0x1, b"{") * (262144 // 7)
+    with own_server() as (server, url):
+        for _ in range(8):
+            sock = ws_handshake(url)
+            sock.sendall(blob)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.close()  # a reset: unsent answers cannot leave
+        server.wait_until(lambda: server.active() == 0, 60, "the sockets' sessions ended")
+        with GenericEnvClient(base_url=url).sync() as env:  # the door goes on
+            env.reset()
+            assert env.step({"message": "after"}).observation["echoed_message"] == "after"
+        warnings = server.stderr().count("socket.send() raised exception")
+    print(f"\n8 resets behind 37,449 queued frames each: {warnings} failed-write warnings")
+    assert warnings == 0

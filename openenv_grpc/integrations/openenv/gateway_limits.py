@@ -29,6 +29,9 @@ log = logging.getLogger("openenv_grpc.gateway")
 #: Reads this small may use the byte budget's reserve (a neighbour's ordinary frames go
 #: on while stalled connections are closed): the session core's rule for small answers.
 SMALL_BYTES = _SMALL = 64 * 1024
+#: Messages one connection's app may take in a row before the others get the loop: a
+#: client that pipelines thousands of frames in one read does not stall its neighbours.
+_BURST = 16
 #: Seconds a peer has to answer our close frame before its connection is dropped (uvicorn:
 #: 10, which let refused sockets hold a connection slot and keep sending for that long).
 _CLOSE_TIMEOUT = 1.0
@@ -223,6 +226,8 @@ class _BoundedWebSocket(_CountsUnsent, WebSocketsSansIOProtocol):
     _arriving = 0
     #: Bytes received after our close frame (the peer's close is a few bytes).
     _after_close = 0
+    #: Messages taken in a row without waiting for one (a pipelining client).
+    _taken = 0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -251,6 +256,17 @@ class _BoundedWebSocket(_CountsUnsent, WebSocketsSansIOProtocol):
         # its high-water mark): one answer in flight, as on a gRPC Session. A client that
         # never reads is closed by _stalled.
         await self.writable.wait()
+        if self.handshake_complete and self.transport.is_closing():
+            # Gone (a reset, our close): what it queued is never answered (thousands of
+            # frames of one read would each be written to a dead transport, each logged).
+            return {"type": "websocket.disconnect", "code": 1006}
+        if self._taken >= _BURST:  # let the other connections have the loop
+            self._taken = 0
+            await asyncio.sleep(0)
+        if self.queue.empty():
+            self._taken = 0
+        else:
+            self._taken += 1
         event = await super().receive()
         budget = self.limits.budget
         if budget is not None and self._arriving:  # the app holds the message now

@@ -219,7 +219,8 @@ class SocketWire(_ProgramWire):
             if frame is None:
                 return _EOF
             if isinstance(frame, str):  # not a frame: answered at once
-                await self._ws.send_text(frame)
+                if not await self._send(frame):
+                    return _EOF
                 continue
             kind, data = frame
             if kind == "close":
@@ -231,7 +232,8 @@ class SocketWire(_ProgramWire):
             if request is not None:
                 return request
             self._in_flight = False
-            await self._ws.send_text(text)
+            if not await self._send(text):
+                return _EOF
 
     async def write(self, message: bytes) -> None:
         """Take the core's answer to the frame's call: go on with the frame, or send the
@@ -249,6 +251,16 @@ class SocketWire(_ProgramWire):
 
     def cancelled(self) -> bool:
         return self._ended
+
+    async def _send(self, text: str) -> bool:
+        """Send an answer the core did not write (a frame that needed no request of it);
+        False if the client has gone (the stream then ends as on its going)."""
+        try:
+            await self._ws.send_text(text)
+        except Exception:  # gone mid-frame: nobody to tell, nothing to log
+            self._ended = True
+            return False
+        return True
 
     async def _next_frame(self) -> tuple[str, Any] | str | None:
         """The socket's next frame as (type, data), or the error frame answering what was
