@@ -114,3 +114,27 @@ def test_a_vector_of_async_envs_whose_close_hangs_is_deadline_exceeded(start_ser
     server.wait_until(lambda: server.active() == 0, 10, "the slots freed")
     # The envs close at once: the hung one held back no other (it was cancelled).
     assert server.closed_envs() == 1 and Path(f"{server.ledger}.cancelled").exists()
+
+
+def test_hung_closes_are_a_metric_until_they_return(start_server, tmp_path: Path) -> None:
+    """``openenv_env_closes_hung`` counts the closes given up on that still hold their
+    threads and slots: 1 while the close hangs, 0 once it has returned."""
+    from support.metrics import samples
+
+    def hung() -> float:
+        return next(s.value for s in samples(server) if s.name == "openenv_env_closes_hung")
+
+    server = start_server(
+        "support.lifecycle_envs:GatedCloseEnv", "--lifecycle-timeout", "1", "--metrics-port", "0"
+    )
+    gate = tmp_path / "gate"
+    assert hung() == 0
+    env = EchoEnv(server.target)
+    env.open()
+    env.reset()
+    env.step(EchoAction(message=f"gate-close:{gate}"))
+    with pytest.raises(EnvError):
+        env.close()
+    assert hung() == 1
+    gate.touch()
+    server.wait_until(lambda: hung() == 0 and server.active() == 0, 30)

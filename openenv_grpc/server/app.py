@@ -265,7 +265,10 @@ class EnvServer:
         budget = ByteBudget(self.config.max_held_bytes)
         prometheus: PrometheusMetrics | None = None
         if self.config.metrics_port >= 0:
-            prometheus = PrometheusMetrics(limiter, self.spec.name, budget)
+            lifecycle = self._lifecycle
+            prometheus = PrometheusMetrics(
+                limiter, self.spec.name, budget, hung_closes=lambda: lifecycle.hung_closes
+            )
             token = self.config.metrics_token or self.config.auth_token
             self._metrics_endpoint = MetricsEndpoint(prometheus.registry, token)
             host = self.config.metrics_host.strip("[]")

@@ -202,6 +202,12 @@ class Lifecycle(concurrent.futures.Executor):
         #: Abandoned closes that have not returned yet (their envs hold their slots).
         self._hung: set[EnvCall] = set()
 
+    @property
+    def hung_closes(self) -> int:
+        """Closes abandoned at the timeout that have not returned yet (each env keeps its
+        slots until its close returns)."""
+        return len(self._hung)
+
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> EnvCall:
         return self.creates.submit(fn, *args, **kwargs)
 

@@ -11,6 +11,7 @@ the limiter and the byte budget when scraped, costing nothing per step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Protocol
 
@@ -106,10 +107,22 @@ class PrometheusMetrics:
     """Counters and histograms in their own registry (several servers can share a process)."""
 
     def __init__(
-        self, limiter: SessionLimiter, env_name: str, budget: ByteBudget | None = None
+        self,
+        limiter: SessionLimiter,
+        env_name: str,
+        budget: ByteBudget | None = None,
+        hung_closes: Callable[[], int] | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         labels = {"env": env_name}
+        if hung_closes is not None:
+            hung = Gauge(
+                "openenv_env_closes_hung",
+                "Env closes given up on at --lifecycle-timeout that have not returned: their "
+                "threads are held and their envs keep their slots.",
+                labelnames=["env"], registry=self.registry,
+            )  # fmt: skip
+            hung.labels(**labels).set_function(hung_closes)
         if budget is not None:
             held = (
                 ("openenv_held_bytes", "Request and answer bytes held for clients now.",
