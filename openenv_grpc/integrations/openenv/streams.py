@@ -312,10 +312,6 @@ class ProgramStream(_ProgramWire):
         self._opened: asyncio.Future[None] = loop.create_future()
         self._task = asyncio.ensure_future(self._serve(handler, on_end))
 
-    @property
-    def is_open(self) -> bool:
-        return self._ended is None
-
     async def open(self) -> None:
         """Wait until the core admitted the stream and made its env.
 
