@@ -10,7 +10,6 @@ process for the next open.
 
 from __future__ import annotations
 
-import glob
 import os
 import signal
 import threading
@@ -23,6 +22,7 @@ import pytest
 from openenv_grpc import EnvError, Session, SessionLost, SessionRefused, VectorSession, fetch_info
 from openenv_grpc_envs.echo import EchoAction, EchoVectorEnv
 from support.echo_rows import echoed_pids, say
+from support.procs import env_processes
 from support.raw_vector import RawVector
 
 pytestmark = pytest.mark.timeout(60)
@@ -137,20 +137,6 @@ def test_factory_failure_in_a_worker_is_reported(start_server) -> None:
     server.wait_until(lambda: server.active() == 0, what="slot released")
 
 
-def _env_processes(server_pid: int) -> list[int]:
-    """The server's env processes (its multiprocessing children, not the resource tracker)."""
-    children: list[str] = []
-    for path in glob.glob(f"/proc/{server_pid}/task/*/children"):
-        with open(path) as listing:
-            children += listing.read().split()
-    found = []
-    for pid in children:
-        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-            if b"spawn_main" in cmdline.read():
-                found.append(int(pid))
-    return found
-
-
 def test_an_env_process_dying_during_the_open_is_unavailable_and_leaves_nothing(
     start_server,
 ) -> None:
@@ -161,7 +147,7 @@ def test_an_env_process_dying_during_the_open_is_unavailable_and_leaves_nothing(
         *("--isolated", "1"),
         extra_env={"OPENENV_TEST_FACTORY_SECONDS": "2"},
     )
-    [victim] = _env_processes(server.proc.pid)
+    [victim] = env_processes(server.proc.pid)
     refusal: list[grpc.RpcError] = []
     opening = threading.Thread(target=lambda: refusal.append(RawVector(server.target, 2).refusal()))
     opening.start()

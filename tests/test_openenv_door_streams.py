@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import glob
 import json
 import os
 import signal
@@ -26,6 +25,8 @@ from openenv_grpc.testing import ServerProcess
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
 from test_openenv_gateway import gateway_url  # noqa: E402
+
+from support.procs import env_processes  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -107,20 +108,6 @@ def test_a_drain_closes_an_idle_socket_with_no_frame_before_the_close() -> None:
     assert code == 1012
 
 
-def _env_processes(server_pid: int) -> list[int]:
-    """The server's env processes (its multiprocessing children)."""
-    children: list[str] = []
-    for path in glob.glob(f"/proc/{server_pid}/task/*/children"):
-        with open(path) as listing:
-            children += listing.read().split()
-    found = []
-    for pid in children:
-        with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/cmdline", "rb") as cmd:
-            if b"spawn_main" in cmd.read():
-                found.append(int(pid))
-    return found
-
-
 @pytest.mark.fresh_server  # a server of its own: make test
 def test_a_session_lost_under_a_frame_answers_that_frame_then_closes() -> None:
     """``--isolated``: the env process of a socket's session is killed; the socket's next
@@ -131,7 +118,7 @@ def test_a_session_lost_under_a_frame_answers_that_frame_then_closes() -> None:
         async with websockets.connect(url) as ws:
             await ws.send(json.dumps({"type": "reset", "data": {}}))
             await ws.recv()
-            for pid in _env_processes(server.proc.pid):
+            for pid in env_processes(server.proc.pid):
                 os.kill(pid, signal.SIGKILL)
             await ws.send(_step("x"))
             answer = json.loads(await ws.recv())
@@ -140,7 +127,7 @@ def test_a_session_lost_under_a_frame_answers_that_frame_then_closes() -> None:
             return answer, ws.close_code
 
     with door("--isolated", "1") as (server, url):
-        server.wait_until(lambda: bool(_env_processes(server.proc.pid)), what="env process")
+        server.wait_until(lambda: bool(env_processes(server.proc.pid)), what="env process")
         answer, code = asyncio.run(run(url, server))
         server.wait_until(lambda: server.active() == 0, what="the slot freed")
     assert answer["type"] == "error"

@@ -20,3 +20,20 @@ def running(pid: int) -> bool:
         return False
     state = stat.rsplit(b")", 1)[1].split()[0]  # the name in parentheses may hold spaces
     return state not in (b"Z", b"X")
+
+
+def env_processes(server_pid: int) -> list[int]:
+    """A serve process's env processes (``--isolated``): its multiprocessing children,
+    not the resource tracker."""
+    children: list[str] = []
+    for path in Path(f"/proc/{server_pid}/task").glob("*/children"):
+        children += path.read_text().split()
+    found = []
+    for pid in children:
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except FileNotFoundError:  # gone meanwhile
+            continue
+        if b"spawn_main" in command:
+            found.append(int(pid))
+    return found
