@@ -1,17 +1,18 @@
 """What happens when an env's close hangs, for envs in this process: one path.
 
-Every close someone waits for goes through :func:`close_within`: a runner's close (on a
-lifecycle thread for a pooled env, on the event loop for an async or inline one, within
-``--lifecycle-timeout``) and a session's close of its envs (no limit, or in a drain the
-rest of the drain's budget, ``session.CLOSE_BUDGET``). Past its deadline, or when its
-waiter is cancelled, the wait ends: an async env's close is cancelled; any other goes on
-unobserved (a thread cannot be stopped; a session's close has the runner's own deadline
-inside). Either way the env's slots are freed once its close has ended, never before (the
-env exists until then), and what the close raised then is logged, once. ``given_up``
-says what giving up means: a lifecycle thread is abandoned, counted and logged
-(``env_threads.Lifecycle.abandon_close``, whose watch does the same for closes nobody
-waits for); a drain logs its budget. :func:`close_unobserved` and
-:func:`close_on_this_thread` are the same tail for a close nobody waits for at all.
+Every close someone waits for goes through :func:`close_within`: a runner's close of its
+batch (on a lifecycle thread for a pooled env, on the event loop for an async or inline
+one), and a session's close of its envs (with no limit, or in a drain the rest of the
+drain's budget, ``session.CLOSE_BUDGET``). It waits up to the close's deadline. Past it,
+or when its waiter is cancelled, it stops waiting: a close on the event loop is
+cancelled when given up (nothing keeps running), a close on a thread goes on unobserved
+(a thread cannot be stopped). Either way the slots the env holds are freed once its close
+has ended, never before (until then it exists), and what the close raised then is
+logged, once. The waiter says what giving up means (``given_up``): a lifecycle thread is
+abandoned, counted and logged (``env_threads.Lifecycle.abandon_close``, whose watch does
+the same for closes nobody waits for); a drain logs its budget. :func:`close_unobserved`
+and :func:`close_on_this_thread` are the same tail for a close nobody waits for at all
+(an abandoned env's, on the loop or on a lifecycle thread).
 """
 
 from __future__ import annotations

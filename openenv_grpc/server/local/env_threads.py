@@ -184,13 +184,14 @@ class Lifecycle(concurrent.futures.Executor):
     close that hangs never delays an open; ``timeout`` (None: none) bounds both.
 
     A create past the timeout fails its open (its env, if ever born, is closed then); a
-    close that has run past it is abandoned (:meth:`abandon_close`): logged, counted, its
-    (daemon) thread no longer counted against ``closes``. That is the thread's side of a
-    hung close; the waiter's (how long it waits, who frees the slot and when) is
-    ``closing.close_within``'s, which calls :meth:`abandon_close` when it gives up, as
-    :meth:`close`'s watch does for closes nobody waits for. An abandoned close's env
-    still exists: its slot stays taken until the close returns. ``submit`` is
-    ``creates.submit``, for callers that make envs.
+    close that has run past it is abandoned (:meth:`abandon_close`): logged, counted in
+    :attr:`closes_abandoned`, its (daemon) thread no longer counted against ``closes``.
+    That is the thread's side of a hung close: the waiter's side (how long it waits, who
+    frees the slot and when) is ``closing.close_within``'s, which calls
+    :meth:`abandon_close` when it gives up; :meth:`close`'s watch calls it for the
+    closes nobody waits for. An abandoned close's env still exists, so its limiter slot
+    stays taken until the close returns (:attr:`closes_hung` says how many are held so).
+    ``submit`` is ``creates.submit``, for callers that make envs.
     """
 
     def __init__(self, creates: EnvThreadPool, closes: EnvThreadPool, timeout: float | None):
@@ -199,13 +200,14 @@ class Lifecycle(concurrent.futures.Executor):
         self.timeout = timeout
         #: Closes given up on at the timeout, since the start (a counter: it only grows).
         self.closes_abandoned = 0
-        #: Abandoned closes that have not returned yet (their envs hold their slots).
+        #: Creates given up on at the timeout, since the start.
+        self.creates_timed_out = 0
         self._hung: set[EnvCall] = set()
 
     @property
-    def hung_closes(self) -> int:
+    def closes_hung(self) -> int:
         """Closes abandoned at the timeout that have not returned yet (each env keeps its
-        slots until its close returns)."""
+        slots until its close returns; the ``openenv_env_closes_hung`` metric)."""
         return len(self._hung)
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> EnvCall:
