@@ -11,14 +11,12 @@ has ended, never before (until then it exists), and what the close raised then i
 logged, once. The waiter says what giving up means (``given_up``): a lifecycle thread is
 abandoned, counted and logged (``env_threads.Lifecycle.abandon_close``, whose watch does
 the same for closes nobody waits for); a drain logs its budget. :func:`close_unobserved`
-and :func:`close_on_this_thread` are the same tail for a close nobody waits for at all
-(an abandoned env's, on the loop or on a lifecycle thread).
+is the same tail for a close nobody waits for at all (an abandoned async env's).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 from collections.abc import Awaitable, Callable
@@ -26,7 +24,7 @@ from typing import Any
 
 from openenv_grpc.server.errors import contained
 
-__all__ = ["close_on_this_thread", "close_unobserved", "close_within", "release_from_thread"]
+__all__ = ["close_unobserved", "close_within"]
 
 log = logging.getLogger(__name__)
 
@@ -92,22 +90,3 @@ def _ended(release: Callable[[], None], closing: asyncio.Future[Any]) -> None:
     release()
     if not closing.cancelled() and (exc := closing.exception()) is not None:
         log.error("closing an abandoned environment raised", exc_info=exc)
-
-
-def close_on_this_thread(
-    close: Callable[[], Any], loop: asyncio.AbstractEventLoop, release: Callable[[], None]
-) -> None:
-    """Run a sync env's ``close`` nobody waits for here, on a lifecycle thread: what it
-    raised is logged (as for any unobserved close), then ``release`` runs on ``loop``."""
-    try:
-        close()
-    except BaseException:  # env code's SystemExit included: it is not the server's
-        log.exception("closing an abandoned environment raised")
-    release_from_thread(loop, release)
-
-
-def release_from_thread(loop: asyncio.AbstractEventLoop, release: Callable[[], None]) -> None:
-    """Run ``release`` on ``loop`` (the limiter lives there); nothing if the loop is gone."""
-    # A closed loop means the server has stopped: nothing left to free.
-    with contextlib.suppress(RuntimeError):
-        loop.call_soon_threadsafe(release)

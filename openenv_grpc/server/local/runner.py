@@ -42,12 +42,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from openenv_grpc.environment import AnyEnvironment, Environment
 from openenv_grpc.server.errors import EnvExit, contained
-from openenv_grpc.server.local.closing import (
-    close_on_this_thread,
-    close_unobserved,
-    close_within,
-    release_from_thread,
-)
+from openenv_grpc.server.local.closing import close_unobserved, close_within
 from openenv_grpc.server.local.env_threads import EnvCall, EnvThreadPool, Lifecycle
 from openenv_grpc.server.model.placement import CallPlacement, CostGroup
 from openenv_grpc.server.model.spec import EnvSpec, ExecutionMode
@@ -383,7 +378,8 @@ class EnvRunner:
 
     def _close_here(self) -> None:
         """Close a sync env on this (pool) thread, then free its slot."""
-        close_on_this_thread(self.env.close, self._loop, self._release)
+        _close_quietly(self.env)
+        _release_from_thread(self._loop, self._release)
 
     @_contained
     async def close(self) -> None:
@@ -472,6 +468,13 @@ def _hand_on(
 _OFF_LOOP = frozenset({ExecutionMode.POOL, ExecutionMode.MEASURED})
 
 
+def _release_from_thread(loop: asyncio.AbstractEventLoop, release: Callable[[], None]) -> None:
+    """Run ``release`` on ``loop`` (the limiter lives there); nothing if the loop is gone."""
+    # A closed loop means the server has stopped: nothing left to free.
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(release)
+
+
 #: This task's context, for a pooled call: what the env (and a row error) logs on the pool
 #: thread carries the session's id, as on the event loop (``logs.SESSION_ID``).
 _here = contextvars.copy_context
@@ -486,17 +489,18 @@ def _close_orphan_later(
     """Close the env of a cancelled open once its factory returns, then free its slot."""
 
     def close_then_release(env: Any) -> None:
-        close_on_this_thread(env.close, loop, release)
+        _close_quietly(env)
+        _release_from_thread(loop, release)
 
     def done(finished: concurrent.futures.Future[Any]) -> None:
         if finished.cancelled() or finished.exception() is not None:
-            release_from_thread(loop, release)
+            _release_from_thread(loop, release)
             return
         if isinstance(lifecycle, Lifecycle):  # on the close pool: a create thread is free
             try:
                 lifecycle.close(loop, close_then_release, finished.result())
             except RuntimeError:  # shut down: the process is exiting
-                release_from_thread(loop, release)
+                _release_from_thread(loop, release)
             return
         close_then_release(finished.result())
 
@@ -547,3 +551,10 @@ def _submit_close(
     if isinstance(lifecycle, Lifecycle):
         return lifecycle.close(loop, fn, *args)
     return lifecycle.submit(fn, *args)
+
+
+def _close_quietly(env: Any) -> None:
+    try:
+        env.close()
+    except BaseException:  # on a pool thread; env code's SystemExit included
+        log.exception("closing an abandoned environment raised")
