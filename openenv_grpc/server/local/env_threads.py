@@ -184,14 +184,10 @@ class Lifecycle(concurrent.futures.Executor):
     close that hangs never delays an open; ``timeout`` (None: none) bounds both.
 
     A create past the timeout fails its open (its env, if ever born, is closed then); a
-    close that has run past it is abandoned (:meth:`abandon_close`): logged, counted in
-    :attr:`closes_abandoned`, its (daemon) thread no longer counted against ``closes``.
-    That is the thread's side of a hung close: the waiter's side (how long it waits, who
-    frees the slot and when) is ``closing.close_within``'s, which calls
-    :meth:`abandon_close` when it gives up; :meth:`close`'s watch calls it for the
-    closes nobody waits for. An abandoned close's env still exists, so its limiter slot
-    stays taken until the close returns (:attr:`closes_hung` says how many are held so).
-    ``submit`` is ``creates.submit``, for callers that make envs.
+    close past it is abandoned: logged, counted in :attr:`closes_abandoned`, its (daemon)
+    thread no longer counted against ``closes``. An abandoned close's env still exists,
+    so its limiter slot stays taken until the close returns (:attr:`closes_hung` says
+    how many are held so). ``submit`` is ``creates.submit``, for callers that make envs.
     """
 
     def __init__(self, creates: EnvThreadPool, closes: EnvThreadPool, timeout: float | None):

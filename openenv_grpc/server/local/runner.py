@@ -42,7 +42,6 @@ from typing import Any, ParamSpec, TypeVar
 
 from openenv_grpc.environment import AnyEnvironment, Environment
 from openenv_grpc.server.errors import EnvExit, contained
-from openenv_grpc.server.local.closing import close_unobserved, close_within
 from openenv_grpc.server.local.env_threads import EnvCall, EnvThreadPool, Lifecycle
 from openenv_grpc.server.model.placement import CallPlacement, CostGroup
 from openenv_grpc.server.model.spec import EnvSpec, ExecutionMode
@@ -365,7 +364,9 @@ class EnvRunner:
             inflight.add_done_callback(lambda _: self._submit_close())
             return
         if self._mode is ExecutionMode.ASYNC:
-            close_unobserved(self.env.close(), self._release)  # type: ignore[arg-type]
+            task = self._loop.create_task(self._aclose_then_release())
+            _background.add(task)
+            task.add_done_callback(_background.discard)
             return
         self._submit_close()
 
@@ -381,20 +382,26 @@ class EnvRunner:
         _close_quietly(self.env)
         _release_from_thread(self._loop, self._release)
 
+    async def _aclose_then_release(self) -> None:
+        try:
+            await self.env.close()  # type: ignore[misc]
+        except asyncio.CancelledError:
+            raise
+        except BaseException:  # env code's SystemExit too: it is not the server's
+            log.exception("closing an abandoned environment raised")
+        finally:
+            self._release()
+
     @_contained
     async def close(self) -> None:
-        """Close the env exactly once and free its slot once it is closed; later calls do
-        nothing.
+        """Close the env exactly once and free its slot; later calls do nothing.
 
         A call a cancelled session left running is not waited for: the env is closed
-        (and its slot freed) once that call returns, so close() never overlaps it. A close
-        past the lifecycle timeout is given up on (``closing.close_within``): a pooled
-        env's is abandoned on its thread (counted, logged) and frees the slot when it
-        returns; an async env's is cancelled. An inline env's cannot be interrupted.
+        (and its slot freed) once that call returns, so close() never overlaps it.
 
         Raises:
             Exception: whatever the env's ``close`` raised (it still counts as closed).
-            CloseAbandoned: the close ran past the lifecycle timeout.
+            CloseAbandoned: the close ran past the lifecycle timeout (pooled envs).
         """
         if self._closed:
             return
@@ -403,28 +410,52 @@ class EnvRunner:
         if inflight is not None and not inflight.done():
             self._close_later()
             return
+        if self._mode in _OFF_LOOP:
+            await self._close_off_loop()
+            return
         lifecycle = self._lifecycle
         timeout = lifecycle.timeout if isinstance(lifecycle, Lifecycle) else None
-        if self._mode in _OFF_LOOP:
-            future = _submit_close(lifecycle, self._loop, self.env.close)
-            given_up = _nothing
-            if isinstance(lifecycle, Lifecycle) and isinstance(future, EnvCall):
-                given_up = functools.partial(lifecycle.abandon_close, future)
-            closed = await close_within(
-                asyncio.wrap_future(future), timeout, release=self._release, given_up=given_up
-            )
-            how = "the environment was abandoned and its slot is freed when its close returns"
-        else:
-            if self._mode is not ExecutionMode.ASYNC:
-                timeout = None  # an inline env's close runs on the loop: no interrupting it
-            closed = await close_within(
-                self._call(self.env.close), timeout, release=self._release, cancel=True
-            )
-            how = "it was cancelled"
-        if not closed:
+        try:
+            if self._mode is ExecutionMode.ASYNC and timeout is not None:
+                # An async close can be given up on: it is cancelled, nothing keeps running.
+                try:
+                    await asyncio.wait_for(self.env.close(), timeout)  # type: ignore[arg-type]
+                except asyncio.TimeoutError:
+                    raise CloseAbandoned(
+                        f"close did not finish within {timeout:g}s (--lifecycle-timeout); "
+                        "it was cancelled"
+                    ) from None
+            else:  # an inline env's close runs on the loop: it cannot be interrupted
+                await self._call(self.env.close)
+        finally:
+            self._release()
+
+    async def _close_off_loop(self) -> None:
+        """Close on a lifecycle thread; past the lifecycle timeout, stop waiting: the close
+        is abandoned (counted, logged) and the slot freed only once it returns."""
+        lifecycle = self._lifecycle
+        future = _submit_close(lifecycle, self._loop, self.env.close)
+        timeout = lifecycle.timeout if isinstance(lifecycle, Lifecycle) else None
+        waiter = asyncio.wrap_future(future)
+        try:
+            done, _ = await asyncio.wait((waiter,), timeout=timeout)
+        except asyncio.CancelledError:
+            future.add_done_callback(lambda _: _release_from_thread(self._loop, self._release))
+            raise
+        if not done:
+            # Not waiter.cancel(): that would cancel a close still queued, and its env
+            # would never be closed.
+            assert isinstance(lifecycle, Lifecycle) and isinstance(future, EnvCall)
+            lifecycle.abandon_close(future)
+            future.add_done_callback(lambda _: _release_from_thread(self._loop, self._release))
             raise CloseAbandoned(
-                f"close did not finish within {timeout:g}s (--lifecycle-timeout); {how}"
+                f"close did not finish within {timeout:g}s (--lifecycle-timeout); the "
+                "environment was abandoned and its slot is freed when its close returns"
             )
+        try:
+            waiter.result()
+        finally:
+            self._release()
 
     async def close_quietly(self) -> None:
         """:meth:`close`, shielded from a second cancellation (a server stopping must not
@@ -466,6 +497,10 @@ def _hand_on(
 #: Modes whose factory and close run on a lifecycle thread, never on the event loop
 #: (a measured env's cheap steps say nothing about what making or closing it costs).
 _OFF_LOOP = frozenset({ExecutionMode.POOL, ExecutionMode.MEASURED})
+
+
+#: Closes of abandoned async envs, referenced until done so they are not collected.
+_background: set[asyncio.Task[Any]] = set()
 
 
 def _release_from_thread(loop: asyncio.AbstractEventLoop, release: Callable[[], None]) -> None:

@@ -37,7 +37,6 @@ from openenv_grpc.metadata import ADMITTED_KEY, RETRY_PUSHBACK_KEY, SESSION_ID_K
 from openenv_grpc.server.config import ServerConfig
 from openenv_grpc.server.errors import EnvFactoryError, SessionLostError, describe
 from openenv_grpc.server.local.calls import LocalBatchCalls, local_calls
-from openenv_grpc.server.local.closing import close_within
 from openenv_grpc.server.local.runner import CreateTimeout
 from openenv_grpc.server.model.phases import Words
 from openenv_grpc.server.model.placement import CallPlacement
@@ -264,6 +263,8 @@ class SessionManager:
         self._notices: set[asyncio.Task[None]] = set()
         #: While draining, after the grace: loop time by which envs must have closed.
         self._close_by: float | None = None
+        #: Closes a drain stopped waiting for (referenced so they are not collected).
+        self._closing: set[asyncio.Future[None]] = set()
         #: Longest an env call may take; the server's setting wins over the env's own.
         self._call_timeout = config.call_timeout(spec.env_class.step_timeout)
         self.max_response = config.max_message_bytes
@@ -387,36 +388,44 @@ class SessionManager:
         self._live.discard(held.live)
         if not self._live:
             self._no_sessions.set()
-        await self._close_within_budget(held)
+        closed = held.backend is None or await self._close_within_budget(held)
+        if held.owns_slot and closed:  # else its slots go back when the close returns
+            self.limiter.release(held.slots)
         elapsed = time.monotonic() - held.started
         for _ in range(held.slots):  # a vector stream counts as N sessions
             self._metrics.session_ended(elapsed, held.reason)
         log.debug("session ended (%s) after %.3fs", held.reason, elapsed)
 
-    async def _close_within_budget(self, held: Held) -> None:
-        """Close the session's backend and free the slots the session holds (if it still
-        does) once it is closed; once a drain has ended the sessions, wait no longer than
-        the rest of :data:`CLOSE_BUDGET`, so that the stream's status is sent and its
-        handler ends in time (a close that hangs goes on: ``closing.close_within``)."""
+    async def _close_within_budget(self, held: Held) -> bool:
+        """Close the session's backend; once a drain has ended the sessions, wait no longer
+        than the rest of :data:`CLOSE_BUDGET`, so that the stream's status is sent and its
+        handler ends in time (a close that hangs goes on unobserved). False if given up."""
+        assert held.backend is not None
+        if self._close_by is None:
+            await held.backend.close()
+            return True
+        closing = asyncio.ensure_future(held.backend.close())
+        left = self._close_by - asyncio.get_running_loop().time()
+        done, _ = await asyncio.wait((closing,), timeout=max(left, 0.0))
+        if done:
+            closing.result()
+            return True
+        self._closing.add(closing)
         slots = held.slots if held.owns_slot else 0
 
-        def release() -> None:
-            if slots:  # else an env runner frees them when its envs are closed
+        def closed(task: asyncio.Future[None]) -> None:
+            self._closing.discard(task)
+            if slots:
                 self.limiter.release(slots)
+            if not task.cancelled() and task.exception() is not None:
+                log.error("closing a session's environment raised", exc_info=task.exception())
 
-        if held.backend is None:
-            release()
-            return
-
-        def over_budget() -> None:
-            log.error(
-                "a session's environment did not close within the drain's %.0fs budget: its "
-                "stream ends now, the close goes on unobserved", CLOSE_BUDGET,
-            )  # fmt: skip
-
-        close_by = self._close_by
-        left = None if close_by is None else max(close_by - asyncio.get_running_loop().time(), 0)
-        await close_within(held.backend.close(), left, release=release, given_up=over_budget)
+        closing.add_done_callback(closed)
+        log.error(
+            "a session's environment did not close within the drain's %.0fs budget: its "
+            "stream ends now, the close goes on unobserved", CLOSE_BUDGET,
+        )  # fmt: skip
+        return False
 
     def record(self, answer: Answer) -> None:
         """Count what a request was answered with, in Info's activity and in Prometheus."""
