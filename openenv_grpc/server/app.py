@@ -267,7 +267,7 @@ class EnvServer:
         if self.config.metrics_port >= 0:
             lifecycle = self._lifecycle
             prometheus = PrometheusMetrics(
-                limiter, self.spec.name, budget, hung_closes=lambda: lifecycle.hung_closes
+                limiter, self.spec.name, budget, hung_closes=lambda: lifecycle.closes_hung
             )
             token = self.config.metrics_token or self.config.auth_token
             self._metrics_endpoint = MetricsEndpoint(prometheus.registry, token)
