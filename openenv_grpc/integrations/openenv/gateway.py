@@ -535,13 +535,10 @@ class OpenEnvGateway:
         assert wire.status is not None
         code, details = wire.status
         if not wire.admitted and code is grpc.StatusCode.RESOURCE_EXHAUSTED:
-            active, limit = await self._capacity()
-            await _send(websocket, error_frame(
-                "CAPACITY_REACHED",
-                f"Server at capacity: {active}/{limit} sessions active. Cannot accept new "
-                f"connections. ({details})",
-                active_sessions=active, max_sessions=limit,
-            ))  # fmt: skip
+            message, counts = self._full()
+            await _send(
+                websocket, error_frame("CAPACITY_REACHED", f"{message} ({details})", **counts)
+            )
             await _close(websocket)
             return
         if wire.admitted and code is grpc.StatusCode.DEADLINE_EXCEEDED and not wire.in_flight:
@@ -707,19 +704,19 @@ class OpenEnvGateway:
         except Refused as exc:
             if exc.code is not grpc.StatusCode.RESOURCE_EXHAUSTED:
                 raise _NoRoom(str(exc)) from None
-            active, limit = await self._capacity()
-            raise _NoRoom(
-                f"Server at capacity: {active}/{limit} sessions active. Cannot accept new "
-                "connections.",
-                {"active_sessions": active, "max_sessions": limit},
-            ) from None
+            raise _NoRoom(*self._full()) from None
         return session
 
-    async def _capacity(self) -> tuple[int, int]:
+    def _full(self) -> tuple[str, dict[str, int]]:
+        """OpenEnv's words for a full server, and the counts its answers carry."""
         limiter = self._limiter
         if limiter is None:
-            return self.info.capacity.active_sessions, self.info.capacity.max_sessions
-        return limiter.active, limiter.capacity
+            active, limit = self.info.capacity.active_sessions, self.info.capacity.max_sessions
+        else:
+            active, limit = limiter.active, limiter.capacity
+        message = (f"Server at capacity: {active}/{limit} sessions active. Cannot accept new "
+                   "connections.")  # fmt: skip
+        return message, {"active_sessions": active, "max_sessions": limit}
 
 
 class _NoRoom(Exception):
