@@ -170,3 +170,38 @@ def test_an_http_step_whose_client_goes_mid_call_frees_its_session(tmp_path: Pat
             assert json.load(answer)["observation"]["echoed_message"] == "hi"
     finally:
         server.stop()
+
+
+@pytest.mark.fresh_server  # a server of its own: make test
+def test_an_http_step_whose_env_process_dies_is_a_500_naming_the_lost_session() -> None:
+    """``--isolated``: the env process dies inside ``POST /step`` (``exit``). The core ends
+    the call's stream; the answer is 500 with the core's own words, the slot is free,
+    and the next call is answered by a fresh env process."""
+    import urllib.error
+    import urllib.request
+
+    server = ServerProcess(
+        "support.envs:FaultyEnv", ["--openenv-port", "0", "--isolated", "1"], pythonpath=[TESTS]
+    )
+
+    def step(message: str) -> tuple[int, dict[str, Any]]:
+        request = urllib.request.Request(
+            f"{url}/step", json.dumps({"action": {"message": message}}).encode(),
+            {"Content-Type": "application/json"},
+        )  # fmt: skip
+        try:
+            with urllib.request.urlopen(request, timeout=60) as answer:
+                return answer.status, json.load(answer)
+        except urllib.error.HTTPError as failed:
+            return failed.code, json.load(failed)
+
+    try:
+        url = gateway_url(server)
+        status, body = step("exit")
+        assert status == 500
+        assert body["detail"].startswith("UNAVAILABLE: session lost")
+        server.wait_until(lambda: server.active() == 0, 30, "the slot freed")
+        server.wait_until(lambda: step("hi")[0] == 200, 60, "a fresh env process answers")
+        assert step("hi")[1]["observation"]["echoed_message"] == "hi"
+    finally:
+        server.stop()
