@@ -17,8 +17,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from openenv_grpc.client import Recovery
+from openenv_grpc.client import Recovery, SessionLost
 from openenv_grpc.client.channel import AioChannelPool, sync_channel
+from openenv_grpc.client.recovery import RecoveringCalls
 from openenv_grpc.testing import ServerProcess
 from openenv_grpc_envs.echo import AsyncEchoEnv, EchoAction, EchoEnv, EchoResetOptions
 
@@ -165,3 +166,37 @@ def test_an_async_session_on_a_pool_channel_recovers_once_its_server_is_back(
     assert now == started
     assert recovery.recovered == 1
     assert trajectory == undisturbed(servers[-1].target)
+
+
+class DownEverywhere:
+    """A session's io whose every reopen is refused (no server anywhere): it notes when
+    each attempt was made, on which target."""
+
+    def __init__(self) -> None:
+        self.attempts: list[tuple[float, str | None]] = []
+
+    async def _io_roundtrip(self, request: object, timeout: float | None) -> object:
+        raise grpc.RpcError  # never reached: no reopen succeeds
+
+    async def _io_reopen(self, target: str | None) -> None:
+        self.attempts.append((time.monotonic(), target))
+        raise SessionLost(grpc.StatusCode.UNAVAILABLE, "nothing is listening")
+
+    async def _io_pause(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+
+def test_a_recovery_keeps_trying_until_its_window_ends() -> None:
+    # Pauses grow 0.05, 0.1, 0.2, 0.4, 0.8 s: the one that would pass the deadline is cut
+    # to it, and the targets are tried once more there; the loss is raised only then.
+    # (It once gave up at the first pause that would pass: half of a 1.5 s window unused.)
+    io = DownEverywhere()
+    recovery = Recovery(targets=["other:1"], within=1.2)
+    calls = RecoveringCalls(recovery, None, io)  # type: ignore[arg-type]  # a failed reopen reads none
+    lost = SessionLost(grpc.StatusCode.UNAVAILABLE, "server killed")
+    deadline = time.monotonic() + 1.2
+    with pytest.raises(SessionLost, match=r"no server took the episode within 1\.2s \(12 attempt"):
+        asyncio.run(calls._recover(lost, None, replay=False, deadline=deadline))
+    assert [target for _, target in io.attempts] == [None, "other:1"] * 6
+    last_round = io.attempts[-2][0]
+    assert deadline - 0.05 <= last_round <= deadline + 0.25

@@ -339,15 +339,18 @@ class RecoveringCalls:
 
     def _schedule(self, deadline: float) -> Iterator[tuple[float, str | None]]:
         """(pause, target) of each attempt until ``deadline``: rounds over the session's
-        own target and then the others, no pause within a round, pauses growing between."""
+        own target and then the others, no pause within a round, pauses growing between.
+        A pause that would pass the deadline is cut to it, and one last round is made
+        there: a server back in the window's last second is still found."""
         targets: list[str | None] = [None, *self._recovery.targets]
         pause = 0.0
         while True:
-            for index, target in enumerate(targets):
-                wait = pause if index == 0 else 0.0
-                if time.monotonic() + wait >= deadline:
-                    return
-                yield wait, target
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            yield min(pause, left), targets[0]
+            for target in targets[1:]:  # a round begun before the deadline is finished
+                yield 0.0, target
             pause = min(max(pause * 2, _FIRST_PAUSE), _MAX_PAUSE)
 
     async def _replay(self, timeout: float | None) -> None:
