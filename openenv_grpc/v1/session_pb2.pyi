@@ -515,8 +515,9 @@ class StepResult(_message.Message):
     STEP_COUNT_FIELD_NUMBER: _builtins.int
     INFO_FIELD_NUMBER: _builtins.int
     INFO_JSON_FIELD_NUMBER: _builtins.int
+    NO_REWARD_FIELD_NUMBER: _builtins.int
     reward: _builtins.float
-    """The reward for the step that led here; 0 after a reset."""
+    """The reward for the step that led here; 0 after a reset. 0 too when no_reward is set."""
     terminated: _builtins.bool
     """The episode reached a terminal state of the task (e.g. goal reached)."""
     truncated: _builtins.bool
@@ -530,6 +531,10 @@ class StepResult(_message.Message):
     (of any size), a float a float. Sent only to a client that opened its stream with the
     openenv-info: json metadata, and only for an info JSON can write: one holding a NaN or
     an infinity comes in `info` instead. Empty: read `info`.
+    """
+    no_reward: _builtins.bool
+    """The env gave no reward for this step or reset (an OpenEnv env's reward None); `reward`
+    reads 0. A VectorResult has no such mark: its row's reward is 0.
     """
     @_builtins.property
     def observation(self) -> _any_pb2.Any:
@@ -552,10 +557,11 @@ class StepResult(_message.Message):
         step_count: _builtins.int = ...,
         info: _struct_pb2.Struct | None = ...,
         info_json: _builtins.str = ...,
+        no_reward: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["info", b"info", "observation", b"observation"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["episode_id", b"episode_id", "info", b"info", "info_json", b"info_json", "observation", b"observation", "reward", b"reward", "step_count", b"step_count", "terminated", b"terminated", "truncated", b"truncated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["episode_id", b"episode_id", "info", b"info", "info_json", b"info_json", "no_reward", b"no_reward", "observation", b"observation", "reward", b"reward", "step_count", b"step_count", "terminated", b"terminated", "truncated", b"truncated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1563,7 +1569,9 @@ class VectorResult(_message.Message):
 
     @_builtins.property
     def rewards(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
-        """The reward of each row (0 for a reset or an autoreset under NEXT_STEP)."""
+        """The reward of each row (0 for a reset or an autoreset under NEXT_STEP, and for an env
+        that gave no reward: see StepResult.no_reward, which vector results do not carry).
+        """
 
     @_builtins.property
     def terminated(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
