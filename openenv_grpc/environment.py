@@ -78,7 +78,9 @@ class Transition(Generic[ObservationT]):
 
     Attributes:
         observation: The observation, of the environment's observation type.
-        reward: The reward for the step that led here (0 after a reset).
+        reward: The reward for the step that led here (0 after a reset); None: no reward
+            for this step (as OpenEnv envs may answer). A Session's client then reads
+            ``StepResult.no_reward`` set and reward 0; a vector stream's row reads 0.
         terminated: The episode reached a terminal state of the task.
         truncated: The episode was cut short by a limit outside the task.
         info: Extra diagnostic data; JSON-like values (str, number, bool, None,
@@ -86,7 +88,7 @@ class Transition(Generic[ObservationT]):
     """
 
     observation: ObservationT
-    reward: float = 0.0
+    reward: float | None = 0.0
     terminated: bool = False
     truncated: bool = False
     info: Mapping[str, Any] | None = None

@@ -742,6 +742,7 @@ def _merge(out: BatchOutcome, part: BatchOutcome) -> None:
         out.batch_final_observation = part.batch_final_observation
     out.observations.extend(part.observations)
     out.rewards.extend(part.rewards)
+    out.no_reward.update(part.no_reward)
     out.terminated.extend(part.terminated)
     out.truncated.extend(part.truncated)
     out.infos.update(part.infos)

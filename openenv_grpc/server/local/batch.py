@@ -4,8 +4,8 @@ env's own native batch (:meth:`Environment.make_batch`).
 A stream's envs are one object, a :class:`VectorBatch`, with ``reset`` / ``step`` /
 ``query`` / ``restore`` / ``close`` over env indices; a reset or step returns a
 :class:`BatchOutcome` (rows, observations already serialized, rewards, flags, infos,
-autoreset marks, per-env errors). A Session's env is a loop of one plain instance (never
-the native batch), autoreset disabled.
+autoreset marks, per-env errors, the rows whose env gave no reward). A Session's env is a
+loop of one plain instance (never the native batch), autoreset disabled.
 ``calls.LocalBatchCalls`` runs each whole call where the env's execution mode says -- one
 :class:`~openenv_grpc.server.local.runner.EnvRunner` holds the batch -- so inline envs are
 stepped in one pass on the event loop, pooled ones in one thread hop for the whole batch
@@ -86,6 +86,10 @@ class BatchOutcome:
     observations: list[bytes] = field(default_factory=list)
     batch_observation: bytes | None = None
     rewards: list[float] = field(default_factory=list)
+    #: Env indices of the rows whose env gave no reward (a transition's reward None, as an
+    #: OpenEnv env may answer): their reward above is 0. A Session says so in
+    #: ``StepResult.no_reward``; a vector result has only the 0.
+    no_reward: set[int] = field(default_factory=set)
     terminated: list[bool] = field(default_factory=list)
     truncated: list[bool] = field(default_factory=list)
     #: Env index -> info (a mapping, or a ``Struct`` already), for rows that have one.
@@ -206,7 +210,7 @@ class _Instances(VectorBatch):
         """One row from a checked transition."""
         out.rows.append(index)
         out.observations.append(transition.observation.SerializeToString())
-        out.rewards.append(transition.reward)
+        out.rewards.append(_reward(out, index, transition.reward))
         out.terminated.append(transition.terminated)
         out.truncated.append(transition.truncated)
         if transition.info:
@@ -230,7 +234,8 @@ class _Instances(VectorBatch):
         """SAME_STEP's row for an episode that just ended: the step's reward and flags,
         the new episode's first observation and info; the last ones go to the finals."""
         self._add(out, index, first, auto=True)
-        out.rewards[-1] = ended.reward
+        out.no_reward.discard(index)  # the row's reward is the ended step's, not the reset's
+        out.rewards[-1] = _reward(out, index, ended.reward)
         out.terminated[-1] = ended.terminated
         out.truncated[-1] = ended.truncated
         out.final_observations.append(ended.observation.SerializeToString())
@@ -330,7 +335,10 @@ class LoopBatch(_Instances):
                 continue
             rows(index)
             observations(transition.observation.SerializeToString())
-            rewards(transition.reward)
+            reward = transition.reward
+            if reward is None:
+                reward = _reward(out, index, reward)
+            rewards(reward)
             terminated(False)
             truncated(False)
         return out
@@ -693,6 +701,15 @@ def _result(answer: Any) -> Any:
     if isinstance(answer, BaseException):
         raise answer
     return answer
+
+
+def _reward(out: BatchOutcome, index: int, reward: float | None) -> float:
+    """Row ``index``'s reward as the wire holds it: a None (no reward) is 0, its index
+    noted in ``out.no_reward``."""
+    if reward is None:
+        out.no_reward.add(index)
+        return 0.0
+    return reward
 
 
 def _column(values: Any, count: int, what: str) -> Sequence[Any]:

@@ -211,6 +211,8 @@ class SessionView:
         observation.type_url = self._obs_url
         observation.value = outcome.observations[0]
         result.reward = outcome.rewards[0]
+        if outcome.no_reward:  # the env gave None (its one row): reward 0, said so
+            result.no_reward = True
         result.terminated = outcome.terminated[0]
         result.truncated = outcome.truncated[0]
         result.episode_id = driver.episode_ids[0]
