@@ -24,12 +24,14 @@ class StepOutcome(Generic[ObservationT]):
     Attributes:
         observation: The typed observation (a raw ``Any`` from an untyped session when
             the type is not imported in this process).
-        reward: Reward for the step (0 after a reset).
+        reward: Reward for the step (0 after a reset, and when ``no_reward``).
         terminated: The episode reached a terminal state of the task.
         truncated: The episode was cut short by a limit outside the task.
         episode_id: The episode this result belongs to.
         step_count: Steps taken in this episode so far (0 after a reset).
         info: Extra data the environment returned.
+        no_reward: The env gave no reward (an OpenEnv env's None; ``StepResult.no_reward``):
+            ``reward`` reads 0. The OpenEnv door answers it as ``"reward": null``.
     """
 
     observation: ObservationT
@@ -39,6 +41,7 @@ class StepOutcome(Generic[ObservationT]):
     episode_id: str
     step_count: int
     info: dict[str, Any] = field(default_factory=dict)
+    no_reward: bool = False
 
     @property
     def done(self) -> bool:

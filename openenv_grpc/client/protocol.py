@@ -240,6 +240,7 @@ class SessionProtocol(StreamProtocol):
             episode_id=result.episode_id,
             step_count=result.step_count,
             info=info_of(result.info, result.info_json),
+            no_reward=result.no_reward,
         )
 
     def snapshot_result(self, response: pb.SessionResponse) -> bytes:

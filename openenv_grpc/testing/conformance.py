@@ -61,7 +61,7 @@ from openenv_grpc.v1 import session_pb2 as pb
 
 __all__ = ["EnvConformance"]
 
-_Trace = list[tuple[bytes, float, bool, bool]]
+_Trace = list[tuple[bytes, float | None, bool, bool]]
 #: What the server's bookkeeping said for each result of an episode.
 _Books = list[tuple[str, int]]
 
@@ -180,9 +180,10 @@ class EnvConformance:
         _check_books(books, episode_id)
         return trace
 
-    def _entry(self, result: StepOutcome[Any]) -> tuple[bytes, float, bool, bool]:
+    def _entry(self, result: StepOutcome[Any]) -> tuple[bytes, float | None, bool, bool]:
         observation = self.comparable(result.observation).SerializeToString(deterministic=True)
-        return observation, result.reward, result.terminated, result.truncated
+        reward = None if result.no_reward else result.reward  # no reward differs from 0
+        return observation, reward, result.terminated, result.truncated
 
     # -- the checks -------------------------------------------------------------------
 

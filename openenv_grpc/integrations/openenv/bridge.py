@@ -114,7 +114,7 @@ class Bridge:
             info = {**(info or {}), WARNINGS_KEY: list(dict.fromkeys(warnings))}
         return Transition(
             message,
-            reward=0.0 if reward is None else float(reward),
+            reward=None if reward is None else float(reward),  # None: no reward, as given
             terminated=bool(getattr(observation, "done", False)),
             info=info,
         )

@@ -345,13 +345,14 @@ def rpc_error(ident: Any, code: int, message: str, data: Any = None) -> dict[str
 
 def observation_data(result: Any) -> dict[str, Any]:
     """What OpenEnv's ``serialize_observation`` makes of a step result; non-finite
-    numbers in the info or the reward as ``null`` (never a bare ``NaN`` token)."""
+    numbers in the info or the reward as ``null`` (never a bare ``NaN`` token), and a
+    reward the env did not give (its None: ``no_reward``) as ``null``, as OpenEnv does."""
     observation = to_json(result.observation)
     metadata = _finite(dict(result.info)) if result.info else {}
     observation.setdefault("metadata", metadata)
     data: dict[str, Any] = {
         "observation": observation,
-        "reward": _finite(result.reward),
+        "reward": None if result.no_reward else _finite(result.reward),
         "done": bool(result.terminated or result.truncated),
     }
     if metadata:

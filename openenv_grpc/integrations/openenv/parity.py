@@ -123,12 +123,13 @@ def _action_model(plan: ModelPlan | UnionPlan, action: dict[str, Any]) -> BaseMo
 def _ours(plan: ModelPlan | UnionPlan, result: Any) -> Answer:
     model, data = to_python(plan, result.observation)
     observation = model.model_validate(data).model_dump(exclude={"reward", "done"})
-    return {"observation": observation, "reward": result.reward, "done": result.terminated}
+    reward = None if result.no_reward else result.reward  # the env's None, as OpenEnv's
+    return {"observation": observation, "reward": reward, "done": result.terminated}
 
 
 def differences(ours: Sequence[Answer], theirs: Sequence[Answer]) -> list[str]:
-    """Where the two episodes differ (empty: the same answers). Rewards compare with
-    OpenEnv's None as 0.0 (our result's reward is a number); errors compare by
+    """Where the two episodes differ (empty: the same answers). Rewards compare as
+    numbers (``1`` equals ``1.0``), a None (no reward) only with a None; errors compare by
     presence (the two servers word them differently). Once both said ``done``, the rest
     is not compared: stepping after ``done`` is refused here and passed to the env by
     OpenEnv (a documented difference); :func:`compared` says how many were."""
@@ -149,9 +150,13 @@ def differences(ours: Sequence[Answer], theirs: Sequence[Answer]) -> list[str]:
                     f"answer {index} {key}: {_text(mine[key])[:300]} here, "
                     f"{_text(other[key])[:300]} from OpenEnv"
                 )
-        if float(mine["reward"] or 0.0) != float(other["reward"] or 0.0):
+        if _reward(mine["reward"]) != _reward(other["reward"]):
             found.append(f"answer {index} reward: {mine['reward']} here, {other['reward']}")
     return found
+
+
+def _reward(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def compared(ours: Sequence[Answer], theirs: Sequence[Answer]) -> int:

@@ -12,6 +12,7 @@ from support.openenv_envs.board import (
 )
 from support.openenv_envs.echo import EchoAction, EchoEnvironment, EchoObservation
 from support.openenv_envs.mcp_echo import EchoMCPEnvironment
+from support.openenv_envs.scored import ScoreAction, ScoreEnvironment, ScoreObservation
 from support.openenv_envs.warehouse import (
     PickAction,
     PickObservation,
@@ -41,4 +42,9 @@ mcp_echo_app = create_app(
 # the app is the one place that says the real ones.
 board_app = create_app(
     BoardEnvironment, DropAction, BoardObservation, env_name="board", state_cls=BoardState
+)
+
+# Its step's reward is the action's score, None included; its reset gives none.
+score_app = create_app(
+    ScoreEnvironment, ScoreAction, ScoreObservation, env_name="score", max_concurrent_envs=4
 )
