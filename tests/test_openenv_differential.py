@@ -8,7 +8,8 @@ with and without a session, WebSocket ``reset`` (keyword arguments passed to
 ``reset(**kwargs)``), ``step``, ``state``, ``mcp`` frames and bad frames. Answers must be
 equal except where docs/from-openenv.md lists a deliberate difference; :func:`same`
 takes out exactly those (random ids, the extra fields of OpenEnv's MCP tool listing,
-pydantic's wording of a malformed JSON-RPC request, a ``None`` reward). The door's own
+pydantic's wording of a malformed JSON-RPC request); rewards are compared, a ``None``
+included (``score_app``: issue 37). The door's own
 bounds on the new routes (auth before the body, the body cap) close the file.
 """
 
@@ -34,7 +35,7 @@ sys.path.insert(0, str(TESTS))
 from test_openenv_bridge import openenv_server  # noqa: E402  (OpenEnv's own uvicorn)
 from test_openenv_gateway import gateway_url  # noqa: E402
 
-APPS = ("echo_app", "mcp_echo_app", "warehouse_app")
+APPS = ("echo_app", "mcp_echo_app", "warehouse_app", "score_app")
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +101,8 @@ def same(value: Any) -> Any:
             item = [{k: t.get(k) for k in ("name", "description", "inputSchema")} for t in item]
         elif key == "message" and str(item).startswith("Unknown session_id: "):
             item = "Unknown session_id: <id>"
-        elif key == "url" or (key == "reward" and item in (None, 0.0)):
-            continue  # pydantic's doc link; a None reward is 0.0 here (a proto double)
+        elif key == "url":
+            continue  # pydantic's doc link
         out[key] = same(item)
     if isinstance(out.get("error"), dict) and out["error"].get("code") == -32600:
         out["error"]["message"] = out["error"]["message"].split(":")[0]  # pydantic's words
@@ -245,6 +246,27 @@ def test_ws_session_equal(pair: dict[str, tuple[str, str]]) -> None:
             assert mine["type"] == "error" and mine["data"]["code"] == "VALIDATION_ERROR"
             continue
         assert mine == other, f"frame {index}: {sent[index]!r}"
+
+
+def test_a_reward_of_none_stays_none(pair: dict[str, tuple[str, str]]) -> None:
+    """An env whose reset gives no reward and whose step gives the action's score: null
+    where OpenEnv's server says null, on the WebSocket and on HTTP; a real 0.0 is 0.0."""
+    sent: list[Any] = [
+        {"type": "reset", "data": {"seed": 1}},
+        {"type": "step", "data": {}},
+        {"type": "step", "data": {"score": 0.0}},
+        {"type": "step", "data": {"score": None}},
+        {"type": "step", "data": {"score": 1.5}},
+    ]
+    theirs, ours = both(pair, "score_app", lambda url: frames(url, sent))
+    assert ours == theirs
+    assert [frame["data"]["reward"] for frame in ours] == [None, None, 0.0, None, 1.5]
+    calls = [("/reset", {}, None), ("/step", {"action": {}}, None)]
+    calls.append(("/step", {"action": {"score": 0.0}}, 0.0))
+    for path, body, reward in calls:
+        theirs, ours = both(pair, "score_app", lambda url, p=path, b=body: http(url, p, b))
+        assert ours == theirs, path
+        assert ours[0] == 200 and ours[1]["reward"] == reward, path
 
 
 def test_ws_mcp_frames_equal(pair: dict[str, tuple[str, str]]) -> None:
