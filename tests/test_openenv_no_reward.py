@@ -71,9 +71,12 @@ def test_vector_rows_without_reward_read_zero(server: tuple[ServerProcess, str])
     process, _ = server
     Score = described_session(process.target)
     with VectorSession(process.target, 4) as envs:
-        assert list(envs.reset(seeds=1).rewards) == [0.0] * 4
+        reset = envs.reset(seeds=1)
+        assert (list(reset.rewards), reset.no_reward) == ([0.0] * 4, {0, 1, 2, 3})
         actions = [Score.Action(), Score.Action(score=2.0), Score.Action(), Score.Action(score=0.0)]
-        assert list(envs.step(actions).rewards) == [0.0, 2.0, 0.0, 0.0]
+        stepped = envs.step(actions)
+        assert list(stepped.rewards) == [0.0, 2.0, 0.0, 0.0]
+        assert stepped.no_reward == {0, 2}  # env 3's 0.0 was a reward
 
 
 def _ws(url: str, sent: list[dict[str, Any]]) -> list[Any]:

@@ -48,6 +48,8 @@ class VectorOutcome(Generic[ObservationT]):
             ``google.protobuf.Any``), when the call asked for the batch form; None
             otherwise. Its ``value`` holds the serialized message.
         batch_final_payload: The same for SAME_STEP's final observations.
+        no_reward: The env indices whose env gave no reward (an OpenEnv env's None); their
+            rewards read 0.
     """
 
     indices: list[int]
@@ -64,6 +66,7 @@ class VectorOutcome(Generic[ObservationT]):
     errors: dict[int, EnvError] = field(default_factory=dict)
     batch_payload: any_pb2.Any | None = None
     batch_final_payload: any_pb2.Any | None = None
+    no_reward: frozenset[int] = frozenset()
     #: Decodes a batch payload (the typed client's observation type).
     _decode: Callable[[any_pb2.Any], Any] | None = field(default=None, repr=False, compare=False)
 

@@ -255,6 +255,7 @@ class VectorProtocol(StreamProtocol):
             indices=indices,
             observations=observations,
             rewards=result.rewards[:],
+            no_reward=frozenset(result.no_reward) if result.no_reward else frozenset(),
             terminated=result.terminated[:],
             truncated=result.truncated[:],
             episode_ids=ids,

@@ -534,7 +534,7 @@ class StepResult(_message.Message):
     """
     no_reward: _builtins.bool
     """The env gave no reward for this step or reset (an OpenEnv env's reward None); `reward`
-    reads 0. A VectorResult has no such mark: its row's reward is 0.
+    reads 0. A VectorResult lists such rows in its no_reward.
     """
     @_builtins.property
     def observation(self) -> _any_pb2.Any:
@@ -1553,6 +1553,7 @@ class VectorResult(_message.Message):
     INFOS_JSON_FIELD_NUMBER: _builtins.int
     FINAL_INFOS_JSON_FIELD_NUMBER: _builtins.int
     ERRORS_FIELD_NUMBER: _builtins.int
+    NO_REWARD_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def indices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The env index of each row."""
@@ -1569,8 +1570,8 @@ class VectorResult(_message.Message):
 
     @_builtins.property
     def rewards(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
-        """The reward of each row (0 for a reset or an autoreset under NEXT_STEP, and for an env
-        that gave no reward: see StepResult.no_reward, which vector results do not carry).
+        """The reward of each row (0 for a reset or an autoreset under NEXT_STEP, and for a row
+        in no_reward).
         """
 
     @_builtins.property
@@ -1638,6 +1639,12 @@ class VectorResult(_message.Message):
         a fresh env took its place: reset it).
         """
 
+    @_builtins.property
+    def no_reward(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The env indices of the rows whose env gave no reward (an OpenEnv env's None, see
+        StepResult.no_reward), ascending; their `rewards` read 0.
+        """
+
     def __init__(
         self,
         *,
@@ -1657,10 +1664,11 @@ class VectorResult(_message.Message):
         infos_json: _abc.Mapping[_builtins.int, _builtins.str] | None = ...,
         final_infos_json: _abc.Mapping[_builtins.int, _builtins.str] | None = ...,
         errors: _abc.Mapping[_builtins.int, Global___Error] | None = ...,
+        no_reward: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["batch_final_observation", b"batch_final_observation", "batch_observation", b"batch_observation"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["autoreset", b"autoreset", "batch_final_observation", b"batch_final_observation", "batch_observation", b"batch_observation", "episode_ids", b"episode_ids", "errors", b"errors", "final_infos", b"final_infos", "final_infos_json", b"final_infos_json", "final_observations", b"final_observations", "indices", b"indices", "infos", b"infos", "infos_json", b"infos_json", "observations", b"observations", "rewards", b"rewards", "step_counts", b"step_counts", "terminated", b"terminated", "truncated", b"truncated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["autoreset", b"autoreset", "batch_final_observation", b"batch_final_observation", "batch_observation", b"batch_observation", "episode_ids", b"episode_ids", "errors", b"errors", "final_infos", b"final_infos", "final_infos_json", b"final_infos_json", "final_observations", b"final_observations", "indices", b"indices", "infos", b"infos", "infos_json", b"infos_json", "no_reward", b"no_reward", "observations", b"observations", "rewards", b"rewards", "step_counts", b"step_counts", "terminated", b"terminated", "truncated", b"truncated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

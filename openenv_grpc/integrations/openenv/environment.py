@@ -14,8 +14,8 @@ the console and every client treat it like a native env:
   from its annotations) plus ``kwargs`` (a Struct) when it takes ``**kwargs``;
 - **step**: the action message is validated by the env's own Action model; a
   ``ValidationError`` is an in-band ``INVALID_ARGUMENT`` and the episode goes on;
-- **results**: ``reward`` (None: 0) and ``done`` (-> ``terminated``; OpenEnv has no
-  truncation) land in the result's own fields, ``metadata`` in ``info`` *and* in the
+- **results**: ``reward`` (None: ``no_reward``) and ``done`` (-> ``terminated``; OpenEnv
+  has no truncation) land in the result's own fields, ``metadata`` in ``info`` *and* in the
   observation message (as OpenEnv's own ``serialize_observation`` puts it at both
   places: ``info`` is the protocol's Struct, whose numbers are doubles; the observation's
   copy is JSON text with ints intact); the observation message holds the other fields;

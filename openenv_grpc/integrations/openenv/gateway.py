@@ -25,8 +25,8 @@ and the session goes on, as with OpenEnv.
 Differences from OpenEnv (docs/from-openenv.md lists them, and
 tests/test_openenv_differential.py checks every other answer is OpenEnv's): reset keyword
 arguments the env does not take are refused (``VALIDATION_ERROR`` naming them) where
-OpenEnv drops them silently (those a ``**kwargs`` takes are passed on); a ``None`` reward
-is 0.0; stateless calls take a slot of the limiter; enums travel by protobuf name.
+OpenEnv drops them silently (those a ``**kwargs`` takes are passed on); stateless calls
+take a slot of the limiter; enums travel by protobuf name.
 
 Bounds (issue 37; docs/reliability.md, "The OpenEnv door under attack"): with
 ``AUTH_TOKEN`` every route but ``/health`` and every WebSocket wants the token, checked

@@ -67,7 +67,6 @@ from openenv_grpc.server.local.calls import (
 from openenv_grpc.server.local.frames import (
     ROOM,
     fill_errors,
-    fill_no_reward,
     fill_result,
     fill_rows,
     read_restore,
@@ -474,7 +473,6 @@ async def _block_step(
     ids = [new_ids.get(index, "") for index in outcome.rows] if autoreset else []
     # Infos as JSON text (types kept); the front answers each client's form.
     fill_result(response.result, outcome, spec.observation_url, ids, (), info_json=True)
-    fill_no_reward(response.result, outcome)
 
 
 async def _block_reset(
@@ -503,7 +501,6 @@ async def _block_reset(
     )
     outcome = await calls.reset(args)
     fill_result(response.result, outcome, spec.observation_url, (), (), info_json=True)
-    fill_no_reward(response.result, outcome)
 
 
 async def _block_restore(

@@ -10,11 +10,11 @@ with the sub-batch's outcome in a ``VectorResult``, and the front reads it back
 (:func:`read_outcome`). Between front and env process, ``episode_ids`` holds only the ids
 of episodes the sub-batch autoreset ("" for the other rows) and ``step_counts`` is empty:
 the front keeps the books. The rows whose env gave no reward (``BatchOutcome.no_reward``)
-travel as field 100 of the ``VectorResult``, which the proto reserves for this hop and no
-client ever gets (:func:`fill_no_reward`): a Session's ``StepResult.no_reward`` survives
-``--isolated``. A step frame carries the autoresets the driver decided
-(:func:`step_frame`): the sub-batch's envs to autoreset, each with its new episode id and
-its options as received (``batch.Autoresets``); the env process keeps no autoreset state.
+travel in ``VectorResult.no_reward``, as to a vector client: a Session's
+``StepResult.no_reward`` survives ``--isolated``. A step frame carries the autoresets the
+driver decided (:func:`step_frame`): the sub-batch's envs to autoreset, each with its new
+episode id and its options as received (``batch.Autoresets``); the env process keeps no
+autoreset state.
 Infos come back as JSON text where JSON can write them (types kept), and the front answers
 each client in the form it asked for at open (``openenv-info``).
 
@@ -39,7 +39,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from google.protobuf import any_pb2, struct_pb2
-from google.protobuf.unknown_fields import UnknownFieldSet
 
 from openenv_grpc.codec import info_from_json, info_to_json, info_to_struct
 from openenv_grpc.server.errors import RowError
@@ -52,7 +51,6 @@ from openenv_grpc.v1 import snapshot_pb2
 __all__ = [
     "ROOM",
     "fill_errors",
-    "fill_no_reward",
     "fill_result",
     "fill_rows",
     "fill_states",
@@ -78,11 +76,6 @@ ROOM = struct.Struct("<Q")
 #: (a field's tag is never 0), then the length of its step request.
 STEP_HEAD = struct.Struct("<BI")
 _STEP_MARK = 0
-#: ``VectorResult`` field 100 (reserved in the proto for this hop), length-delimited: the
-#: env indices of the rows whose env gave no reward, packed as ``indices`` (field 1) is.
-_NO_REWARD_FIELD = 100
-_NO_REWARD_TAG = b"\xa2\x06"  # the varint of 100 << 3 | 2
-_INDICES_TAG = b"\x0a"  # field 1, length-delimited: a packed ``indices``
 
 
 # -- a batch's outcome in the wire's columns --------------------------------------------------
@@ -122,37 +115,8 @@ def fill_result(
             _fill_infos(result.final_infos, result.final_infos_json, outcome.final_infos, info_json)
     if outcome.errors:
         fill_errors(result.errors, outcome.errors)
-
-
-def fill_no_reward(result: pb.VectorResult, outcome: BatchOutcome) -> None:
-    """An env process's answer: the rows of ``outcome`` whose env gave no reward, as field
-    100 (never in an answer to a client: the proto reserves it; clients read 0)."""
     if outcome.no_reward:
-        # A packed ``indices`` is the same bytes as field 100 would be, but for its tag.
-        packed = pb.VectorResult(indices=sorted(outcome.no_reward)).SerializeToString()
-        result.MergeFromString(_NO_REWARD_TAG + packed[len(_INDICES_TAG) :])
-
-
-def _read_no_reward(result: pb.VectorResult, offset: int) -> set[int]:
-    """The rows :func:`fill_no_reward` marked, indices moved by ``offset``."""
-    marked: set[int] = set()
-    unknowns = UnknownFieldSet(result)
-    for position in range(len(unknowns)):  # (its stubs know no __iter__)
-        unknown = unknowns[position]
-        if unknown.field_number == _NO_REWARD_FIELD and unknown.wire_type == 2:
-            data = bytes(unknown.data)
-            packed = pb.VectorResult.FromString(_INDICES_TAG + _varint(len(data)) + data)
-            marked.update(index + offset for index in packed.indices)
-    return marked
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
+        result.no_reward.extend(sorted(outcome.no_reward))
 
 
 def read_outcome(result: pb.VectorResult, offset: int) -> BatchOutcome:
@@ -160,7 +124,7 @@ def read_outcome(result: pb.VectorResult, offset: int) -> BatchOutcome:
     (infos stay ``Struct`` messages or JSON text, as sent)."""
     rows = [index + offset for index in result.indices]
     out = BatchOutcome(rows=rows)
-    out.no_reward = _read_no_reward(result, offset)
+    out.no_reward = {index + offset for index in result.no_reward}
     if result.HasField("batch_observation"):
         out.batch_observation = result.batch_observation.value
     else:
