@@ -205,3 +205,81 @@ def test_an_http_step_whose_env_process_dies_is_a_500_naming_the_lost_session() 
         assert step("hi")[1]["observation"]["echoed_message"] == "hi"
     finally:
         server.stop()
+
+
+@pytest.mark.fresh_server  # a server of its own: make test
+def test_frames_the_wire_answers_itself_count_as_the_clients_activity() -> None:
+    """``--idle-timeout 1``: a client sending only frames the core never sees (an unknown
+    type, answered by the wire) for 3 s keeps its socket, each answered; once it stops,
+    the idle timeout closes the socket (1001)."""
+
+    async def run(url: str) -> tuple[list[str], int | None, float]:
+        async with websockets.connect(url) as ws:
+            codes = []
+            loop = asyncio.get_running_loop()
+            until = loop.time() + 3.0
+            while loop.time() < until:
+                await ws.send(json.dumps({"type": "nonsense"}))
+                codes.append(json.loads(await asyncio.wait_for(ws.recv(), 30))["data"]["code"])
+                await asyncio.sleep(0.25)
+            quiet = loop.time()
+            with contextlib.suppress(websockets.ConnectionClosed):
+                await asyncio.wait_for(ws.recv(), 30)
+            return codes, ws.close_code, loop.time() - quiet
+
+    with door("--idle-timeout", "1") as (server, url):
+        codes, code, quiet = asyncio.run(run(url))
+        server.wait_until(lambda: server.active() == 0, what="the env closed")
+    assert len(codes) >= 8
+    assert set(codes) == {"UNKNOWN_TYPE"}
+    assert code == 1001
+    assert quiet >= 0.9  # closed for the silence after the frames, not before
+
+
+@pytest.mark.fresh_server  # a server of its own: make test
+def test_a_frame_waiting_on_side_work_is_not_idle(tmp_path: Path) -> None:
+    """``--idle-timeout 1``: a socket's mcp ``openenv/session/close`` of a held session
+    waits ~3 s for that session's step (gated) to end; the socket waits for its answer
+    meanwhile, so the idle timeout leaves it alone: it gets the close's result."""
+    import urllib.request
+
+    gate = tmp_path / "gate"
+    server = ServerProcess(
+        "support.envs:FaultyEnv", ["--openenv-port", "0", "--idle-timeout", "1"],
+        pythonpath=[TESTS],
+    )  # fmt: skip
+
+    def rpc(method: str, params: dict[str, Any]) -> Any:
+        body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": method, "params": params})
+        request = urllib.request.Request(
+            f"{url}/mcp", body.encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            return json.load(answer)
+
+    async def run(ws_url: str, held: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        async with (
+            websockets.connect(f"{ws_url}?session_id={held}") as busy,
+            websockets.connect(ws_url) as closer,
+        ):
+            await busy.send(_step(f"gate:{gate}"))
+            server.wait_until(lambda: gate.with_name("gate.entered").exists(), 30, "in step")
+            close = {"jsonrpc": "2.0", "id": 7, "method": "openenv/session/close",
+                     "params": {"session_id": held}}  # fmt: skip
+            await closer.send(json.dumps({"type": "mcp", "data": close}))
+            # The closer waits on the held session past twice the idle timeout.
+            asyncio.get_running_loop().call_later(3.0, gate.touch)
+            answer = json.loads(await asyncio.wait_for(closer.recv(), 30))
+            stepped = json.loads(await asyncio.wait_for(busy.recv(), 30))
+            return answer, stepped
+
+    try:
+        url = gateway_url(server)
+        held = rpc("openenv/session/create", {})["result"]["session_id"]
+        answer, stepped = asyncio.run(run(url.replace("http://", "ws://") + "/ws", held))
+        server.wait_until(lambda: server.active() == 0, 30, "every env closed")
+    finally:
+        server.stop()
+    closed = {"jsonrpc": "2.0", "id": 7, "result": {"session_id": held, "closed": True}}
+    assert answer == {"type": "mcp", "data": closed}
+    assert stepped["type"] == "observation"

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, TypeVar
 
@@ -64,7 +65,10 @@ class _ProgramWire:
     """What both wires share: a program's calls as the stream's requests, the answers
     back into it (``server.stream.wire.Wire`` for the core)."""
 
-    __slots__ = ("_call", "_pending", "_program", "_protocol", "_request_id", "admitted", "status")
+    __slots__ = (
+        "_call", "_heard", "_pending", "_program", "_protocol", "_request_id", "admitted",
+        "status",
+    )  # fmt: skip
 
     def __init__(self, types: SessionTypes) -> None:
         self._protocol = SessionProtocol(types)
@@ -78,6 +82,14 @@ class _ProgramWire:
         self.admitted = False
         #: How the core ended the stream, if it aborted it: (code, details).
         self.status: tuple[grpc.StatusCode, str] | None = None
+        #: Loop time the client last did something the core does not see (a frame the
+        #: wire answered itself), inf while a frame waits on work beside the session.
+        self._heard = 0.0
+
+    def heard(self) -> float:
+        """When the client was last heard apart from the core's requests (``Wire``): the
+        idle reaper leaves the stream alone until this too is past the idle timeout."""
+        return self._heard
 
     @property
     def episode_id(self) -> str:
@@ -140,10 +152,13 @@ class _ProgramWire:
                 raise
             value = error = None
             if call[0] == "await":
+                self._heard = math.inf  # the client waits on it: not idle
                 try:
                     value = await call[1]
                 except Exception as exc:
                     error = exc
+                finally:
+                    self._heard = asyncio.get_running_loop().time()
                 continue
             try:
                 request = self._request(call)
@@ -218,6 +233,7 @@ class SocketWire(_ProgramWire):
             frame = await self._next_frame()
             if frame is None:
                 return _EOF
+            self._heard = asyncio.get_running_loop().time()  # a frame the core may not see
             if isinstance(frame, str):  # not a frame: answered at once
                 if not await self._send(frame):
                     return _EOF

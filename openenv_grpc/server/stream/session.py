@@ -25,7 +25,7 @@ import enum
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any, Protocol
 
@@ -116,8 +116,8 @@ class _LiveSession:
     """The handle the reaper and the drain use to reach a session from outside."""
 
     __slots__ = (
-        "context", "deferred", "end_reason", "holding", "noticed", "ready", "side_write",
-        "task", "unread_since", "waiting_since", "writing",
+        "context", "deferred", "end_reason", "heard", "holding", "noticed", "ready",
+        "side_write", "task", "unread_since", "waiting_since", "writing",
     )  # fmt: skip
 
     def __init__(self, task: asyncio.Task[object], context: _Context) -> None:
@@ -125,6 +125,8 @@ class _LiveSession:
         self.context = context
         #: Loop time when the session began waiting for its client; None while it works.
         self.waiting_since: float | None = None
+        #: The wire's own clock of its client, if it has one (see ``Wire``).
+        self.heard: Callable[[], float] | None = getattr(context, "heard", None)
         self.end_reason: _EndReason | None = None
         #: Headers are sent (the env exists): a notice may be written from now on.
         self.ready = False
@@ -628,7 +630,8 @@ class SessionManager:
             await asyncio.sleep(interval)
             cutoff = loop.time() - timeout
             for live in list(self._live):
-                if live.waiting_since is not None and live.waiting_since < cutoff:
+                since, heard = live.waiting_since, live.heard
+                if since is not None and since < cutoff and (heard is None or heard() < cutoff):
                     live.end(_EndReason.IDLE)
 
     async def drain(self, grace: float) -> int:

@@ -19,7 +19,14 @@ __all__ = ["Wire"]
 
 class Wire(Protocol):
     """One stream as the session core sees it: request bytes in, answer bytes out, a
-    status at the end. A wire authenticates its caller before the core sees the stream."""
+    status at the end. A wire authenticates its caller before the core sees the stream.
+
+    A wire that answers some of its client's messages itself, or makes a request wait on
+    work of its own, may also have ``heard() -> float``: the loop time its client last
+    did something the core cannot see (``math.inf`` while such work goes on). The idle
+    reaper then ends the stream only once both that and the core's own clock are past the
+    idle timeout. gRPC's contexts have none: every message of theirs is a request.
+    """
 
     async def read(self) -> Any:
         """The next request's bytes, or ``grpc.aio.EOF`` once the client is done."""
