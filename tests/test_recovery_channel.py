@@ -200,3 +200,15 @@ def test_a_recovery_keeps_trying_until_its_window_ends() -> None:
     assert [target for _, target in io.attempts] == [None, "other:1"] * 6
     last_round = io.attempts[-2][0]
     assert deadline - 0.05 <= last_round <= deadline + 0.25
+
+
+def test_a_replay_that_gives_no_reward_where_there_was_0_is_not_the_same() -> None:
+    """What a replayed step is checked against: a reward of None (``no_reward``) and a
+    real 0 differ, so a replay that turns one into the other is warned about."""
+    from openenv_grpc.client.outcome import StepOutcome
+    from openenv_grpc.client.recovery import _trace
+
+    zero = StepOutcome(None, 0.0, False, False, "e", 1)
+    none = StepOutcome(None, 0.0, False, False, "e", 1, no_reward=True)
+    assert _trace(zero) != _trace(none)
+    assert _trace(none) == _trace(StepOutcome(None, 0.0, False, False, "e", 1, no_reward=True))

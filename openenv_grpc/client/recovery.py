@@ -161,7 +161,7 @@ class RecoveringCalls:
         self._base_reset: pb.ResetCommand | None = None
         #: Actions since the base, as sent, and what each gave.
         self._actions: list[any_pb2.Any] = []
-        self._outcomes: list[tuple[float, bool, bool]] = []
+        self._outcomes: list[tuple[float | None, bool, bool]] = []
         self._can_snapshot = True
         #: Losses this session recovered from.
         self.recoveries = 0
@@ -386,8 +386,10 @@ class RecoveringCalls:
                 )  # fmt: skip
 
 
-def _trace(outcome: StepOutcome[Any]) -> tuple[float, bool, bool]:
-    return outcome.reward, outcome.terminated, outcome.truncated
+def _trace(outcome: StepOutcome[Any]) -> tuple[float | None, bool, bool]:
+    """What a replayed step must give again (a reward of None, no reward, is not 0)."""
+    reward = None if outcome.no_reward else outcome.reward
+    return reward, outcome.terminated, outcome.truncated
 
 
 #: Recoveries one call may cause: past them, a call that lost each fresh stream is given
