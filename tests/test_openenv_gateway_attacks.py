@@ -959,3 +959,33 @@ def test_a_reset_behind_thousands_of_queued_frames_answers_none_of_them() -> Non
         warnings = server.stderr().count("socket.send() raised exception")
     print(f"\n8 resets behind 37,449 queued frames each: {warnings} failed-write warnings")
     assert warnings == 0
+
+
+@pytest.mark.fresh_server  # a server of its own: make test
+def test_a_read_of_thousands_of_tiny_frames_is_parsed_as_the_app_takes_them() -> None:
+    """40 sockets each send one read's worth of 7-byte frames (37,449) and read nothing.
+    The door parses a read only up to the first message its app has not taken; the rest
+    waits as the bytes it is (before: every frame of the read became a queued message at
+    once, ~13 bytes of memory per byte received: +130.5 MiB for these 10 MiB). An honest
+    client steps meanwhile, and every session ends with its socket."""
+    blob = frame(0x1, b"{") * (262144 // 7)
+    with own_server() as (server, url):
+        pid = server.proc.pid
+        baseline = rss_mib(pid)
+        sockets = []
+        for _ in range(40):
+            sock = ws_handshake(url, rcvbuf=4096)
+            sock.sendall(blob)
+            sockets.append(sock)
+        # Each socket's frames are answered until its unread answers fill the transport.
+        server.wait_until(lambda: server.active() == 40, 30, "every socket's session")
+        time.sleep(1.0)  # the reads are taken and parsed as far as they will be
+        growth = rss_mib(pid) - baseline
+        with GenericEnvClient(base_url=url).sync() as env:
+            env.reset()
+            assert env.step({"message": "beside"}).observation["echoed_message"] == "beside"
+        for sock in sockets:
+            sock.close()
+        server.wait_until(lambda: server.active() == 0, 60, "the sockets' sessions ended")
+    print(f"\n40 sockets x 37,449 queued 7-byte frames (10 MiB on the wire): RSS +{growth:.1f} MiB")
+    assert growth <= 20
