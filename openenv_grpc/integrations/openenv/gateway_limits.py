@@ -264,6 +264,9 @@ class _BoundedWebSocket(_CountsUnsent, WebSocketsSansIOProtocol):
         if self._backlog is not None:  # older bytes first
             self._backlog += data
             return
+        if len(data) <= _PARSE_CHUNK:  # most reads: one frame
+            super().data_received(data)
+            return
         for start in range(0, len(data), _PARSE_CHUNK):
             if start and not self.queue.empty():
                 self._backlog = bytearray(data[start:])

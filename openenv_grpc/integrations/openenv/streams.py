@@ -22,6 +22,7 @@ import collections
 import logging
 import math
 from collections.abc import Callable, Sequence
+from time import monotonic
 from typing import Any, NoReturn, TypeVar
 
 import grpc
@@ -158,7 +159,7 @@ class _ProgramWire:
                 except Exception as exc:
                     error = exc
                 finally:
-                    self._heard = asyncio.get_running_loop().time()
+                    self._heard = monotonic()
                 continue
             try:
                 request = self._request(call)
@@ -233,7 +234,7 @@ class SocketWire(_ProgramWire):
             frame = await self._next_frame()
             if frame is None:
                 return _EOF
-            self._heard = asyncio.get_running_loop().time()  # a frame the core may not see
+            self._heard = monotonic()  # a frame the core may not see (the loop's clock)
             if isinstance(frame, str):  # not a frame: answered at once
                 if not await self._send(frame):
                     return _EOF
