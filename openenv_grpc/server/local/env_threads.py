@@ -196,8 +196,6 @@ class Lifecycle(concurrent.futures.Executor):
         self.timeout = timeout
         #: Closes given up on at the timeout, since the start (a counter: it only grows).
         self.closes_abandoned = 0
-        #: Creates given up on at the timeout, since the start.
-        self.creates_timed_out = 0
         self._hung: set[EnvCall] = set()
 
     @property

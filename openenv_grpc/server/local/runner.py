@@ -561,7 +561,6 @@ def _give_up_create(
     """An open stops waiting for its factory at the timeout: a factory still queued never
     runs (its slot is freed now); a running one is abandoned on its thread, so the creates
     queued behind it go on, and its env is closed when it is born."""
-    lifecycle.creates_timed_out += 1
     if future.cancel():
         release()
         return

@@ -258,8 +258,6 @@ class SessionManager:
         self._no_sessions = asyncio.Event()
         self._no_sessions.set()
         self._reaper: asyncio.Task[None] | None = None
-        #: Set when a drain's grace period is over: sessions still starting end at once.
-        self._ending: _EndReason | None = None
         #: While draining: when the grace period ends (loop time, wall-clock time).
         self._drain_deadline: tuple[float, float] | None = None
         self._notices: set[asyncio.Task[None]] = set()
@@ -651,7 +649,6 @@ class SessionManager:
                 live.notify(notice, self._notices)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._no_sessions.wait(), grace)
-        self._ending = _EndReason.DRAIN
         # From here, a session's envs get what is left of the budget to close.
         self._close_by = loop.time() + CLOSE_BUDGET
         for live in list(self._live):
