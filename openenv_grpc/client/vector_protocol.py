@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
@@ -371,13 +371,6 @@ def _per_env(values: Any, named: Sequence[int], what: str, accepts: str) -> Sequ
             f"{len(values)} {what} for {len(named)} envs: give one per env named, or one for all"
         )
     return list(values)
-
-
-def _present(
-    result: pb.VectorResult, name: Literal["batch_observation", "batch_final_observation"]
-) -> Any:
-    """The batch-form payload ``name`` of ``result``, or None when it is not set."""
-    return getattr(result, name) if result.HasField(name) else None
 
 
 def snapshot_bytes(entry: pb.SnapshotResult) -> bytes:

@@ -68,11 +68,6 @@ def _json_name(field: Any, descriptor: Any) -> str:
     return name
 
 
-def _union(descriptor: Any) -> bool:
-    """A bridged env's union of models: one oneof ``kind`` holding every field."""
-    return _layout(descriptor).union
-
-
 class _Layout:
     """What the JSON view reads off a message's descriptor, once per message type (every
     frame of a socket converts the same few types)."""
