@@ -429,3 +429,25 @@ def test_without_the_console_extra_the_command_says_how_to_get_it(tmp_path: Path
     )  # fmt: skip
     assert done.returncode == 2
     assert "pip install 'openenv-grpc[console]'" in done.stderr
+
+
+def test_a_step_without_reward_shows_none_not_0(start_server, start_console) -> None:
+    """An OpenEnv env's reward None (``no_reward``) reaches the page as null; a real 0
+    stays 0."""
+    server = start_server("--openenv=support.openenv_envs.scored:ScoreEnvironment")
+    console = start_console(server.target)
+
+    async def go() -> list[dict[str, Any]]:
+        p = await page(console)
+        await p.send({"op": "open"})
+        answers = [
+            await p.send({"op": "reset"}),
+            await p.send({"op": "step", "action": {}}),
+            await p.send({"op": "step", "action": {"score": 0.0}}),
+        ]
+        await p.send({"op": "close"})
+        await leave(p)
+        return answers
+
+    reset, none, zero = run(go())
+    assert (reset["reward"], none["reward"], zero["reward"]) == (None, None, 0.0)

@@ -167,7 +167,7 @@ class SessionSocket:
             "type": "result",
             "op": op,
             "observation": to_view(observation),
-            "reward": json_safe(result.reward),
+            "reward": None if result.no_reward else json_safe(result.reward),  # none given
             "terminated": result.terminated,
             "truncated": result.truncated,
             "episode_id": result.episode_id,

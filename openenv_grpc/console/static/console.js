@@ -489,7 +489,8 @@ function addResult(result, sent) {
   const flags = [];
   if (result.terminated) flags.push("terminated");
   if (result.truncated) flags.push("truncated");
-  const title = `${result.op} · step ${result.step_count} · reward ${result.reward}` +
+  const reward = result.reward === null ? "none" : result.reward;  // the env gave none
+  const title = `${result.op} · step ${result.step_count} · reward ${reward}` +
     (flags.length ? ` · ${flags.join(", ")}` : "");
   const body = el("div", {});
   if (sent !== undefined) {
