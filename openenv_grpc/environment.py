@@ -80,7 +80,8 @@ class Transition(Generic[ObservationT]):
         observation: The observation, of the environment's observation type.
         reward: The reward for the step that led here (0 after a reset); None: no reward
             for this step (as OpenEnv envs may answer). A Session's client then reads
-            ``StepResult.no_reward`` set and reward 0; a vector stream's row reads 0.
+            ``StepResult.no_reward`` set and reward 0; a vector stream's row reads 0 and
+            its index is in ``VectorResult.no_reward``.
         terminated: The episode reached a terminal state of the task.
         truncated: The episode was cut short by a limit outside the task.
         info: Extra diagnostic data; JSON-like values (str, number, bool, None,

@@ -2,8 +2,9 @@
 reward and whose step gives the action's ``score`` (None included), served by real
 ``openenv-grpc serve`` processes, in process and ``--isolated``: the gRPC Session's
 result has ``no_reward`` set and reward 0, a real 0.0 is not flagged, a vector stream's
-rows read 0, and the OpenEnv door answers ``"reward": null`` on every route (the live
-comparison with OpenEnv's own server is in test_openenv_differential.py)."""
+rows read 0 with their indices in ``no_reward``, and the OpenEnv door answers
+``"reward": null`` on every route (the live comparison with OpenEnv's own server is in
+test_openenv_differential.py)."""
 
 from __future__ import annotations
 

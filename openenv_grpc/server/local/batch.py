@@ -88,7 +88,7 @@ class BatchOutcome:
     rewards: list[float] = field(default_factory=list)
     #: Env indices of the rows whose env gave no reward (a transition's reward None, as an
     #: OpenEnv env may answer): their reward above is 0. A Session says so in
-    #: ``StepResult.no_reward``; a vector result has only the 0.
+    #: ``StepResult.no_reward``, a vector stream in ``VectorResult.no_reward``.
     no_reward: set[int] = field(default_factory=set)
     terminated: list[bool] = field(default_factory=list)
     truncated: list[bool] = field(default_factory=list)
