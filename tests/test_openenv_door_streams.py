@@ -237,10 +237,15 @@ def test_frames_the_wire_answers_itself_count_as_the_clients_activity() -> None:
 
 
 @pytest.mark.fresh_server  # a server of its own: make test
-def test_a_frame_waiting_on_side_work_is_not_idle(tmp_path: Path) -> None:
+def test_closing_a_busy_held_session_answers_at_once_and_its_step_completes(
+    tmp_path: Path,
+) -> None:
     """``--idle-timeout 1``: a socket's mcp ``openenv/session/close`` of a held session
-    waits ~3 s for that session's step (gated) to end; the socket waits for its answer
-    meanwhile, so the idle timeout leaves it alone: it gets the close's result."""
+    busy in a step (gated, ~3 s) is answered at once, not after the step (the closer
+    never waits on another session: two sockets closing each other's sessions
+    deadlocked); the step still ends with its observation, then the session closes, and
+    every slot is free. (Before the wire's own clock, the closer's 3 s wait ended its
+    stream at the idle timeout.)"""
     import urllib.request
 
     gate = tmp_path / "gate"
@@ -267,7 +272,7 @@ def test_a_frame_waiting_on_side_work_is_not_idle(tmp_path: Path) -> None:
             close = {"jsonrpc": "2.0", "id": 7, "method": "openenv/session/close",
                      "params": {"session_id": held}}  # fmt: skip
             await closer.send(json.dumps({"type": "mcp", "data": close}))
-            # The closer waits on the held session past twice the idle timeout.
+            # The step goes on past twice the idle timeout.
             asyncio.get_running_loop().call_later(3.0, gate.touch)
             answer = json.loads(await asyncio.wait_for(closer.recv(), 30))
             stepped = json.loads(await asyncio.wait_for(busy.recv(), 30))

@@ -989,3 +989,40 @@ def test_a_read_of_thousands_of_tiny_frames_is_parsed_as_the_app_takes_them() ->
         server.wait_until(lambda: server.active() == 0, 60, "the sockets' sessions ended")
     print(f"\n40 sockets x 37,449 queued 7-byte frames (10 MiB on the wire): RSS +{growth:.1f} MiB")
     assert growth <= 20
+
+
+@pytest.mark.fresh_server  # a server of its own: make test
+def test_held_sessions_closing_each_other_answer_and_free_their_slots() -> None:
+    """Two held sessions, a socket attached to each; each socket asks (an mcp frame) to
+    close the other. Both are answered and, once the clients leave, every slot is free
+    (before: the two locks deadlocked, and every later close of either hung too: 1,000
+    such sockets held 1,002 of 1,024 slots for the life of the process)."""
+
+    def close_of(session_id: str) -> str:
+        call = {"jsonrpc": "2.0", "id": 1, "method": "openenv/session/close",
+                "params": {"session_id": session_id}}  # fmt: skip
+        return json.dumps({"type": "mcp", "data": call})
+
+    async def pair(url: str) -> list[Any]:
+        first, second = (rpc(url, "openenv/session/create")["result"]["session_id"] for _ in "ab")
+        async with (
+            websockets.connect(f"{_ws(url)}?session_id={first}") as a,
+            websockets.connect(f"{_ws(url)}?session_id={second}") as b,
+        ):
+            await asyncio.gather(a.send(close_of(second)), b.send(close_of(first)))
+            answers = await asyncio.gather(
+                asyncio.wait_for(a.recv(), 10), asyncio.wait_for(b.recv(), 10),
+                return_exceptions=True,
+            )  # fmt: skip
+        return [json.loads(x) if isinstance(x, str) else repr(x) for x in answers]
+
+    # A session whose socket closed before its close of the other ran is left held, as any
+    # held session is, until the idle timeout.
+    with own_server("--max-concurrent-envs", "8", "--idle-timeout", "1") as (server, url):
+        for _ in range(10):
+            answers = asyncio.run(pair(url))
+            # Each socket gets its close's result, or its socket closes as its own session
+            # was closed first; neither waits.
+            assert all(isinstance(a, dict) or a.startswith("ConnectionClosedOK") for a in answers)
+            assert any(isinstance(a, dict) for a in answers), answers
+            server.wait_until(lambda: server.active() == 0, 30, "both sessions closed")

@@ -173,7 +173,8 @@ class OpenEnvGateway:
         self._held: dict[str, _Held] = {}
         #: Open WebSockets: a drain closes each with a close frame.
         self._sockets: set[WebSocket] = set()
-        #: Closes of sockets whose sessions the core ended (referenced until done).
+        #: Closes of sockets whose sessions the core ended, and of held sessions closed by
+        #: ``openenv/session/close`` (referenced until done).
         self._closers: set[asyncio.Future[None]] = set()
         self.draining = False
         tool_fields = find_tool_fields(
@@ -403,6 +404,19 @@ class OpenEnvGateway:
             del self._held[session_id]
             held.closed = True
             await held.session.close()
+
+    def _close_later(self, session_id: str, held: _Held) -> None:
+        """Forget a held session now and close it once the calls in flight on it are done,
+        in a task of its own: whoever asked never waits on that session. (A socket waiting
+        there while holding its own session's lock could wait for ever: two sessions
+        attached to sockets that each closed the other held every slot they ever had.)"""
+        if self._held.get(session_id) is not held:
+            return
+        del self._held[session_id]
+        held.closed = True
+        closing = asyncio.ensure_future(held.session.close())
+        self._closers.add(closing)
+        closing.add_done_callback(self._closers.discard)
 
     async def reap_idle(self) -> None:
         """Close held sessions left idle past the idle timeout, forever (the server has
@@ -646,8 +660,7 @@ class OpenEnvGateway:
                 return rpc_error(ident, -32602, "Invalid params - 'session_id' is required")
             if held is None:
                 return rpc_error(ident, -32602, f"Unknown session_id: {session_id[:64]}")
-            async with held.lock:  # after the calls in flight on it
-                await self._let_go(session_id, held)
+            self._close_later(session_id, held)  # after the calls in flight on it
             return rpc_result(ident, {"session_id": session_id, "closed": True})
         if method not in ("tools/list", "tools/call"):
             return rpc_error(ident, -32601, f"Method not found: {str(method)[:200]}")
