@@ -142,7 +142,7 @@ def test_values_round_trip_through_the_messages() -> None:
     options = types.reset_options(level=4)
     options.kwargs.json = json.dumps({"mode": "hard", "i": 1, "big": 2**70})
     first = env.reset(seed=7, episode_id="e", options=options)
-    assert first.reward == 0.0  # None
+    assert first.reward is None  # no reward: the wire says no_reward
     seen = {"seed": 7, "episode_id": "e", "level": 4, "mode": "hard", "i": 1, "big": 2**70}
     assert env._env.seen == seen and type(env._env.seen["i"]) is int  # ints stay ints
     assert json.loads(first.observation.metadata.json) == {"seen": seen}

@@ -1026,3 +1026,75 @@ def test_held_sessions_closing_each_other_answer_and_free_their_slots() -> None:
             assert all(isinstance(a, dict) or a.startswith("ConnectionClosedOK") for a in answers)
             assert any(isinstance(a, dict) for a in answers), answers
             server.wait_until(lambda: server.active() == 0, 30, "both sessions closed")
+
+
+@pytest.mark.fresh_server  # a server of its own, with a small byte budget: make test
+def test_ping_frames_hold_no_budget_and_never_hog_the_loop() -> None:
+    """Control frames make no message: their bytes are given back as soon as they are
+    parsed, and a read of them is parsed a chunk per turn of the loop. Five sockets that
+    sent ~6 MB of pings each (reading the pongs), then went quiet, leave a 3 MB step room
+    in a 32 MiB budget (before: they held 31.4 MB of it until the idle timeout, and the
+    step was refused); a neighbour keeps stepping while a socket floods pings."""
+    ping = frame(0x9, b"p" * 125)
+
+    def pinger(url: str, total: int) -> socket.socket:
+        sock = ws_handshake(url)
+        chunk = ping * 4000
+        for _ in range(total // len(chunk)):
+            sock.sendall(chunk)
+            sock.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                while sock.recv(1 << 20):  # the pongs
+                    pass
+            sock.setblocking(True)
+        return sock
+
+    async def step(url: str, size: int) -> str:
+        try:
+            async with websockets.connect(_ws(url), max_size=None) as ws:
+                await ws.send(json.dumps({"type": "step", "data": {"message": "x" * size}}))
+                return str(await asyncio.wait_for(ws.recv(), 30))[:24]
+        except websockets.ConnectionClosed as closed:
+            return f"closed {closed.rcvd.code if closed.rcvd else None}"
+
+    budget = ("--max-held-bytes", str(32 << 20))
+    with own_server(*budget, env="support.envs:FaultyEnv") as (_server, url):
+        quiet = [pinger(url, 6_300_000) for _ in range(5)]
+        assert asyncio.run(step(url, 3_000_000)) == '{"type": "observation", '
+        for sock in quiet:
+            sock.close()
+
+        # The flood runs in a process of its own: a thread of this one would take the
+        # neighbour's GIL, not the server's loop.
+        flood_script = (
+            "import socket, sys, threading\n"
+            f"sys.path.insert(0, {str(TESTS)!r})\n"
+            "from test_openenv_gateway_attacks import frame, ws_handshake\n"
+            f"sock = ws_handshake({url!r})\n"
+            "def drain():\n"
+            "    while sock.recv(1 << 20): pass\n"
+            "threading.Thread(target=drain, daemon=True).start()\n"
+            "chunk = frame(0x9, b'p' * 125) * 500\n"
+            "while True: sock.sendall(chunk)\n"
+        )
+
+        async def steps(seconds: float) -> int:
+            async with websockets.connect(_ws(url)) as ws:
+                count, until = 0, time.monotonic() + seconds
+                while time.monotonic() < until:
+                    await ws.send(json.dumps({"type": "step", "data": {"message": "n"}}))
+                    await asyncio.wait_for(ws.recv(), 30)
+                    count += 1
+                return count
+
+        alone = asyncio.run(steps(2.0))
+        flooder = subprocess.Popen([sys.executable, "-c", flood_script], cwd=TESTS)
+        try:
+            time.sleep(0.5)  # flooding
+            beside = asyncio.run(steps(2.0))
+            assert flooder.poll() is None  # still flooding, not refused
+        finally:
+            flooder.kill()
+            flooder.wait()
+    print(f"\nneighbour's steps in 2 s: {alone} alone, {beside} beside a ping flood")
+    assert beside * 8 >= alone  # shared with the flood, not starved by it (before: 1/66)

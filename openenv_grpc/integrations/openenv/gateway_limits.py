@@ -233,8 +233,11 @@ class _BoundedWebSocket(_CountsUnsent, WebSocketsSansIOProtocol):
     _after_close = 0
     #: Messages taken in a row without waiting for one (a pipelining client).
     _taken = 0
-    #: Bytes received and not yet parsed: what came after a message the app has not taken.
+    #: Bytes received and not yet parsed: what came after a message the app has not taken
+    #: or after a chunk of control frames.
     _backlog: bytearray | None = None
+    #: Control frames handled since the parse of a read began.
+    _control = 0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -257,26 +260,65 @@ class _BoundedWebSocket(_CountsUnsent, WebSocketsSansIOProtocol):
                 return
             self._arriving += size
         self._parse(data)
+        self._settle()
 
     def _parse(self, data: bytes) -> None:
-        """Parse ``data`` a chunk at a time; once a message waits for the app, keep the
-        rest for :meth:`receive` (reading stays paused while any is kept)."""
+        """Parse ``data`` a chunk at a time. Once a message waits for the app, the rest is
+        kept for :meth:`receive`; once a chunk held control frames (each a ping answered
+        here, no message), for the loop's next turn (:meth:`_resume`). Reading stays
+        paused while any is kept."""
         if self._backlog is not None:  # older bytes first
             self._backlog += data
             return
+        self._control = 0
         if len(data) <= _PARSE_CHUNK:  # most reads: one frame
             super().data_received(data)
             return
         for start in range(0, len(data), _PARSE_CHUNK):
-            if start and not self.queue.empty():
+            if start and (self._control or not self.queue.empty()):
                 self._backlog = bytearray(data[start:])
                 if not self.read_paused:
                     self.read_paused = True
                     self.transport.pause_reading()
+                if self.queue.empty():
+                    self.loop.call_soon(self._resume)
                 return
             super().data_received(data[start : start + _PARSE_CHUNK])
             if self.transport.is_closing():
                 return
+
+    def _resume(self) -> None:
+        """Parse on what a read of control frames left, unless a message now waits for the
+        app (then :meth:`receive` goes on once it is taken)."""
+        backlog = self._backlog
+        if backlog is None or self.transport.is_closing() or not self.queue.empty():
+            return
+        self._backlog = None
+        self._parse(bytes(backlog))
+        self._settle()
+        if self._backlog is None and self.read_paused and self.queue.qsize() <= 1:
+            self.read_paused = False
+            self.transport.resume_reading()
+
+    def _settle(self) -> None:
+        """Give back to the budget the bytes that made no message: once nothing waits for
+        the app, what is held is only a frame or message still arriving and the kept
+        bytes (a read of pings held its bytes until the socket's next message)."""
+        budget = self.limits.budget
+        if budget is None or not self._arriving or not self.queue.empty():
+            return
+        kept = len(self.conn.reader.buffer) + len(self._parts or b"") + len(self._backlog or b"")
+        if self._arriving > kept:
+            budget.give(self._arriving - kept)
+            self._arriving = kept
+
+    def handle_ping(self) -> None:
+        self._control += 1
+        super().handle_ping()
+
+    def handle_pong(self, event: Any) -> None:
+        self._control += 1
+        super().handle_pong(event)
 
     async def receive(self) -> Any:
         # The next request is taken once the last answer has left (the transport is below
