@@ -1098,3 +1098,24 @@ def test_ping_frames_hold_no_budget_and_never_hog_the_loop() -> None:
             flooder.wait()
     print(f"\nneighbour's steps in 2 s: {alone} alone, {beside} beside a ping flood")
     assert beside * 8 >= alone  # shared with the flood, not starved by it (before: 1/66)
+
+
+@pytest.mark.fresh_server  # a server of its own: make test
+def test_text_frames_that_are_not_utf8_close_1007_without_a_traceback() -> None:
+    """50 sockets each send a text frame that is not UTF-8: each is closed 1007, with no
+    traceback in the server's log (before: one ERROR traceback per socket, from uvicorn),
+    and the door goes on."""
+    bad = frame(0x1, b"\xff\xfe")
+    with own_server() as (server, url):
+        codes = []
+        for _ in range(50):
+            sock = ws_handshake(url)
+            sock.sendall(bad)
+            codes.append(close_code(sock))
+            sock.close()
+        with GenericEnvClient(base_url=url).sync() as env:
+            env.reset()
+            assert env.step({"message": "é"}).observation["echoed_message"] == "é"
+        log = server.stderr()
+    assert codes == [1007] * 50
+    assert "Traceback" not in log and "Invalid UTF-8" not in log

@@ -403,6 +403,15 @@ class _BoundedWebSocket(_CountsUnsent, WebSocketsSansIOProtocol):
         # it: two epoll changes per message. Here reading stops only once a second message
         # waits: a client that waits for its answers is never paused, one that pipelines
         # is, and what arrives meanwhile is on the byte budget (data_received).
+        if self.curr_msg_data_type == "text" and not self.close_sent:
+            data = self.frames[0]  # one part: _start and handle_cont join them
+            if not data.isascii() and not _utf8(data):
+                # uvicorn logs a traceback for each such message: a log flood.
+                log.debug("closing an OpenEnv WebSocket: a text message is not UTF-8 (1007)")
+                self.frames = []
+                self.conn.send_close(1007)
+                self.handle_parser_exception()
+                return
         queue, paused = self.queue, self.read_paused
         self.read_paused = True  # so uvicorn's own pause is skipped
         try:
@@ -420,6 +429,14 @@ class _BoundedWebSocket(_CountsUnsent, WebSocketsSansIOProtocol):
         if event.fin:
             self.frames, self._parts = [bytes(self._parts)], None
             self.send_receive_event_to_app()
+
+
+def _utf8(data: bytes) -> bool:
+    try:
+        data.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def uvicorn_settings(limits: GatewayLimits) -> dict[str, Any]:
