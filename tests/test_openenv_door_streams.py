@@ -288,3 +288,41 @@ def test_closing_a_busy_held_session_answers_at_once_and_its_step_completes(
     closed = {"jsonrpc": "2.0", "id": 7, "result": {"session_id": held, "closed": True}}
     assert answer == {"type": "mcp", "data": closed}
     assert stepped["type"] == "observation"
+
+
+@pytest.mark.fresh_server  # a server of its own: make test
+def test_a_socket_attached_to_a_held_session_hears_how_its_session_was_lost() -> None:
+    """``--isolated``: the env process of a held session dies under a step sent on a
+    socket attached to it (``exit``): that socket, waiting for the answer, gets the
+    core's words (``SESSION_ERROR`` UNAVAILABLE, session lost) before its close, as a
+    socket of its own session does; the slot is free."""
+    import urllib.request
+
+    server = ServerProcess(
+        "support.envs:FaultyEnv", ["--openenv-port", "0", "--isolated", "1"], pythonpath=[TESTS]
+    )
+
+    async def run(ws_url: str, held: str) -> tuple[dict[str, Any], int | None]:
+        async with websockets.connect(f"{ws_url}?session_id={held}") as ws:
+            await ws.send(_step("exit"))
+            answer = json.loads(await asyncio.wait_for(ws.recv(), 60))
+            with contextlib.suppress(websockets.ConnectionClosed):
+                await asyncio.wait_for(ws.recv(), 30)
+            return answer, ws.close_code
+
+    try:
+        url = gateway_url(server)
+        body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "openenv/session/create"})
+        request = urllib.request.Request(
+            f"{url}/mcp", body.encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=60) as made:
+            held = json.load(made)["result"]["session_id"]
+        answer, code = asyncio.run(run(url.replace("http://", "ws://") + "/ws", held))
+        server.wait_until(lambda: server.active() == 0, 30, "the slot freed")
+    finally:
+        server.stop()
+    assert answer["type"] == "error"
+    assert answer["data"]["code"] == "SESSION_ERROR"
+    assert answer["data"]["message"].startswith("UNAVAILABLE: session lost")
+    assert code == 1000

@@ -528,7 +528,10 @@ class OpenEnvGateway:
                 await self._loop(websocket, held.session, attach, token, held)
             except WebSocketDisconnect:
                 pass  # the session stays until openenv/session/close
-            except StreamEnded:
+            except StreamEnded as exc:  # under a frame the client waits on: it is told
+                await _send(
+                    websocket, error_frame("SESSION_ERROR", f"{exc.code.name}: {exc.details}")
+                )
                 await self._let_go(attach, held)
             finally:
                 await _close(websocket, *self._closing())
