@@ -179,6 +179,9 @@ SLOW_FILES = frozenset({
 MACHINE_GROUPS = {
     "tests/test_docker.py": "docker", "tests/test_swarm.py": "docker",
     "envs/coding/tests/": "coding",
+    # They serve the coding env too: its start would reclaim (and so log) what a coding
+    # test killed a server to see the next one reclaim.
+    "tests/test_snapshot_envs.py": "coding", "tests/test_trl_environment.py": "coding",
 }  # fmt: skip
 ROOT = Path(__file__).resolve().parent
 
