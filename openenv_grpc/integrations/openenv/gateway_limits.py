@@ -281,34 +281,44 @@ class _BoundedWebSocket(_CountsUnsent, WebSocketsSansIOProtocol):
                     self.read_paused = True
                     self.transport.pause_reading()
                 if self.queue.empty():
-                    self.loop.call_soon(self._resume)
+                    self.loop.call_soon(self._resume_and_settle)
                 return
             super().data_received(data[start : start + _PARSE_CHUNK])
             if self.transport.is_closing():
                 return
 
     def _resume(self) -> None:
-        """Parse on what a read of control frames left, unless a message now waits for the
-        app (then :meth:`receive` goes on once it is taken)."""
+        """Parse on what was kept, unless a message waits for the app (then this runs again
+        once :meth:`receive` has taken it); reading stays paused while bytes are kept."""
         backlog = self._backlog
         if backlog is None or self.transport.is_closing() or not self.queue.empty():
             return
         self._backlog = None
         self._parse(bytes(backlog))
-        self._settle()
-        if self._backlog is None and self.read_paused and self.queue.qsize() <= 1:
+        if self._backlog is not None:
+            if not self.read_paused:  # uvicorn resumes reading once the queue is empty
+                self.read_paused = True
+                self.transport.pause_reading()
+        elif self.read_paused and self.queue.qsize() <= 1:
             self.read_paused = False
             self.transport.resume_reading()
+
+    def _resume_and_settle(self) -> None:
+        self._resume()
+        self._settle()
 
     def _settle(self) -> None:
         """Give back to the budget the bytes that made no message: once nothing waits for
         the app, what is held is only a frame or message still arriving and the kept
         bytes (a read of pings held its bytes until the socket's next message)."""
+        if self.queue.empty():
+            self._give_back()
+
+    def _give_back(self) -> None:
+        """Hold on the budget only what is still arriving or kept unparsed."""
         budget = self.limits.budget
-        if budget is None or not self._arriving or not self.queue.empty():
-            return
         kept = len(self.conn.reader.buffer) + len(self._parts or b"") + len(self._backlog or b"")
-        if self._arriving > kept:
+        if budget is not None and self._arriving > kept:
             budget.give(self._arriving - kept)
             self._arriving = kept
 
@@ -337,18 +347,8 @@ class _BoundedWebSocket(_CountsUnsent, WebSocketsSansIOProtocol):
         else:
             self._taken += 1
         event = await super().receive()
-        backlog = self._backlog
-        if backlog is not None and self.queue.empty():  # parse on to the next message
-            self._backlog = None
-            self._parse(bytes(backlog))
-            if self._backlog is not None and not self.read_paused:  # uvicorn resumed it
-                self.read_paused = True
-                self.transport.pause_reading()
-        budget = self.limits.budget
-        kept = len(self._backlog) if self._backlog is not None else 0
-        if budget is not None and self._arriving > kept:  # the app holds the message now
-            budget.give(self._arriving - kept)
-            self._arriving = kept
+        self._resume()  # parse on to the next message
+        self._give_back()  # the app holds the message now
         return event
 
     async def send(self, message: Any) -> None:
