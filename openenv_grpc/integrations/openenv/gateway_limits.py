@@ -347,8 +347,10 @@ class _BoundedWebSocket(_CountsUnsent, WebSocketsSansIOProtocol):
         else:
             self._taken += 1
         event = await super().receive()
-        self._resume()  # parse on to the next message
-        self._give_back()  # the app holds the message now
+        if self._backlog is not None:
+            self._resume()  # parse on to the next message
+        if self._arriving:
+            self._give_back()  # the app holds the message now
         return event
 
     async def send(self, message: Any) -> None:

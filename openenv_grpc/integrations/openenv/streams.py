@@ -234,8 +234,8 @@ class SocketWire(_ProgramWire):
             frame = await self._next_frame()
             if frame is None:
                 return _EOF
-            self._heard = monotonic()  # a frame the core may not see (the loop's clock)
             if isinstance(frame, str):  # not a frame: answered at once
+                self._heard = monotonic()  # a frame the core does not see (the loop's clock)
                 if not await self._send(frame):
                     return _EOF
                 continue
@@ -247,7 +247,8 @@ class SocketWire(_ProgramWire):
             self._program = self._answers.frame(self, kind, data, self._own_id, self._token)
             request, text = await self._advance(None, None)
             if request is not None:
-                return request
+                return request  # the core's clock sees this one
+            self._heard = monotonic()  # answered without the core
             self._in_flight = False
             if not await self._send(text):
                 return _EOF
