@@ -1,3 +1,2 @@
-"""What the whole server process shares: admission (the limiter), the byte budget and
-its outsiders' share, auth, deadlines of unary calls, metrics and Info's counters, logs,
-forked workers, TLS, the heap trimmer and the orphan reaper. Imports no other room."""
+"""What the whole server process shares: admission, byte budgets, auth, unary deadlines,
+metrics, logs, workers, TLS, heap trimming and orphan reaping. Imports no other room."""

@@ -1,12 +1,7 @@
 """Prometheus metrics of one server process (served by :mod:`.metrics_endpoint`).
 
-The session lifecycle reports through one :class:`Metrics` object, from what each answer
-says it was (``backend.Answer``); a stream's driver counts through it only the steps its
-envs completed after their request was given up (:data:`ORPHANED_STEPS`). A vector stream
-of N envs counts as N sessions, and its steps one per env. With metrics off they get
-:data:`NO_METRICS`, whose methods do nothing, so the hot path never branches on a
-setting. Gauges (active sessions, capacity, bytes held) are read from
-the limiter and the byte budget when scraped, costing nothing per step.
+A vector stream of N envs counts as N sessions and its steps one per env. Gauges are read
+from the limiter and the byte budget when scraped, costing nothing per step.
 """
 
 from __future__ import annotations
@@ -41,31 +36,19 @@ class Metrics(Protocol):
 
 
 class _NoMetrics:
-    def session_refused(self, reason: str) -> None:
-        pass
-
-    def session_ended(self, seconds: float, reason: str) -> None:
-        pass
-
-    def step(self, seconds: float) -> None:
-        pass
-
-    def env_steps(self, count: int, seconds: float) -> None:
-        pass
-
-    def request_error(self, code: str) -> None:
-        pass
-
-    def pool_saturated(self) -> None:
-        pass
+    def session_refused(self, reason: str) -> None: ...
+    def session_ended(self, seconds: float, reason: str) -> None: ...
+    def step(self, seconds: float) -> None: ...
+    def env_steps(self, count: int, seconds: float) -> None: ...
+    def request_error(self, code: str) -> None: ...
+    def pool_saturated(self) -> None: ...
 
 
-#: The stand-in when metrics are off.
+#: The stand-in when metrics are off: the hot path never branches on the setting.
 NO_METRICS: Metrics = _NoMetrics()
 
-#: Where a stream's driver counts the steps its envs completed after their request was
-#: given up (the stream ended while they stepped: no answer records them): the session's
-#: metrics, set by ``SessionManager.run`` in the stream's task before its driver is made.
+#: Where a driver counts steps completed after their request was given up (no answer
+#: records them); set by ``SessionManager.run`` in the stream's task.
 ORPHANED_STEPS: ContextVar[Metrics] = ContextVar("openenv_orphaned_steps", default=NO_METRICS)
 
 
@@ -110,41 +93,28 @@ class PrometheusMetrics:
         self,
         limiter: SessionLimiter,
         env_name: str,
-        budget: ByteBudget | None = None,
-        hung_closes: Callable[[], int] | None = None,
+        budget: ByteBudget,
+        hung_closes: Callable[[], int],
     ) -> None:
         self.registry = CollectorRegistry()
         labels = {"env": env_name}
-        if hung_closes is not None:
-            hung = Gauge(
-                "openenv_env_closes_hung",
-                "Env closes given up on at --lifecycle-timeout that have not returned: their "
-                "threads are held and their envs keep their slots.",
-                labelnames=["env"], registry=self.registry,
-            )  # fmt: skip
-            hung.labels(**labels).set_function(hung_closes)
-        if budget is not None:
-            held = (
-                ("openenv_held_bytes", "Request and answer bytes held for clients now.",
-                 lambda: budget.used),
-                ("openenv_held_bytes_peak", "The most bytes held for clients at once.",
-                 lambda: budget.peak),
-                ("openenv_held_bytes_budget", "Bytes that may be held at once "
-                 "(--max-held-bytes).", lambda: budget.total),
-            )  # fmt: skip
-            for name, text, read in held:
-                gauge = Gauge(name, text, labelnames=["env"], registry=self.registry)
-                gauge.labels(**labels).set_function(read)
-        active = Gauge(
-            "openenv_sessions_active", "Sessions open now.", labelnames=["env"],
-            registry=self.registry,
+        gauges = (
+            ("openenv_env_closes_hung", "Env closes given up on at --lifecycle-timeout that "
+             "have not returned: their threads are held and their envs keep their slots.",
+             hung_closes),
+            ("openenv_held_bytes", "Request and answer bytes held for clients now.",
+             lambda: budget.used),
+            ("openenv_held_bytes_peak", "The most bytes held for clients at once.",
+             lambda: budget.peak),
+            ("openenv_held_bytes_budget", "Bytes that may be held at once "
+             "(--max-held-bytes).", lambda: budget.total),
+            ("openenv_sessions_active", "Sessions open now.", lambda: limiter.active),
+            ("openenv_sessions_capacity", "Most sessions admitted at once (0 = unlimited).",
+             lambda: limiter.capacity),
         )  # fmt: skip
-        active.labels(**labels).set_function(lambda: limiter.active)
-        capacity = Gauge(
-            "openenv_sessions_capacity", "Most sessions admitted at once (0 = unlimited).",
-            labelnames=["env"], registry=self.registry,
-        )  # fmt: skip
-        capacity.labels(**labels).set_function(lambda: limiter.capacity)
+        for name, text, read in gauges:
+            gauge = Gauge(name, text, labelnames=["env"], registry=self.registry)
+            gauge.labels(**labels).set_function(read)
         self._refused = Counter(
             "openenv_sessions_refused", "Session opens refused, by reason.",
             labelnames=["env", "reason"], registry=self.registry,

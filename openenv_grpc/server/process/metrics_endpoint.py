@@ -1,28 +1,10 @@
 """The Prometheus endpoint: ``GET /metrics`` over HTTP/1.1 on the server's event loop.
 
-Bounded, because anyone who reaches the port can open connections to it (prometheus_client's
-own server gives each connection a thread and waits on it for ever), and every scrape is
-answered, because a scrape that fails makes Prometheus mark the target down:
-
-* no thread per connection: each connection is a protocol object on the gRPC server's loop;
-* at most :data:`MAX_CONNECTIONS` connections at once. Beyond that the server stops
-  accepting: new connections wait in the kernel's listen queue (:data:`BACKLOG`, costing
-  the process nothing) and are taken in turn as others end, so a scrape waits instead of
-  being reset or answered 503 (the way nginx's ``worker_connections`` works);
-* a connection that has not sent a whole request head :data:`EVICT_AFTER` seconds after it
-  was taken is closed when others wait behind it (slow clients cannot keep a scraper
-  out). A request head is parsed the moment its last byte arrives, and a connection
-  with bytes the loop has not read yet is spared, so a scrape that has sent its request
-  is never the one closed;
-* the request head must arrive within :data:`REQUEST_TIMEOUT` seconds and fit in
-  :data:`MAX_HEAD_BYTES`; the answer must be taken within the same time; one request per
-  connection (``Connection: close``), then the server half-closes and reads until the
-  client closes (a close with unread bytes would reset the connection and could destroy
-  the answer in flight);
-* only ``GET /metrics``; with a token, a scrape needs ``Authorization: Bearer <token>``
-  (compared in constant time), else ``401``.
-
-The exposition itself (text or OpenMetrics, chosen from ``Accept``) is prometheus_client's.
+Bounded, since anyone who reaches the port can connect, and every scrape answered, since a
+failed scrape marks the target down: no thread per connection, at most
+:data:`MAX_CONNECTIONS` at once (more wait in the kernel's listen queue), a connection
+still without a request head after :data:`EVICT_AFTER` s gives way to one waiting, and
+:data:`REQUEST_TIMEOUT` s each to send the head and to take the answer.
 """
 
 from __future__ import annotations
@@ -34,6 +16,7 @@ import hmac
 import logging
 import select
 import socket
+from http import HTTPStatus
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
@@ -49,41 +32,25 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Connections served at once (a file descriptor and at most a request head each). A
-#: Prometheus server scrapes a target one request at a time; 64 leaves room for more
-#: scrapers and people with curl, and lets 64 slow clients at a time be closed.
+#: Connections served at once; a Prometheus server scrapes one request at a time.
 MAX_CONNECTIONS = 64
 #: Connections the kernel holds for us, handshake done, while all of the above are busy.
 BACKLOG = 1024
-#: Seconds after which a connection still without a whole request head gives way to one
-#: waiting in the listen queue. A scraper sends its request at once.
+#: Seconds after which a connection without a whole request head gives way to one
+#: waiting in the listen queue (a scraper sends its request at once).
 EVICT_AFTER = 0.5
-#: Seconds a client gets to send its request head, and again to take the answer.
-#: Prometheus sends the whole request at once and its scrape timeout defaults to 10 s.
+#: Seconds to send the request head, and again to take the answer (Prometheus: 10 s).
 REQUEST_TIMEOUT = 5.0
 #: Largest request head (request line and headers) accepted.
 MAX_HEAD_BYTES = 8192
 
-_REASONS = {
-    200: "OK",
-    400: "Bad Request",
-    401: "Unauthorized",
-    404: "Not Found",
-    405: "Method Not Allowed",
-}
 #: How often a full endpoint looks for a slow connection to close.
 _EVICT_CHECK = 0.1
 
 
 class MetricsEndpoint:
-    """Serves ``registry`` at ``/metrics``; :meth:`start` it, then :meth:`close` it.
-
-    Args:
-        registry: The metrics to expose.
-        token: When set, every request needs ``Authorization: Bearer <token>``.
-        max_connections: Connections served at once; more wait in the listen queue.
-        timeout: Seconds for the request head to arrive, and for the answer to be taken.
-    """
+    """Serves ``registry`` at ``/metrics`` (with a token: ``Authorization: Bearer``
+    required, else 401); :meth:`start` it, then :meth:`close` it."""
 
     def __init__(
         self,
@@ -91,12 +58,10 @@ class MetricsEndpoint:
         token: str = "",
         *,
         max_connections: int = MAX_CONNECTIONS,
-        timeout: float = REQUEST_TIMEOUT,
     ) -> None:
         self._registry = registry
         self._expected = f"Bearer {token}".encode() if token else None
         self._max_connections = max_connections
-        self._timeout = timeout
         #: Connections being served, oldest first.
         self._open: dict[_Connection, None] = {}
         self._slot_freed = asyncio.Event()
@@ -105,7 +70,6 @@ class MetricsEndpoint:
 
     @property
     def connections(self) -> int:
-        """Connections open now (those being served)."""
         return len(self._open)
 
     async def start(self, host: str, port: int) -> int:
@@ -170,11 +134,9 @@ class MetricsEndpoint:
                 client.close()
 
     def _evict_slow_if_others_wait(self, sock: socket.socket, now: float) -> None:
-        """Close every connection still without a request head :data:`EVICT_AFTER`
-        seconds after it was taken, if a connection waits in the listen queue.
-
-        A connection with bytes in its receive buffer is spared: the loop has not read
-        them yet (it was busy or descheduled), and they may be the rest of a scrape."""
+        """If a connection waits in the listen queue, close those still without a request
+        head :data:`EVICT_AFTER` s after they were taken, but not one with unread bytes
+        (they may be the rest of a scrape the loop has not read yet)."""
         slow = {c.fileno(): c for c in self._open if c.waiting and now - c.taken_at >= EVICT_AFTER}
         slow.pop(-1, None)
         if not slow or not _readable([sock.fileno()]):  # nobody waits to be accepted
@@ -227,8 +189,8 @@ def _readable(fds: list[int]) -> set[int]:
 
 
 class _Connection(asyncio.Protocol):
-    """One client connection: read a request head, answer it, half-close, wait for the
-    client to close (each phase within the endpoint's timeout)."""
+    """One request per connection: read its head, answer, half-close, then read until the
+    client closes (closing with unread bytes would reset the answer in flight)."""
 
     def __init__(self, endpoint: MetricsEndpoint, taken_at: float) -> None:
         self._endpoint = endpoint
@@ -248,21 +210,17 @@ class _Connection(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
         loop = asyncio.get_running_loop()
-        self._timer = loop.call_later(self._endpoint._timeout, self.abort)
+        self._timer = loop.call_later(REQUEST_TIMEOUT, self.abort)
 
     def data_received(self, data: bytes) -> None:
         if not self.waiting:
             return  # after the answer: read and drop until the client closes
         self._buffer += data
         end = self._buffer.find(b"\r\n\r\n")
-        if end < 0:
-            if len(self._buffer) > MAX_HEAD_BYTES:
-                self._answer(400, b"request head too large\n", {})
-            return
-        if end + 4 > MAX_HEAD_BYTES:
+        if (end + 4 if end >= 0 else len(self._buffer)) > MAX_HEAD_BYTES:
             self._answer(400, b"request head too large\n", {})
-            return
-        self._answer(*self._endpoint.decide(bytes(self._buffer[: end + 4])))
+        elif end >= 0:
+            self._answer(*self._endpoint.decide(bytes(self._buffer[: end + 4])))
 
     def _answer(self, status: int, body: bytes, headers: dict[str, str]) -> None:
         self.waiting = False
@@ -273,7 +231,7 @@ class _Connection(asyncio.Protocol):
         fields = {"Content-Type": "text/plain; charset=utf-8", **headers}
         fields["Content-Length"] = str(len(body))
         fields["Connection"] = "close"
-        head = f"HTTP/1.1 {status} {_REASONS[status]}\r\n" + "".join(
+        head = f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n" + "".join(
             f"{name}: {value}\r\n" for name, value in fields.items()
         )
         self._restart_timer()  # the client now gets the timeout to take the answer
@@ -284,7 +242,6 @@ class _Connection(asyncio.Protocol):
             transport.close()
 
     def fileno(self) -> int:
-        """The connection's socket descriptor, -1 once it is gone."""
         if self._transport is None:
             return -1
         sock = self._transport.get_extra_info("socket")

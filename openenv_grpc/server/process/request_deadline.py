@@ -1,21 +1,11 @@
-"""A deadline for the requests of every call but Session and VectorSession streams.
+"""A deadline on the arrival of each request of every call but the session streams.
 
-grpc.aio reads a unary request whole before the handler runs, and nothing else bounds how
-long that may take: a client that announces a large request and never sends its last
-bytes holds up to ``--max-request-bytes`` for as long as it keeps the connection alive
-(health calls are exempt from ``AUTH_TOKEN``, so anyone could). This interceptor serves
-such methods as request-streaming calls that take their one request within
-``--request-arrival-timeout`` seconds, or end with ``DEADLINE_EXCEEDED`` and let go of
-what arrived. Session and VectorSession streams have the idle timeout instead.
-
-Other request-streaming methods (server reflection, v1 and v1alpha) read each next
-request the same way: a reflection client sends its requests back to back, so a stream
-whose next request has not arrived within the deadline ends ``DEADLINE_EXCEEDED``. Before,
-slow senders on reflection held +1,543 MiB for as long as their connections lived.
-
-An outsider's read (a caller without a valid token: every health call) also reserves the
-request limit from the outsiders' budget first, and gets at most
-:data:`~openenv_grpc.server.process.outsiders.OUTSIDER_ARRIVAL_SECONDS` (outsiders.py).
+grpc.aio reads a unary request whole before the handler runs, and nothing bounds how long
+that takes: a client that never sends its last bytes would hold up to
+``--max-request-bytes`` for as long as it kept the connection. So such methods (and the
+reflection streams, request by request) are served as request-streaming calls that take
+each request within ``--request-arrival-timeout`` s or end ``DEADLINE_EXCEEDED``. An
+outsider's read also reserves its room in the outsiders' budget first (outsiders.py).
 """
 
 from __future__ import annotations
@@ -41,8 +31,7 @@ _SESSIONS = (f"/{SERVICE_NAME}/Session", f"/{SERVICE_NAME}/VectorSession")
 
 class UnaryRequestDeadline(grpc.aio.ServerInterceptor):
     """Serves every method but the session streams with a deadline on each request's
-    arrival, and outsiders' reads within their budget (None: no budget, every read is let
-    in)."""
+    arrival, and outsiders' reads within their budget (None: every read is let in)."""
 
     def __init__(self, seconds: float, outsiders: OutsiderBudget | None = None) -> None:
         self._seconds = seconds
@@ -63,20 +52,19 @@ class UnaryRequestDeadline(grpc.aio.ServerInterceptor):
             reader = _Reader(self._seconds, None)
         else:
             reader = _Reader(min(self._seconds, OUTSIDER_ARRIVAL_SECONDS), outsiders)
-        return _paced(handler, reader) if handler.request_streaming else _bounded(handler, reader)
+        return _wrapped(handler, reader)
 
 
 class _Reader(NamedTuple):
-    """How a call's one request is read: within ``seconds``, inside ``outsiders``'
-    budget if it is an outsider's."""
+    """Read within ``seconds``, inside ``outsiders``' budget for an outsider's call."""
 
     seconds: float
     outsiders: OutsiderBudget | None
 
 
 async def _one_request(context: grpc.aio.ServicerContext[Any, Any], reader: _Reader) -> Any:
-    """The call's one request, or the call ended (DEADLINE_EXCEEDED / INVALID_ARGUMENT,
-    RESOURCE_EXHAUSTED: no room in the outsiders' budget, or pushed out of it)."""
+    """The call's one request, or the call ended (INVALID_ARGUMENT: none; else as
+    :func:`_read` ends it)."""
     request = await _next_request(context, reader)
     if request is grpc.aio.EOF:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call carried no request")
@@ -86,8 +74,7 @@ async def _one_request(context: grpc.aio.ServicerContext[Any, Any], reader: _Rea
 async def _requests(
     context: grpc.aio.ServicerContext[Any, Any], reader: _Reader
 ) -> AsyncIterator[Any]:
-    """The call's requests until the client half-closes, each read with ``reader`` (the
-    call ends as :func:`_one_request` says if one is late or finds no room)."""
+    """The call's requests until the client half-closes, each read with ``reader``."""
     while (request := await _next_request(context, reader)) is not grpc.aio.EOF:
         yield request
 
@@ -125,49 +112,23 @@ async def _read(
     return read.result()
 
 
-def _bounded(handler: _Handler, reader: _Reader) -> _Handler:
-    """``handler`` as a request-streaming handler that reads its request with ``reader``."""
+def _wrapped(handler: _Handler, reader: _Reader) -> _Handler:
+    """``handler`` as a request-streaming handler that reads its requests with ``reader``."""
     # Any: the stubs type the behaviours as sync callables; on grpc.aio they are coroutines
     # (or async generators).
-    if handler.unary_unary is not None:
-        unary: Any = handler.unary_unary
+    behaviour: Any
+    if handler.request_streaming:
+        behaviour = handler.stream_stream or handler.stream_unary
+    else:
+        behaviour = handler.unary_unary or handler.unary_stream
 
-        async def answer(_: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            return await unary(await _one_request(context, reader), context)
-
-        return grpc.stream_unary_rpc_method_handler(
-            answer,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
-    streaming: Any = handler.unary_stream
+    async def request(context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        if handler.request_streaming:
+            return _requests(context, reader)
+        return await _one_request(context, reader)
 
     async def answers(_: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
-        result = streaming(await _one_request(context, reader), context)
-        if hasattr(result, "__aiter__"):  # an async generator of answers
-            async for response in result:
-                yield response
-        else:  # a coroutine that writes its answers with context.write
-            await result
-
-    return grpc.stream_stream_rpc_method_handler(
-        answers,
-        request_deserializer=handler.request_deserializer,
-        response_serializer=handler.response_serializer,
-    )
-
-
-def _paced(handler: _Handler, reader: _Reader) -> _Handler:
-    """Request-streaming ``handler`` with its requests read one by one with ``reader``."""
-    make = (
-        grpc.stream_stream_rpc_method_handler
-        if handler.response_streaming
-        else grpc.stream_unary_rpc_method_handler
-    )
-    behaviour: Any = handler.stream_stream or handler.stream_unary
-
-    async def answers(_: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
-        result = behaviour(_requests(context, reader), context)
+        result = behaviour(await request(context), context)
         if hasattr(result, "__aiter__"):  # an async generator of answers
             async for response in result:
                 yield response
@@ -175,8 +136,13 @@ def _paced(handler: _Handler, reader: _Reader) -> _Handler:
             await result
 
     async def answer(_: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-        return await behaviour(_requests(context, reader), context)
+        return await behaviour(await request(context), context)
 
+    make = (
+        grpc.stream_stream_rpc_method_handler
+        if handler.response_streaming
+        else grpc.stream_unary_rpc_method_handler
+    )
     return make(
         answers if handler.response_streaming else answer,
         request_deserializer=handler.request_deserializer,

@@ -12,9 +12,7 @@ __all__ = ["server_credentials"]
 
 
 def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
-    """TLS credentials for ``config``, or None for plaintext.
-
-    With ``tls_client_ca`` set, clients must present a certificate signed by that CA.
+    """TLS credentials for ``config`` (None: plaintext); a client CA requires client certs.
 
     Raises:
         ValueError: only one of certificate and key given, or a client CA without them.
