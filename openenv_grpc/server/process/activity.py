@@ -1,8 +1,5 @@
-"""What a server process has done since it started, kept whatever the metrics setting.
-
-The Info RPC reports these counters, so a console or dashboard can show steps per second
-and sessions without scraping Prometheus. Counting is a plain integer increment on the
-event loop thread (no lock), cheap enough to be always on.
+"""What a server process has done since it started, always counted (plain integers on the
+event loop), for the Info RPC: steps and sessions without scraping Prometheus.
 """
 
 from __future__ import annotations
@@ -16,7 +13,7 @@ __all__ = ["Activity"]
 
 
 class Activity:
-    """Counters fed through the :class:`~openenv_grpc.server.process.metrics.Metrics` calls."""
+    """Counters fed through the ``Metrics`` calls."""
 
     __slots__ = ("_started", "sessions_ended", "sessions_refused", "steps")
 
@@ -38,17 +35,13 @@ class Activity:
     def env_steps(self, count: int, seconds: float) -> None:
         self.steps += count
 
-    def request_error(self, code: str) -> None:
-        pass
-
-    def pool_saturated(self) -> None:
-        pass
+    def request_error(self, code: str) -> None: ...
+    def pool_saturated(self) -> None: ...
 
     def fill(self, target: pb.Activity, limiter: SessionLimiter) -> None:
-        """Write the counters into an Info response's ``activity``. Sessions opened are
-        the slots ``limiter`` ever admitted, counted once at admission: not ended + active,
-        which counts twice an env still held after its session ended (abandoned in a hung
-        call, its client gone), and so went down once that env was closed."""
+        """Write the counters into an Info response's ``activity``; sessions opened are the
+        slots ``limiter`` ever admitted (ended + active would count an env held after its
+        session ended twice)."""
         target.steps = self.steps
         target.sessions_opened = limiter.admitted
         target.sessions_refused = self.sessions_refused

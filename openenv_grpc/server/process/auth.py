@@ -1,8 +1,5 @@
-"""Bearer-token authentication: a server interceptor that refuses calls without the token.
-
-Health checks are exempt so that load balancers and probes keep working; what their
-requests may hold is bounded by the outsiders' budget (outsiders.py). A refused Session
-never reaches the limiter, so no env is created and no slot is taken.
+"""Bearer-token authentication: a server interceptor that refuses calls without the token
+(UNAUTHENTICATED) before any env or slot exists. Health checks are exempt.
 """
 
 from __future__ import annotations
@@ -20,17 +17,17 @@ _Req = TypeVar("_Req")
 _Res = TypeVar("_Res")
 if TYPE_CHECKING:  # generic only in the type stubs, not at run time
     _Handler = grpc.RpcMethodHandler[Any, Any]
-_EXEMPT_PREFIXES = ("/grpc.health.v1.Health/",)
+#: Health checks are exempt, so load balancers and probes keep working.
+_EXEMPT_PREFIX = "/grpc.health.v1.Health/"
 
 
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
     """Lets a call through only if its metadata has ``authorization: Bearer <token>``."""
 
-    def __init__(self, token: str, exempt_prefixes: Sequence[str] = _EXEMPT_PREFIXES) -> None:
+    def __init__(self, token: str) -> None:
         if not token:
             raise ValueError("an empty auth token would let everyone in")
         self._expected = f"Bearer {token}".encode()
-        self._exempt = tuple(exempt_prefixes)
 
     async def intercept_service(
         self,
@@ -42,7 +39,7 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if (
             handler is None
-            or handler_call_details.method.startswith(self._exempt)
+            or handler_call_details.method.startswith(_EXEMPT_PREFIX)
             or self.allows(handler_call_details.invocation_metadata)
         ):
             return handler
@@ -63,15 +60,10 @@ async def _deny(requests: Any, context: grpc.aio.ServicerContext[Any, Any]) -> N
 
 
 def _refusing(handler: _Handler) -> _Handler:
-    """A handler that refuses every call to ``handler``'s method without reading a byte
-    of its request.
-
-    Always a request-streaming handler, whatever the method: grpc.aio reads a unary
-    request whole before it calls the handler, so a refused outsider could make the
-    server buffer a request up to the request limit (16 Info calls sending all of 8 MiB
-    but the last KiB: +130 MiB). The refusal is a status alone, the same on the wire for
-    every kind of call; the response kind stays the method's.
-    """
+    """A handler that refuses every call to ``handler``'s method without reading a byte of
+    its request: request-streaming whatever the method, since grpc.aio reads a unary
+    request whole before calling the handler (a refused caller could make it buffer up to
+    the request limit)."""
     make = (
         grpc.stream_stream_rpc_method_handler
         if handler.response_streaming

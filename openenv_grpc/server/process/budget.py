@@ -1,15 +1,9 @@
-"""The server's memory budget, by bytes: one account that every buffer of request or
-answer bytes held for clients draws from (answers waiting for a slow reader, requests
-being read, isolated frames, states and snapshots being gathered).
+"""The server's memory budget: one account of the request and answer bytes held for all
+clients at once (per-request limits alone let a few requests hold gigabytes).
 
-Per-request limits alone do not bound memory: a few small requests, each within its
-limit, can make the server hold gigabytes (docs/reliability.md, round three). So the
-sum is bounded here, across every stream of the process: a holder takes bytes before it
-keeps them and gives them back when it lets them go. What a holder does when the budget
-is short is its own policy (refuse in-band with pushback, or stop reading until bytes come
-back); the account itself never blocks and never raises.
-
-All calls happen on the server's event loop (one thread), so there are no locks.
+A holder takes bytes before it keeps them and gives them back when it lets them go; what it
+does when the budget is short is its own policy. The account never blocks (but
+:meth:`ByteBudget.take`) and never raises. Event-loop only, so no locks.
 """
 
 from __future__ import annotations
@@ -22,13 +16,9 @@ __all__ = ["ByteBudget"]
 
 
 class ByteBudget:
-    """Bytes a process may hold for its clients at once, and how many it holds now.
-
-    ``take`` and ``give`` must pair up: whoever took ``n`` gives ``n`` back exactly once
-    (``try/finally``). A take larger than the whole budget succeeds only when nothing
-    else is held, so one legitimate message up to the message limit always gets through
-    on an idle server (the limit itself bounds it).
-    """
+    """Bytes a process may hold for its clients at once. Whoever took ``n`` gives ``n``
+    back exactly once. A take larger than the budget succeeds only when nothing else is
+    held, so one message up to the message limit always gets through on an idle server."""
 
     __slots__ = ("_total", "_used", "_waiters", "peak")
 
@@ -37,18 +27,16 @@ class ByteBudget:
             raise ValueError(f"a byte budget needs at least 1 byte, got {total}")
         self._total = total
         self._used = 0
-        #: The most ever held at once (for tests and /metrics).
+        #: The most ever held at once.
         self.peak = 0
         self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
 
     @property
     def total(self) -> int:
-        """The budget: bytes that may be held at once."""
         return self._total
 
     @property
     def used(self) -> int:
-        """Bytes held now."""
         return self._used
 
     @property
@@ -58,7 +46,6 @@ class ByteBudget:
 
     @property
     def waiting(self) -> int:
-        """Takers waiting for bytes now."""
         return len(self._waiters)
 
     def fits(self, n: int) -> bool:
@@ -74,24 +61,19 @@ class ByteBudget:
 
     def try_overdraw(self, n: int) -> bool:
         """Take ``n`` bytes into the reserve above the budget (half of it again), ahead of
-        any waiter; False (nothing taken) past that. For answers small enough that
-        refusing them would stop honest neighbours while stalled streams are ended."""
+        any waiter; False (nothing taken) past that."""
         if n > 0 and self._used + n > self._total + self._total // 2:
             return False
         self._add(n)
         return True
 
     def hold(self, n: int) -> None:
-        """Count ``n`` bytes that are held already and cannot be refused (a transport's
-        buffer of unsent answers): they make later takes wait or fail."""
+        """Count ``n`` bytes held already that cannot be refused (unsent answers)."""
         self._add(n)
 
     async def take(self, n: int) -> None:
-        """Take ``n`` bytes, waiting (first come, first served) until they fit.
-
-        Raises:
-            asyncio.CancelledError: the waiter was cancelled; nothing was taken.
-        """
+        """Take ``n`` bytes, waiting (first come, first served) until they fit; a
+        cancelled take has taken nothing."""
         if self.try_take(n):
             return
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -110,7 +92,6 @@ class ByteBudget:
             raise
 
     def give(self, n: int) -> None:
-        """Give back ``n`` bytes taken earlier."""
         if n <= 0:
             return
         self._used -= n

@@ -1,10 +1,6 @@
-"""Logging for server processes: every line about a session carries its session id.
-
-The id lives in a context variable set when a stream of either kind is admitted
-(``SessionManager.run``, in the stream's own asyncio task, whatever its wire), so lines
-logged anywhere within that session (the lifecycle, the request handler, inline and async
-env code, and pooled env code: ``runner.py`` carries it to the thread) carry it without
-passing it around.
+"""Logging for server processes: every line about a session carries its session id, from
+a context variable set when a stream is admitted (``SessionManager.run``, in the stream's
+task; ``runner.py`` carries it to pool threads).
 """
 
 from __future__ import annotations

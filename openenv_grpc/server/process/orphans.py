@@ -1,8 +1,6 @@
-"""Runs the env's ``reclaim_orphans`` hook: what dead processes' instances left behind.
-
-The server calls it once at start (leftovers of a previous run) and the isolated pool
-after each worker process dies (:class:`OrphanReaper`). The hook may block, so it never
-runs on the event loop; what it raises is logged and otherwise ignored.
+"""Runs the env's ``reclaim_orphans`` hook: once at server start, and after each isolated
+worker process dies (:class:`OrphanReaper`). Never on the event loop; what it raises is
+logged.
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ _EXIT_WAIT = 5.0
 
 
 def reclaim_orphans_quietly(env_class: type[Any]) -> None:
-    """Call ``env_class.reclaim_orphans()``; log what it raises instead of raising it."""
+    """Call ``env_class.reclaim_orphans()``, logging what it raises."""
     try:
         env_class.reclaim_orphans()
     except BaseException:  # env code's SystemExit too: the reaper must outlive it
@@ -28,12 +26,8 @@ def reclaim_orphans_quietly(env_class: type[Any]) -> None:
 
 
 class OrphanReaper:
-    """A thread that waits for dead worker processes to be gone, then calls the hook.
-
-    The hook must not touch live instances' resources, so it runs only once each dead
-    worker has been reaped (a zombie still holds its pid). Requests that arrive while the
-    hook runs are served by one more call afterwards.
-    """
+    """A thread that reaps dead worker processes, then calls the hook (only then: a
+    zombie still holds its pid). Reaps asked for while it runs get one more call."""
 
     def __init__(self, env_class: type[Any]) -> None:
         self._env_class = env_class
@@ -55,8 +49,7 @@ class OrphanReaper:
                 self._thread.start()
 
     def wait(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for pending reaps and reclaims; returns True when
-        none is left."""
+        """Wait up to ``timeout`` s for pending reaps and reclaims; True when none is left."""
         with self._lock:
             thread = self._thread
         if thread is not None:
@@ -77,7 +70,6 @@ class OrphanReaper:
 
 
 def _reap(process: Any) -> None:
-    """Wait until ``process`` has exited (killing it if it lingers) and collect it."""
     process.join(_EXIT_WAIT)
     if process.is_alive():
         log.warning("env worker pid %s did not exit: killing it", process.pid)

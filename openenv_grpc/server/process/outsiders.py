@@ -1,28 +1,12 @@
-"""What callers without a valid token may make the server buffer: a budget of their own.
+"""What callers without a valid token (health probes; everyone when ``AUTH_TOKEN`` is
+unset) may make the server buffer: a budget of their own.
 
-grpc-core grants a stream the flow-control window for the whole message its length prefix
-announces (up to the request limit) once the server asks to read it, and buffers the
-message until it is complete. Before that read it holds at most the stream's first window
-(64 KiB, app.py). Health calls are exempt from ``AUTH_TOKEN``, so anyone could announce
-a request of the full limit on hundreds of streams and hold each one until the arrival
-deadline: 192 health Checks held +3,120 MiB for 10 s (docs/reliability.md, round three).
-
-So the read of an outsider's unary request (health, and Info from a caller without the
-token), and of each request on an outsider's reflection stream, first reserves the
-request limit from this budget: the grant is by the announced
-length, which the server cannot see before it reads, and the server has no per-method
-receive limit, so a smaller reservation would not be a bound. When the budget is used up,
-a newcomer from a connection that holds none of it takes the place of the oldest read
-that has waited at least :data:`EVICTABLE_AFTER_SECONDS`, waiting that long for one (that
-call ends ``RESOURCE_EXHAUSTED``): an honest probe's request is in the server's buffers when its
-call starts and is read within a turn of the loop, so only a request that is still
-arriving is pushed out, and a flood of them cannot keep a probe on a connection of its own
-waiting (one connection's burst of streams takes one place, not all). Otherwise the call
-is refused at once (``RESOURCE_EXHAUSTED`` with pushback) without a byte read. An
-outsider's request must also arrive within :data:`OUTSIDER_ARRIVAL_SECONDS`.
-
-An outsider cannot grow this budget: a token-bearing caller never draws from it, and
-nothing else does.
+grpc-core grants a read the window its length prefix announces (up to the request limit)
+and buffers the message until complete, so each outsider's read reserves the whole request
+limit first. When the budget is used up, a newcomer from a connection holding none of it
+pushes out the oldest read that has waited :data:`EVICTABLE_AFTER_SECONDS` (an honest
+probe's request is read within a loop turn, so only one still arriving is pushed out),
+else it is refused ``RESOURCE_EXHAUSTED`` with pushback before a byte is read.
 """
 
 from __future__ import annotations
@@ -40,8 +24,7 @@ from openenv_grpc.server.process.budget import ByteBudget
 
 __all__ = ["EVICTABLE_AFTER_SECONDS", "OUTSIDER_ARRIVAL_SECONDS", "OutsiderBudget"]
 
-#: The longest an outsider's unary request may take to arrive (less if
-#: ``--request-arrival-timeout`` says less). Health and Info requests are a few bytes.
+#: The longest an outsider's request may take to arrive (health and Info: a few bytes).
 OUTSIDER_ARRIVAL_SECONDS = 1.0
 #: How long a read must have held its reservation before a newcomer may push it out.
 EVICTABLE_AFTER_SECONDS = 0.005
@@ -50,11 +33,8 @@ Metadata = Sequence[tuple[str, str | bytes]] | None
 
 
 class OutsiderBudget:
-    """The bytes that reads of outsiders' requests may hold at once.
-
-    ``insider`` tells whether a call's metadata carries a valid token (None: no token is
-    configured, so every caller is an outsider).
-    """
+    """The bytes that reads of outsiders' requests may hold at once; ``insider`` tells
+    whether a call's metadata carries a valid token (None: no token, all are outsiders)."""
 
     def __init__(
         self,
@@ -67,27 +47,21 @@ class OutsiderBudget:
         self._per_read = per_read
         self._insider = insider
         self._pushback = ((RETRY_PUSHBACK_KEY, str(pushback_ms)),)
-        # Reads holding a reservation, oldest first: the future a newcomer sets to push
-        # one out, and when it took its bytes; and how many each connection holds.
+        # Reads holding a reservation, oldest first (the future that pushes one out ->
+        # when it took its bytes), and how many each connection holds.
         self._holders: dict[asyncio.Future[None], float] = {}
         self._peers: Counter[str] = Counter()
 
     def is_outsider(self, details: grpc.HandlerCallDetails) -> bool:
-        """Whether the call comes without a valid token (always, when none is set)."""
         return self._insider is None or not self._insider(details.invocation_metadata)
 
     @asynccontextmanager
     async def reading(
         self, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[asyncio.Future[None]]:
-        """Hold one read's reservation for the body of the ``async with``; yields a future
-        that is done once a newer read has pushed this one out (the read must then end).
-
-        Raises:
-            grpc.aio.AbortError: the budget is used up and no read could be pushed out; the
-                call ended RESOURCE_EXHAUSTED with a pushback hint, before any of its
-                request was read.
-        """
+        """Hold one read's reservation; yields a future done once a newer read pushed
+        this one out (the read must then end). With no room and none to push out, the
+        call ends RESOURCE_EXHAUSTED with pushback (AbortError) before a byte is read."""
         n = self._per_read
         peer = context.peer()
         if not self.budget.try_take(n):
@@ -112,9 +86,8 @@ class OutsiderBudget:
             self.budget.give(n)
 
     async def _make_room(self, n: int) -> bool:
-        """Push out the oldest read that has held its bytes long enough, waiting for it
-        to be (at most :data:`EVICTABLE_AFTER_SECONDS`): True if ``n`` bytes are free
-        now or will be once it ends; False if no read can be pushed out."""
+        """Push out the oldest read once it has held its bytes
+        :data:`EVICTABLE_AFTER_SECONDS`: True if ``n`` bytes are free or will be."""
         loop = asyncio.get_running_loop()
         for second_look in (False, True):
             if second_look and self.budget.fits(n):

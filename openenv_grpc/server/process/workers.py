@@ -1,10 +1,9 @@
 """Several server processes on one port (``WORKERS=N``): fork, share, supervise.
 
 Workers are forked before any gRPC object exists (gRPC does not survive a fork once it
-runs) and each binds the same address with SO_REUSEPORT, so the kernel spreads incoming
-*connections* over them. ``MAX_CONCURRENT_ENVS`` stays a per-server number: each worker
-gets an even share. The parent only supervises: it forwards SIGTERM/SIGINT so every
-worker drains, restarts a worker that dies unexpectedly, and exits 0 once all drained.
+runs) and bind the same address with SO_REUSEPORT; each gets an even share of
+``MAX_CONCURRENT_ENVS``. The parent forwards SIGTERM/SIGINT, restarts a worker that dies
+unexpectedly, and exits once all drained.
 """
 
 from __future__ import annotations
@@ -29,8 +28,8 @@ log = logging.getLogger(__name__)
 
 
 def worker_config(config: ServerConfig, index: int, port: int) -> ServerConfig:
-    """The config of worker ``index``: the shared port, its share of the capacity, and
-    its own metrics port (consecutive ports from the configured one; 0 stays 0)."""
+    """Worker ``index``'s config: the shared port, its share of the capacity, and its own
+    metrics port (consecutive from the configured one; 0 stays 0)."""
     share = -(-config.capacity // config.workers) if config.capacity else 0  # ceil
     metrics_port = config.metrics_port
     if metrics_port > 0:
@@ -54,13 +53,9 @@ def serve_workers(
     config: ServerConfig,
     announce: Callable[[int], None],
 ) -> int:
-    """Run ``config.workers`` forked processes of ``run_worker(worker_config, ready)``;
-    each calls ``ready()`` once it serves. ``announce(port)`` runs when all are ready.
-
-    Returns the exit code for the parent: 0 when every worker drained cleanly, 1 if one
-    failed or a worker died before it ever served (a bad port, say: restarting would
-    only fail again).
-    """
+    """Run ``config.workers`` forked ``run_worker(worker_config, ready)``; ``announce(port)``
+    once all called ``ready()``. Returns 0 when every worker drained cleanly, 1 if one
+    failed or died before it ever served (restarting would only fail again)."""
     holder, port = (None, config.port) if config.port else _reserve_port(config.host)
     parent = os.getpid()
     ready_read, ready_write = os.pipe()
@@ -70,12 +65,10 @@ def serve_workers(
     def spawn(index: int) -> int:
         pid = os.fork()
         if pid == 0:  # the worker: no gRPC object exists yet in this process
-            # Ignored until the worker's own handlers are in place (the parent repeats a
-            # SIGTERM until every worker is gone, so none is lost).
+            # Ignored until the worker's own handlers are in place (the parent repeats it).
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
-            # If the supervisor is killed outright, its workers drain instead of living on.
-            _die_with_parent(parent)
+            _die_with_parent(parent)  # a supervisor killed outright: its workers drain
             os.close(ready_read)
             code = 0
 
@@ -133,7 +126,6 @@ def serve_workers(
 
 
 def _wait_ready(ready: int, count: int, workers: dict[int, int]) -> bool:
-    """Wait until ``count`` workers said they serve; False if one died before that."""
     seen = 0
     while seen < count:
         readable, _, _ = select.select([ready], [], [], 0.1)
@@ -149,8 +141,7 @@ def _wait_ready(ready: int, count: int, workers: dict[int, int]) -> bool:
 
 
 def _die_with_parent(parent: int) -> None:
-    """Ask the kernel to send this process SIGTERM when its parent dies (Linux)."""
-    try:
+    try:  # SIGTERM when the parent dies (Linux)
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     except (OSError, AttributeError):
