@@ -1,20 +1,13 @@
-"""Server settings: each defined once, here, with its flag, variable, default, range and help.
-
-:class:`ServerConfig` is the one dataclass; each field is declared with :func:`setting`,
-which records everything else about it. The ``openenv-grpc serve`` options, the variables
-:meth:`ServerConfig.from_env` reads and the settings table (docs/settings.md) are all made from
-these declarations (``tests/test_cli_config.py`` fails when the page drifts).
-
-Precedence: an explicit argument, then the environment variable, then the default.
-Nothing is read at import time; :meth:`ServerConfig.from_env` reads the environment when
-the server starts.
+"""Server settings, each declared once with :func:`setting`: its flag, variable, default,
+range and help. The ``serve`` options, :meth:`ServerConfig.from_env` and docs/settings.md
+are all made from these declarations. Precedence: argument, then variable, then default.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import MISSING, Field, dataclass, field, fields
+from dataclasses import Field, dataclass, field, fields
 from typing import Any, TypeVar, cast
 
 __all__ = ["ENV_VARS", "STREAM_HEADROOM", "ServerConfig", "Setting", "settings", "settings_table"]
@@ -22,45 +15,21 @@ __all__ = ["ENV_VARS", "STREAM_HEADROOM", "ServerConfig", "Setting", "settings",
 T = TypeVar("T")
 
 _INT32_MAX = 2**31 - 1
-#: Streams a connection gets beyond the session capacity by default: room for Info,
-#: health and reflection calls, and for refused opens on their way out, while one
-#: client's connection holds every session.
+_KINDS: dict[str, type] = {"int": int, "float": float, "str": str}
+#: Streams a connection gets beyond the session capacity: room for Info, health and
+#: reflection, and for refused opens, while one connection holds every session.
 STREAM_HEADROOM = 32
-#: The default pending-call limit (docs/reliability.md, round three, row 4): a burst of
-#: opens four times the capacity, plus room, reaches the limiter, and so does issue 19's
-#: 4,000 opens at once whatever the capacity (15% to spare); each call grpc holds for a
-#: rapid-reset flood costs ~17 KiB (+82 MiB measured at 4,096, +139 MiB at 8,192)...
-PENDING_CALLS_PER_SESSION = 4
-PENDING_CALLS_HEADROOM = 512
-LEAST_PENDING_CALLS = 4608
-#: ...and at most what a 32,768-open burst needs (all of it when the capacity is
-#: unlimited): a flood then holds at most ~560 MiB, whatever the capacity.
-MOST_PENDING_CALLS = 32768
-#: Bytes of a message's room a snapshot leaves for the envelope around it (request id,
-#: episode id, field tags).
+#: Bytes of a message's room a snapshot leaves for the envelope around it.
 SNAPSHOT_MARGIN = 1024
-#: The request limit when none is set (and snapshots need no more): gRPC's own default
-#: receive limit, as in grpc-go and grpc-java.
+#: The request limit when none is set: gRPC's own default receive limit.
 DEFAULT_REQUEST_BYTES = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
 class Setting:
-    """Everything about one setting but its name and type (the dataclass field has those).
-
-    Attributes:
-        variable: The environment variable that sets it.
-        flag: The ``serve`` option (None: no option, e.g. a secret kept off the command
-            line, where other users could read it).
-        help: One line for ``--help`` and the README.
-        minimum: Smallest allowed value (numbers); None: no bound.
-        above: The value must be greater than this (numbers); None: no bound.
-        maximum: Largest allowed value (numbers); None: no bound.
-        choices: The only values allowed, when it is a short list.
-        shown_default: How the README shows a computed default.
-        details: More words for the README's table, after ``help``.
-        secret: Never printed (repr, logs).
-    """
+    """Everything about one setting but its name and type: ``flag`` None keeps a secret
+    off the command line; ``above`` is an exclusive minimum; ``shown_default`` is how the
+    docs show a computed default; ``details`` adds to ``help`` in the docs' table."""
 
     variable: str
     flag: str | None
@@ -74,29 +43,14 @@ class Setting:
     secret: bool = False
 
 
-def setting(
-    default: T | None = None,
-    *,
-    factory: Callable[[], T] | None = None,
-    variable: str,
-    flag: str | None,
-    help: str,
-    minimum: float | None = None,
-    above: float | None = None,
-    maximum: float | None = None,
-    choices: tuple[Any, ...] = (),
-    shown_default: str = "",
-    details: str = "",
-    secret: bool = False,
-) -> T:
-    """Declare a :class:`ServerConfig` field: its default (or ``factory``) and the rest."""
-    meta = Setting(
-        variable, flag, help, minimum, above, maximum, choices, shown_default, details, secret
-    )
-    metadata = {"setting": meta}
+def setting(default: T | None = None, *, factory: Callable[[], T] | None = None, **meta: Any) -> T:
+    """Declare a :class:`ServerConfig` field: its default (or ``factory``) and its
+    :class:`Setting`."""
+    spec = Setting(**meta)
+    metadata = {"setting": spec}
     if factory is not None:
-        return field(default_factory=factory, metadata=metadata, repr=not secret)
-    return cast(T, field(default=default, metadata=metadata, repr=not secret))
+        return field(default_factory=factory, metadata=metadata, repr=not spec.secret)
+    return cast(T, field(default=default, metadata=metadata, repr=not spec.secret))
 
 
 def _default_threads() -> int:
@@ -105,8 +59,7 @@ def _default_threads() -> int:
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
-    """How a server listens, admits sessions and reclaims them; see each field's setting
-    (``openenv-grpc serve --help`` and the settings table (docs/settings.md) say the same)."""
+    """How a server listens, admits sessions and reclaims them (docs/settings.md)."""
 
     host: str = setting(
         "127.0.0.1", variable="HOST", flag="--host",
@@ -425,8 +378,7 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         for spec, meta in _declared():
-            value = getattr(self, spec.name)
-            _check(meta, spec.name, value)
+            _check(meta, spec.name, getattr(self, spec.name))
 
     @property
     def capacity(self) -> int:
@@ -435,28 +387,21 @@ class ServerConfig:
 
     @property
     def pending_calls(self) -> int:
-        """The calls gRPC may hold for the handlers: ``max_pending_calls``, else 4 x
-        capacity + 512 within 4,608..32,768 (a burst of opens four times the capacity, or
-        of 4,000, reaches the limiter, while a rapid-reset flood holds at most ~17 KiB x
-        this), and 32,768 when the capacity is unlimited."""
+        """The calls gRPC may hold for the handlers (docs/reliability.md, round three)."""
         if self.max_pending_calls:
             return self.max_pending_calls
-        if not self.capacity:
-            return MOST_PENDING_CALLS
-        scaled = PENDING_CALLS_PER_SESSION * self.capacity + PENDING_CALLS_HEADROOM
-        return min(max(scaled, LEAST_PENDING_CALLS), MOST_PENDING_CALLS)
+        # A burst of opens four times the capacity, or issue 19's 4,000, reaches the
+        # limiter; a held call costs ~17 KiB in a rapid-reset flood, hence the ceiling.
+        most = 32768
+        return min(max(4 * self.capacity + 512, 4608), most) if self.capacity else most
 
     @property
     def streams_per_connection(self) -> int:
         """The HTTP/2 stream limit per connection (0: none): by default the pending-call
-        limit, so that every open a connection can send reaches the limiter (admitted or
-        RESOURCE_EXHAUSTED with pushback, never REFUSED_STREAM), and the server-wide bound
-        on held calls stays :attr:`pending_calls`."""
+        limit, so every open a connection sends reaches the limiter (never REFUSED_STREAM)."""
         if self.max_streams_per_connection:
             return self.max_streams_per_connection
-        if not self.capacity:
-            return 0
-        return max(self.capacity + STREAM_HEADROOM, self.pending_calls)
+        return max(self.capacity + STREAM_HEADROOM, self.pending_calls) if self.capacity else 0
 
     @property
     def address(self) -> str:
@@ -468,8 +413,8 @@ class ServerConfig:
 
     @property
     def request_limit(self) -> int:
-        """The largest request in force: ``max_request_bytes``, else gRPC's usual 4 MiB
-        raised to fit a restore of the largest snapshot; never above the message limit."""
+        """``max_request_bytes``, else 4 MiB raised to fit a restore of the largest
+        snapshot; never above the message limit."""
         wanted = self.max_request_bytes or max(
             DEFAULT_REQUEST_BYTES, self.max_snapshot_bytes + SNAPSHOT_MARGIN
         )
@@ -477,21 +422,19 @@ class ServerConfig:
 
     @property
     def snapshot_limit(self) -> int:
-        """The largest snapshot in force: ``max_snapshot_bytes``, kept 1 KiB below the
-        request limit (itself never above the message limit) so a snapshot always fits a
-        request or a response."""
+        """``max_snapshot_bytes``, kept 1 KiB below the request limit so a snapshot always
+        fits a request or a response."""
         return max(1, min(self.max_snapshot_bytes, self.request_limit - SNAPSHOT_MARGIN))
 
     def call_timeout(self, env_default: float | None) -> float | None:
-        """Longest an env call may take: this server's ``step_timeout`` if set, else the
-        env class's own (``env_default``); None means no limit."""
+        """Longest an env call may take: ``step_timeout``, else the env class's own
+        (``env_default``); None: no limit."""
         return self.step_timeout or env_default or None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> ServerConfig:
-        """Build a config from ``environ`` (default: ``os.environ``), then ``overrides``.
-
-        Overrides whose value is None are ignored, so CLI arguments can be passed as-is.
+        """A config from ``environ`` (default: ``os.environ``), then ``overrides`` (None
+        values ignored, so CLI arguments pass as they are).
 
         Raises:
             ValueError: a variable or override does not parse or is out of range.
@@ -499,8 +442,7 @@ class ServerConfig:
         environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}
         for spec, meta in _declared():
-            raw = environ.get(meta.variable, "").strip()
-            if raw:
+            if raw := environ.get(meta.variable, "").strip():
                 values[spec.name] = _parse(meta.variable, raw, spec.type)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
@@ -513,14 +455,10 @@ def _declared() -> Iterator[tuple[Field[Any], Setting]]:
 
 def settings() -> list[tuple[str, type, Setting, Any]]:
     """Every setting: (field name, type, its :class:`Setting`, its default value)."""
-    kinds = {"int": int, "float": float, "str": str}
     result = []
     for spec, meta in _declared():
-        factory: Callable[[], Any] | None = (
-            None if spec.default_factory is MISSING else spec.default_factory
-        )
-        default = factory() if factory is not None else spec.default
-        result.append((spec.name, kinds[str(spec.type)], meta, default))
+        default = spec.default_factory() if callable(spec.default_factory) else spec.default
+        result.append((spec.name, _KINDS[str(spec.type)], meta, default))
     return result
 
 
@@ -536,8 +474,7 @@ def settings_table() -> str:
         value = _number(default) if isinstance(default, float) else default
         shown = meta.shown_default or (f"`{value}`" if default != "" else "unset")
         meaning = meta.help + (f"; {meta.details}" if meta.details else "")
-        bounds = _bounds(meta)
-        if bounds:
+        if bounds := _bounds(meta):
             meaning += f" ({bounds})"
         lines.append(f"| {flag} | `{meta.variable}` | {shown} | {meaning} |")
     return "\n".join(lines) + "\n"
@@ -560,7 +497,6 @@ def _number(value: float) -> str:
 
 
 def _check(meta: Setting, name: str, value: Any) -> None:
-    """Raise ValueError when ``value`` is outside what ``meta`` allows."""
     if meta.choices and str(value).lower() not in {str(c).lower() for c in meta.choices}:
         allowed = " or ".join(str(c) for c in meta.choices)
         raise ValueError(f"{name} must be {allowed}, got {value}")
@@ -573,7 +509,7 @@ def _check(meta: Setting, name: str, value: Any) -> None:
 
 
 def _parse(var: str, raw: str, annotation: Any) -> Any:
-    kind = {"int": int, "float": float, "str": str}[str(annotation)]
+    kind = _KINDS[str(annotation)]
     try:
         return kind(raw)
     except ValueError:
