@@ -1,9 +1,5 @@
 """What a request may carry, checked before any env sees it: payloads of the declared
-types, and the sizes a client chooses that the server would store or echo.
-
-Both stream views check a request here (one place for each cap); the rest of a request is
-bounded by ``--max-request-bytes`` alone.
-"""
+types, and the caps on what a client chooses that the server would store or echo."""
 
 from __future__ import annotations
 
@@ -23,25 +19,18 @@ __all__ = [
     "reset_problem",
 ]
 
-#: A client-chosen episode id is echoed in every result of its episode: at most this many
-#: UTF-8 bytes (a UUID is 36; 8 MB ids once cost 8 MB per step and per session).
+#: A client's episode id is echoed in every result of its episode.
 MAX_EPISODE_ID_BYTES = 256
-#: Reset options are handed to the env, which may keep them for the whole episode; env
-#: configs are small, so this bounds what a session can make an env store per reset.
+#: An env may keep its reset options for the whole episode.
 MAX_RESET_OPTIONS_BYTES = 64 * 1024
 
 
 class PayloadRefused(ValueError):
-    """A payload is not of its declared type, does not parse, or has a type url over
-    :data:`MAX_TYPE_URL_BYTES` (the message says which; the request is INVALID_ARGUMENT)."""
+    """A payload is not of its declared type, does not parse, or its type url is too long."""
 
 
 def decode_payload(payload: Any, message_class: type[Message], what: str) -> Message:
-    """Decode a request's ``payload`` (``what``: "action", ...) as ``message_class``.
-
-    Raises:
-        PayloadRefused: it cannot be.
-    """
+    """Raises PayloadRefused: ``payload`` (``what``: "action", ...) is no ``message_class``."""
     try:
         return unpack(payload, message_class, what)
     except PayloadError as exc:
@@ -49,8 +38,7 @@ def decode_payload(payload: Any, message_class: type[Message], what: str) -> Mes
 
 
 def reset_problem(reset: pb.ResetCommand) -> str | None:
-    """What is over its cap in one env's reset (None: nothing), without the consequence
-    (the caller says what was left undone)."""
+    """What is over its cap in one env's reset (None: nothing)."""
     if reset.HasField("episode_id"):
         size = len(reset.episode_id.encode())
         if size > MAX_EPISODE_ID_BYTES:

@@ -1,10 +1,5 @@
-"""Where each env's episode is, and what a stream says when a command does not fit.
-
-One phase machine for every env the driver holds (``driver.py``): a Session's one env and
-each env of a vector stream go through the same phases. Only the wording differs: a
-Session speaks of "the episode" and "the session", a vector stream names the env by its
-index and speaks of "the stream" (:data:`SESSION_WORDS`, :data:`VECTOR_WORDS`).
-"""
+"""The one phase machine of every env the driver holds, each stream's wording of its
+refusals (:data:`SESSION_WORDS`, :data:`VECTOR_WORDS`), and episode ids."""
 
 from __future__ import annotations
 
@@ -13,7 +8,7 @@ import itertools
 import os
 from dataclasses import dataclass
 
-from openenv_grpc.server.model.snapshots import phase_codes
+from openenv_grpc.v1 import snapshot_pb2
 
 __all__ = [
     "CAPTURED_PHASE",
@@ -33,19 +28,21 @@ class Phase(enum.IntEnum):
     TERMINATED = 2
     TRUNCATED = 3
     BROKEN = 4  # the env raised mid-episode; only a reset may follow
-    #: Its env process was lost to a call that did not name it: a fresh env is in its
-    #: place, which the next step, state or snapshot naming it is told, once (then it is
-    #: NO_EPISODE), unless a reset or a restore gives it an episode first. Until then the
-    #: driver keeps the phase its client knows it in (what refusals quote).
+    #: Its env process was lost to a call that did not name it: the next call naming it
+    #: is told, once (then NO_EPISODE), unless a reset or restore comes first.
     LOST = 5
 
 
 #: Phase -> snapshot phase code, for the phases that can be captured; and back.
-CAPTURED_PHASE, RESTORED_PHASE = phase_codes(Phase)
+CAPTURED_PHASE: dict[Phase, int] = {
+    Phase.RUNNING: snapshot_pb2.SNAPSHOT_PHASE_RUNNING,
+    Phase.TERMINATED: snapshot_pb2.SNAPSHOT_PHASE_TERMINATED,
+    Phase.TRUNCATED: snapshot_pb2.SNAPSHOT_PHASE_TRUNCATED,
+}
+RESTORED_PHASE = {code: phase for phase, code in CAPTURED_PHASE.items()}
 
 
 def ended_phase(terminated: bool, truncated: bool) -> Phase:
-    """The phase after a transition with these flags."""
     if terminated:
         return Phase.TERMINATED
     if truncated:
@@ -54,15 +51,12 @@ def ended_phase(terminated: bool, truncated: bool) -> Phase:
 
 
 def new_episode_id() -> str:
-    """A fresh episode's id, unique in this server: 32 hex digits, a random prefix of the
-    process and a counter (uuid4 cost ~2 µs an id, ~6 per message of 64 CartPoles
-    autoresetting; this ~0.2 µs). Ids name episodes; they are no secret (snapshots are
-    signed)."""
+    """A fresh episode's id, unique in this server: a random prefix of the process and a
+    counter (10x cheaper than uuid4; ids are no secret)."""
     return f"{_prefix}{next(_counter):016x}"
 
 
 def _reseed() -> None:
-    """A forked server process (``--workers``) gets ids of its own."""
     global _prefix, _counter
     _prefix = os.urandom(8).hex()
     _counter = itertools.count()
@@ -84,17 +78,14 @@ class Words:
     nothing_to_capture: dict[Phase, str]
     #: What goes on after a refusal: "the session" or "the stream".
     stream: str
-    #: True: a row's message names its env ("env 3: ...").
+    #: A row's message names its env ("env 3: ...").
     by_index: bool
-    #: A hung call replaced the env(s): what to do now.
+    #: A hung call replaced the env(s); the factory raised; no slot is free.
     replaced: str
-    #: A hung call's env(s) could not be replaced: the factory raised.
     not_replaced: str
-    #: A hung call's env(s) could not be replaced: no slot is free.
     no_fresh: str
 
     def row(self, index: int, message: str) -> str:
-        """``message`` about env ``index``, as this stream words it."""
         return f"env {index}: {message}" if self.by_index else message
 
 

@@ -1,31 +1,11 @@
-"""Where a measured env's calls run: on the event loop while they are cheap, on the thread
-pool when they are not (``runs_inline = None``, see ``environment.py``).
+"""Where a measured env's calls run (``runs_inline = None``): on the event loop while
+they are cheap, on the thread pool when not, per group of method and ``cost_class()``.
 
-Calls are grouped by method name (``reset``, ``step``, ``state``, ...) and by the
-instance's :meth:`~openenv_grpc.environment.Environment.cost_class` (e.g. the gymnasium
-env's env id), across every session of the server process. A group starts on the pool,
-where each call is timed on its thread; it moves to the loop after :data:`PROBATION` calls
-in a row that each took at most half the threshold. On the loop a call cannot be
-interrupted, only timed once it returns: a call over the threshold is a strike, and the
-group moves back to the pool at a second strike within :data:`STRIKE_WINDOW` calls, or at
-once for a call over :data:`STALL_FACTOR` times the threshold. Every move back doubles the
-run of cheap calls the next move to the loop needs, so an env whose cost sits near the
-threshold settles on the pool instead of flapping.
-
-What counts is the env's own cost: a call that took long only because the OS ran other
-processes meanwhile (it neither blocked nor used more CPU than allowed: the thread's CPU
-clock and its count of voluntary context switches say so) is neither a strike nor a cheap
-call. A loaded machine therefore does not push cheap envs off the loop; a call that
-sleeps, waits on I/O or a lock, or computes, does count. An env whose calls wait only on
-compute threads of its own (EnvPool's workers: ``BatchEnvironment.computes_in_threads``)
-blocks on every call, so its groups are judged by the process's CPU during the call
-instead (``by_process``): the time the OS gave other processes meanwhile is not its own.
-
-Each move is logged (INFO to the loop, WARNING back to the pool with what the call took),
-so an operator can see which calls blocked the loop and for how long.
-
-All group state is touched on the event loop only (a pooled call's timing is recorded
-after its future resolved), so it needs no lock.
+A group starts on the pool and moves to the loop after :data:`PROBATION` cheap calls in
+a row; it moves back at a second slow call within :data:`STRIKE_WINDOW` calls, or one over
+:data:`STALL_FACTOR` times the threshold; each move back doubles the probation. Only the
+env's own cost counts: time the OS gave other processes (the call neither blocked nor
+used the CPU) is no strike. Group state is touched on the event loop only: no lock.
 """
 
 from __future__ import annotations
@@ -52,13 +32,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Cheap pooled calls in a row (each at most half the threshold) before a group moves to
-#: the loop; doubled at every move back.
+#: Cheap pooled calls in a row (each at most half the threshold) before a group moves.
 PROBATION: Final = 32
-#: A second call over the threshold within this many calls on the loop moves the group
-#: back (one alone may be a garbage collection: tolerated).
+#: One slow call alone (a garbage collection, say) is tolerated; a second within this many.
 STRIKE_WINDOW: Final = 64
-#: One call on the loop taking this many times the threshold moves the group back at once.
 STALL_FACTOR: Final = 50
 #: Groups measured per server process; calls of groups beyond it stay on the pool.
 MAX_GROUPS: Final = 1024
@@ -67,32 +44,22 @@ _RUSAGE_THREAD: int | None = getattr(resource, "RUSAGE_THREAD", None)
 
 
 def batch_threshold(threshold: float, size: int) -> float:
-    """The inline threshold of a batch call over ``size`` envs: ``size`` times one env
-    call's ``threshold``, at most the interpreter's switch interval (5 ms), never less
-    than ``threshold``.
-
-    Why the switch interval: a pooled call that holds the GIL keeps the event loop waiting
-    up to that long anyway before the loop gets the GIL back, so a GIL-bound batch under it
-    blocks the loop no longer inline than pooled, and inline it saves the thread hop and
-    the loop's wake-up (for 64 CartPoles, ~0.6 ms of env work, a third of the server's CPU
-    per vector step).
-    """
+    """The inline threshold of a batch call over ``size`` envs: ``size`` times
+    ``threshold``, capped at the GIL's switch interval (a pooled GIL-bound call blocks the
+    loop that long anyway), never under ``threshold``."""
     return max(threshold, min(threshold * size, sys.getswitchinterval()))
 
 
 def switches() -> int:
-    """Voluntary context switches of this thread so far (it blocked: slept, waited on I/O,
-    a lock or the GIL); -1 where the OS does not count them per thread."""
+    """Voluntary context switches of this thread so far; -1 where not counted."""
     if _RUSAGE_THREAD is None:
         return -1
     return resource.getrusage(_RUSAGE_THREAD).ru_nvcsw
 
 
 def own_cost(cpu_before: float, switches_before: int, limit: float) -> tuple[float, bool]:
-    """Since ``thread_time()`` was ``cpu_before`` and :func:`switches` ``switches_before``
-    on this thread: its CPU seconds, and whether the time counts as the call's own (the
-    thread blocked, or computed more than ``limit``) rather than lost to other processes.
-    """
+    """This thread's CPU seconds since ``cpu_before``, and whether the time was the
+    call's own (it blocked, or computed more than ``limit``)."""
     cpu = thread_time() - cpu_before
     blocked = switches_before < 0 or switches() != switches_before
     return cpu, blocked or cpu > limit
@@ -106,14 +73,10 @@ class CostGroup:
 
     def __init__(self, placement: CallPlacement, name: str, by_process: bool = False) -> None:
         self._placement = placement
-        #: A slow call is judged by the process's CPU during it, not by its thread's
-        #: waits: the env's calls wait on compute threads of its own.
+        #: Slow calls are judged by the process's CPU (the env computes in its own threads).
         self.by_process = by_process
-        #: How logs name the group: ``env.method [cost class]``.
         self.name = name
-        #: Calls run on the event loop now (else on the pool).
         self.inline = False
-        #: Cheap pooled calls in a row this group needs before moving to the loop.
         self.probation = PROBATION
         self._streak = 0
         self._longest = 0.0  # of the current streak, for the log line
@@ -121,11 +84,7 @@ class CostGroup:
         self._last_strike = -STRIKE_WINDOW - 1
 
     def call_inline(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run ``method`` here (on the event loop), timed; returns what it returned.
-
-        Raises:
-            Exception: whatever ``method`` raised (the call is counted all the same).
-        """
+        """Run ``method`` on the event loop, timed (also when it raises)."""
         cpu, switched, started = thread_time(), switches(), perf_counter()
         process = process_time() if self.by_process else 0.0
         try:
@@ -142,13 +101,11 @@ class CostGroup:
                 self.ran_inline(seconds, *own_cost(cpu, switched, limit))
 
     def pooled(self, method: Callable[..., Any]) -> PooledCall:
-        """A timed call of ``method`` to submit to the pool (see :class:`PooledCall`)."""
         return PooledCall(self, method, self._placement.promote_below)
 
     def ran_inline(self, seconds: float, cpu: float, own: bool) -> None:
-        """Count one call that took ``seconds`` (``cpu`` of them on the CPU) on the loop;
-        ``own``: that time was the call's own, not lost to other processes. Moves the
-        group back to the pool if the call was slow."""
+        """Count a call on the loop (``own``: its time was its own); a slow one may move
+        the group back to the pool."""
         self._calls += 1
         placement = self._placement
         if seconds <= placement.threshold:
@@ -172,9 +129,8 @@ class CostGroup:
         )  # fmt: skip
 
     def ran_pooled(self, seconds: float, own: bool) -> None:
-        """Count one call that took ``seconds`` on a pool thread (``own``: that time was
-        the call's own, not lost to other processes); move the group to the loop after
-        enough cheap ones in a row."""
+        """Count a call on a pool thread; enough cheap ones in a row move the group to
+        the loop."""
         placement = self._placement
         if self.inline:
             return  # moved to the loop while this call ran: nothing left to decide
@@ -198,8 +154,8 @@ class CostGroup:
 
 
 class PooledCall:
-    """One call of a measured env on a pool thread: :meth:`run` there, :meth:`record` on
-    the event loop once it returned (the wait for a thread is not the env's cost)."""
+    """One call of a measured env: :meth:`run` on a pool thread, :meth:`record` on the
+    event loop once it returned."""
 
     __slots__ = ("_group", "_limit", "_method", "_own", "_seconds")
 
@@ -211,11 +167,7 @@ class PooledCall:
         self._own = True
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
-        """Call the method, timed (on the pool thread); returns what it returned.
-
-        Raises:
-            Exception: whatever the method raised (its time is kept all the same).
-        """
+        """Call the method, timed (also when it raises)."""
         by_process = self._group.by_process
         cpu, switched, started = thread_time(), switches(), perf_counter()
         process = process_time() if by_process else 0.0
@@ -231,16 +183,12 @@ class PooledCall:
                     self._own = own_cost(cpu, switched, limit)[1]
 
     def record(self) -> None:
-        """Count the finished call in its group (on the event loop)."""
         self._group.ran_pooled(self._seconds, self._own)
 
 
 class CallPlacement:
-    """The cost groups of one env class in one server process.
-
-    Args:
-        threshold: Seconds: calls that take longer do not belong on the event loop.
-        env_name: The env's name, for log lines.
+    """The cost groups of one env class in one server process; ``threshold``: seconds a
+    call on the event loop may take.
 
     Raises:
         ValueError: ``threshold`` is not positive.
@@ -250,19 +198,14 @@ class CallPlacement:
         if threshold <= 0:
             raise ValueError(f"the inline threshold must be > 0 seconds, got {threshold}")
         self.threshold = threshold
-        #: A pooled call at most this long counts toward moving its group to the loop.
         self.promote_below = threshold / 2
-        #: One call on the loop longer than this moves its group back at once.
         self.stall = threshold * STALL_FACTOR
         self._env_name = env_name
         self._groups: dict[tuple[str, str], CostGroup] = {}
-        #: Shared by the calls of every group beyond MAX_GROUPS: never moved to the loop.
         self._overflow = _Unmeasured(self, f"{env_name} (groups beyond {MAX_GROUPS})")
 
     def group(self, cost_class: str, method: str, by_process: bool = False) -> CostGroup:
-        """The group of ``method`` calls for instances of ``cost_class`` (made on first use,
-        judged ``by_process`` CPU if asked then; beyond :data:`MAX_GROUPS` a shared group
-        that stays on the pool)."""
+        """Made on first use; beyond :data:`MAX_GROUPS`, a shared group kept on the pool."""
         key = (cost_class, method)
         found = self._groups.get(key)
         if found is not None:
@@ -282,7 +225,7 @@ class CallPlacement:
 
 
 class _Unmeasured(CostGroup):
-    """A group whose calls stay on the pool whatever they cost."""
+    """A group kept on the pool whatever its calls cost."""
 
     __slots__ = ("warned",)
 
@@ -295,7 +238,6 @@ class _Unmeasured(CostGroup):
 
 
 def _duration(seconds: float) -> str:
-    """``seconds`` for a log line, in the unit that reads best (µs, ms or s)."""
     if seconds < 1e-3:
         return f"{seconds * 1e6:.0f} µs"
     if seconds < 1.0:

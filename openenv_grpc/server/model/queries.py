@@ -1,13 +1,6 @@
-"""The per-env queries: commands that read something of each env they name and change no
-episode (``state``, ``snapshot``, ``render``).
-
-A query is the env method of its name, called with no argument (a native batch's with the
-env's index). What it returned is checked and serialized here, once for every batch kind
-and placement; a wrong type is that env's INTERNAL error, its neighbours answer. The
-query's name is also its command field in both streams' requests, so the way from a view
-to the envs and back (``calls.py``, ``spread.py``, ``frames.py``,
-``env_process.py``) is one path for every query: a new one is an entry here.
-"""
+"""The per-env queries (``state``, ``snapshot``, ``render``): the env method and command
+field of that name, whose answer is checked and serialized here for every batch kind (a
+wrong type is that env's INTERNAL error). A new query is an entry in :data:`QUERIES`."""
 
 from __future__ import annotations
 
@@ -27,18 +20,15 @@ __all__ = ["QUERIES", "AnswerTooLarge", "BatchStates", "Query", "ReadsWithin", "
 
 @dataclass(frozen=True, slots=True)
 class Query:
-    """One per-env query: its name (env method and command field) and its encoder."""
+    """One per-env query: its name and its encoder (raises BadTransition)."""
 
     name: str
-    #: What the env returned -> the bytes its row carries.
-    #: Raises BadTransition when the env broke its contract.
     encode: Callable[[Any, EnvironmentTypes], bytes]
 
 
 class AnswerTooLarge(Exception):
-    """A query's answers passed the room they were given: ``at_least`` bytes were read
-    when the envs stopped (a lower bound of the answer; none of them are kept), and
-    ``errors`` are the envs already known to have failed (their process lost, e.g.)."""
+    """A query's answers passed their room: ``at_least`` bytes were read (none kept);
+    ``errors``: the envs already known to have failed."""
 
     def __init__(self, at_least: int, errors: dict[int, RowError] | None = None) -> None:
         super().__init__(f"the answers are at least {at_least} bytes")
@@ -51,11 +41,9 @@ class ReadsWithin(Protocol):
     """Batch calls that bound a query's answers where the envs make them."""
 
     async def query_within(self, name: str, indices: Sequence[int], room: int) -> BatchStates:
-        """Each env's answer to query ``name``, or its error, as ``query`` does.
-
-        Raises:
-            AnswerTooLarge: the answers passed ``room`` bytes (no env is read past that).
-            BatchRefused: the whole call failed (e.g. the server's byte budget is short).
+        """Raises:
+        AnswerTooLarge: the answers passed ``room`` bytes (no env is read past that).
+        BatchRefused: the whole call failed (e.g. the server's byte budget is short).
         """
         ...
 
@@ -74,7 +62,6 @@ def _state(value: Any, types: EnvironmentTypes) -> bytes:
 
 
 def _snapshot(value: Any, types: EnvironmentTypes) -> bytes:
-    """An env's own snapshot bytes (the driver seals them with the bookkeeping)."""
     if not isinstance(value, bytes | bytearray):
         raise BadTransition(
             f"environment returned a {type(value).__qualname__} from snapshot(), not bytes; "
@@ -84,8 +71,7 @@ def _snapshot(value: Any, types: EnvironmentTypes) -> bytes:
 
 
 def _frame(value: Any, types: EnvironmentTypes) -> bytes:
-    """A serialized ``Frame`` from what ``render()`` returned: text, a uint8 image array
-    of shape (height, width[, channels]) with 1, 3 or 4 channels, or a Frame."""
+    """``render()``'s text, uint8 image array or Frame, as a serialized ``Frame``."""
     if isinstance(value, str):
         return Frame(text=value).SerializeToString()
     frame = value if isinstance(value, Frame) else _from_array(value)
@@ -124,7 +110,6 @@ def _from_array(value: Any) -> Frame:
 
 
 def _check_image(image: Any) -> None:
-    """The image keeps ``Image``'s promises: 1, 3 or 4 channels, and its pixels fill it."""
     sides = (image.height, image.width, image.channels)
     if not (image.height and image.width and image.channels in (1, 3, 4)):
         raise BadTransition(
@@ -143,7 +128,6 @@ _MAX_SIDE = 1 << 31
 
 
 def _side(side: object) -> bool:
-    """One of an image array's dimensions is a whole number in range (numpy's too)."""
     if not isinstance(side, numbers.Integral) or isinstance(side, bool):
         return False
     return 0 < int(side) < _MAX_SIDE
@@ -157,8 +141,7 @@ QUERIES: dict[str, Query] = {
 
 @dataclass(slots=True)
 class BatchStates:
-    """What a query (``queries.py``) returned: each env's encoded answer for ``rows``
-    (a serialized state, the env's own snapshot bytes), and the envs whose call failed."""
+    """What a query returned: each env's encoded answer for ``rows``, and the errors."""
 
     rows: list[int] = field(default_factory=list)
     states: list[bytes] = field(default_factory=list)

@@ -1,38 +1,17 @@
-"""Snapshots on the wire: the signed envelope around an env's snapshot, and the key ring.
-
-An env's ``snapshot()`` returns bytes; the server wraps them with the episode's
-bookkeeping (env name and version, episode id, step count, phase) and signs the whole
-with HMAC-SHA256 under the first key of its :class:`KeyRing` (:class:`SnapshotSeal`: one
-env's seal, per snapshot or per env of a vector stream). On restore, everything about the
-bytes is checked here -- size, header, key id, signature (in constant time), then env
-name and version -- before the env's ``restore()`` ever sees them; a refusal is a
-:class:`SnapshotRefused` with the in-band code and message. Only protobuf is parsed, and
-only after the signature matched. The driver seals and opens in the server's process,
-for both kinds of stream and both placements (off the event loop when large:
-:func:`sealing`).
-
-The layout (``proto/openenv_grpc/v1/snapshot.proto`` says the same)::
+"""Snapshots on the wire: the env's bytes with the episode's bookkeeping, signed with
+HMAC-SHA256 under the first key of a :class:`KeyRing` (:class:`SnapshotSeal`), and checked
+completely (signature in constant time) before any env sees them; a refusal is a
+:class:`SnapshotRefused` with its in-band code. The layout (as ``snapshot.proto`` says)::
 
     "OGSN" | format u8 | key id length u8 | key id | body length u32 LE | body | HMAC (32)
 
-Codes: INVALID_ARGUMENT for bytes that are not one intact snapshot (empty, not a
-snapshot, truncated, trailing bytes, altered, over the size limit); FAILED_PRECONDITION
-for an intact snapshot this server cannot take (a key it does not hold, a newer format,
-another env or env version) -- it may restore elsewhere; RESOURCE_EXHAUSTED when the
-env's own snapshot is over the limit.
-
-Keys come from ``SNAPSHOT_KEYS`` (or ``SNAPSHOT_KEYS_FILE``): ``id:secret`` pairs, the
-first signs and all verify, so a key rotates by putting the new one first and dropping the
-old once its snapshots no longer matter. Without keys, one random key per server
-(:func:`ephemeral_ring`), made once and inherited by forked workers: such snapshots
-restore on this server only, until it exits. Env processes of ``--isolated`` hold no key:
-the front seals what they answer and opens what it sends them.
+Keys come from ``SNAPSHOT_KEYS`` (or ``_FILE``): ``id:secret`` pairs, the first signs,
+all verify. Without keys, one random key per server, inherited by forked workers.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import hashlib
 import hmac
 import logging
@@ -52,7 +31,6 @@ from openenv_grpc.server.config import ServerConfig
 from openenv_grpc.v1 import snapshot_pb2
 
 __all__ = [
-    "CAPTURED_PHASES",
     "DEFAULT_LIMIT",
     "FORMAT",
     "MAGIC",
@@ -65,22 +43,18 @@ __all__ = [
     "SnapshotSeal",
     "default_seal",
     "ephemeral_ring",
-    "phase_codes",
     "sealing",
 ]
 
 log = logging.getLogger(__name__)
 
-#: The first bytes of every snapshot.
 MAGIC = b"OGSN"
 #: The envelope format this server writes and reads.
 FORMAT = 1
-#: Shortest secret accepted: an HMAC key guessable by brute force protects nothing.
 MIN_SECRET_BYTES = 16
-#: Snapshots (of one request, together) larger than this are signed and checked on a
-#: thread: hashing megabytes would stall every session on the event loop for milliseconds.
+#: Snapshots of one request larger than this are signed and checked off the event loop.
 OFF_LOOP_BYTES = 1 << 20
-#: The snapshot limit of a seal made without settings (tests): the setting's default.
+#: The limit of a seal made without settings (tests).
 DEFAULT_LIMIT = 8 * 1024 * 1024
 
 _T = TypeVar("_T")
@@ -95,28 +69,19 @@ _INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 _FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION.value[0]
 _RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 
-#: The phase a snapshot records, by the name of a driver's own episode phase (a
-#: session's and a vector env's name them alike); other phases cannot be captured.
-CAPTURED_PHASES: dict[str, int] = {
-    "RUNNING": snapshot_pb2.SNAPSHOT_PHASE_RUNNING,
-    "TERMINATED": snapshot_pb2.SNAPSHOT_PHASE_TERMINATED,
-    "TRUNCATED": snapshot_pb2.SNAPSHOT_PHASE_TRUNCATED,
-}
-_PHASES = frozenset(CAPTURED_PHASES.values())
-
-_PhaseT = TypeVar("_PhaseT", bound=enum.Enum)
-
-
-def phase_codes(phases: type[_PhaseT]) -> tuple[dict[_PhaseT, int], dict[int, _PhaseT]]:
-    """An episode driver's phase enum to the snapshot's phase codes and back, matched by
-    name (the phases a snapshot can carry: an episode that is running or has ended)."""
-    captured = {p: CAPTURED_PHASES[p.name] for p in phases if p.name in CAPTURED_PHASES}
-    return captured, {code: phase for phase, code in captured.items()}
+#: The phase codes a snapshot may carry (``phases.CAPTURED_PHASE``'s).
+_PHASES = frozenset(
+    (
+        snapshot_pb2.SNAPSHOT_PHASE_RUNNING,
+        snapshot_pb2.SNAPSHOT_PHASE_TERMINATED,
+        snapshot_pb2.SNAPSHOT_PHASE_TRUNCATED,
+    )
+)
 
 
 class SnapshotRefused(Exception):
     """A snapshot was not made or not accepted: ``code`` (a gRPC code number) and
-    ``message`` are what the client gets in-band; the session goes on unchanged."""
+    ``message`` go to the client in-band; the session goes on."""
 
     def __init__(self, code: int, message: str) -> None:
         super().__init__(message)
@@ -126,19 +91,15 @@ class SnapshotRefused(Exception):
 
 @dataclass(frozen=True, slots=True)
 class SnapshotKey:
-    """One key of a ring: its public id (written into each snapshot) and its secret."""
+    """One key: its public id (written into each snapshot) and its secret."""
 
     id: str
     secret: bytes = field(repr=False)
 
 
 class KeyRing:
-    """The keys a server signs and verifies snapshots with: the first signs, all verify.
-
-    Never shows a secret (repr, errors, logs), and stays in the server's processes: the
-    front seals and opens every snapshot, so env processes of ``--isolated`` never get it;
-    ``--workers`` inherit it through their fork.
-    """
+    """The keys a server signs (the first) and verifies (all) snapshots with. It never
+    shows a secret, and never reaches env processes (the front seals and opens)."""
 
     __slots__ = ("_secrets", "ephemeral", "signing")
 
@@ -151,7 +112,6 @@ class KeyRing:
             if key.id in self._secrets:
                 raise ValueError(f"snapshot key id {key.id!r} appears twice")
             self._secrets[key.id] = key.secret
-        #: The key new snapshots are signed with.
         self.signing = keys[0]
         #: A random key made at start, not configured: snapshots restore here only.
         self.ephemeral = ephemeral
@@ -166,17 +126,16 @@ class KeyRing:
         return tuple(self._secrets)
 
     def secret(self, key_id: str) -> bytes | None:
-        """The secret of ``key_id``; None when the ring does not hold it."""
         return self._secrets.get(key_id)
 
     @classmethod
     def parse(cls, text: str, source: str) -> KeyRing:
-        """Read ``id:secret`` pairs separated by commas or newlines (lines starting with
-        ``#`` are comments); ``source`` names where they came from in errors.
+        """``id:secret`` pairs separated by commas or newlines (``#`` starts a comment
+        line); ``source`` names where they came from in errors.
 
         Raises:
             ValueError: a malformed pair, a bad id, a short secret, a repeated id, or no
-                key at all (the message names the key id, never a secret).
+                key at all (the message never shows a secret).
         """
         keys: list[SnapshotKey] = []
         lines = (line for line in text.splitlines() if not line.lstrip().startswith("#"))
@@ -206,8 +165,7 @@ class KeyRing:
 
     @classmethod
     def from_config(cls, config: ServerConfig) -> KeyRing:
-        """The ring ``config`` names: ``SNAPSHOT_KEYS``, else ``SNAPSHOT_KEYS_FILE``, else
-        this server's :func:`ephemeral_ring`.
+        """``SNAPSHOT_KEYS``, else ``SNAPSHOT_KEYS_FILE``, else :func:`ephemeral_ring`.
 
         Raises:
             ValueError: both are set, or the keys are malformed.
@@ -230,8 +188,7 @@ _ephemeral: KeyRing | None = None
 
 
 def ephemeral_ring() -> KeyRing:
-    """This server's random key ring, made on first use (before ``--workers`` fork, so
-    they share it): its snapshots restore on this server only, until it exits."""
+    """This server's random key ring, made on first use (before ``--workers`` fork)."""
     global _ephemeral
     if _ephemeral is None:
         key = SnapshotKey(f"ephemeral-{secrets.token_hex(4)}", secrets.token_bytes(32))
@@ -246,40 +203,30 @@ def ephemeral_ring() -> KeyRing:
 
 @dataclass(frozen=True, slots=True)
 class Captured:
-    """What a snapshot holds: the episode's bookkeeping and the env's own bytes.
-
-    Attributes:
-        episode_id: The captured episode's id.
-        step_count: Steps taken in it.
-        phase: A ``snapshot_pb2.SnapshotPhase`` value other than UNSPECIFIED.
-        env_state: What the env's ``snapshot()`` returned.
-    """
+    """What a snapshot holds: the episode's bookkeeping and the env's own bytes."""
 
     episode_id: str
     step_count: int
+    #: A ``snapshot_pb2.SnapshotPhase`` other than UNSPECIFIED.
     phase: int
     env_state: bytes
 
 
 class SnapshotSeal:
     """Seals and opens the snapshots of one env (name and version) under one key ring,
-    within one size limit."""
+    within ``limit`` bytes (everything included)."""
 
     __slots__ = ("_env_name", "_env_version", "keys", "limit")
 
     def __init__(self, env_name: str, env_version: str, keys: KeyRing, limit: int) -> None:
         self._env_name = env_name
         self._env_version = env_version
-        #: The ring snapshots are signed and verified with.
         self.keys = keys
-        #: The largest snapshot made or accepted, in bytes, everything included.
         self.limit = limit
 
     def seal(self, captured: Captured) -> bytes:
-        """The signed snapshot of ``captured``.
-
-        Raises:
-            SnapshotRefused: RESOURCE_EXHAUSTED, the snapshot would be over the limit.
+        """Raises:
+        SnapshotRefused: RESOURCE_EXHAUSTED, the snapshot would be over the limit.
         """
         body = snapshot_pb2.SnapshotBody(
             env_name=self._env_name,
@@ -305,11 +252,11 @@ class SnapshotSeal:
         return signed + hmac.digest(key.secret, signed, "sha256")
 
     def open(self, data: bytes) -> Captured:
-        """Check ``data`` completely and return what it captured.
+        """What ``data`` captured, checked completely.
 
         Raises:
-            SnapshotRefused: INVALID_ARGUMENT or FAILED_PRECONDITION (see the module's
-                docstring), with a message that says what is wrong.
+            SnapshotRefused: INVALID_ARGUMENT, bytes that are not one intact snapshot;
+                FAILED_PRECONDITION, one this server cannot take (key, format, env).
         """
         size = len(data)
         if size > self.limit:
@@ -363,12 +310,11 @@ class SnapshotSeal:
         return Captured(body.episode_id, body.step_count, body.phase, body.env_state)
 
     def seal_each(self, captured: Sequence[Captured]) -> list[bytes | SnapshotRefused]:
-        """:meth:`seal` of each (a vector stream's envs): the snapshot, or its refusal."""
+        """The snapshot of each, or its refusal."""
         return [_or_refused(self.seal, one) for one in captured]
 
     def open_each(self, data: Sequence[bytes]) -> list[Captured | SnapshotRefused]:
-        """:meth:`open` of each (a vector stream's envs): what it captured, or its
-        refusal; one snapshot refused never refuses its neighbours."""
+        """What each captured, or its refusal."""
         return [_or_refused(self.open, one) for one in data]
 
     def _unknown_key(self, key_id: str) -> str:
@@ -402,14 +348,12 @@ def _invalid(message: str) -> SnapshotRefused:
 
 
 def default_seal(env_name: str, env_version: str) -> SnapshotSeal:
-    """The seal of a driver made without the server's (tests): this process's random key
-    and the default limit."""
+    """The seal of a driver made without the server's (tests)."""
     return SnapshotSeal(env_name, env_version, ephemeral_ring(), DEFAULT_LIMIT)
 
 
 async def sealing(work: Callable[[], _T], size: int) -> _T:
-    """``work()`` (seals or opens of ``size`` bytes in all), on a thread when it hashes
-    more than :data:`OFF_LOOP_BYTES`, else at once on the event loop."""
+    """``work()`` (seals or opens of ``size`` bytes), on a thread past :data:`OFF_LOOP_BYTES`."""
     if size > OFF_LOOP_BYTES:
         return await asyncio.to_thread(work)
     return work()

@@ -1,14 +1,5 @@
-"""What the server knows about the environment it hosts, worked out once at start-up.
-
-A factory is anything called with no arguments that returns a fresh environment: the
-environment class itself, a ``functools.partial`` of it, or a function annotated with
-the environment class it returns (``def make() -> MyEnv``). The class gives the message
-types, so they are checked before the first session, not on the first step.
-
-The class's ``runs_inline`` also says where its calls run (:class:`ExecutionMode`); for a
-sync env that leaves it None, the spec carries the :class:`CallPlacement` that measures
-them.
-"""
+"""What the server reads off the env class it hosts, once at start-up. A factory is the
+class, a ``functools.partial`` of it, or a function annotated with the class it returns."""
 
 from __future__ import annotations
 
@@ -35,8 +26,7 @@ __all__ = ["DEFAULT_INLINE_THRESHOLD", "EnvSpec", "ExecutionMode"]
 
 EnvFactory = Callable[[], AnyEnvironment]
 
-#: Seconds: a measured env's calls run on the event loop while they take less than this
-#: (the server's ``--inline-threshold-ms`` setting; the default when it is not given).
+#: Seconds: ``--inline-threshold-ms``'s default.
 DEFAULT_INLINE_THRESHOLD = 0.001
 
 
@@ -46,9 +36,7 @@ class ExecutionMode(enum.Enum):
     INLINE = "inline"  # sync env declared cheap: called on the event loop
     POOL = "pool"  # sync env declared blocking: called on the shared bounded thread pool
     ASYNC = "async"  # async env: awaited on the event loop
-    #: sync env that declared neither: each group of calls runs on the loop while it
-    #: measures cheap, on the pool otherwise (``placement.py``)
-    MEASURED = "measured"
+    MEASURED = "measured"  # sync env that declared neither: see placement.py
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,19 +55,17 @@ class EnvSpec:
     state_url: str
     reset_options_url: str
     descriptors: descriptor_pb2.FileDescriptorSet
-    #: Where a MEASURED env's calls run now, learnt from their timings (None otherwise).
+    #: Where a MEASURED env's calls run now (None otherwise).
     placement: CallPlacement | None = None
-
-    #: The env overrides ``snapshot()`` and ``restore()``: the snapshot commands work.
+    #: The env overrides ``snapshot()`` and ``restore()``.
     snapshots: bool = False
 
     @classmethod
     def from_factory(
         cls, factory: Callable[[], Any], *, inline_threshold: float = DEFAULT_INLINE_THRESHOLD
     ) -> EnvSpec:
-        """Inspect ``factory`` and the environment class it produces. A sync env with
-        ``runs_inline = None`` is MEASURED against ``inline_threshold`` seconds (``0``:
-        such envs run on the pool, as if they had said False).
+        """A sync env with ``runs_inline = None`` is MEASURED against ``inline_threshold``
+        seconds (``0``: it runs on the pool).
 
         Raises:
             TypeError: the environment class cannot be found, declares bad types, or
@@ -120,10 +106,10 @@ class EnvSpec:
 
 
 def _supports_snapshots(env_class: type[AnyEnvironment]) -> bool:
-    """True when ``env_class`` overrides both ``snapshot`` and ``restore``.
+    """``env_class`` overrides both ``snapshot`` and ``restore``.
 
     Raises:
-        TypeError: it overrides one of them only (half a feature is a bug: say so at start).
+        TypeError: it overrides one of them only.
     """
     base = AsyncEnvironment if issubclass(env_class, AsyncEnvironment) else Environment
     overridden = {
