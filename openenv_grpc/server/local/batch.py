@@ -1,37 +1,9 @@
-"""The envs of one stream, answered in one call: a loop over N plain instances, or the
-env's own native batch (:meth:`Environment.make_batch`).
+"""The envs of one stream answered in one call: a loop over N plain instances (a Session's
+env is a loop of one), or the env's own native batch (:meth:`Environment.make_batch`).
 
-A stream's envs are one object, a :class:`VectorBatch`, with ``reset`` / ``step`` /
-``query`` / ``restore`` / ``close`` over env indices; a reset or step returns a
-:class:`BatchOutcome` (rows, observations already serialized, rewards, flags, infos,
-autoreset marks, per-env errors, the rows whose env gave no reward). A Session's env is a
-loop of one plain instance (never the native batch), autoreset disabled.
-``calls.LocalBatchCalls`` runs each whole call where the env's execution mode says -- one
-:class:`~openenv_grpc.server.local.runner.EnvRunner` holds the batch -- so inline envs are
-stepped in one pass on the event loop, pooled ones in one thread hop for the whole batch
-(not one per env), async ones gathered on the loop. In an env process (``--isolated``)
-the same batch classes serve a block: a vector stream's sub-batch, or a Session's env.
-
-The loop makes the autoresets of Gymnasium's vector envs that the driver decides (a
-native batch does its own): each step carries them (:class:`Autoresets`). NEXT_STEP
-resets the envs it names instead of stepping them (their episodes ended; their actions
-ignored), SAME_STEP resets an env whose episode ends at this step at once and keeps the
-last observation and info as the final ones. An autoreset starts the next episode
-unseeded (the env's generators go on) with the episode id and the options the step
-carries (the driver's: the options of the env's last reset by the client). The loop keeps
-no autoreset state of its own.
-
-An env's exception becomes an error for its index only (``InvalidAction``:
-INVALID_ARGUMENT, the episode unchanged; anything else: INTERNAL); its neighbours answer.
-That includes what is no ``Exception``: a ``SystemExit`` or ``KeyboardInterrupt`` raised
-by env code is that env's failure, never the server's (a real Ctrl-C reaches the server
-as a signal, see app.py), so the loops catch ``BaseException`` around env code.
-
-Snapshots go per index too: ``query("snapshot", indices)`` returns each env's own bytes (the
-driver seals them with the bookkeeping, as for one env), ``restore(indices, states,
-ended)`` hands each env the bytes the driver authenticated; an env that cannot answers
-UNIMPLEMENTED for its index (``NotImplementedError``, with its reason). Whether a restored
-env whose episode had ended autoresets at its next step is the driver's (its phase).
+The loop makes the autoresets the driver decides (:class:`Autoresets`); a native batch
+makes its own. An env's exception (``BaseException``: env code's ``SystemExit`` too) is an
+error for its index only; its neighbours answer.
 """
 
 from __future__ import annotations
@@ -78,87 +50,70 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class BatchOutcome:
-    """What one reset or step of a batch returned. Rows are env indices in call order,
-    those in ``errors`` left out. Observations travel serialized (their type is the env's
-    observation type), either one per row or as one batch-form message."""
+    """What one reset or step returned. Rows are env indices in call order, those in
+    ``errors`` left out; observations are serialized, per row or as one batch message."""
 
     rows: list[int] = field(default_factory=list)
     observations: list[bytes] = field(default_factory=list)
     batch_observation: bytes | None = None
     rewards: list[float] = field(default_factory=list)
-    #: Env indices of the rows whose env gave no reward (a transition's reward None, as an
-    #: OpenEnv env may answer): their reward above is 0. A Session says so in
-    #: ``StepResult.no_reward``, a vector stream in ``VectorResult.no_reward``.
+    #: Rows whose env gave no reward (None): their reward above is 0.
     no_reward: set[int] = field(default_factory=set)
     terminated: list[bool] = field(default_factory=list)
     truncated: list[bool] = field(default_factory=list)
-    #: Env index -> info (a mapping, or a ``Struct`` already), for rows that have one.
+    #: Env index -> info (a mapping, or a ``Struct`` already).
     infos: dict[int, Any] = field(default_factory=dict)
     #: None: no row was autoreset; else one mark per row.
     autoreset: list[bool] | None = None
-    #: Env index -> the episode id the batch gave an episode it autoreset (a loop knows
-    #: them; for a native batch the caller makes them).
+    #: Env index -> the id of the episode a loop autoreset (a native batch's: the caller's).
     new_episode_ids: dict[int, str] = field(default_factory=dict)
-    #: SAME_STEP: the ended episodes' last observations, one per autoreset row, in order.
+    #: SAME_STEP: the ended episodes' last observations, one per autoreset row.
     final_observations: list[bytes] = field(default_factory=list)
     batch_final_observation: bytes | None = None
-    #: SAME_STEP: env index -> the ended episode's last info (mapping or ``Struct``).
+    #: SAME_STEP: env index -> the ended episode's last info.
     final_infos: dict[int, Any] = field(default_factory=dict)
     errors: dict[int, RowError] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
 class Autoresets:
-    """The autoresets one step of a loop batch makes, as the driver decided them (a native
-    batch makes its own and ignores these).
+    """The autoresets one step of a loop batch makes, as the driver decided them.
 
-    NEXT_STEP: the envs of ``episode_ids`` ended their episodes, so this step resets them
-    instead of stepping them (their actions ignored). SAME_STEP: every env stepped has an
-    id in ``episode_ids``, which its next episode takes should its episode end at this
-    step. An autoreset uses the env's ``options`` (those of its last reset by the client;
-    absent: none).
+    NEXT_STEP: the envs of ``episode_ids`` are reset instead of stepped (actions ignored).
+    SAME_STEP: an env whose episode ends at this step starts the one ``episode_ids`` names.
+    An autoreset is unseeded, with the env's ``options`` (of its last reset by the client).
     """
 
-    #: Env index -> the id of the episode its autoreset starts.
     episode_ids: Mapping[int, str] = field(default_factory=dict)
-    #: Env index -> its autoreset's options (decoded), where it has some.
+    #: Env index -> its autoreset's options (decoded).
     options: Mapping[int, Message] = field(default_factory=dict)
     #: The same options as they came on the wire (what an env process is sent).
     wire_options: Mapping[int, Any] = field(default_factory=dict)
 
 
-#: A step that autoresets nothing.
 NO_AUTORESETS = Autoresets()
 
 
 class VectorBatch:
-    """The envs of one vector stream (the session calls its methods through one runner).
-
-    ``reset(indices, seeds, episode_ids, options, batch_form)`` and ``step(indices,
-    actions, batch_form, autoresets)`` return a :class:`BatchOutcome`; ``query(name,
-    indices)`` (a per-env query, ``queries.py``) a :class:`BatchStates`; ``restore(indices,
-    states, ended)`` the per-index errors (every other index was restored); ``close()``
-    closes every env.
-    Methods are coroutines in :class:`AsyncLoopBatch`. Raising (rather than answering per
-    index) means the whole call failed: ``InvalidAction`` refuses it, anything else breaks
-    every named env.
-    """
+    """The envs of one stream: ``reset``, ``step`` (a :class:`BatchOutcome`), ``query``
+    (a :class:`BatchStates`), ``restore`` (the per-index errors) and ``close``; coroutines
+    in :class:`AsyncLoopBatch`. Raising means the whole call failed: ``InvalidAction``
+    refuses it, anything else breaks every named env."""
 
     #: The envs answer in a native batch form (batch_action, batch_observation).
     native: ClassVar[bool] = False
+    #: The ``cost_class`` method a measured batch's calls are grouped by (None: "").
+    _cost_class: Any = None
 
     def __init__(self, size: int, autoreset: AutoresetMode) -> None:
         self.size = size
         self.autoreset = autoreset
 
     def cost_class(self) -> str:
-        """What a measured env's placement groups this batch's calls by (see
-        :meth:`Environment.cost_class`): "" unless the batch knows better."""
-        return ""
+        return "" if self._cost_class is None else str(self._cost_class())
 
     def computes_in_threads(self) -> bool:
-        """Its calls wait only on compute threads of its own (see
-        :meth:`BatchEnvironment.computes_in_threads`)."""
+        """Its calls wait only on compute threads of its own."""
         return False
 
 
@@ -185,13 +140,10 @@ class _Instances(VectorBatch):
         self._types = spec.types
         self._same_step = autoreset is AutoresetMode.SAME_STEP
         self._next_step = autoreset is AutoresetMode.NEXT_STEP
-        #: A loop of one (a Session's env) is measured as that env: its own cost class.
+        # A loop of one (a Session's env) is measured as that env: its own cost class.
         own = getattr(type(envs[0]), "cost_class", Environment.cost_class)
-        one = size == 1 and own is not Environment.cost_class
-        self._cost_class: Any = envs[0].cost_class if one else None
-
-    def cost_class(self) -> str:
-        return "" if self._cost_class is None else str(self._cost_class())
+        if size == 1 and own is not Environment.cost_class:
+            self._cost_class = envs[0].cost_class
 
     def _checked(self, transition: Any) -> Transition[Any]:
         if not isinstance(transition, Transition):
@@ -207,7 +159,6 @@ class _Instances(VectorBatch):
     def _add(
         self, out: BatchOutcome, index: int, transition: Transition[Any], *, auto: bool = False
     ) -> None:
-        """One row from a checked transition."""
         out.rows.append(index)
         out.observations.append(transition.observation.SerializeToString())
         out.rewards.append(_reward(out, index, transition.reward))
@@ -244,22 +195,19 @@ class _Instances(VectorBatch):
         out.new_episode_ids[index] = episode_id
 
     def _restart(self, index: int, autoresets: Autoresets) -> tuple[Any, str]:
-        """Autoreset env ``index``: start its next episode unseeded, with the id and the
-        options ``autoresets`` give it (a fresh id if none). Returns what its ``reset``
-        returned (a coroutine, for an asyncio env) and the id. The one place an autoreset
-        is made."""
+        """Autoreset env ``index`` (the one place one is made): what its ``reset``
+        returned (a coroutine, for an asyncio env) and the new episode's id."""
         episode_id = autoresets.episode_ids.get(index) or new_episode_id()
         options = autoresets.options.get(index)
         first = self._envs[index].reset(seed=None, episode_id=episode_id, options=options)
         return first, episode_id
 
     def _restarts(self, autoresets: Autoresets) -> Mapping[int, str]:
-        """The envs this step resets instead of stepping (NEXT_STEP's), by index."""
+        """The envs this step resets instead of stepping (NEXT_STEP's)."""
         return autoresets.episode_ids if self._next_step else {}
 
     def _reset_row(self, out: BatchOutcome, index: int, answer: Any) -> None:
-        """One env's part of a reset: its row, or its error (``answer`` is what its reset
-        returned or raised)."""
+        """One env's row, or its error (``answer``: what its reset returned or raised)."""
         try:
             first = self._checked(_result(answer))
         except BaseException as exc:
@@ -269,7 +217,7 @@ class _Instances(VectorBatch):
 
 
 class LoopBatch(_Instances):
-    """N instances of a sync env, called one after the other in one call."""
+    """N instances of a sync env, called one after the other."""
 
     def reset(
         self,
@@ -301,8 +249,8 @@ class LoopBatch(_Instances):
         out = BatchOutcome()
         envs, restarts = self._envs, self._restarts(autoresets)
         add, checked, same_step = self._add, self._checked, self._same_step
-        # The common row (a step that does not end its episode, no autoreset yet in this
-        # call) is written here, without a call per row: it is most of a vector step.
+        # The common row (not ended, no autoreset yet in this call) is written here
+        # without a call per row: it is most of a vector step.
         rows, observations = out.rows.append, out.observations.append
         rewards, terminated, truncated = (
             out.rewards.append, out.terminated.append, out.truncated.append,
@@ -351,18 +299,10 @@ class LoopBatch(_Instances):
         self, indices: Sequence[int], states: Sequence[bytes], ended: Sequence[bool]
     ) -> dict[int, RowError]:
         envs = self._envs
-
-        def put(index: int, state: bytes, over: bool) -> None:
-            envs[index].restore(state)
-
-        return _restores(indices, states, ended, put)
+        return _restores(indices, states, ended, lambda i, state, _: envs[i].restore(state))
 
     def close(self) -> None:
-        """Close every env (each once, whatever the others do).
-
-        Raises:
-            Exception: the first exception an env's close raised, after all were closed.
-        """
+        """Close every env, whatever the others do; then raise the first close's error."""
         _close_all(self._envs, reraise=True)
 
 
@@ -420,9 +360,8 @@ class AsyncLoopBatch(_Instances):
     async def _one_step(
         self, index: int, action: Message, restart: bool, autoresets: Autoresets
     ) -> tuple[str, Transition[Any], Any, str]:
-        """One env's part of a step (``restart``: NEXT_STEP resets it instead): (what
-        happened, the transition, the first transition of a SAME_STEP autoreset, the new
-        episode's id)."""
+        """One env's part of a step: (what happened, the transition, a SAME_STEP
+        autoreset's first transition, the new episode's id)."""
         if restart:
             call, episode_id = self._restart(index, autoresets)
             return "next_step", self._checked(await call), None, episode_id
@@ -456,9 +395,8 @@ class AsyncLoopBatch(_Instances):
         return errors
 
     async def close(self) -> None:
-        """Close every env (each once), all at once: one close that hangs holds back no
-        other (a timeout cancels only the ones still closing); see :meth:`LoopBatch.close`.
-        """
+        """Close every env at once (a hung close holds back no other); then raise the
+        first close's error."""
         answers = await _gather(env.close() for env in self._envs)
         failed = [answer for answer in answers if isinstance(answer, BaseException)]
         for exc in failed:
@@ -468,18 +406,15 @@ class AsyncLoopBatch(_Instances):
 
 
 class NativeBatch(VectorBatch):
-    """An env's own :class:`BatchEnvironment`, checked and put in the wire's shape.
-
-    Per-env clients are served too: their actions are joined into the batch form
-    (``join_actions``) and the batch observation split per row (``split_observation``).
-    """
+    """An env's own :class:`BatchEnvironment`, checked and put in the wire's shape; per-env
+    actions are joined (``join_actions``), the batch observation split per row."""
 
     native = True
 
     def __init__(self, batch: BatchEnvironment[Any, Any, Any, Any], spec: EnvSpec) -> None:
         super().__init__(batch.size, batch.autoreset)
         self._batch = batch
-        self._cost_class: Any = getattr(batch, "cost_class", None)
+        self._cost_class = getattr(batch, "cost_class", None)
         self._observation = spec.types.observation
         self._types = spec.types
 
@@ -501,8 +436,7 @@ class NativeBatch(VectorBatch):
         batch_form: bool = False,
         autoresets: Autoresets = NO_AUTORESETS,
     ) -> BatchOutcome:
-        """A step of the native batch (its autoresets are its own: ``autoresets`` is
-        ignored)."""
+        """A step (the native batch makes its own autoresets: ``autoresets`` is ignored)."""
         batch = self._batch
         action = actions if batch_form else batch.join_actions(actions)
         return self._outcome(indices, batch.step(indices, action), batch_form, resets=True)
@@ -514,17 +448,10 @@ class NativeBatch(VectorBatch):
         self, indices: Sequence[int], states: Sequence[bytes], ended: Sequence[bool]
     ) -> dict[int, RowError]:
         batch = self._batch
-
-        def put(index: int, state: bytes, over: bool) -> None:
-            batch.restore(index, state, ended=over)
-
-        return _restores(indices, states, ended, put)
+        return _restores(indices, states, ended, lambda i, s, over: batch.restore(i, s, ended=over))
 
     def close(self) -> None:
         self._batch.close()
-
-    def cost_class(self) -> str:
-        return "" if self._cost_class is None else str(self._cost_class())
 
     def computes_in_threads(self) -> bool:
         return bool(self._batch.computes_in_threads())
@@ -532,7 +459,7 @@ class NativeBatch(VectorBatch):
     def _outcome(
         self, indices: Sequence[int], transition: Any, batch_form: bool, *, resets: bool
     ) -> BatchOutcome:
-        """The wire's rows from a native :class:`BatchTransition`.
+        """The wire's rows from a :class:`BatchTransition`.
 
         Raises:
             BadTransition: the batch broke its contract (wrong type, wrong lengths).
@@ -590,8 +517,7 @@ class NativeBatch(VectorBatch):
 
 
 def natively_batched(env_class: type[Any]) -> bool:
-    """The env class overrides :meth:`Environment.make_batch` (it may answer a vector
-    stream as one native batch)."""
+    """The env class overrides :meth:`Environment.make_batch`."""
     if not (isinstance(env_class, type) and issubclass(env_class, Environment)):
         return False
     made = getattr(env_class.make_batch, "__func__", None)
@@ -601,13 +527,11 @@ def natively_batched(env_class: type[Any]) -> bool:
 def build_batch(
     spec: EnvSpec, size: int, autoreset: AutoresetMode, native: bool = True
 ) -> VectorBatch:
-    """The batch of one stream: the env's native batch when ``native`` and its
-    ``make_batch`` returns one, else a loop over ``size`` instances from the factory (a
-    Session's one env is a loop of one: its env is the plain instance).
+    """The env's native batch when ``native`` and its ``make_batch`` returns one, else a
+    loop over ``size`` instances from the factory.
 
     Raises:
         InvalidAction: ``make_batch`` refused (the open is refused with INVALID_ARGUMENT).
-        Exception: what the factory or ``make_batch`` raised.
         TypeError: ``make_batch`` returned something else than a BatchEnvironment.
     """
     env_class = spec.env_class
@@ -636,12 +560,9 @@ def batch_spec(
     *,
     native: bool = True,
 ) -> EnvSpec:
-    """``spec`` for one vector stream's batch: its factory builds the batch
-    (:func:`build_batch`), and its execution mode is the env's, so an
-    :class:`~openenv_grpc.server.local.runner.EnvRunner` runs each batch call as a whole where
-    one env call would run. A measured env's batch calls are measured by ``placement``
-    (their own: a batch call costs N env calls; None puts them on the pool)."""
-    # EnvRunner calls whatever object the factory makes; a batch is one such object.
+    """``spec`` whose factory builds one stream's batch, in the env's execution mode, so a
+    runner runs each batch call as a whole where one env call would run; ``placement``
+    measures the batch calls (None: they go to the pool)."""
     batch_class: Any = VectorBatch
     factory: Any = functools.partial(build_batch, spec, size, autoreset, native)
     return dataclasses.replace(spec, factory=factory, env_class=batch_class, placement=placement)
@@ -650,7 +571,6 @@ def batch_spec(
 def _queried(
     name: str, indices: Sequence[int], ask: Callable[[int], Any], types: EnvironmentTypes
 ) -> BatchStates:
-    """``ask(index)`` (one env's answer to query ``name``) for each index, in turn."""
     out = BatchStates()
     for index in indices:
         try:
@@ -665,9 +585,8 @@ def _restores(
     indices: Sequence[int],
     states: Sequence[bytes],
     ended: Sequence[bool],
-    put: Callable[[int, bytes, bool], None],
+    put: Callable[[int, bytes, bool], object],
 ) -> dict[int, RowError]:
-    """``put(index, state, ended)`` (one env's restore) for each index; the failures."""
     errors: dict[int, RowError] = {}
     for index, state, over in zip(indices, states, ended, strict=True):
         try:
@@ -680,7 +599,6 @@ def _restores(
 def _query_row(
     out: BatchStates, name: str, index: int, answer: Any, types: EnvironmentTypes
 ) -> None:
-    """One env's encoded answer, or its error (``answer``: what it returned or raised)."""
     try:
         out.states.append(QUERIES[name].encode(_result(answer), types))
     except BaseException as exc:
@@ -690,22 +608,20 @@ def _query_row(
 
 
 async def _gather(calls: Iterable[Awaitable[Any]]) -> list[Any]:
-    """Each env's call awaited at once: what each returned or raised, in order (each in a
-    task of its own, so env code's SystemExit is contained there: ``errors.contained``)."""
+    """What each call returned or raised, in order (each in a task of its own, so env
+    code's SystemExit is contained there)."""
     return await asyncio.gather(*map(contained, calls), return_exceptions=True)
 
 
 def _result(answer: Any) -> Any:
-    """A gathered answer: raises what the call raised (a cancellation goes on up: it is
-    no Exception), else returns its result."""
+    """A gathered answer's result; raises what the call raised."""
     if isinstance(answer, BaseException):
         raise answer
     return answer
 
 
 def _reward(out: BatchOutcome, index: int, reward: float | None) -> float:
-    """Row ``index``'s reward as the wire holds it: a None (no reward) is 0, its index
-    noted in ``out.no_reward``."""
+    """A None reward is 0 on the wire, its index noted in ``out.no_reward``."""
     if reward is None:
         out.no_reward.add(index)
         return 0.0
@@ -720,13 +636,11 @@ def _column(values: Any, count: int, what: str) -> Sequence[Any]:
 
 
 def _as_list(values: Sequence[Any], kind: type, dtype_kind: str) -> list[Any]:
-    """A native batch's column as a list of ``kind`` (float or bool): a numpy array of
-    that kind converts in C (``tolist``), ten times faster than a call per row."""
+    """A column as a list of ``kind``: a numpy array of that kind converts in C."""
     dtype = getattr(values, "dtype", None)
     if dtype is not None and dtype.kind == dtype_kind and getattr(values, "ndim", 0) == 1:
         listed: list[Any] = values.tolist()  # type: ignore[attr-defined]
         return listed
-    # map(): the same conversion as a comprehension, without a Python frame per row.
     return list(map(kind, values))
 
 

@@ -1,20 +1,7 @@
-"""The threads that run blocking env code: a bounded pool that knows which calls started.
-
-Why not ``concurrent.futures.ThreadPoolExecutor``:
-
-- a step timeout counts from when the env call *starts*, not from when it was queued, so
-  each call records the moment a thread picked it up (:attr:`EnvCall.started_at`);
-- a saturated pool is reported as such, so the pool counts its busy threads;
-- its threads are daemons: an env call that never returns must not keep a drained server
-  from exiting (``ThreadPoolExecutor`` threads are joined by an ``atexit`` hook of
-  ``concurrent.futures``, so one hung call would block the exit for ever).
-
-Threads start on demand up to ``size`` and then stay, like ``ThreadPoolExecutor``'s.
-A call given up on (:meth:`EnvThreadPool.abandon`) no longer counts against ``size``:
-the pool may start up to ``spare`` more threads so that the calls queued behind it run.
-
-:class:`Lifecycle` is where envs are made and closed: a pool for creates and another for
-closes, so a close that hangs never delays an open, and one timeout for both.
+"""The threads blocking env code runs on, and :class:`Lifecycle`, the create and close
+pools. Not ``ThreadPoolExecutor``: a call records when it started (a timeout counts from
+there), the pool counts busy threads (to report saturation), and its threads are daemons
+(``ThreadPoolExecutor``'s are joined at exit: one hung call would block it for ever).
 """
 
 from __future__ import annotations
@@ -43,7 +30,6 @@ class EnvCall(concurrent.futures.Future[Any]):
         super().__init__()
         #: ``time.monotonic()`` when a thread picked the call up; None while queued.
         self.started_at: float | None = None
-        #: Given up on while it ran: its thread is not counted against the pool's size.
         self.abandoned = False
 
 
@@ -51,21 +37,19 @@ _Work = tuple[EnvCall, Callable[..., Any], tuple[Any, ...], dict[str, Any]]
 
 
 class EnvThreadPool(concurrent.futures.Executor):
-    """At most ``size`` daemon threads running submitted calls in order of submission,
-    plus up to ``spare`` more while threads are held by abandoned calls."""
+    """At most ``size`` daemon threads (started on demand, then kept) running calls in
+    order, plus up to ``spare`` more while threads are held by abandoned calls."""
 
     def __init__(self, size: int, name: str, *, spare: int = 0) -> None:
         if size < 1:
             raise ValueError(f"thread pool size must be >= 1, got {size}")
         self.size = size
         self.spare = spare
-        #: Threads running a call that was abandoned (see :meth:`abandon`).
         self._abandoned = 0
         self._name = name
         self._queue: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
-        # Counts threads waiting for work, as ThreadPoolExecutor does: a submit that
-        # finds one idle starts no new thread.
+        # Threads waiting for work: a submit that finds one idle starts no new thread.
         self._idle = threading.Semaphore(0)
         self._lock = threading.Lock()
         self._busy = 0
@@ -74,19 +58,12 @@ class EnvThreadPool(concurrent.futures.Executor):
 
     @property
     def busy(self) -> int:
-        """Threads running a call now."""
         return self._busy
 
-    @property
-    def abandoned(self) -> int:
-        """Threads held by abandoned calls that have not returned yet."""
-        return self._abandoned
-
     def abandon(self, call: EnvCall) -> bool:
-        """Give up on ``call``, which runs (or will) on one of this pool's threads: that
-        thread stops counting against ``size`` and, while fewer than ``spare`` are held so,
-        a new thread takes the calls queued behind it. False if the call is done, already
-        abandoned, or ``spare`` threads are held already."""
+        """Give up on ``call``: its thread stops counting against ``size``, so a new one
+        takes the calls queued behind it. False if the call is done, already abandoned,
+        or ``spare`` threads are held already."""
         with self._lock:
             if call.done() or call.abandoned or self._abandoned >= self.spare:
                 return False
@@ -97,7 +74,7 @@ class EnvThreadPool(concurrent.futures.Executor):
             return True
 
     def _start_thread(self) -> None:
-        """Start a thread (with the lock held) if the pool is below its limit."""
+        """(With the lock held.)"""
         if len(self._threads) < self.size + self._abandoned:
             thread = threading.Thread(
                 target=self._work, name=f"{self._name}-{self._started}", daemon=True
@@ -107,11 +84,7 @@ class EnvThreadPool(concurrent.futures.Executor):
             self._threads.append(thread)
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> EnvCall:
-        """Queue ``fn(*args, **kwargs)``; returns its future.
-
-        Raises:
-            RuntimeError: the pool was shut down.
-        """
+        """Raises RuntimeError: the pool was shut down."""
         future = EnvCall()
         with self._lock:
             if self._shutdown:
@@ -139,9 +112,8 @@ class EnvThreadPool(concurrent.futures.Executor):
                 except Exception as exc:  # as ThreadPoolExecutor: the caller sees it
                     future.set_exception(exc)
                 except BaseException as exc:
-                    # Env code's SystemExit or GeneratorExit, carried as an Exception: a
-                    # bare one, thrown into the awaiting task, could end the event loop or
-                    # leave the request unanswered (errors.EnvExit).
+                    # Env code's SystemExit, carried as an Exception: thrown bare into the
+                    # awaiting task, it could end the event loop.
                     future.set_exception(EnvExit(exc))
                 else:
                     future.set_result(result)
@@ -150,8 +122,8 @@ class EnvThreadPool(concurrent.futures.Executor):
                         self._busy -= 1
                         if future.abandoned:
                             self._abandoned -= 1
-                        # A thread started for an abandoned call's queue is one too many
-                        # once that call returns: the surplus leaves.
+                        # A thread started for an abandoned call's queue leaves once
+                        # that call returns.
                         surplus = len(self._threads) > self.size + self._abandoned
                         if surplus:
                             self._threads.remove(threading.current_thread())
@@ -161,8 +133,7 @@ class EnvThreadPool(concurrent.futures.Executor):
             self._idle.release()
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        """Accept no more calls; with ``cancel_futures``, cancel those still queued; with
-        ``wait``, wait for the running ones (never use it while a call may hang)."""
+        """With ``wait``, wait for the running calls (never while a call may hang)."""
         with self._lock:
             self._shutdown = True
             if cancel_futures:
@@ -180,28 +151,21 @@ class EnvThreadPool(concurrent.futures.Executor):
 
 
 class Lifecycle(concurrent.futures.Executor):
-    """Where envs are made and closed: ``creates`` and ``closes``, two bounded pools, so a
-    close that hangs never delays an open; ``timeout`` (None: none) bounds both.
-
-    A create past the timeout fails its open (its env, if ever born, is closed then); a
-    close past it is abandoned: logged, counted in :attr:`closes_abandoned`, its (daemon)
-    thread no longer counted against ``closes``. An abandoned close's env still exists,
-    so its limiter slot stays taken until the close returns (:attr:`closes_hung` says
-    how many are held so). ``submit`` is ``creates.submit``, for callers that make envs.
-    """
+    """Where envs are made (``submit``) and closed: two pools, so a hung close never
+    delays an open, and one ``timeout`` (None: none). A close past it is abandoned:
+    logged, counted, its thread let go; its env keeps its slot until it returns."""
 
     def __init__(self, creates: EnvThreadPool, closes: EnvThreadPool, timeout: float | None):
         self.creates = creates
         self.closes = closes
         self.timeout = timeout
-        #: Closes given up on at the timeout, since the start (a counter: it only grows).
+        #: Closes given up on at the timeout, since the start.
         self.closes_abandoned = 0
         self._hung: set[EnvCall] = set()
 
     @property
     def closes_hung(self) -> int:
-        """Closes abandoned at the timeout that have not returned yet (each env keeps its
-        slots until its close returns; the ``openenv_env_closes_hung`` metric)."""
+        """Abandoned closes that have not returned yet (``openenv_env_closes_hung``)."""
         return len(self._hung)
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> EnvCall:
@@ -210,15 +174,14 @@ class Lifecycle(concurrent.futures.Executor):
     def close(
         self, loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], /, *args: Any
     ) -> EnvCall:
-        """Run the close ``fn(*args)`` on ``closes``, watched by ``loop``: past the timeout
-        it is abandoned (see the class). Safe to call from any thread.
+        """Run the close ``fn(*args)`` on ``closes``, watched by ``loop`` for the timeout;
+        from any thread.
 
         Raises:
             RuntimeError: the pool was shut down.
         """
         call = self.closes.submit(fn, *args)
         if self.timeout is not None:
-            # A closed loop means the server has stopped: nothing left to watch.
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(self._watch, loop, call)
         return call
@@ -228,8 +191,7 @@ class Lifecycle(concurrent.futures.Executor):
         loop.call_later(self.timeout, self._expire, loop, call)
 
     def _expire(self, loop: asyncio.AbstractEventLoop, call: EnvCall) -> None:
-        """Check ``call`` against the timeout, counted from when a thread took it (a close
-        queued behind hung ones is not blamed for their time); abandon it past that."""
+        """Abandon ``call`` past the timeout, counted from when a thread took it."""
         if call.done() or call.abandoned:
             return
         assert self.timeout is not None
@@ -241,15 +203,15 @@ class Lifecycle(concurrent.futures.Executor):
         self.abandon_close(call)
 
     def abandon_close(self, call: EnvCall) -> None:
-        """Count and log ``call`` if it has run past the timeout, and let its thread go (a
-        close that waits in the queue, or started late, is left to its watch)."""
+        """Count, log and let go ``call`` if it has run past the timeout (one queued, or
+        started late, is left to its watch)."""
         if call in self._hung or call.done():
             return
         assert self.timeout is not None
         started = call.started_at
         if started is not None and started + self.timeout > time.monotonic():
-            return  # it started late (queued behind hung closes): the watch has it
-        if started is None:  # still queued: the watch abandons it if it then hangs
+            return
+        if started is None:
             log.warning(
                 "an environment's close() waited %gs for a close thread (%d hung): the session "
                 "ends; the env is closed, and its slot freed, once a thread takes it",

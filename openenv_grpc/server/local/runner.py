@@ -1,30 +1,11 @@
-"""Where env code runs: a stream's batch of envs called where its execution mode says,
-and the event loop's task factory that contains env code's own tasks.
+"""Where env code runs: an :class:`EnvRunner` holds one batch and runs each call on it
+inline, on the shared thread pool, awaited on the loop, or where its measured cost group
+says; and :func:`contain_tasks`, the loop's task factory that contains env code's tasks.
 
-An :class:`EnvRunner` holds one batch (``calls.local_calls`` makes it from
-``batch.batch_spec``: a Session's loop of one plain instance, a vector stream's
-loop or native batch, or an env process's block) and runs each call on it as a whole. No
-thread per session: inline and async envs run on the event loop, blocking sync envs share one
-bounded thread pool, and a measured env's calls go to whichever of the two its
-:class:`~openenv_grpc.server.model.placement.CostGroup` says now (timed either way; a call that
-must be given up on at a timeout always goes to the pool). Calls on one batch never
-overlap: its ``calls.LocalBatchCalls`` runs them one at a time, also for a vector stream
-with several requests in flight.
-
-A batch holds its envs' slots of the session limiter from before its factory runs until
-it is closed, wherever that happens: the runner gives them back (its ``release``
-callback) when the batch is closed, when its factory raised, or -- for an open that was
-cancelled while the factory ran, or a batch abandoned in a hung call -- once the factory
-or the call finally returns and the batch is closed. So the cap counts live envs, not
-sessions. Factories and closes of pooled envs run on their own ``lifecycle`` threads (a
-:class:`~openenv_grpc.server.local.env_threads.Lifecycle`: creates and closes on separate pools,
-with a timeout), so a fresh env is never built behind env calls that hang on the shared
-pool, nor behind closes that hang. A close past the timeout is abandoned: the session
-ends, and the envs keep their slots until the close returns (they still exist).
-
-Env code's ``SystemExit`` and kin come out of a runner as
-:class:`~openenv_grpc.server.errors.EnvExit`; :func:`contain_tasks` does the same for the
-tasks an async env starts itself, so none of them can stop the server's event loop.
+A runner holds its envs' limiter slots until the batch is closed, wherever that happens
+(also after a cancelled open or an abandoned call: once the factory or call returns), so
+the cap counts live envs. Factories and closes of pooled envs run on the
+:class:`~openenv_grpc.server.local.env_threads.Lifecycle` threads, with its timeout.
 """
 
 from __future__ import annotations
@@ -43,7 +24,7 @@ from typing import Any, ParamSpec, TypeVar
 from openenv_grpc.environment import AnyEnvironment, Environment
 from openenv_grpc.server.errors import EnvExit, contained
 from openenv_grpc.server.local.env_threads import EnvCall, EnvThreadPool, Lifecycle
-from openenv_grpc.server.model.placement import CallPlacement, CostGroup
+from openenv_grpc.server.model.placement import CallPlacement, CostGroup, PooledCall
 from openenv_grpc.server.model.spec import EnvSpec, ExecutionMode
 
 __all__ = [
@@ -52,30 +33,26 @@ __all__ = [
     "EnvRunner",
     "Orphaned",
     "PoolSaturated",
-    "RunnerFactory",
     "contain_tasks",
 ]
 
 log = logging.getLogger(__name__)
 
-#: Takes the result of a pooled call whose caller stopped waiting for it, and the seconds
-#: the call took (see _hand_on).
+#: Takes the result of a pooled call whose caller stopped waiting for it, and its seconds.
 Orphaned = Callable[[Any, float], None]
 
 
 class PoolSaturated(Exception):
-    """A pooled env call waited for a free thread until its timeout: it never ran, so the
-    env is untouched."""
+    """A pooled call waited for a free thread until its timeout: it never ran."""
 
 
 class CreateTimeout(Exception):
-    """The env's factory ran past the lifecycle timeout: the open fails; the env, if it is
-    ever born, is closed then (its slot is held until then)."""
+    """The factory ran past the lifecycle timeout: the open fails; the env, if ever born,
+    is closed then (its slot is held until then)."""
 
 
 class CloseAbandoned(Exception):
-    """The env's close ran past the lifecycle timeout and was given up on: the env is
-    gone for the session, and keeps its slot until its close returns."""
+    """The close ran past the lifecycle timeout: the env keeps its slot until it returns."""
 
 
 def _nothing() -> None:
@@ -87,9 +64,8 @@ _T = TypeVar("_T")
 
 
 def _contained(method: Callable[_P, Awaitable[_T]]) -> Callable[_P, Coroutine[Any, Any, _T]]:
-    """Env code's ``SystemExit``, ``KeyboardInterrupt`` (any ``BaseException`` that is no
-    ``Exception``) comes out of the runner as :class:`~openenv_grpc.server.errors.EnvExit`:
-    escaping a task, it would stop the server's event loop. Cancellation passes."""
+    """Env code's ``SystemExit`` and kin come out as ``EnvExit``: escaping a task, they
+    would stop the server's event loop. Cancellation passes."""
 
     @functools.wraps(method)
     async def run(*args: _P.args, **kwargs: _P.kwargs) -> _T:
@@ -104,10 +80,8 @@ def _contained(method: Callable[_P, Awaitable[_T]]) -> Callable[_P, Coroutine[An
 
 
 def contain_tasks(loop: asyncio.AbstractEventLoop) -> None:
-    """Make every task on ``loop`` run its coroutine under ``errors.contained``: a task an
-    async env starts itself (``asyncio.create_task`` in its step) that raises
-    ``SystemExit`` or ``KeyboardInterrupt`` would otherwise stop the server's loop. Its
-    failure is then logged as the task's unretrieved exception, an ``EnvExit``."""
+    """Run every task on ``loop`` under ``errors.contained``, so a task an async env starts
+    itself cannot stop the loop with ``SystemExit`` (it is logged as an ``EnvExit``)."""
 
     def factory(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> asyncio.Task[Any]:
         return asyncio.Task(contained(coro), loop=loop, **kwargs)
@@ -138,12 +112,10 @@ class EnvRunner:
         #: Every call runs on the event loop, untimed: :meth:`call_inline` may be used.
         self.inline = mode is ExecutionMode.INLINE
         self._placement = placement
-        #: The env's own cost_class(), if it has one (else every call is in class "").
         self._cost_class: Callable[[], str] | None = None
         if mode is ExecutionMode.MEASURED:
-            # A batch (batch.VectorBatch) answers for its envs: always ask it.
             own = getattr(type(env), "cost_class", Environment.cost_class)
-            measured: Any = env  # an Environment or a VectorBatch: both have cost_class
+            measured: Any = env  # an Environment or a VectorBatch (which always answers)
             self._cost_class = None if own is Environment.cost_class else measured.cost_class
         self._pool = pool
         self._lifecycle = lifecycle if lifecycle is not None else pool
@@ -163,10 +135,9 @@ class EnvRunner:
         lifecycle: Executor | None = None,
         release: Callable[[], None] = _nothing,
     ) -> EnvRunner:
-        """Make a fresh instance with the spec's factory (on ``lifecycle``, default
-        ``pool``, for pooled and measured envs). From here on the runner owns ``release``:
-        it is called once, on the event loop, when the instance is closed or could not be
-        made -- also when this call is cancelled (then once the factory's env is closed).
+        """A runner of a fresh instance from the spec's factory (run on ``lifecycle``,
+        default ``pool``, for pooled and measured envs). It owns ``release`` from here on,
+        also when this call is cancelled or fails.
 
         Raises:
             Exception: whatever the factory raised.
@@ -182,8 +153,7 @@ class EnvRunner:
                 try:
                     done, _ = await asyncio.wait((waiter,), timeout=timeout)
                 except asyncio.CancelledError:
-                    # The session is gone but the env may still be born: it keeps its
-                    # slot until it is, and is closed then.
+                    # The env may still be born: it keeps its slot until then, and is closed.
                     _close_orphan_later(future, lifecycle, loop, release)
                     raise
                 if not done:
@@ -217,10 +187,8 @@ class EnvRunner:
         orphaned: Orphaned | None = None,
         **kwargs: Any,
     ) -> Any:
-        """Call one of the env's methods and return its result (awaited if async); see
-        :attr:`call`, the same with env code's exceptions contained. A pooled call whose
-        caller is cancelled while it runs hands its result to ``orphaned`` once it returns
-        (see :func:`_hand_on`).
+        """Call one of the env's methods where its mode says. A pooled call whose caller is
+        cancelled hands its result to ``orphaned`` once it returns.
 
         Raises:
             Exception: whatever the method (or a measured env's ``cost_class()``) raised.
@@ -228,40 +196,33 @@ class EnvRunner:
         mode = self._mode
         if mode is ExecutionMode.INLINE:
             return method(*args, **kwargs)
+        if mode is ExecutionMode.ASYNC:
+            return await method(*args, **kwargs)  # cancelled with its caller: nothing runs on
+        timed: PooledCall | None = None
+        run = method
         if mode is ExecutionMode.MEASURED:
             group = self._group(method)
             if group.inline:
                 return group.call_inline(method, *args, **kwargs)
             timed = group.pooled(method)
-            submitted = time.perf_counter()
-            self._inflight = future = self._pool.submit(_here().run, timed.run, *args, **kwargs)
-            try:
-                return await asyncio.wrap_future(future)
-            except asyncio.CancelledError:
-                if orphaned is not None:
-                    _hand_on(future, self._loop, orphaned, submitted)
-                raise
-            finally:
-                # A call that raised counts too; one the session stopped waiting for, not.
-                if future.done() and not future.cancelled():
-                    timed.record()
-        if mode is ExecutionMode.ASYNC:
-            return await method(*args, **kwargs)  # cancelled with its caller: nothing runs on
+            run = timed.run
         submitted = time.perf_counter()
-        self._inflight = future = self._pool.submit(_here().run, method, *args, **kwargs)
+        self._inflight = future = self._pool.submit(_here().run, run, *args, **kwargs)
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
             if orphaned is not None:
                 _hand_on(future, self._loop, orphaned, submitted)
             raise
+        finally:
+            # A call that raised counts too; one the session stopped waiting for, not.
+            if timed is not None and future.done() and not future.cancelled():
+                timed.record()
 
-    #: :meth:`_call` with env code's SystemExit and kin contained (``_contained``); the
-    #: runner's own contained entries call ``_call``, so a step is wrapped once.
+    #: :meth:`_call` with env code's SystemExit and kin contained.
     call = _contained(_call)
 
     def _group(self, method: Callable[..., Any]) -> CostGroup:
-        """The cost group ``method``'s call belongs to now."""
         assert self._placement is not None  # MEASURED implies a placement (see __init__)
         cost_class = self._cost_class() if self._cost_class is not None else ""
         name = getattr(method, "__name__", "call")
@@ -269,9 +230,8 @@ class EnvRunner:
         return self._placement.group(cost_class, name, threads is not None and threads())
 
     def call_inline(self, method: Callable[..., Any], *args: Any) -> Any:
-        """What :meth:`call_within` returns for an :attr:`inline` runner, without its
-        three coroutines per call (a step's hot path): the method's result, env code's
-        ``SystemExit`` and kin as :class:`~openenv_grpc.server.errors.EnvExit`.
+        """:meth:`call_within` of an :attr:`inline` runner without its three coroutines (a
+        step's hot path).
 
         Raises:
             Exception: whatever the method raised.
@@ -292,14 +252,10 @@ class EnvRunner:
         orphaned: Orphaned | None = None,
         **kwargs: Any,
     ) -> Any:
-        """:meth:`call`, giving up ``timeout`` seconds after the call started (None: wait
-        for ever); ``orphaned`` as for :meth:`_call`.
+        """:meth:`call`, given up ``timeout`` seconds after the call started (None: never).
 
-        Inline envs run on the event loop and cannot be interrupted: no timeout applies.
-        A measured env's calls run on the pool whenever a timeout applies (never moved to
-        the loop: there they could not be given up on). A pooled call that waits
-        ``timeout`` seconds for a free thread is cancelled before it ever runs. After a
-        timeout the instance is unusable; see :meth:`abandon`.
+        Inline calls cannot be interrupted: no timeout applies. A measured env's calls run
+        on the pool when a timeout applies. After a timeout, see :meth:`abandon`.
 
         Raises:
             TimeoutError: the call ran longer than ``timeout`` (it may still be running).
@@ -334,8 +290,7 @@ class EnvRunner:
                 _hand_on(future, self._loop, orphaned, began)
             raise
         finally:
-            # Given up (timeout, saturation, the session cancelled): a call still queued
-            # is dropped, as with call(); a running one goes on unobserved.
+            # Given up: a call still queued is dropped; a running one goes on unobserved.
             if not waiter.done():
                 waiter.cancel()
 
@@ -348,16 +303,16 @@ class EnvRunner:
         return f"env thread pool saturated: {threads}; the episode is unchanged, retry"
 
     def abandon(self) -> None:
-        """Give up on this instance after a timeout: close it once its running call ends,
-        without waiting for that here. Counts as closed; the slot is freed after the close."""
+        """Give up on this instance after a timeout: it counts as closed, and is closed
+        (its slot freed) once its running call ends."""
         if self._closed:
             return
         self._closed = True
         self._close_later()
 
     def _close_later(self) -> None:
-        """Close the env (and free its slot) in the background, never overlapping a
-        call still running on the pool."""
+        """Close the env and free its slot in the background, after a pooled call still
+        running."""
         inflight = self._inflight
         if self._mode in _OFF_LOOP and inflight is not None and not inflight.done():
             # Runs when the hung call returns, on its thread (on this one if it just did).
@@ -373,14 +328,10 @@ class EnvRunner:
     def _submit_close(self) -> None:
         """Close the env on a lifecycle thread (never on the event loop), then free its slot."""
         try:
-            _submit_close(self._lifecycle, self._loop, self._close_here)
+            close = functools.partial(_close_then_release, self.env, self._loop, self._release)
+            _submit_close(self._lifecycle, self._loop, close)
         except RuntimeError:  # the pool is shut down: the process is exiting
             log.warning("environment not closed: the server is stopping")
-
-    def _close_here(self) -> None:
-        """Close a sync env on this (pool) thread, then free its slot."""
-        _close_quietly(self.env)
-        _release_from_thread(self._loop, self._release)
 
     async def _aclose_then_release(self) -> None:
         try:
@@ -394,10 +345,8 @@ class EnvRunner:
 
     @_contained
     async def close(self) -> None:
-        """Close the env exactly once and free its slot; later calls do nothing.
-
-        A call a cancelled session left running is not waited for: the env is closed
-        (and its slot freed) once that call returns, so close() never overlaps it.
+        """Close the env exactly once and free its slot. A call a cancelled session left
+        running is not waited for: the env is closed once it returns.
 
         Raises:
             Exception: whatever the env's ``close`` raised (it still counts as closed).
@@ -431,8 +380,8 @@ class EnvRunner:
             self._release()
 
     async def _close_off_loop(self) -> None:
-        """Close on a lifecycle thread; past the lifecycle timeout, stop waiting: the close
-        is abandoned (counted, logged) and the slot freed only once it returns."""
+        """Close on a lifecycle thread; past the timeout the close is abandoned and the
+        slot freed only once it returns."""
         lifecycle = self._lifecycle
         future = _submit_close(lifecycle, self._loop, self.env.close)
         timeout = lifecycle.timeout if isinstance(lifecycle, Lifecycle) else None
@@ -443,8 +392,7 @@ class EnvRunner:
             future.add_done_callback(lambda _: _release_from_thread(self._loop, self._release))
             raise
         if not done:
-            # Not waiter.cancel(): that would cancel a close still queued, and its env
-            # would never be closed.
+            # Not waiter.cancel(): a close still queued would never run.
             assert isinstance(lifecycle, Lifecycle) and isinstance(future, EnvCall)
             lifecycle.abandon_close(future)
             future.add_done_callback(lambda _: _release_from_thread(self._loop, self._release))
@@ -458,8 +406,7 @@ class EnvRunner:
             self._release()
 
     async def close_quietly(self) -> None:
-        """:meth:`close`, shielded from a second cancellation (a server stopping must not
-        skip it), logging what the env's ``close`` raised instead of raising it."""
+        """:meth:`close`, shielded from a second cancellation, logging what it raised."""
         try:
             await asyncio.shield(self.close())
         except (asyncio.CancelledError, CloseAbandoned):  # (the lifecycle logged it)
@@ -468,21 +415,15 @@ class EnvRunner:
             log.exception("environment close() raised; its session ended anyway")
 
 
-#: Makes a fresh env instance wrapped in a runner (the session's factory).
-RunnerFactory = Callable[[], Awaitable[EnvRunner]]
-
-
 def _hand_on(
     future: concurrent.futures.Future[Any],
     loop: asyncio.AbstractEventLoop,
     orphaned: Orphaned,
     submitted: float,
 ) -> None:
-    """The caller of the pooled call ``future`` (submitted at ``perf_counter`` time
-    ``submitted``) was cancelled (its session ended) while the call may still run: once
-    it returns, hand its result and its seconds to ``orphaned`` on ``loop``, so that what
-    the env did is still accounted for (a call that never ran, or raised, hands on
-    nothing). Its caller raised CancelledError, so it is handed on exactly once."""
+    """Once the pooled call ``future`` (submitted at ``perf_counter`` ``submitted``), whose
+    caller was cancelled, returns: hand its result and seconds to ``orphaned`` on ``loop``
+    (nothing if it never ran or raised)."""
 
     def done(finished: concurrent.futures.Future[Any]) -> None:
         if finished.cancelled() or finished.exception() is not None:
@@ -491,28 +432,35 @@ def _hand_on(
         with contextlib.suppress(RuntimeError):  # the loop is closed: the process is exiting
             loop.call_soon_threadsafe(orphaned, finished.result(), seconds)
 
-    future.add_done_callback(done)  # on the call's thread, or here if it is done already
+    future.add_done_callback(done)
 
 
 #: Modes whose factory and close run on a lifecycle thread, never on the event loop
 #: (a measured env's cheap steps say nothing about what making or closing it costs).
 _OFF_LOOP = frozenset({ExecutionMode.POOL, ExecutionMode.MEASURED})
 
-
 #: Closes of abandoned async envs, referenced until done so they are not collected.
 _background: set[asyncio.Task[Any]] = set()
 
+#: A pooled call runs in its task's context: its logs carry the session's id.
+_here = contextvars.copy_context
+
 
 def _release_from_thread(loop: asyncio.AbstractEventLoop, release: Callable[[], None]) -> None:
-    """Run ``release`` on ``loop`` (the limiter lives there); nothing if the loop is gone."""
-    # A closed loop means the server has stopped: nothing left to free.
+    """Run ``release`` on ``loop``; nothing if the loop is closed (the server stopped)."""
     with contextlib.suppress(RuntimeError):
         loop.call_soon_threadsafe(release)
 
 
-#: This task's context, for a pooled call: what the env (and a row error) logs on the pool
-#: thread carries the session's id, as on the event loop (``logs.SESSION_ID``).
-_here = contextvars.copy_context
+def _close_then_release(
+    env: Any, loop: asyncio.AbstractEventLoop, release: Callable[[], None]
+) -> None:
+    """Close a sync env on this (pool) thread, logging what it raised; then free its slot."""
+    try:
+        env.close()
+    except BaseException:  # env code's SystemExit included
+        log.exception("closing an abandoned environment raised")
+    _release_from_thread(loop, release)
 
 
 def _close_orphan_later(
@@ -523,21 +471,17 @@ def _close_orphan_later(
 ) -> None:
     """Close the env of a cancelled open once its factory returns, then free its slot."""
 
-    def close_then_release(env: Any) -> None:
-        _close_quietly(env)
-        _release_from_thread(loop, release)
-
     def done(finished: concurrent.futures.Future[Any]) -> None:
         if finished.cancelled() or finished.exception() is not None:
             _release_from_thread(loop, release)
             return
         if isinstance(lifecycle, Lifecycle):  # on the close pool: a create thread is free
             try:
-                lifecycle.close(loop, close_then_release, finished.result())
+                lifecycle.close(loop, _close_then_release, finished.result(), loop, release)
             except RuntimeError:  # shut down: the process is exiting
                 _release_from_thread(loop, release)
             return
-        close_then_release(finished.result())
+        _close_then_release(finished.result(), loop, release)
 
     if future.done():
         # Done already (the cancel raced the result): close off the event loop.
@@ -558,9 +502,8 @@ def _give_up_create(
     loop: asyncio.AbstractEventLoop,
     release: Callable[[], None],
 ) -> None:
-    """An open stops waiting for its factory at the timeout: a factory still queued never
-    runs (its slot is freed now); a running one is abandoned on its thread, so the creates
-    queued behind it go on, and its env is closed when it is born."""
+    """An open stops waiting for its factory: one still queued never runs (its slot is
+    freed now); a running one is abandoned on its thread, its env closed when born."""
     if future.cancel():
         release()
         return
@@ -576,8 +519,7 @@ def _give_up_create(
 def _submit_close(
     lifecycle: Executor, loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any
 ) -> concurrent.futures.Future[Any]:
-    """``fn(*args)`` on the close pool of ``lifecycle`` (watched for its timeout), or on
-    ``lifecycle`` itself when it is a plain executor.
+    """``fn(*args)`` on the close pool of a :class:`Lifecycle`, or on a plain executor.
 
     Raises:
         RuntimeError: the pool is shut down.
@@ -585,10 +527,3 @@ def _submit_close(
     if isinstance(lifecycle, Lifecycle):
         return lifecycle.close(loop, fn, *args)
     return lifecycle.submit(fn, *args)
-
-
-def _close_quietly(env: Any) -> None:
-    try:
-        env.close()
-    except BaseException:  # on a pool thread; env code's SystemExit included
-        log.exception("closing an abandoned environment raised")
