@@ -1,23 +1,15 @@
 """One server process, assembled and run: the gRPC server and everything around it.
 
-:class:`EnvServer` builds what one process serves with -- the interceptors (bearer token,
-request deadlines, the outsiders' budget), the session limiter and the one byte budget,
-the env thread pools, the env process pool of ``--isolated``, the session manager and
-the EnvService, health and reflection, the ``/metrics`` endpoint, and the doors of other
-protocols onto the same sessions -- starts it, and drains it (NOT_SERVING, a notice to
-every session, the grace period, every env closed). :func:`grpc_options` bounds what a
-peer can make the server hold at the HTTP/2 level (docs/reliability.md).
-
-:func:`serve` is what ``openenv-grpc serve`` runs: the snapshot key ring is read once (and
-``SNAPSHOT_KEYS`` taken out of the environment env code inherits), then one process, or
-``--workers`` forked ones sharing the port (``workers.py``), serves until SIGTERM or
-SIGINT and drains. :class:`EnvServer` is the same server for embedding in an asyncio
-program or a test.
+:class:`EnvServer` builds what one process serves with (interceptors, limiter, byte budget,
+env pools, session manager, EnvService, health, reflection, ``/metrics``, other doors),
+starts it and drains it. :func:`serve` is ``openenv-grpc serve``: one process, or
+``--workers`` forked ones, until SIGTERM or SIGINT.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -58,32 +50,27 @@ __all__ = ["Door", "EnvServer", "serve"]
 
 log = logging.getLogger(__name__)
 
-#: The HTTP/2 flow-control window of each stream the server receives on (see grpc_options).
+#: The HTTP/2 flow-control window of each stream the server receives on.
 STREAM_WINDOW_BYTES = 64 * 1024
 #: How long a call may wait for the application before gRPC cancels it (its default: 30).
 _MAX_UNREQUESTED_SECONDS = 3600
-#: File descriptors kept from connections (for env processes, files, the metrics port):
-#: this fraction of the open-file limit, and at least the minimum.
+#: File descriptors kept from connections (env processes, files, the metrics port).
 _FD_RESERVE_FRACTION = 8
 _FD_RESERVE_MIN = 256
 
 
 def raise_fd_limit() -> int:
-    """Raises this process's open-file soft limit to its hard limit; returns the soft
-    limit now in force (a container's default soft limit is often far below its hard)."""
+    """Raise the open-file soft limit to the hard limit; returns the soft limit in force."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != hard:
-        try:
+        with contextlib.suppress(ValueError, OSError):  # not allowed here: keep what we have
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
             soft = hard
-        except (ValueError, OSError):  # not allowed here: keep what we have
-            pass
     return soft
 
 
 def connection_limit(config: ServerConfig) -> int:
-    """The connections the gRPC port accepts at once: ``max_connections``, else the
-    open-file limit less its reserve (at least 1)."""
+    """``max_connections``, else the open-file limit less its reserve (at least 1)."""
     if config.max_connections:
         return config.max_connections
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
@@ -93,89 +80,53 @@ def connection_limit(config: ServerConfig) -> int:
 
 
 def grpc_options(config: ServerConfig) -> list[tuple[str, Any]]:
-    """Channel arguments: message limits, keepalive that detects dead peers, and the
-    bounds on what a hostile HTTP/2 peer can make the server hold (docs/reliability.md,
-    "Hostile HTTP/2", has the measurements behind each number)."""
+    """Channel arguments: message limits, keepalive, and the bounds on what a hostile
+    HTTP/2 peer can make the server hold (docs/reliability.md, "Hostile HTTP/2")."""
     keepalive_timeout_ms = int(config.keepalive_timeout * 1000)
     options: list[tuple[str, Any]] = [
-        # Requests get a tighter limit than answers: grpc-core grants a stream the window
-        # for the whole message its length prefix announces and buffers it until it is
-        # complete, so this is what one stalled sender can pin per stream. A longer
-        # prefix is refused (RESOURCE_EXHAUSTED) before any of its bytes are taken.
+        # What one stalled sender can pin per stream (grpc-core buffers a whole message).
         ("grpc.max_receive_message_length", config.request_limit),
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.keepalive_time_ms", int(config.keepalive_time * 1000)),
         ("grpc.keepalive_timeout_ms", keepalive_timeout_ms),
-        # grpc-core closes a connection whose ping goes unanswered after the *ping*
-        # timeout (60 s by default), not the keepalive timeout: a stopped client would
-        # keep its sessions 60 s, whatever KEEPALIVE_TIMEOUT says.
+        # grpc-core drops an unanswered ping after this (60 s by default), not keepalive's.
         ("grpc.http2.ping_timeout_ms", keepalive_timeout_ms),
         ("grpc.keepalive_permit_without_calls", 1),
-        # Let clients ping as often as every 10 s without being told to go away.
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         ("grpc.http2.max_pings_without_data", 0),
-        # gRPC turns SO_REUSEPORT on by default: a second server would then silently share
-        # the port. Off, so binding a taken port fails loudly -- unless workers (or, with
-        # REUSE_PORT=1, other servers such as swarm replicas) share it on purpose.
+        # Off unless shared on purpose, so that binding a taken port fails loudly.
         ("grpc.so_reuseport", 1 if config.workers > 1 or config.reuse_port else 0),
-        # gRPC cancels calls at random once more than its default 1,000 wait for the
-        # application: a burst of session opens would see CANCELLED instead of either a
-        # session or our RESOURCE_EXHAUSTED. Soft = hard: no random early drop below it.
+        # Past its default 1,000 gRPC cancels waiting calls at random (soft = hard: never).
         ("grpc.server.max_pending_requests", config.pending_calls),
         ("grpc.server.max_pending_requests_hard_limit", config.pending_calls),
-        # ...and gRPC cancels a call that waits more than 30 s for the application (a
-        # burst on a loaded machine): the client's own deadline decides how long it waits,
-        # and what waits is bounded by the limit above.
+        # Not 30 s: the client's deadline decides how long a call waits for a handler.
         ("grpc.server_max_unrequested_time_in_server", _MAX_UNREQUESTED_SECONDS),
-        # What a stream may send before the server reads it: 64 KiB (HTTP/2's own
-        # default). A message being read gets the window it needs anyway; what this bounds
-        # is what a client that never reads its answers can park on each stream. BDP
-        # probing would grow the window to 32 MiB per stream, so it is off.
+        # What a client that never reads its answers can park per stream (BDP: 32 MiB).
         ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
         ("grpc.http2.bdp_probe", 0),
-        # A connection that says nothing, or only the preface, is closed once this passes
-        # (gRPC's default: 120 s; keepalive closed them after 40 s): a file descriptor each.
         ("grpc.server_handshake_timeout_ms", int(config.handshake_timeout * 1000)),
-        # Past this a new connection is closed as it is accepted, so a flood of them
-        # cannot take the descriptors the server needs for everything else.
         ("grpc.max_allowed_incoming_connections", connection_limit(config)),
     ]
     streams = config.streams_per_connection
     if streams:
-        # A stream reset by the client still counts against this until the server has
-        # let it go (grpc's overload protection, on by default): one connection can make
-        # the server hold at most this many calls, however fast it resets them.
+        # Reset streams count until let go: bounds what one connection's resets hold.
         options.append(("grpc.max_concurrent_streams", streams))
     return options
 
 
 class Door(Protocol):
-    """Another protocol's listener, served by the server process on its loop from the
-    same session core (``--openenv-port``): it starts once the gRPC port serves, stops
-    accepting when the drain begins, and stops once the sessions have drained."""
+    """Another protocol's listener on the same sessions (``--openenv-port``): started once
+    the gRPC port serves (RuntimeError: cannot bind), told to stop accepting when the drain
+    begins, and stopped once the sessions have drained."""
 
-    async def start(self, server: EnvServer) -> None:
-        """Listen, serving ``server``'s sessions (its ``servicer`` and ``sessions``).
-
-        Raises:
-            RuntimeError: the door's port could not be bound.
-        """
-        ...
-
-    def stop_accepting(self) -> None:
-        """The drain began: take no new connections."""
-        ...
-
-    async def stop(self) -> None:
-        """Every session has ended: close what is left."""
-        ...
+    async def start(self, server: EnvServer) -> None: ...
+    def stop_accepting(self) -> None: ...
+    async def stop(self) -> None: ...
 
 
 class EnvServer:
-    """One gRPC server hosting one environment; start it, then drain or stop it.
-
-    ``keys`` sign and verify snapshots (default: the ring the config names, see
-    :meth:`~openenv_grpc.server.model.snapshots.KeyRing.from_config`).
+    """One gRPC server hosting one environment; start it, then drain it. ``keys`` sign
+    and verify snapshots (default: the ring the config names).
 
     Raises:
         TypeError: the env class is unusable. ValueError, OSError: bad snapshot keys.
@@ -189,7 +140,6 @@ class EnvServer:
         doors: Sequence[Door] = (),
     ) -> None:
         self.config = config or ServerConfig.from_env()
-        #: Other protocols' listeners on this server's sessions (``--openenv-port``).
         self._doors = tuple(doors)
         self.spec = EnvSpec.from_factory(
             factory, inline_threshold=self.config.inline_threshold_ms / 1000
@@ -199,15 +149,11 @@ class EnvServer:
             # The env's own bound (an OpenEnv env that is not concurrency-safe: 1).
             self.config = dataclasses.replace(self.config, max_concurrent_envs=limit)
         keys = keys if keys is not None else KeyRing.from_config(self.config)
-        #: Seals and opens this server's snapshots.
         self.snapshots = SnapshotSeal(
             self.spec.name, self.spec.version, keys, self.config.snapshot_limit
         )
-        # Daemon threads (see env_threads.py): a hung env call cannot hold up the exit.
         self._pool = EnvThreadPool(self.config.env_threads, "openenv-env")
-        # Factories and closes of pooled envs, on pools of their own: a fresh env never
-        # waits behind env calls that hang on the pool above, nor behind hung closes; an
-        # abandoned call's thread is replaced, up to as many again (then calls queue).
+        # Pools of their own: a fresh env never waits behind hung calls or closes.
         threads = self.config.env_threads
         self._lifecycle = Lifecycle(
             EnvThreadPool(threads, "openenv-env-create", spare=threads),
@@ -220,7 +166,6 @@ class EnvServer:
         self._servicer: EnvServicer | None = None
         self._processes: EnvProcessPool | None = None
         self.port = 0
-        #: Port of the Prometheus endpoint, once started (None: metrics off).
         self.metrics_port: int | None = None
         self._metrics_endpoint: MetricsEndpoint | None = None
 
@@ -232,7 +177,6 @@ class EnvServer:
 
     @property
     def servicer(self) -> EnvServicer:
-        """The EnvService the gRPC port serves (and every door opens sessions on)."""
         if self._servicer is None:
             raise RuntimeError("the server has not started")
         return self._servicer
@@ -242,17 +186,14 @@ class EnvServer:
 
         Raises:
             RuntimeError: the address could not be bound.
-            ValueError, OSError: the TLS settings are incomplete or a file is unreadable, or
-                the env's ``check_settings`` refused its settings.
+            ValueError, OSError: bad TLS settings or files, or the env's ``check_settings``
+                refused its settings.
         """
         credentials = server_credentials(self.config)  # before binding: bad files fail early
         raise_fd_limit()  # before the options: the connection limit follows it
         self.spec.env_class.check_settings()  # the env's own settings, before any session
-        # Leftovers of a previous run go before any new instance competes for them.
         await asyncio.to_thread(reclaim_orphans_quietly, self.spec.env_class)
-        # Auth first: a refused call is never read; an allowed unary one gets a deadline
-        # on its request's arrival (request_deadline.py), and an outsider's (no valid
-        # token: health probes) is read only within the outsiders' budget (outsiders.py).
+        # Auth first: a refused call is never read.
         auth = TokenAuthInterceptor(self.config.auth_token) if self.config.auth_token else None
         interceptors: list[grpc.aio.ServerInterceptor] = [auth] if auth else []
         outsiders = OutsiderBudget(
@@ -261,7 +202,6 @@ class EnvServer:
         )  # fmt: skip
         interceptors.append(UnaryRequestDeadline(self.config.request_arrival_timeout, outsiders))
         limiter = SessionLimiter(self.config.capacity)
-        # One byte budget for the whole process: every holder of client bytes draws from it.
         budget = ByteBudget(self.config.max_held_bytes)
         prometheus: PrometheusMetrics | None = None
         if self.config.metrics_port >= 0:
@@ -306,7 +246,7 @@ class EnvServer:
         except RuntimeError as exc:
             raise RuntimeError(f"cannot listen on {self.config.address}: {exc}") from exc
         await server.start()
-        start_heap_trimmer()  # what hostile or finished streams freed goes back (heap.py)
+        start_heap_trimmer()
         self._server = server
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
@@ -316,14 +256,9 @@ class EnvServer:
         return self.port
 
     async def drain(self, grace: float | None = None) -> int:
-        """Report NOT_SERVING, tell running sessions and let them finish within ``grace``
-        seconds (default: the config's), close every env, stop the server. Takes at most
-        ``grace`` + :data:`~openenv_grpc.server.stream.session.CLOSE_BUDGET` + 0.5 s (plus the
-        env processes' stop).
-
-        Returns the number of envs that could not be closed (stuck in env code); their
-        threads are daemons, abandoned to the process exit.
-        """
+        """Report NOT_SERVING, let running sessions finish within ``grace`` s (default:
+        the config's), close every env, stop the server; returns the number of envs stuck
+        in env code (left to the process exit). At most grace + ``CLOSE_BUDGET`` + 0.5 s."""
         if self._server is None or self._health is None or self._sessions is None:
             return 0
         grace = self.config.grace_period if grace is None else grace
@@ -335,8 +270,7 @@ class EnvServer:
         stuck = await self._sessions.drain(grace)
         for door in self._doors:
             await door.stop()
-        # Every stream has ended by now (a hung close no longer holds its handler): this
-        # only bounds what is still being sent.
+        # Every stream has ended: this only bounds what is still being sent.
         await self._server.stop(grace=0.5)
         self._server = None
         if self._processes is not None:
@@ -353,8 +287,7 @@ class EnvServer:
 
 
 def say(line: str) -> None:
-    """One status line on stdout in a single write, so workers sharing the pipe never
-    interleave (tools parse these lines)."""
+    """One status line on stdout in one write: workers sharing the pipe never interleave."""
     sys.stdout.flush()
     os.write(sys.stdout.fileno(), f"{line}\n".encode())
 
@@ -373,7 +306,7 @@ async def _serve(
 ) -> int:
     """Serve until SIGTERM/SIGINT, then drain; returns the number of envs left unclosed."""
     server = EnvServer(factory, config, keys, doors)
-    # Handlers first: a SIGTERM that arrives as soon as the server is up must drain it.
+    # Handlers first: a SIGTERM as soon as the server is up must drain it.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     contain_tasks(loop)  # env code's own tasks cannot stop the loop
@@ -390,10 +323,8 @@ async def _serve(
     await stop.wait()
     log.info("signal received: draining (grace %.1fs)", config.grace_period)
     stuck = await server.drain()
-    if stuck:
-        say(f"openenv-grpc: drained, {stuck} environment(s) stuck in env code left unclosed")
-    else:
-        say("openenv-grpc: drained, every environment closed")
+    left = f"{stuck} environment(s) stuck in env code left unclosed" if stuck else ""
+    say(f"openenv-grpc: drained, {left or 'every environment closed'}")
     return stuck
 
 
@@ -401,24 +332,20 @@ def serve(
     factory: Callable[[], Any], config: ServerConfig | None = None, doors: Sequence[Door] = ()
 ) -> int:
     """Serve ``factory``'s environment until SIGTERM or SIGINT, then drain; returns the
-    exit code (0: every environment closed). With ``workers > 1``, forks the workers
-    (``doors`` are for one process: the caller refuses them with workers).
+    exit code. With ``workers > 1``, forks the workers (``doors``: one process only).
 
     Raises:
         TypeError: the env class is unusable. ValueError, OSError: bad snapshot keys.
     """
     config = config or ServerConfig.from_env()
-    spec = EnvSpec.from_factory(factory)  # fail before forking: bad types stop it at once
-    # Once, before any fork: workers share the ring (a random one too), and env code never
-    # inherits the secrets through the environment (env processes never get them at all:
-    # the front seals and opens every snapshot).
+    spec = EnvSpec.from_factory(factory)  # fail before forking
+    # Once, before any fork: workers share the ring; env code never inherits the secrets.
     keys = KeyRing.from_config(config)
     os.environ.pop(ENV_VARS["snapshot_keys"], None)
     if config.workers > 1:
 
         def run_worker(worker: ServerConfig, on_ready: Callable[[], None]) -> None:
-            # Workers announce themselves to the parent, which announces the server; they
-            # end with os._exit, so stuck env threads cannot hold them either.
+            # The parent announces the server; workers end with os._exit.
             asyncio.run(_serve(factory, worker, keys, lambda *_: on_ready()))
 
         def announce(port: int) -> None:
@@ -427,10 +354,8 @@ def serve(
 
         return serve_workers(run_worker, config, announce)
     if asyncio.run(_serve(factory, config, keys, doors=doors)):
-        # Every env that could be closed is closed. The rest are stuck in env code on
-        # threads nothing can stop; a normal exit would wait for any non-daemon thread
-        # among them (concurrent.futures joins its workers at exit, and an env may use
-        # its own), past the grace period, until Docker or Kubernetes SIGKILLs us.
+        # Envs stuck in env code: a normal exit would join their non-daemon threads until
+        # Docker or Kubernetes SIGKILLs us.
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -1,14 +1,9 @@
-"""The EnvService: its three RPCs, and what each kind of stream opens.
+"""The EnvService: its three RPCs, and what backs each kind of stream's envs.
 
-A ``Session`` stream opens one env; a ``VectorSession`` stream reads N
-(``openenv-num-envs``) and the autoreset mode (``openenv-autoreset``) from the call's
-metadata first, so a bad value is refused (INVALID_ARGUMENT) before any slot is taken or
-any env exists. Either is then handed to the session manager (``session.py``) as the
-sessions it holds -- one, or N admitted all or nothing -- with the same admission, idle
-timeout, drain notice and ending, every env closed and every slot freed once. What backs
-a stream's envs is decided here: a batch in this process (``calls.local_calls``: a
-Session's one plain instance, or a vector's native batch or loop), or, with
-``--isolated``, blocks in the env processes (``spread.py``).
+A ``VectorSession`` reads N and the autoreset mode from its metadata first, so a bad value
+is refused (INVALID_ARGUMENT) before any slot is taken. Either kind of stream is then run
+by the session manager; its envs are a batch in this process, or, with ``--isolated``,
+blocks in the env processes.
 """
 
 from __future__ import annotations
@@ -51,38 +46,32 @@ __all__ = ["PROTOCOL", "SERVICE_NAME", "EnvServicer", "add_env_service", "read_o
 
 _Context = grpc.aio.ServicerContext[bytes, bytes]
 
-#: A Session's env with ``--isolated``: one plain env (timed in its process, in a
-#: Session's words) on the least loaded process. A Session's stream cannot be replayed
-#: (its client cannot tell which request took effect), so a loss it did not cause ends it
-#: and its own timeout refuses the whole call.
+#: A Session's env with ``--isolated``. Its stream cannot be replayed (the client cannot
+#: tell which request took effect), so a loss it did not cause ends it.
 _SESSION_BLOCK = BlockPolicy(
     SESSION_BLOCK, prefer_ready=False, refuse_timed_out_call=True, lost_process_ends=True,
     words=SESSION_WORDS,
 )  # fmt: skip
-#: Vector sizes whose batch calls are measured apart (a measured env; more go to the pool).
+#: Vector sizes whose batch calls are measured apart (more go to the pool).
 _MAX_PLACEMENTS = 64
 
 
 class EnvServicer(pb_grpc.EnvServiceServicer):
-    """Opens Session and VectorSession streams and hands them to the session manager;
-    answers Info from the spec."""
+    """Opens Session and VectorSession streams for the session manager; answers Info."""
 
     def __init__(self, sessions: SessionManager, processes: EnvProcessPool | None) -> None:
         self._sessions = sessions
-        #: The env processes (``--isolated``), or None: envs live in this process.
         self._processes = processes
         spec = sessions.spec
         config = sessions.config
-        #: The env may answer a vector stream as one native batch (Info says so).
         self._native = natively_batched(spec.env_class)
         self._max_envs = config.max_vector_envs
-        #: A measured env's batch calls, by N: measured apart from its single calls (a
-        #: batch call costs N of them), shared by the streams of one size.
+        #: A measured env's batch calls, by N, shared by the streams of one size.
         self._placements: dict[int, CallPlacement] = {}
-        # Per form of info the client reads (openenv-info): no allocation per open.
+        # One per form of info the client reads: no allocation per open.
         self._one_env = _SessionOpening(self, info_json=False)
         self._one_env_json = _SessionOpening(self, info_json=True)
-        # Everything but the capacity is fixed: build it once, copy it per call.
+        # All but the capacity is fixed: built once, copied per call.
         self._info = pb.InfoResponse(
             env_name=spec.name,
             env_version=spec.version,
@@ -117,7 +106,6 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
         request_iterator: AsyncIterator[bytes],
         context: _Context,
     ) -> None:
-        # The manager reads with context.read(): cheaper than the async iterator.
         json_info = reads_json_info(context.invocation_metadata())
         await self._sessions.run(context, self._one_env_json if json_info else self._one_env)
 
@@ -148,20 +136,16 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
         self._sessions.activity.fill(response.activity, limiter)
         return response
 
-    # -- what backs a stream's envs -------------------------------------------------------
-
     async def open_session(self, held: Held, info_json: bool = False) -> SessionBackend:
         """A fresh env for one Session: a block of one in an env process when isolated,
-        else a loop batch of one plain instance here (``info_json``: the client reads
-        infos as JSON text)."""
+        else a loop batch of one plain instance here."""
         manager = self._sessions
         if self._processes is not None:
             spread = await SpreadBatchCalls.open(
                 self._processes, 1, AutoresetMode.DISABLED, False, _SESSION_BLOCK
             )
             return SessionView(manager.spec, spread, manager.snapshots, info_json, spread.replacing)
-        # From here the runner frees the session's slot: when its env is closed, when the
-        # factory fails, or -- open cancelled -- once the factory returns and its env closes.
+        # From here the runner frees the slot, once the env is closed or the factory fails.
         held.owns_slot = False
         calls = await manager.local_calls(
             1, AutoresetMode.DISABLED, manager.spec.placement, SESSION_WORDS, native=False
@@ -171,19 +155,13 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
     async def open_vector(
         self, held: Held, size: int, autoreset: AutoresetMode, info_json: bool = False
     ) -> VectorView:
-        """The envs of one VectorSession of ``size`` envs: its batch built here, or its
-        blocks spread over the env processes (``info_json``: the client reads infos as
-        JSON text).
-
-        Raises:
-            Exception: what building the envs raised.
-        """
+        """The ``size`` envs of one VectorSession: a batch built here, or blocks spread
+        over the env processes; raises what building them raised."""
         manager = self._sessions
         calls: BatchCalls
         if self._processes is not None:
             calls = await SpreadBatchCalls.open(self._processes, size, autoreset, self._native)
         else:
-            # As for a Session: from here the runner frees the stream's slots.
             held.owns_slot = False
             calls = await manager.local_calls(size, autoreset, self._placement(size), VECTOR_WORDS)
         driver = Driver(
@@ -193,9 +171,7 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
         return VectorView(driver, info_json)
 
     def _placement(self, size: int) -> CallPlacement | None:
-        """Where a measured env's batch calls of ``size`` envs run (None: the pool, also
-        beyond :data:`_MAX_PLACEMENTS` sizes; not a measured env: unused), against the
-        threshold of a batch of that size (``placement.batch_threshold``)."""
+        """Where a measured env's batch calls of ``size`` envs run (None: the pool)."""
         measured = self._sessions.spec.placement
         if measured is None:
             return None
@@ -238,7 +214,6 @@ class _VectorOpening:
         self._service = service
         self._info_json = info_json
         self.slots = size
-        #: Requests in flight at once on the stream (``--max-vector-in-flight``).
         self.in_flight = service._sessions.config.max_vector_in_flight
         self._autoreset = autoreset
         self._view: VectorView | None = None
@@ -253,8 +228,6 @@ class _VectorOpening:
         native = self._view is not None and self._view.native
         return ((BATCH_KEY, "native" if native else "loop"),)
 
-
-# -- a VectorSession's open, from its metadata ----------------------------------------------
 
 _MODES = {
     "next_step": AutoresetMode.NEXT_STEP,
@@ -274,9 +247,8 @@ def read_open(metadata: Iterable[tuple[str, Any]] | None, most: int) -> tuple[in
     """N and the autoreset mode of a VectorSession open, from its call metadata.
 
     Raises:
-        ValueError: N is missing, given more than once, not plain decimal digits (no sign,
-            space or other characters), below 1 or above ``most``; or the mode is given
-            more than once or is not one of next_step, same_step, disabled.
+        ValueError: N is missing, repeated, not plain ASCII digits, or not in 1..``most``;
+            or the mode is repeated or unknown.
     """
     raw = _one(metadata, NUM_ENVS_KEY)
     if raw is None:
@@ -301,9 +273,8 @@ def read_open(metadata: Iterable[tuple[str, Any]] | None, most: int) -> tuple[in
 
 
 def reads_json_info(metadata: Iterable[tuple[str, Any]] | None) -> bool:
-    """Whether a stream's client asked for infos as JSON text (``openenv-info: json``); any
-    other value, or none, means the Struct every client reads (never refused: an old
-    server ignores the key too)."""
+    """Whether the client asked for infos as JSON text (``openenv-info: json``); any other
+    value means the Struct (never refused: an old server ignores the key too)."""
     for name, value in metadata or ():
         if name == INFO_KEY:
             text = value.decode(errors="replace") if isinstance(value, bytes) else str(value)
@@ -311,20 +282,15 @@ def reads_json_info(metadata: Iterable[tuple[str, Any]] | None) -> bool:
     return False
 
 
-#: What N may look like: ASCII digits only (str.isdecimal would take " 8 " once stripped,
-#: and other scripts' digits).
+#: ASCII digits only (str.isdecimal would take other scripts' digits).
 _DIGITS = re.compile(r"[0-9]+")
 #: Digits beyond this are refused as too many envs before int() sees them.
 _MAX_DIGITS = 10
 
 
 def _one(metadata: Iterable[tuple[str, Any]] | None, key: str) -> str | None:
-    """The one value of ``key`` in the call's metadata (None: absent).
-
-    Raises:
-        ValueError: ``key`` came more than once (which one would win is the proxy's or
-            the client library's choice, so none does).
-    """
+    """The one value of ``key`` in the call's metadata (None: absent); ValueError if it
+    came more than once (which would win is a proxy's choice, so none does)."""
     values = [value for name, value in metadata or () if name == key]
     if len(values) > 1:
         raise ValueError(f"{key} was sent {len(values)} times: send it once")
@@ -335,14 +301,11 @@ def _one(metadata: Iterable[tuple[str, Any]] | None, key: str) -> str | None:
 
 
 def add_env_service(servicer: EnvServicer, server: grpc.aio.Server) -> None:
-    """Register ``servicer`` like the generated ``add_EnvServiceServicer_to_server``, except
-    that Session and VectorSession requests and responses are bytes: the stream's backend
-    parses them, so a request that does not decode ends the stream with INVALID_ARGUMENT
-    (gRPC would say UNKNOWN), and an isolated worker's answer passes through unparsed.
-    """
+    """Register ``servicer`` like the generated ``add_EnvServiceServicer_to_server``, but
+    with Session and VectorSession messages as bytes: the backend parses them (a bad
+    request ends INVALID_ARGUMENT, not UNKNOWN) and an isolated worker's answer passes
+    through unparsed."""
     handlers = {
-        # Bytes both ways: the session's backend parses and serializes (it may be a
-        # worker process that hands back response bytes as they are).
         "Session": grpc.stream_stream_rpc_method_handler(servicer.Session),
         "VectorSession": grpc.stream_stream_rpc_method_handler(servicer.VectorSession),
         "Info": grpc.unary_unary_rpc_method_handler(
