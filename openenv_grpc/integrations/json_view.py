@@ -72,7 +72,7 @@ class _Layout:
     """What the JSON view reads off a message's descriptor, once per message type (every
     frame of a socket converts the same few types)."""
 
-    __slots__ = ("by_name", "fields", "names", "union")
+    __slots__ = ("by_name", "fields", "maps", "names", "union")
 
     def __init__(self, descriptor: Any) -> None:
         oneofs = descriptor.oneofs
@@ -87,8 +87,11 @@ class _Layout:
         for field in descriptor.fields:
             self.by_name.setdefault(field.name, field)
         self.names = frozenset(descriptor.fields_by_name)
-        #: (JSON name, field, is a map) of every field, in order.
-        self.fields = [(_json_name(f, descriptor), f, _is_map(f)) for f in descriptor.fields]
+        #: The map fields' protobuf names.
+        self.maps = frozenset(f.name for f in descriptor.fields if _is_map(f))
+        #: (JSON name, field, how it is written: a map, a list, a plain scalar written as
+        #: it is, or another value) of every field, in order.
+        self.fields = [(_json_name(f, descriptor), f, _out_kind(f)) for f in descriptor.fields]
 
 
 _LAYOUTS: dict[Any, _Layout] = {}
@@ -109,18 +112,33 @@ def to_json(message: Message) -> dict[str, Any]:
         chosen = message.WhichOneof("kind")
         return to_json(getattr(message, chosen)) if chosen else {}
     out: dict[str, Any] = {}
-    for name, field, is_map in layout.fields:
+    for name, field, kind in layout.fields:
         value = getattr(message, field.name)
-        if is_map:
+        if kind is _MAP:
             entry = field.message_type.fields_by_name["value"]
             out[name] = {key: _value_out(entry, item) for key, item in value.items()}
-        elif field.is_repeated:
+        elif kind is _LIST:
             out[name] = [_value_out(field, item) for item in value]
         elif field.has_presence and not message.HasField(field.name):
             out[name] = None
         else:
-            out[name] = _value_out(field, value)
+            out[name] = value if kind is _PLAIN else _value_out(field, value)
     return out
+
+
+#: How :func:`to_json` writes a field (:func:`_out_kind`).
+_MAP, _LIST, _PLAIN, _OTHER = "map", "list", "plain", "other"
+
+
+def _out_kind(field: Any) -> str:
+    if _is_map(field):
+        return _MAP
+    if field.is_repeated:
+        return _LIST
+    plain = field.message_type is None and field.enum_type is None
+    if plain and field.type != _F.TYPE_BYTES and field.type not in _FLOATS:
+        return _PLAIN  # a string, int or bool: JSON takes it as protobuf gives it
+    return _OTHER
 
 
 def _value_out(field: Any, value: Any) -> Any:
@@ -155,7 +173,7 @@ def from_json(data: Any, message_class: type[Message], path: str = "action") -> 
 
 
 def _fill(message: Message, data: Any, path: str) -> None:
-    if not isinstance(data, Mapping):
+    if type(data) is not dict and not isinstance(data, Mapping):
         raise JsonViewError(path, f"expected an object, got {_kind(data)}")
     descriptor: Any = message.DESCRIPTOR
     layout = _layout(descriptor)
@@ -171,7 +189,7 @@ def _fill(message: Message, data: Any, path: str) -> None:
             raise JsonViewError(where, f"no such field (fields: {known or 'none'})")
         if value is None:
             continue
-        if _is_map(field):
+        if field.name in layout.maps:
             if not isinstance(value, Mapping):
                 raise JsonViewError(where, f"expected an object, got {_kind(value)}")
             entry = field.message_type.fields_by_name["value"]

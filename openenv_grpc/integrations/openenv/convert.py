@@ -125,13 +125,18 @@ def _member_for(plan: UnionPlan, value: BaseModel) -> tuple[str, ModelPlan]:
 
 
 def _fill(message: Message, plan: ModelPlan, value: Any, where: str, warnings: Warnings) -> None:
+    mapping = isinstance(value, Mapping)
     for field in plan.fields:
-        item = value.get(field.name) if isinstance(value, Mapping) else getattr(value, field.name)
+        item = value.get(field.name) if mapping else getattr(value, field.name)
         if item is not None:
             _set(message, field, item, f"{where}.{field.name}", warnings)
 
 
 def _set(message: Message, field: FieldPlan, value: Any, where: str, warnings: Warnings) -> None:
+    if field.single:  # the common case first, with no call it does not need
+        if not isinstance(value, str) or value.isascii() or _writable(value, where, warnings):
+            setattr(message, field.proto, _scalar_out(field, value))
+        return
     target = getattr(message, field.proto)
     if field.kind == JSON:
         # Set even when empty: {} arrives as {}, not unset.

@@ -55,6 +55,8 @@ Call = tuple[Any, ...]
 #: An answer in the making: yields calls, gets their results, returns the answer.
 Program = Generator[Call, Any, T]
 
+#: ``json.dumps``'s output, refusing NaN and infinities (which then take the slow path).
+_FRAME = json.JSONEncoder(allow_nan=False)
 #: Reset keywords that are the session's own, not the env's reset options.
 _SESSION_KEYS = ("seed", "episode_id")
 
@@ -164,14 +166,20 @@ class FrameAnswers:
         return (yield ("state",))
 
     def observation(self, result: Any) -> str:
-        """OpenEnv's observation frame for a step result."""
-        return json.dumps({"type": "observation", "data": self.observation_data(result)})
+        """OpenEnv's observation frame for a step result. Written strictly first: only a
+        frame with a NaN or an infinity pays for the walk that writes them as null."""
+        try:
+            return _FRAME.encode(
+                {"type": "observation", "data": self.observation_data(result, False)}
+            )
+        except ValueError:
+            return json.dumps({"type": "observation", "data": self.observation_data(result)})
 
-    def observation_data(self, result: Any) -> dict[str, Any]:
+    def observation_data(self, result: Any, finite: bool = True) -> dict[str, Any]:
         """OpenEnv's ``serialize_observation`` of a step result; a tools-protocol env's
         tool list as OpenEnv's ``ListToolsObservation`` has it (a list of tools), so MCP
-        clients read it."""
-        data = observation_data(result)
+        clients read it. ``finite=False``: the info and reward as they are."""
+        data = observation_data(result, finite)
         fields = self._tool_fields
         if fields is not None:
             observation = data["observation"]
@@ -343,16 +351,18 @@ def rpc_error(ident: Any, code: int, message: str, data: Any = None) -> dict[str
                                                      "data": data}}  # fmt: skip
 
 
-def observation_data(result: Any) -> dict[str, Any]:
+def observation_data(result: Any, finite: bool = True) -> dict[str, Any]:
     """What OpenEnv's ``serialize_observation`` makes of a step result; non-finite
-    numbers in the info or the reward as ``null`` (never a bare ``NaN`` token), and a
-    reward the env did not give (its None: ``no_reward``) as ``null``, as OpenEnv does."""
+    numbers in the info or the reward as ``null`` (never a bare ``NaN`` token; unless
+    ``finite`` is False), and a reward the env did not give (its None: ``no_reward``) as
+    ``null``, as OpenEnv does."""
     observation = to_json(result.observation)
-    metadata = _finite(dict(result.info)) if result.info else {}
+    metadata = (_finite(dict(result.info)) if finite else dict(result.info)) if result.info else {}
     observation.setdefault("metadata", metadata)
+    reward = result.reward
     data: dict[str, Any] = {
         "observation": observation,
-        "reward": None if result.no_reward else _finite(result.reward),
+        "reward": None if result.no_reward or (finite and not math.isfinite(reward)) else reward,
         "done": bool(result.terminated or result.truncated),
     }
     if metadata:

@@ -56,7 +56,7 @@ import keyword
 import re
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from google.protobuf import descriptor_pb2, descriptor_pool, empty_pb2, message_factory
@@ -162,9 +162,12 @@ class FieldPlan:
     map: bool = False  # map<string, X>: X is scalar, enum or message
     required: bool = False  # pydantic requires it (no default)
     proto: str = ""  # the message field's name: ``name`` unless that would shadow a method
+    #: One scalar or enum value (not a list, a map, a message or JSON).
+    single: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         self.proto = self.proto or self.name
+        self.single = self.kind in ("scalar", "enum") and not (self.repeated or self.map)
 
 
 @dataclass(eq=False)
@@ -343,13 +346,11 @@ class SchemaBuilder:
                 args = ()  # a fixed-length tuple has no repeated form
             item = self._single(name, number, args[0]) if len(args) in (1, 2) else None
             if item is not None:
-                item.repeated = True
-                return item
+                return replace(item, repeated=True)
         elif origin in _MAPPINGS and (not args or args[0] is str):
             value = self._single(name, number, args[1]) if args else None
             if value is not None:
-                value.map = True
-                return value
+                return replace(value, map=True)
         return FieldPlan(name, number, JSON)
 
     def _single(self, name: str, number: int, annotation: Any) -> FieldPlan | None:
