@@ -126,11 +126,7 @@ class Door(Protocol):
 
 class EnvServer:
     """One gRPC server hosting one environment; start it, then drain it. ``keys`` sign
-    and verify snapshots (default: the ring the config names).
-
-    Raises:
-        TypeError: the env class is unusable. ValueError, OSError: bad snapshot keys.
-    """
+    snapshots (default: the config's). TypeError: unusable env; ValueError, OSError: bad keys."""
 
     def __init__(
         self,
@@ -182,13 +178,8 @@ class EnvServer:
         return self._servicer
 
     async def start(self) -> int:
-        """Bind, start serving and return the bound port.
-
-        Raises:
-            RuntimeError: the address could not be bound.
-            ValueError, OSError: bad TLS settings or files, or the env's ``check_settings``
-                refused its settings.
-        """
+        """Bind, serve and return the bound port. RuntimeError: cannot bind; ValueError,
+        OSError: bad TLS settings or files, or the env's ``check_settings`` refused."""
         credentials = server_credentials(self.config)  # before binding: bad files fail early
         raise_fd_limit()  # before the options: the connection limit follows it
         self.spec.env_class.check_settings()  # the env's own settings, before any session
@@ -332,11 +323,7 @@ def serve(
     factory: Callable[[], Any], config: ServerConfig | None = None, doors: Sequence[Door] = ()
 ) -> int:
     """Serve ``factory``'s environment until SIGTERM or SIGINT, then drain; returns the
-    exit code. With ``workers > 1``, forks the workers (``doors``: one process only).
-
-    Raises:
-        TypeError: the env class is unusable. ValueError, OSError: bad snapshot keys.
-    """
+    exit code. Forks ``workers > 1`` (``doors``: one process only). Raises as EnvServer."""
     config = config or ServerConfig.from_env()
     spec = EnvSpec.from_factory(factory)  # fail before forking
     # Once, before any fork: workers share the ring; env code never inherits the secrets.

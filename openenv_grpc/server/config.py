@@ -434,11 +434,7 @@ class ServerConfig:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> ServerConfig:
         """A config from ``environ`` (default: ``os.environ``), then ``overrides`` (None
-        values ignored, so CLI arguments pass as they are).
-
-        Raises:
-            ValueError: a variable or override does not parse or is out of range.
-        """
+        values ignored); ValueError if a value does not parse or is out of range."""
         environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}
         for spec, meta in _declared():

@@ -136,40 +136,6 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
         self._sessions.activity.fill(response.activity, limiter)
         return response
 
-    async def open_session(self, held: Held, info_json: bool = False) -> SessionBackend:
-        """A fresh env for one Session: a block of one in an env process when isolated,
-        else a loop batch of one plain instance here."""
-        manager = self._sessions
-        if self._processes is not None:
-            spread = await SpreadBatchCalls.open(
-                self._processes, 1, AutoresetMode.DISABLED, False, _SESSION_BLOCK
-            )
-            return SessionView(manager.spec, spread, manager.snapshots, info_json, spread.replacing)
-        # From here the runner frees the slot, once the env is closed or the factory fails.
-        held.owns_slot = False
-        calls = await manager.local_calls(
-            1, AutoresetMode.DISABLED, manager.spec.placement, SESSION_WORDS, native=False
-        )
-        return SessionView(manager.spec, calls, manager.snapshots, info_json)
-
-    async def open_vector(
-        self, held: Held, size: int, autoreset: AutoresetMode, info_json: bool = False
-    ) -> VectorView:
-        """The ``size`` envs of one VectorSession: a batch built here, or blocks spread
-        over the env processes; raises what building them raised."""
-        manager = self._sessions
-        calls: BatchCalls
-        if self._processes is not None:
-            calls = await SpreadBatchCalls.open(self._processes, size, autoreset, self._native)
-        else:
-            held.owns_slot = False
-            calls = await manager.local_calls(size, autoreset, self._placement(size), VECTOR_WORDS)
-        driver = Driver(
-            manager.spec, size, autoreset, calls, VECTOR_WORDS, manager.snapshots,
-            max_response=manager.config.max_message_bytes,
-        )  # fmt: skip
-        return VectorView(driver, info_json)
-
     def _placement(self, size: int) -> CallPlacement | None:
         """Where a measured env's batch calls of ``size`` envs run (None: the pool)."""
         measured = self._sessions.spec.placement
@@ -184,7 +150,8 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
 
 
 class _SessionOpening:
-    """A Session stream, for :meth:`SessionManager.run`: one slot, one env."""
+    """A Session stream, for :meth:`SessionManager.run`: one slot, one env (a block of one
+    in an env process when isolated, else a loop batch of one plain instance here)."""
 
     slots = 1
     in_flight = 0
@@ -196,14 +163,28 @@ class _SessionOpening:
         self._info_json = info_json
 
     async def open(self, held: Held) -> SessionBackend:
-        return await self._service.open_session(held, self._info_json)
+        manager, processes = self._service._sessions, self._service._processes
+        if processes is not None:
+            spread = await SpreadBatchCalls.open(
+                processes, 1, AutoresetMode.DISABLED, False, _SESSION_BLOCK
+            )
+            return SessionView(
+                manager.spec, spread, manager.snapshots, self._info_json, spread.replacing
+            )
+        # From here the runner frees the slot, once the env is closed or the factory fails.
+        held.owns_slot = False
+        calls = await manager.local_calls(
+            1, AutoresetMode.DISABLED, manager.spec.placement, SESSION_WORDS, native=False
+        )
+        return SessionView(manager.spec, calls, manager.snapshots, self._info_json)
 
     def headers(self) -> tuple[tuple[str, str], ...]:
         return ()
 
 
 class _VectorOpening:
-    """A VectorSession stream, for :meth:`SessionManager.run`: N slots, N envs."""
+    """A VectorSession stream, for :meth:`SessionManager.run`: N slots, N envs (a batch
+    built here, or blocks spread over the env processes)."""
 
     request_class = pb.VectorSessionRequest
     response_class = pb.VectorSessionResponse
@@ -219,9 +200,23 @@ class _VectorOpening:
         self._view: VectorView | None = None
 
     async def open(self, held: Held) -> SessionBackend:
-        self._view = await self._service.open_vector(
-            held, self.slots, self._autoreset, self._info_json
-        )
+        service, size, autoreset = self._service, self.slots, self._autoreset
+        manager = service._sessions
+        calls: BatchCalls
+        if service._processes is not None:
+            calls = await SpreadBatchCalls.open(
+                service._processes, size, autoreset, service._native
+            )
+        else:
+            held.owns_slot = False  # as for a Session
+            calls = await manager.local_calls(
+                size, autoreset, service._placement(size), VECTOR_WORDS
+            )
+        driver = Driver(
+            manager.spec, size, autoreset, calls, VECTOR_WORDS, manager.snapshots,
+            max_response=manager.config.max_message_bytes,
+        )  # fmt: skip
+        self._view = VectorView(driver, self._info_json)
         return self._view
 
     def headers(self) -> tuple[tuple[str, str], ...]:
@@ -229,11 +224,7 @@ class _VectorOpening:
         return ((BATCH_KEY, "native" if native else "loop"),)
 
 
-_MODES = {
-    "next_step": AutoresetMode.NEXT_STEP,
-    "same_step": AutoresetMode.SAME_STEP,
-    "disabled": AutoresetMode.DISABLED,
-}
+_MODES = {mode.value: mode for mode in AutoresetMode}
 
 #: The modes as Info lists them.
 AUTORESET_MODES = (
@@ -244,12 +235,8 @@ AUTORESET_MODES = (
 
 
 def read_open(metadata: Iterable[tuple[str, Any]] | None, most: int) -> tuple[int, AutoresetMode]:
-    """N and the autoreset mode of a VectorSession open, from its call metadata.
-
-    Raises:
-        ValueError: N is missing, repeated, not plain ASCII digits, or not in 1..``most``;
-            or the mode is repeated or unknown.
-    """
+    """N and the autoreset mode of a VectorSession open, from its call metadata; ValueError
+    if N is missing, repeated, not ASCII digits or not in 1..``most``, or the mode is bad."""
     raw = _one(metadata, NUM_ENVS_KEY)
     if raw is None:
         raise ValueError(f"a VectorSession needs the number of envs in the {NUM_ENVS_KEY} metadata")

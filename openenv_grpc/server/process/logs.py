@@ -40,11 +40,7 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure_logging(level: str = "INFO", fmt: str = "text") -> None:
-    """Log to stderr at ``level`` as ``text`` or ``json`` lines, with session ids.
-
-    Raises:
-        ValueError: an unknown level or format.
-    """
+    """Log to stderr at ``level`` as ``text`` or ``json`` lines (ValueError: unknown)."""
     if fmt not in ("text", "json"):
         raise ValueError(f"log format must be text or json, got {fmt!r}")
     handler = logging.StreamHandler()

@@ -73,11 +73,7 @@ class MetricsEndpoint:
         return len(self._open)
 
     async def start(self, host: str, port: int) -> int:
-        """Listen on ``host:port`` (0 picks a free port); returns the bound port.
-
-        Raises:
-            OSError: the address cannot be bound.
-        """
+        """Listen on ``host:port`` (0: a free port); returns the bound port (or OSError)."""
         loop = asyncio.get_running_loop()
         infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         family, kind, proto, _, address = infos[0]

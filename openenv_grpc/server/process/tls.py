@@ -13,11 +13,7 @@ __all__ = ["server_credentials"]
 
 def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
     """TLS credentials for ``config`` (None: plaintext); a client CA requires client certs.
-
-    Raises:
-        ValueError: only one of certificate and key given, or a client CA without them.
-        OSError: a file cannot be read.
-    """
+    ValueError: incomplete settings; OSError: a file cannot be read."""
     if not (config.tls_cert or config.tls_key):
         if config.tls_client_ca:
             raise ValueError("TLS_CLIENT_CA needs TLS_CERT and TLS_KEY as well")
