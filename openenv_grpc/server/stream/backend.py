@@ -1,20 +1,6 @@
-"""What the session lifecycle needs of a stream's request handler, and what the handler
-says it answered.
-
-The session lifecycle (``session.py``) reads raw request bytes, hands them to the
-stream's :class:`SessionBackend` and writes back the bytes it returns; it never knows
-which kind of stream it serves or where its envs run. The backend is a view over the one
-driver (``driver.py``): :class:`~openenv_grpc.server.stream.session_view.SessionView` for a
-Session, :class:`~openenv_grpc.server.stream.vector_view.VectorView` for a VectorSession, in
-this process or ``--isolated`` alike (that difference lies below the driver, in
-``calls.py`` and ``spread.py``).
-
-Each answer says what it was (:class:`Answer`, :class:`Outcome`): the session records the
-metrics from that, and ends the stream after a close, so no flag or metrics sink is
-relayed through the layers below it. Both views parse a request (:func:`parse_request`),
-answer a failed request (:func:`error_answer`) and an in-band RESOURCE_EXHAUSTED
-(:func:`exhausted`) with the functions here.
-"""
+"""What a stream's request handler (a view over ``driver.py``) gives the session loop:
+:class:`Answer` says what each request got, so the loop records the metrics and ends the
+stream after a close; and the in-band error answers both views build."""
 
 from __future__ import annotations
 
@@ -47,11 +33,7 @@ class UndecodableRequest(Exception):
 
 
 def parse_request(raw: bytes, request_class: type[_RequestT]) -> _RequestT:
-    """One request of a stream, parsed.
-
-    Raises:
-        UndecodableRequest: ``raw`` is not a ``request_class`` (no id to answer to).
-    """
+    """Raises UndecodableRequest: ``raw`` is not a ``request_class`` (no id to answer to)."""
     try:
         return request_class.FromString(raw)
     except DecodeError as exc:
@@ -74,41 +56,29 @@ class Answer(NamedTuple):
 
     response: bytes
     outcome: Outcome
-    #: For STEPPED: seconds the step took (the env call, or the round trip to its process).
-    seconds: float = 0.0
-    #: For FAILED and SATURATED: the gRPC code's name.
-    error: str = ""
-    #: The stream ends after this answer: a close, or a hung env that could not be
-    #: replaced (nothing is left to serve).
+    seconds: float = 0.0  # STEPPED: the whole env call's time
+    error: str = ""  # FAILED, SATURATED: the gRPC code's name
+    #: The stream ends after this answer: a close, or a hung env not replaceable.
     ends: bool = False
-    #: For STEPPED: how many env steps the answer holds (a vector stream's step: one per
-    #: env that stepped; ``seconds`` is then the whole call's time).
-    steps: int = 1
-    #: A vector stream's per-env errors in this answer: one gRPC code name each.
-    env_errors: tuple[str, ...] = ()
+    steps: int = 1  # STEPPED: env steps taken (a vector step: one per env that stepped)
+    env_errors: tuple[str, ...] = ()  # a vector answer's per-env error code names
 
 
 class SessionBackend(Protocol):
     """One session's env, wherever it runs."""
 
     async def handle(self, raw: bytes) -> Answer:
-        """Answer one serialized request.
-
-        Raises:
-            UndecodableRequest: ``raw`` does not parse.
-            SessionLostError: the env is gone.
-        """
+        """Raises UndecodableRequest (``raw`` does not parse), SessionLostError (env gone)."""
         ...
 
     async def close(self) -> None:
-        """Close the env; once, surviving a raising ``close`` (it is logged)."""
+        """Close the envs, once; a raising ``close`` is logged."""
         ...
 
 
 def error_answer(response: Any, failure: RequestError | BatchRefused, ends: bool) -> Answer:
-    """``response`` (a SessionResponse or a VectorSessionResponse, its request id set)
-    answering ``failure`` (a request's failure as a whole) in-band; ``ends``: the stream
-    ends after it. A call that never got an env thread is SATURATED, any other FAILED."""
+    """``response`` (its request id set) answering a whole request's ``failure`` in-band;
+    SATURATED when the call never got an env thread, else FAILED."""
     response.ClearField("outcome")
     error = response.error
     error.code = failure.code
@@ -121,10 +91,8 @@ def error_answer(response: Any, failure: RequestError | BatchRefused, ends: bool
 
 
 def exhausted(response: Any, message: str) -> bytes:
-    """``response`` (a SessionResponse or a VectorSessionResponse, its request id set)
-    answering RESOURCE_EXHAUSTED in-band with ``message``, serialized: the one builder of
-    that answer, for a result over the message limit or the byte budget, or a request
-    past a stream's cap. What it counts is the caller's to say."""
+    """``response`` (its request id set) answering RESOURCE_EXHAUSTED in-band, serialized;
+    the caller counts it."""
     response.ClearField("outcome")
     error = response.error
     error.code = _RESOURCE_EXHAUSTED

@@ -1,11 +1,5 @@
-"""What the session core needs of a stream's transport: the one surface every wire gives.
-
-:meth:`SessionManager.run <openenv_grpc.server.stream.session.SessionManager.run>` drives a
-stream through this and nothing else, so admission, the idle reaper, the drain, the byte
-budget and the metrics are the same on every wire. gRPC's ``ServicerContext`` is one (the
-``Session`` and ``VectorSession`` RPCs); the OpenEnv door's (``integrations/openenv/
-streams.py``) are the others: a WebSocket's frames, or calls handed over in process.
-"""
+"""What the session core needs of a stream's transport: gRPC's ``ServicerContext``, or the
+OpenEnv door's wires (``integrations/openenv/streams.py``)."""
 
 from __future__ import annotations
 
@@ -21,11 +15,9 @@ class Wire(Protocol):
     """One stream as the session core sees it: request bytes in, answer bytes out, a
     status at the end. A wire authenticates its caller before the core sees the stream.
 
-    A wire that answers some of its client's messages itself, or makes a request wait on
-    work of its own, may also have ``heard() -> float``: the loop time its client last
-    did something the core cannot see (``math.inf`` while such work goes on). The idle
-    reaper then ends the stream only once both that and the core's own clock are past the
-    idle timeout. gRPC's contexts have none: every message of theirs is a request.
+    A wire that answers some messages itself may also have ``heard() -> float``: the loop
+    time its client last did something the core cannot see (``math.inf`` while such work
+    goes on); the idle reaper then needs both clocks past the timeout.
     """
 
     async def read(self) -> Any:
@@ -33,13 +25,10 @@ class Wire(Protocol):
         ...
 
     async def write(self, message: bytes) -> None:
-        """Send one answer; returns once the wire has taken it (its bytes are held
-        against the byte budget until then)."""
+        """Send one answer; returns once the wire has taken it."""
         ...
 
-    async def send_initial_metadata(self, initial_metadata: Sequence[tuple[str, str]]) -> None:
-        """Tell the client it was admitted (the headers the core names)."""
-        ...
+    async def send_initial_metadata(self, initial_metadata: Sequence[tuple[str, str]]) -> None: ...
 
     async def abort(
         self,
@@ -47,17 +36,9 @@ class Wire(Protocol):
         details: str = "",
         trailing_metadata: Sequence[tuple[str, str]] = (),
     ) -> NoReturn:
-        """End the stream with ``code``.
-
-        Raises:
-            Exception: always (``grpc.aio.AbortError``), ending the stream's handler.
-        """
+        """End the stream with ``code``; always raises (``grpc.aio.AbortError``)."""
         ...
 
-    def cancelled(self) -> bool:
-        """The client has gone (nothing it sends will be read)."""
-        ...
+    def cancelled(self) -> bool: ...
 
-    def invocation_metadata(self) -> Iterable[tuple[str, Any]] | None:
-        """The metadata the client opened the stream with."""
-        ...
+    def invocation_metadata(self) -> Iterable[tuple[str, Any]] | None: ...
