@@ -1,11 +1,5 @@
-"""A Session stream's requests and answers: one row (env 0) of a driver of one env.
-
-A Session is a vector of one. This view turns each ``SessionRequest`` into a driver call
-on row 0 (autoreset disabled) and the row, or its error, back into a ``SessionResponse``:
-the episode's bookkeeping, the phase machine, hung-env replacement and snapshots are the
-driver's (``driver.py``), the same code a vector stream runs; only the wording is the
-Session's own (``phases.SESSION_WORDS``).
-"""
+"""A Session stream's requests and answers: row 0 of a driver of one env (autoreset
+disabled), in the Session's words (``phases.SESSION_WORDS``)."""
 
 from __future__ import annotations
 
@@ -42,26 +36,16 @@ _ROW = (0,)
 
 @dataclass(frozen=True, slots=True)
 class _Command:
-    """One command of a Session: what answers it, and what its answer is to the session."""
+    """One command of a Session: what fills its response (returning a step's seconds),
+    and what its answer is to the session."""
 
-    #: Fills the response from the request; returns the seconds the env call took (a
-    #: step's, for the metrics; 0.0 for the others).
     run: Callable[[SessionView, pb.SessionRequest, pb.SessionResponse], Awaitable[float]]
     outcome: Outcome = Outcome.ANSWERED
-    #: The stream ends after this answer.
-    ends: bool = False
+    ends: bool = False  # the stream ends after this answer
 
 
 class SessionView:
-    """The request handler of one Session (``backend.SessionBackend``), in this process
-    or inside an env process of ``--isolated``.
-
-    It answers serialized requests with serialized responses and says what it answered
-    (an :class:`~openenv_grpc.server.stream.backend.Answer`); metrics are the caller's to record.
-    An env call past the call timeout is answered DEADLINE_EXCEEDED and the env replaced
-    with a fresh one (the client must reset); a pooled call still waiting for a thread
-    then never runs: RESOURCE_EXHAUSTED, the episode unchanged.
-    """
+    """The request handler of one Session (``backend.SessionBackend``)."""
 
     __slots__ = (
         "_action_class", "_driver", "_info_json", "_obs_url", "_options_class", "_replacing",
@@ -76,13 +60,11 @@ class SessionView:
         info_json: bool = False,
         replacing: Callable[[], Awaitable[None] | None] | None = None,
     ) -> None:
-        #: The client reads info as JSON text (it opened with ``openenv-info: json``).
-        self._info_json = info_json
+        self._info_json = info_json  # the client reads info as JSON text
         # The session checks the serialized answer against the message limit itself.
         self._driver = Driver(spec, 1, AutoresetMode.DISABLED, calls, SESSION_WORDS, snapshots)
-        #: The wait for a fresh env still being made, if any, when the env's calls answer
-        #: a hung call before its replacement exists (``--isolated``): the answer said
-        #: "replaced", so the next request, whatever it is, learns should it not be made.
+        #: The wait for a fresh env still being made after a hung call (``--isolated``):
+        #: the next request, whatever it is, learns should it not be made.
         self._replacing = replacing
         self._obs_url = spec.observation_url
         self._state_url = spec.state_url
@@ -116,13 +98,11 @@ class SessionView:
         return Answer(response.SerializeToString(), entry.outcome, seconds, "", entry.ends)
 
     async def close(self) -> None:
-        """Close the env, once (``backend.SessionBackend``)."""
         await self._driver.close()
 
     # -- commands -------------------------------------------------------------------------
 
     async def _step(self, request: pb.SessionRequest, response: pb.SessionResponse) -> float:
-        """Take one step into the response; returns the seconds the env call took."""
         command = request.step
         driver = self._driver
         why = driver.cannot_step(0)
@@ -161,7 +141,6 @@ class SessionView:
         return 0.0
 
     async def _snapshot(self, request: pb.SessionRequest, response: pb.SessionResponse) -> float:
-        """Capture the episode into the response; the episode is never changed."""
         driver = self._driver
         result = response.snapshot
         sealed = await driver.snapshot(_ROW)
@@ -226,8 +205,8 @@ class SessionView:
                 struct_info(info, result.info)
 
 
-#: Each command of a SessionRequest, by its field (``None``: no command set). A command
-#: added to the proto without an entry here fails this module's import.
+#: Each command of a SessionRequest, by its field (``None``: no command set); a command
+#: of the proto without an entry here fails this module's import.
 _COMMANDS = command_table(
     pb.SessionRequest,
     {
@@ -251,8 +230,7 @@ def _raise_row(errors: dict[int, RowError]) -> None:
 
 
 def _decode(payload: Any, message_class: type[Message], what: str) -> Message:
-    # ``unpack`` itself, not ``payloads.decode_payload``: one call less per step, the
-    # same message (decode_payload passes PayloadError's on as it is).
+    # ``unpack``, not ``payloads.decode_payload``: one call less per step, the same message.
     try:
         return unpack(payload, message_class, what)
     except PayloadError as exc:

@@ -1,11 +1,7 @@
-"""A VectorSession stream's requests and answers, over the driver's N envs.
-
-The view checks each request before any env is touched (indices in range, strictly
-increasing, one action or one reset per index, payloads of the declared types, the caps of
-``payloads.py`` per env) and refuses a bad one as a whole with INVALID_ARGUMENT; then it
-asks the driver (``driver.py``) and maps what the envs returned to the columnar wire
-result, with per-env errors by index.
-"""
+"""A VectorSession stream's requests and answers, over the driver's N envs: each request
+is checked before any env is touched (indices, one payload per env, payload types and
+caps) and refused as a whole with INVALID_ARGUMENT; the envs' results become the wire's
+columns, with per-env errors by index."""
 
 from __future__ import annotations
 
@@ -40,6 +36,8 @@ _INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 _FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION.value[0]
 _ANSWER_MODES = {pb.VECTOR_ANSWER_MODE_UNSPECIFIED, pb.VECTOR_ANSWER_MODE_ALL}
 _EMPTY = empty_request(pb.VectorSessionRequest)
+_Req = pb.VectorSessionRequest
+_Resp = pb.VectorSessionResponse
 
 
 class _Done(NamedTuple):
@@ -54,20 +52,13 @@ class _Done(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class _Command:
-    """One command of a vector stream: what answers it, and what its answer is to the
-    session."""
+    """One command of a vector stream: what answers it (on the env indices it names,
+    checked and held for it when ``holds``), and what its answer is to the session."""
 
-    #: Fills the response from the request, on the env indices it names (checked and
-    #: held for it when ``holds``; none otherwise).
-    run: Callable[
-        [VectorView, pb.VectorSessionRequest, Sequence[int], pb.VectorSessionResponse],
-        Awaitable[_Done],
-    ]
+    run: Callable[[VectorView, _Req, Sequence[int], _Resp], Awaitable[_Done]]
     outcome: Outcome = Outcome.ANSWERED
-    #: The command names envs (its ``indices``): they are held until its answer.
     holds: bool = True
-    #: The stream ends after this answer.
-    ends: bool = False
+    ends: bool = False  # the stream ends after this answer
 
 
 class VectorView:
@@ -77,8 +68,7 @@ class VectorView:
 
     def __init__(self, driver: Driver, info_json: bool = False) -> None:
         self._driver = driver
-        #: The client reads infos as JSON text (it opened with ``openenv-info: json``).
-        self._info_json = info_json
+        self._info_json = info_json  # the client reads infos as JSON text
         spec = self._spec = driver.spec
         self._obs_url = spec.observation_url
         self._state_url = spec.state_url
@@ -90,7 +80,6 @@ class VectorView:
 
     @property
     def native(self) -> bool:
-        """The stream's envs answer in a native batch form."""
         return self._driver.native
 
     async def handle(self, raw: bytes) -> Answer:
@@ -109,15 +98,10 @@ class VectorView:
         held: Sequence[int] = ()
         try:
             if entry.holds:
-                held = self._hold(getattr(request, str(command)).indices, request_id)
+                indices = self._indices(getattr(request, str(command)).indices)
+                driver.hold(indices, request_id)
+                held = indices  # once held: a refused hold lets go of nothing
             done = await entry.run(self, request, held, response)
-            if done.too_large is not None:
-                return self._oversize(
-                    response, done.too_large, entry.outcome, done.errors, done.seconds, done.steps
-                )
-            return self._answer(
-                response, entry.outcome, done.errors, done.seconds, done.steps, entry.ends
-            )
         except RequestError as err:
             return error_answer(response, err, driver.ends)
         except BatchRefused as err:
@@ -126,19 +110,28 @@ class VectorView:
         finally:
             if held:
                 driver.let_go(held)
+        errors = done.errors
+        codes = (
+            tuple(CODE_NAMES.get(e.code, str(e.code)) for e in errors.values()) if errors else ()
+        )
+        if done.too_large is None:
+            serialized = response.SerializeToString()
+            return Answer(
+                serialized, entry.outcome, done.seconds, "", entry.ends, done.steps, codes
+            )
+        # The call took effect; it counts as its steps, per-env errors and one
+        # RESOURCE_EXHAUSTED, as the session counts such an answer.
+        return Answer(
+            exhausted(response, done.too_large), entry.outcome, done.seconds, steps=done.steps,
+            env_errors=(*codes, grpc.StatusCode.RESOURCE_EXHAUSTED.name),
+        )  # fmt: skip
 
     async def close(self) -> None:
-        """Close every env, once (``backend.SessionBackend``)."""
         await self._driver.close()
 
     # -- commands -------------------------------------------------------------------------
 
-    async def _step(
-        self,
-        request: pb.VectorSessionRequest,
-        indices: Sequence[int],
-        response: pb.VectorSessionResponse,
-    ) -> _Done:
+    async def _step(self, request: _Req, indices: Sequence[int], response: _Resp) -> _Done:
         command = request.step
         driver = self._driver
         if command.answer_mode not in _ANSWER_MODES:
@@ -201,12 +194,7 @@ class VectorView:
             self._fill(response.result, outcome)
         return _Done(outcome.errors, seconds, stepped, too_large)
 
-    async def _reset(
-        self,
-        request: pb.VectorSessionRequest,
-        indices: Sequence[int],
-        response: pb.VectorSessionResponse,
-    ) -> _Done:
+    async def _reset(self, request: _Req, indices: Sequence[int], response: _Resp) -> _Done:
         command = request.reset
         batch_form = command.batch_observation
         if batch_form:
@@ -234,9 +222,8 @@ class VectorView:
             if reset.HasField("episode_id"):
                 episode_ids[k] = reset.episode_id
             if reset.HasField("options"):
-                options[k] = _decode(
-                    reset.options, options_class, f"reset options {k} (env {index})"
-                )
+                what = f"reset options {k} (env {index})"
+                options[k] = _decode(reset.options, options_class, what)
                 wire[k] = reset.options
         args = ResetArgs(indices, seeds, episode_ids, options, wire, batch_form)
         outcome = await self._driver.reset(args)
@@ -245,27 +232,16 @@ class VectorView:
             self._fill(response.result, outcome)
         return _Done(outcome.errors, too_large=too_large)
 
-    async def _state(
-        self,
-        request: pb.VectorSessionRequest,
-        indices: Sequence[int],
-        response: pb.VectorSessionResponse,
-    ) -> _Done:
+    async def _state(self, request: _Req, indices: Sequence[int], response: _Resp) -> _Done:
         driver = self._driver
         states, payload = await driver.query("state", indices)
         too_large = driver.too_large("state", payload)
         if too_large is None:
-            fill_states(
-                response.states, states, self._state_url, driver.episode_ids, driver.step_counts
-            )
+            ids, counts = driver.episode_ids, driver.step_counts
+            fill_states(response.states, states, self._state_url, ids, counts)
         return _Done(states.errors, too_large=too_large)
 
-    async def _snapshot(
-        self,
-        request: pb.VectorSessionRequest,
-        indices: Sequence[int],
-        response: pb.VectorSessionResponse,
-    ) -> _Done:
+    async def _snapshot(self, request: _Req, indices: Sequence[int], response: _Resp) -> _Done:
         driver = self._driver
         answer = response.snapshots
         answer.SetInParent()
@@ -279,12 +255,7 @@ class VectorView:
         fill_errors(answer.errors, sealed.errors)
         return _Done(sealed.errors)
 
-    async def _render(
-        self,
-        request: pb.VectorSessionRequest,
-        indices: Sequence[int],
-        response: pb.VectorSessionResponse,
-    ) -> _Done:
+    async def _render(self, request: _Req, indices: Sequence[int], response: _Resp) -> _Done:
         driver = self._driver
         frames, payload = await driver.query("render", indices)
         too_large = driver.too_large("render", payload)
@@ -300,12 +271,7 @@ class VectorView:
         fill_errors(answer.errors, frames.errors)
         return _Done(frames.errors)
 
-    async def _restore(
-        self,
-        request: pb.VectorSessionRequest,
-        indices: Sequence[int],
-        response: pb.VectorSessionResponse,
-    ) -> _Done:
+    async def _restore(self, request: _Req, indices: Sequence[int], response: _Resp) -> _Done:
         data = request.restore.snapshots
         if len(data) != len(indices):
             raise RequestError(
@@ -331,82 +297,26 @@ class VectorView:
         fill_errors(answer.errors, restored.errors)
         return _Done(restored.errors)
 
-    async def _close(
-        self,
-        request: pb.VectorSessionRequest,
-        indices: Sequence[int],
-        response: pb.VectorSessionResponse,
-    ) -> _Done:
+    async def _close(self, request: _Req, indices: Sequence[int], response: _Resp) -> _Done:
         driver = self._driver
         await driver.closing(request.request_id)  # the requests in flight are answered first
         await driver.close_command()
         response.closed.SetInParent()
         return _Done({})
 
-    async def _empty(
-        self,
-        request: pb.VectorSessionRequest,
-        indices: Sequence[int],
-        response: pb.VectorSessionResponse,
-    ) -> _Done:
+    async def _empty(self, request: _Req, indices: Sequence[int], response: _Resp) -> _Done:
         raise RequestError(_INVALID_ARGUMENT, _EMPTY)
 
-    # -- the wire ---------------------------------------------------------------------------
+    # -- the wire and validation ----------------------------------------------------------
 
     def _fill(self, result: pb.VectorResult, outcome: BatchOutcome) -> None:
-        """Copy a batch's outcome and the envs' bookkeeping into the wire's columns."""
+        """Copy a batch's outcome and the envs' books into the wire's columns."""
         driver = self._driver
         ids, counts = driver.episode_ids, driver.step_counts
         rows = outcome.rows
         if len(rows) != driver.size:  # else rows are every env in order: the lists as they are
             ids, counts = [ids[i] for i in rows], [counts[i] for i in rows]
         fill_result(result, outcome, self._obs_url, ids, counts, self._info_json)
-
-    def _answer(
-        self,
-        response: pb.VectorSessionResponse,
-        outcome: Outcome,
-        errors: dict[int, RowError],
-        seconds: float = 0.0,
-        steps: int = 0,
-        ends: bool = False,
-    ) -> Answer:
-        codes = (
-            tuple(CODE_NAMES.get(e.code, str(e.code)) for e in errors.values()) if errors else ()
-        )
-        return Answer(response.SerializeToString(), outcome, seconds, "", ends, steps, codes)
-
-    def _oversize(
-        self,
-        response: pb.VectorSessionResponse,
-        message: str,
-        outcome: Outcome,
-        errors: dict[int, RowError],
-        seconds: float = 0.0,
-        steps: int = 0,
-    ) -> Answer:
-        """The RESOURCE_EXHAUSTED answer of a call that took effect but whose result is
-        over the limit; counted as the session counts such an answer: the call's steps
-        and per-env errors, and one RESOURCE_EXHAUSTED."""
-        codes = tuple(CODE_NAMES.get(e.code, str(e.code)) for e in errors.values())
-        return Answer(
-            exhausted(response, message), outcome, seconds, steps=steps,
-            env_errors=(*codes, grpc.StatusCode.RESOURCE_EXHAUSTED.name),
-        )  # fmt: skip
-
-    # -- validation -------------------------------------------------------------------------
-
-    def _hold(self, given: Sequence[int], request_id: int) -> Sequence[int]:
-        """The env indices a request names, checked and held for it until its answer
-        (several requests may be in flight on one stream, each on envs of its own).
-
-        Raises:
-            RequestError: bad indices (INVALID_ARGUMENT), or an env held by a request in
-                flight, or the stream closing (FAILED_PRECONDITION); nothing was done.
-        """
-        indices = self._indices(given)
-        self._driver.hold(indices, request_id)
-        return indices
 
     def _indices(self, given: Sequence[int]) -> Sequence[int]:
         """The env indices a request names (all when empty), checked.
@@ -442,8 +352,8 @@ class VectorView:
             )
 
 
-#: Each command of a VectorSessionRequest, by its field (``None``: no command set). A
-#: command added to the proto without an entry here fails this module's import.
+#: Each command of a VectorSessionRequest, by its field (``None``: no command set); a
+#: command of the proto without an entry here fails this module's import.
 _COMMANDS = command_table(
     pb.VectorSessionRequest,
     {
