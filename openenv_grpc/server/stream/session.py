@@ -1,20 +1,9 @@
-"""The stream lifecycle: from admission to close, for a Session stream (one environment
-instance) and for a VectorSession stream (N of them); what each opens is ``service.py``'s.
+"""The stream lifecycle, for a Session (one env) and a VectorSession (N; what each opens is
+``service.py``'s): admission, open, the one stream loop, the idle reaper, the drain.
 
-Every path that ends a stream goes through :meth:`SessionManager.run`'s ``finally``:
-the client closes or cancels, its process dies, keepalive drops the connection, the idle
-reaper or a drain cancels the session. There the env is closed exactly once and the slot
-released exactly once (for in-process envs the slot goes with the env: see ``runner.py``).
-A vector stream is N sessions to everything here: N slots taken at once, all or nothing,
-and given back together; the idle reaper and the drain end it like any session.
-
-Every answer is held against the server's one byte budget (``budget.py``) from when it
-exists until its write is done; what a stream does when the budget is short is
-:class:`_StreamLoop`'s.
-
-A drain tells every held session at once with a notice (request_id 0), ends them when
-the grace period is over, and gives their envs a short budget to close; an env stuck in
-a call after that is abandoned, so the process exits on time whatever env code does.
+Every path that ends a stream goes through :meth:`SessionManager.run`'s ``finally``, where
+the envs are closed and the slots released exactly once. Every answer is held against the
+server's byte budget (``budget.py``) from when it exists until its write is done.
 """
 
 from __future__ import annotations
@@ -62,45 +51,30 @@ __all__ = ["CLOSE_BUDGET", "Held", "SessionManager", "StreamOpening"]
 
 log = logging.getLogger(__name__)
 
-#: A stream's transport: gRPC's context, or a local stream's (``wire.py``). Requests
-#: arrive as raw bytes; the loop parses them (see service.add_env_service).
-_Context = Wire
-
-#: Seconds a drain gives envs to close once the grace period is over (or every session has
-#: ended). Closing takes milliseconds; what is still closing after this is stuck in env
-#: code (a hung call, a hung close) and is abandoned so the process can exit.
+#: Seconds a drain gives envs to close after the grace; what is still closing then is
+#: stuck in env code and abandoned, so that the process exits on time.
 CLOSE_BUDGET = 2.0
 
 #: An answer is held twice until its write is done: our bytes, and gRPC's copy of them.
 _COPIES = 2
-#: Answers this small go out even when the budget is short, drawn from its reserve (half
-#: the budget again, ``ByteBudget.try_overdraw``): stalled readers must not stop every
-#: neighbour's steps, and the reserve keeps even many small answers bounded.
+#: Answers this small go out even when the budget is short, from its reserve
+#: (``ByteBudget.try_overdraw``): stalled readers must not stop every neighbour's steps.
 _SMALL = 64 * 1024
-#: Answers this small (a step of most envs, an error) always go out, counted or not:
-#: at most capacity x requests in flight x 4 KiB x 2 uncounted (32 MiB at the defaults),
-#: and stalled streams cannot stop a neighbour's ordinary steps even for a moment.
+#: Answers this small (most steps, errors) always go out, counted or not: at most
+#: capacity x requests in flight x 4 KiB x 2 uncounted (32 MiB at the defaults).
 _TINY = 4 * 1024
-#: Seconds an answer holding budget bytes may wait for its client to start taking it
-#: before the stream counts as stalled. A stalled stream is ended only when another
-#: stream's answer needs the bytes it holds: without that, a few clients that never read
-#: could keep the budget full until the idle timeout and refuse every neighbour's large
-#: answers. 16 MiB take well under a second on any link a trainer uses.
+#: Seconds an answer holding budget bytes may wait for its client before the stream counts
+#: as stalled; a stalled stream is ended only when another stream's answer needs the bytes.
 STALLED_AFTER = 5.0
 #: Seconds an answer waits for bytes that stalled streams give back before it is refused.
 _BUDGET_WAIT = 1.0
 
-#: A refusal first waits this long for the client's first request (or its half-close),
-#: so that its status does not race a write: grpc.aio reports such a write as INTERNAL
-#: "Internal error from Core" instead of our status (grpc/grpc#36066, fix proposed in
-#: #43486). Clients that wait for the headers before writing (ours, grpc-js, grpc-go)
-#: write nothing, so they get their refusal this much later. Longer waits (up to 5 s, as
-#: a 4,000-open burst's writes can lag on a loaded machine) made a 16,384-open burst see
-#: grpc cancel thousands of opens still queued, so the wait stays short.
+#: A refusal first waits this long for the client's first request (or half-close): else
+#: grpc.aio may report the status racing a write as INTERNAL (grpc/grpc#36066). Longer
+#: waits made a 16,384-open burst see grpc cancel thousands of queued opens.
 REFUSAL_WAIT = 0.25
-#: Refusals that may wait at once; past it a refusal goes out at once. Each holds its call
-#: (~20 KiB) and what of its first request has arrived (at most the request limit, as for
-#: an admitted stream) for at most REFUSAL_WAIT seconds.
+#: Refusals that may wait at once (each holds its call and first request); past it a
+#: refusal goes out at once.
 MAX_WAITING_REFUSALS = 1024
 
 
@@ -112,36 +86,41 @@ class _EndReason(enum.Enum):
     STALLED = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
-class _LiveSession:
-    """The handle the reaper and the drain use to reach a session from outside."""
+class Held:
+    """An admitted stream, from admission to its release: what it holds, and the handle
+    the reaper and the drain reach it by."""
 
     __slots__ = (
-        "context", "deferred", "end_reason", "heard", "holding", "noticed", "ready",
-        "side_write", "task", "unread_since", "waiting_since", "writing",
+        "backend", "context", "deferred", "end_reason", "heard", "holding", "noticed",
+        "owns_slot", "ready", "reason", "released", "side_write", "slots", "started", "task",
+        "unread_since", "waiting_since", "writing",
     )  # fmt: skip
 
-    def __init__(self, task: asyncio.Task[object], context: _Context) -> None:
+    def __init__(self, task: asyncio.Task[object], context: Wire, slots: int) -> None:
         self.task = task
         self.context = context
+        self.slots = slots  # limiter slots: 1, or N for a vector stream
+        self.started = time.monotonic()
+        self.reason = "error"  # how the session ended, for logs and metrics
+        self.backend: SessionBackend | None = None
+        self.released = False
+        #: False once an in-process env runner took the slots over (it frees them when
+        #: its envs are closed, maybe after the session).
+        self.owns_slot = True
         #: Loop time when the session began waiting for its client; None while it works.
         self.waiting_since: float | None = None
-        #: The wire's own clock of its client, if it has one (see ``Wire``).
         self.heard: Callable[[], float] | None = getattr(context, "heard", None)
         self.end_reason: _EndReason | None = None
-        #: Headers are sent (the env exists): a notice may be written from now on.
-        self.ready = False
-        #: Writes on a stream must never overlap. The session loop sets ``writing`` around
-        #: its own writes; a notice written from outside meanwhile waits in ``deferred``
-        #: (the loop sends it next), otherwise it is written at once as ``side_write``,
-        #: which the loop's next write awaits first.
+        self.ready = False  # headers are sent: a notice may be written from now on
+        #: Writes never overlap: a notice sent during the loop's write waits in
+        #: ``deferred`` (the loop sends it next), else goes as ``side_write``, which the
+        #: loop's next write awaits first.
         self.writing = False
         self.deferred: bytes | None = None
         self.side_write: asyncio.Task[None] | None = None
         self.noticed = False
-        #: Bytes this stream's answers hold against the byte budget now.
-        self.holding = 0
-        #: Loop time when the pending write began; None while none is pending (a client
-        #: that reads takes an answer at once).
+        self.holding = 0  # bytes this stream's answers hold against the budget
+        #: Loop time when the pending write began; None while none is pending.
         self.unread_since: float | None = None
 
     def end(self, reason: _EndReason) -> None:
@@ -162,61 +141,26 @@ class _LiveSession:
         task.add_done_callback(tasks.discard)
 
 
-class Held:
-    """What an admitted stream holds until :meth:`SessionManager._release`."""
-
-    __slots__ = ("backend", "live", "owns_slot", "reason", "released", "slots", "started")
-
-    def __init__(self, live: _LiveSession, slots: int) -> None:
-        self.started = time.monotonic()
-        self.reason = "error"  # how the session ended, for logs and metrics
-        self.backend: SessionBackend | None = None
-        self.live = live
-        self.released = False
-        #: Limiter slots the stream was admitted with: 1, or N for a vector stream.
-        self.slots = slots
-        #: The session frees its limiter slots itself; False once an in-process env runner
-        #: took them over (it frees them when its env is closed, maybe after the session).
-        self.owns_slot = True
-
-
 class StreamOpening(Protocol):
-    """What one kind of stream brings to :meth:`SessionManager.run`: how many slots it
-    takes, its message types, and how its backend is made once it is admitted."""
+    """What one kind of stream brings to :meth:`SessionManager.run`: the limiter slots
+    (env instances) it takes, all or nothing; its message types; the requests it may
+    have in flight (0: one at a time, in order); how its backend is made, once admitted
+    (``open`` sets ``held.owns_slot`` to False before handing the slots to something
+    that frees them itself); and initial metadata beyond the admitted and session-id keys.
+    """
+
+    slots: int
+    in_flight: int
 
     @property
-    def slots(self) -> int:
-        """Limiter slots (= env instances) the stream takes, all or nothing."""
-        ...
+    def request_class(self) -> type[Message]: ...
 
     @property
-    def request_class(self) -> type[Message]:
-        """The stream's request message (read back for the oversize answer)."""
-        ...
+    def response_class(self) -> type[Message]: ...
 
-    @property
-    def in_flight(self) -> int:
-        """Requests the stream may have in flight at once; 0: one at a time, in order
-        (a Session: the next request is read once the last one is answered)."""
-        ...
+    async def open(self, held: Held) -> SessionBackend: ...
 
-    @property
-    def response_class(self) -> type[Message]:
-        """The stream's response message."""
-        ...
-
-    async def open(self, held: Held) -> SessionBackend:
-        """Make the stream's backend (its envs). Set ``held.owns_slot`` to False before
-        handing the slots to something that frees them itself.
-
-        Raises:
-            Exception: the env factory's (or the env process's) failure.
-        """
-        ...
-
-    def headers(self) -> tuple[tuple[str, str], ...]:
-        """Initial metadata beyond the admitted and session-id keys, sent once open."""
-        ...
+    def headers(self) -> tuple[tuple[str, str], ...]: ...
 
 
 class SessionManager:
@@ -235,17 +179,14 @@ class SessionManager:
         snapshots: SnapshotSeal | None = None,
         budget: ByteBudget | None = None,
     ) -> None:
-        #: Seals and opens this server's snapshots (None: the driver's default).
-        self.snapshots = snapshots
-        #: The server's one byte budget (``--max-held-bytes``): every answer is held
-        #: against it from when it exists until its write completes, and so is whatever
-        #: else holds bytes for clients (isolated frames, the OpenEnv wire).
+        self.snapshots = snapshots  # None: the driver's default seal
+        #: The server's one byte budget (``--max-held-bytes``), shared with whatever else
+        #: holds bytes for clients (isolated frames, the OpenEnv wire).
         self.budget = budget if budget is not None else ByteBudget(config.max_held_bytes)
         self.spec = spec
         self.config = config
         self.limiter = limiter
-        #: Counters for the Info RPC, always kept; Prometheus too when it is on. Both are
-        #: fed from what each request was answered with (:meth:`_record`).
+        #: Info's counters, always kept; Prometheus too when it is on.
         self.activity = activity if activity is not None else Activity()
         self._metrics: Metrics = (
             self.activity if prometheus is None else MetricsTee(self.activity, prometheus)
@@ -253,8 +194,7 @@ class SessionManager:
         self._pool = pool
         #: Where factories and closes of pooled envs run: never behind hung env calls.
         self._lifecycle = lifecycle if lifecycle is not None else pool
-        #: Every admitted session, from admission (before its env exists) to its release.
-        self._live: set[_LiveSession] = set()
+        self._live: set[Held] = set()  # every admitted session, until its release
         self._no_sessions = asyncio.Event()
         self._no_sessions.set()
         self._reaper: asyncio.Task[None] | None = None
@@ -265,28 +205,10 @@ class SessionManager:
         self._close_by: float | None = None
         #: Closes a drain stopped waiting for (referenced so they are not collected).
         self._closing: set[asyncio.Future[None]] = set()
-        #: Longest an env call may take; the server's setting wins over the env's own.
         self._call_timeout = config.call_timeout(spec.env_class.step_timeout)
         self.max_response = config.max_message_bytes
-        #: Loop time before which :meth:`_end_stalled` does not scan the streams again.
-        self._stalled_scan_at = 0.0
-        #: Refusals waiting for their client's first request (``MAX_WAITING_REFUSALS``).
+        self._stalled_scan_at = 0.0  # loop time before which streams are not scanned again
         self._refusals_waiting = 0
-
-    @property
-    def call_timeout(self) -> float | None:
-        """Longest an env call may take (None: no limit); the server's setting wins."""
-        return self._call_timeout
-
-    @property
-    def pool(self) -> Executor:
-        """The shared thread pool that blocking env calls run on."""
-        return self._pool
-
-    @property
-    def lifecycle(self) -> Executor:
-        """The threads that build and close pooled envs."""
-        return self._lifecycle
 
     async def local_calls(
         self,
@@ -297,14 +219,8 @@ class SessionManager:
         *,
         native: bool = True,
     ) -> LocalBatchCalls:
-        """The envs of one admitted stream, built in this process (``calls.local_calls``).
-        Their runner frees the ``size`` slots when they are closed (or could not be made);
-        a hung batch's replacement takes slots of its own (NoSlot: the hung one still
-        holds them, the cap is on envs).
-
-        Raises:
-            Exception: what building the envs raised.
-        """
+        """The envs of one admitted stream, built in this process; their runner frees the
+        ``size`` slots when they are closed (or could not be made)."""
         limiter = self.limiter
         return await local_calls(
             self.spec, size, autoreset, self._pool, words=words,
@@ -313,9 +229,9 @@ class SessionManager:
             reserve=limiter.acquire_for_replacement,
         )  # fmt: skip
 
-    async def run(self, context: _Context, opening: StreamOpening) -> None:
-        """Run one stream of any kind, given its RPC context, to its end: admit its slots
-        (or refuse it), make its backend, answer its requests, release everything once."""
+    async def run(self, context: Wire, opening: StreamOpening) -> None:
+        """Run one stream to its end: admit its slots (or refuse it), make its backend,
+        answer its requests, release everything once."""
         slots = opening.slots
         admission = self.limiter.try_acquire(slots)
         if admission is not Admission.ADMITTED:
@@ -326,55 +242,31 @@ class SessionManager:
         session_id = uuid.uuid4().hex[:16]
         SESSION_ID.set(session_id)  # this task's context: every log line below carries it
         ORPHANED_STEPS.set(self._metrics)  # steps done after their answer was given up
-        live = _LiveSession(asyncio.current_task(), context)  # type: ignore[arg-type]
-        held = Held(live, slots)
-        self._live.add(live)
+        held = Held(asyncio.current_task(), context, slots)  # type: ignore[arg-type]
+        self._live.add(held)
         self._no_sessions.clear()
         try:
             try:
                 held.backend = await opening.open(held)
-            except InvalidAction as exc:  # e.g. make_batch refused this size
-                held.reason = "refused"
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT, f"the environment refused the open: {exc}"
-                )
-            except CreateTimeout as exc:  # the factory ran past --lifecycle-timeout
-                held.reason = "factory_error"
-                await context.abort(
-                    grpc.StatusCode.DEADLINE_EXCEEDED, f"could not create the environment: {exc}"
-                )
-            except SessionLostError as exc:  # an env process died while making the env(s)
-                held.reason = "factory_error"
-                await context.abort(
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"could not create the environment: {exc}; nothing was made, open again",
-                )
             except Exception as exc:
-                held.reason = "factory_error"
-                log.exception("environment factory raised")
-                # A worker process reports the factory's exception as text already.
-                detail = str(exc) if isinstance(exc, EnvFactoryError) else describe(exc)
-                await context.abort(
-                    grpc.StatusCode.INTERNAL, f"could not create the environment: {detail}"
-                )
-            # Headers now tell the client it was admitted and its env exists.
+                held.reason = "refused" if isinstance(exc, InvalidAction) else "factory_error"
+                await context.abort(*_open_failed(exc))
             await context.send_initial_metadata(
                 ((ADMITTED_KEY, self.spec.name), (SESSION_ID_KEY, session_id), *opening.headers())
             )
             log.debug("session opened" if slots == 1 else f"vector session of {slots} opened")
-            live.ready = True
+            held.ready = True
             if self._drain_deadline is not None:
-                live.notify(self._drain_notice(), self._notices)
-            held.reason = await _StreamLoop(self, context, held.backend, live, opening).run()
+                held.notify(self._drain_notice(), self._notices)
+            held.reason = await _StreamLoop(self, context, held.backend, held, opening).run()
         except asyncio.CancelledError:
-            end_reason = live.end_reason
+            end_reason = held.end_reason
             if end_reason is None:
                 held.reason = "cancelled"
                 raise  # the client went away or the server is stopping: nobody to tell
             held.reason = end_reason.name.lower()
             log.info("session ended by the server: %s", held.reason)
-            # Free the env and the slot first: the status may wait for ever behind answers
-            # a client that stopped reading never takes.
+            # Free the envs first: the status may wait for ever behind unread answers.
             await self._release(held)
             await context.abort(end_reason.value, self._end_message(end_reason))
         finally:
@@ -385,7 +277,7 @@ class SessionManager:
         if held.released:
             return
         held.released = True
-        self._live.discard(held.live)
+        self._live.discard(held)
         if not self._live:
             self._no_sessions.set()
         closed = held.backend is None or await self._close_within_budget(held)
@@ -398,8 +290,8 @@ class SessionManager:
 
     async def _close_within_budget(self, held: Held) -> bool:
         """Close the session's backend; once a drain has ended the sessions, wait no longer
-        than the rest of :data:`CLOSE_BUDGET`, so that the stream's status is sent and its
-        handler ends in time (a close that hangs goes on unobserved). False if given up."""
+        than the rest of :data:`CLOSE_BUDGET` (a hung close goes on unobserved). False if
+        given up."""
         assert held.backend is not None
         if self._close_by is None:
             await held.backend.close()
@@ -449,85 +341,69 @@ class SessionManager:
         self, raw: bytes, response: bytes, opening: StreamOpening
     ) -> tuple[bytes, int]:
         """What to write for the answer ``response`` to ``raw``, and the bytes taken from
-        the budget for it (give them back once the write is done, or given up): the answer
-        itself while it fits the message limit and the budget (or is small: see
-        :data:`_SMALL`), else the small in-band RESOURCE_EXHAUSTED that replaces it
-        (nothing taken)."""
+        the budget for it (given back once the write is done or given up): the answer
+        while it fits the message limit and the budget (or is small), else the in-band
+        RESOURCE_EXHAUSTED that replaces it (nothing taken)."""
         size = len(response)
-        if size > self.max_response:
-            # gRPC would end the stream; fail this request instead.
+        if size > self.max_response:  # gRPC would end the stream; fail this request instead
             return self.too_large(raw, size, opening), 0
         held = size * _COPIES
         budget = self.budget
         if budget.try_take(held):
             return response, held
-        # Stalled streams give their bytes up now that an answer needs them.
-        self._end_stalled()
+        self._end_stalled()  # stalled streams give their bytes up now that one needs them
         if size <= _TINY:
             return response, 0
         if size <= _SMALL and budget.try_overdraw(held):
-            # A budget full of stalled readers' answers must not stop every neighbour's
-            # steps: a small answer is held in the budget's reserve.
             return response, held
-        # Held bytes are on their way back (answers being written, stalled streams
-        # ended here unwinding): wait for them a moment rather than refuse at once. One
+        # Held bytes are on their way back: wait a moment rather than refuse at once. One
         # answer waits at a time: a waiting answer is bytes the budget does not count.
         if not budget.waiting:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(budget.take(held), _BUDGET_WAIT)
                 return response, held
-        return self._unheld(raw, size, opening), 0
-
-    def too_large(self, raw: bytes, size: int, opening: StreamOpening) -> bytes:
-        """The in-band error that replaces a response over the message limit."""
-        request, command = _command(raw, opening)
-        hint = "" if opening.slots == 1 else " (name fewer envs per request, by indices)"
+        request_id, command = _command(raw, opening)
         return self._exhausted(
             opening,
-            request,
-            f"the {command} response is {size} bytes, over the server's message limit of "
-            f"{self.max_response} bytes (--max-message-bytes): the {command} took effect "
-            f"but its result cannot be sent{hint}; the session goes on",
-        )
-
-    def _unheld(self, raw: bytes, size: int, opening: StreamOpening) -> bytes:
-        """The in-band error that replaces an answer the byte budget cannot hold now."""
-        request, command = _command(raw, opening)
-        budget = self.budget
-        return self._exhausted(
-            opening,
-            request,
+            request_id,
             f"the {command} response is {size} bytes and this server holds {budget.used} "
             f"of its {budget.total} bytes (--max-held-bytes) for answers not yet taken by "
             f"their clients: the {command} took effect but its result could not be held; "
             f"retry in {self.config.retry_pushback_ms} ms or elsewhere (the {command} is "
             "not undone); the session goes on",
+        ), 0
+
+    def too_large(self, raw: bytes, size: int, opening: StreamOpening) -> bytes:
+        """The in-band error that replaces a response over the message limit."""
+        request_id, command = _command(raw, opening)
+        hint = "" if opening.slots == 1 else " (name fewer envs per request, by indices)"
+        return self._exhausted(
+            opening,
+            request_id,
+            f"the {command} response is {size} bytes, over the server's message limit of "
+            f"{self.max_response} bytes (--max-message-bytes): the {command} took effect "
+            f"but its result cannot be sent{hint}; the session goes on",
         )
 
     def over_cap(self, raw: bytes, opening: StreamOpening, in_flight: int) -> bytes:
         """The in-band RESOURCE_EXHAUSTED for a request past the stream's cap on requests
-        in flight.
-
-        Raises:
-            UndecodableRequest: ``raw`` does not parse (no id to answer to).
-        """
+        in flight. Raises UndecodableRequest: ``raw`` does not parse."""
         return self._exhausted(
             opening,
-            parse_request(raw, opening.request_class),
+            parse_request(raw, opening.request_class).request_id,  # type: ignore[attr-defined]
             f"{in_flight} requests already in flight on this stream, the most this server "
             f"allows (--max-vector-in-flight, MAX_VECTOR_IN_FLIGHT = {opening.in_flight}): "
             "wait for an answer before sending more; nothing was done, the stream goes on",
         )
 
-    def _exhausted(self, opening: StreamOpening, request: Message, message: str) -> bytes:
-        """An in-band RESOURCE_EXHAUSTED answer to ``request``, counted in the metrics."""
+    def _exhausted(self, opening: StreamOpening, request_id: int, message: str) -> bytes:
+        """An in-band RESOURCE_EXHAUSTED answer to ``request_id``, counted in the metrics."""
         self._metrics.request_error(grpc.StatusCode.RESOURCE_EXHAUSTED.name)
-        # Set, not passed: Message's stubs take no field keywords.
         response = opening.response_class()
-        response.request_id = request.request_id  # type: ignore[attr-defined]
+        response.request_id = request_id  # type: ignore[attr-defined]
         return exhausted(response, message)
 
-    async def _refuse(self, context: _Context, admission: Admission, asked: int) -> None:
+    async def _refuse(self, context: Wire, admission: Admission, asked: int) -> None:
         if admission is Admission.DRAINING:
             await self.refuse(
                 context,
@@ -556,23 +432,18 @@ class SessionManager:
 
     async def refuse(
         self,
-        context: _Context,
+        context: Wire,
         code: grpc.StatusCode,
         message: str,
         trailing_metadata: Sequence[tuple[str, str]] = (),
     ) -> None:
         """End a stream that was not admitted with ``code``, once the client's first
-        request came or :data:`REFUSAL_WAIT` is over (see there why).
-
-        Raises:
-            grpc.aio.AbortError: always (what ``context.abort`` raises to end the handler).
-        """
+        request came or :data:`REFUSAL_WAIT` is over; always raises (``context.abort``)."""
         # A reset stream has no write in flight: no read (a failed batch) on it.
         if not context.cancelled() and self._refusals_waiting < MAX_WAITING_REFUSALS:
             # A task, not wait_for: cancelling a pending read would cancel the call itself.
             first = asyncio.ensure_future(context.read())
-            # It ends (EOF) once the status is out, or with the call; nobody needs its outcome.
-            first.add_done_callback(_ignore)
+            first.add_done_callback(_ignore)  # it ends with the call; nobody needs it
             self._refusals_waiting += 1
             try:
                 await asyncio.wait((first,), timeout=REFUSAL_WAIT)
@@ -591,28 +462,22 @@ class SessionManager:
             )
         return "server is draining: session ended and environment closed"
 
-    def _end_stalled(self) -> bool:
+    def _end_stalled(self) -> None:
         """End every stream whose answers hold budget bytes and have waited for their
-        client longer than :data:`STALLED_AFTER`; returns whether any was ended. Their
-        bytes come back as their tasks unwind."""
+        client longer than :data:`STALLED_AFTER`; their bytes come back as they unwind."""
         now = asyncio.get_running_loop().time()
         if now < self._stalled_scan_at:  # one scan of every stream per quarter second
-            return False
+            return
         self._stalled_scan_at = now + 0.25
         cutoff = now - STALLED_AFTER
-        ended = False
-        for live in self._live:
-            since = live.unread_since
-            if live.holding and since is not None and since < cutoff and live.end_reason is None:
+        for held in self._live:
+            since = held.unread_since
+            if held.holding and since is not None and since < cutoff and held.end_reason is None:
                 log.warning(
                     "ending a session whose client took no answer for %.0fs: %d bytes held",
-                    STALLED_AFTER, live.holding,
+                    STALLED_AFTER, held.holding,
                 )  # fmt: skip
-                live.end(_EndReason.STALLED)
-                ended = True
-        return ended
-
-    # -- reclaiming sessions ---------------------------------------------------------
+                held.end(_EndReason.STALLED)
 
     def start(self) -> None:
         """Start the idle reaper (if an idle timeout is set). Call on the server's loop."""
@@ -627,32 +492,27 @@ class SessionManager:
         while True:
             await asyncio.sleep(interval)
             cutoff = loop.time() - timeout
-            for live in list(self._live):
-                since, heard = live.waiting_since, live.heard
+            for held in list(self._live):
+                since, heard = held.waiting_since, held.heard
                 if since is not None and since < cutoff and (heard is None or heard() < cutoff):
-                    live.end(_EndReason.IDLE)
+                    held.end(_EndReason.IDLE)
 
     async def drain(self, grace: float) -> int:
-        """Admit nothing more, tell every session it has ``grace`` seconds (a notice), end
-        those still open when the grace is over, and give their envs :data:`CLOSE_BUDGET`
-        seconds to close.
-
-        Returns the number of envs left unclosed: stuck in a call or in ``close`` (their
-        threads cannot be stopped; the caller exits without them).
-        """
+        """Admit nothing more, notify every session it has ``grace`` seconds, end those
+        still open then, and give their envs :data:`CLOSE_BUDGET` seconds to close.
+        Returns the number of envs left unclosed (stuck in env code; abandoned)."""
         self.limiter.start_draining()
         loop = asyncio.get_running_loop()
         self._drain_deadline = (loop.time() + grace, time.time() + grace)
         if self._live:
             notice = self._drain_notice()
-            for live in list(self._live):
-                live.notify(notice, self._notices)
+            for held in list(self._live):
+                held.notify(notice, self._notices)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._no_sessions.wait(), grace)
-        # From here, a session's envs get what is left of the budget to close.
         self._close_by = loop.time() + CLOSE_BUDGET
-        for live in list(self._live):
-            live.end(_EndReason.DRAIN)
+        for held in list(self._live):
+            held.end(_EndReason.DRAIN)
         stuck = 0
         try:
             await asyncio.wait_for(self.limiter.wait_idle(), CLOSE_BUDGET)
@@ -691,24 +551,17 @@ class SessionManager:
 
 
 class _StreamLoop:
-    """The one loop of every stream, whatever its kind or wire: read a request, answer
-    it, write the answer (its request id on it), until the stream ends.
+    """The one loop of every stream: read a request, answer it, write the answer, until
+    the stream ends.
 
-    A stream may have up to ``opening.in_flight`` requests in flight: read, and not
-    answered or not yet written (an answer waiting for a client that does not read still
-    counts). A Session has one: the reader answers each request itself before it reads
-    the next. A VectorSession's reader hands each request to a task of its own; answers
-    go out as each is ready, one write at a time. Past the cap, while answers wait for
-    the client the stream reads nothing more until one is taken (backpressure); while all
-    of them are in the env, a request is answered RESOURCE_EXHAUSTED at once and the
-    stream goes on. Every answer is held against the server's byte budget until it is
-    written; when its own answers make the budget short, the stream stops reading too,
-    and an answer the budget cannot hold at all is replaced by an in-band
-    RESOURCE_EXHAUSTED. Which envs each request may touch is the driver's business
-    (``Driver.hold``). The stream is idle (for the reaper) while it waits for its client:
-    for a request, or to take an answer. After a half-close the requests in flight are
-    answered before the stream ends; a close's answer (or any answer that ends the
-    stream) is written last, after the others.
+    Up to ``opening.in_flight`` requests may be in flight (read, and not yet written). A
+    Session has one: the reader answers each request before it reads the next. A
+    VectorSession's reader hands each to a task; answers go out as each is ready, one
+    write at a time. Past the cap the stream reads nothing more while answers wait for
+    the client (backpressure), or answers RESOURCE_EXHAUSTED at once while all are in the
+    env; likewise it stops reading while its own answers make the byte budget short. The
+    stream is idle (for the reaper) while it waits for its client. After a half-close
+    the requests in flight are answered first; an answer that ends the stream goes last.
     """
 
     __slots__ = (
@@ -720,9 +573,9 @@ class _StreamLoop:
     def __init__(
         self,
         manager: SessionManager,
-        context: _Context,
+        context: Wire,
         backend: SessionBackend,
-        live: _LiveSession,
+        live: Held,
         opening: StreamOpening,
     ) -> None:
         self._manager = manager
@@ -735,27 +588,20 @@ class _StreamLoop:
         #: code, message) or ("raise", exception).
         self._ended: asyncio.Future[tuple[object, ...]] = self._loop.create_future()
         self._cap = max(opening.in_flight, 1)
-        #: Writes of several answer tasks never overlap (one request in flight: one writer).
-        self._lock = asyncio.Lock() if self._cap > 1 else None
-        #: How an answer is written: at once, or after the other tasks' writes.
+        self._lock = asyncio.Lock() if self._cap > 1 else None  # one write at a time
         self._write = self._write_now if self._lock is None else self._write_locked
         self._tasks: set[asyncio.Task[None]] = set()
-        #: Requests read and not answered, or answered and not yet written (the cap).
-        self._answering = 0
-        #: Requests inside the backend (the stream is not idle while any is).
-        self._working = 0
+        self._answering = 0  # requests read and not yet written (the cap)
+        self._working = 0  # requests inside the backend (not idle while any is)
         self._budget = manager.budget
-        #: Bytes this stream's answers hold against the budget until they are written.
-        self._held = 0
-        #: The most one answer of this stream has held: what the next one may need.
-        self._largest = 0
+        self._held = 0  # bytes this stream's answers hold against the budget
+        self._largest = 0  # the most one answer has held: what the next may need
         #: Set when an answer leaves (written or given up): the reader may read again.
         self._taken: asyncio.Future[None] | None = None
 
     async def run(self) -> str:
         """Answer requests until the stream ends; returns how it ended."""
-        live = self.live
-        live.waiting_since = self._loop.time()
+        self.live.waiting_since = self._loop.time()
         # One request in flight: the reader is this task (the reaper and the drain cancel
         # it); several: a task of its own, so that answers are written as they come.
         reader = None if self._lock is None else self._loop.create_task(self._read_all())
@@ -772,13 +618,12 @@ class _StreamLoop:
             if kind == "raise":
                 self._cancel_all()
                 raise end[1]  # type: ignore[misc]
-            # A half-close or an ending answer: the other requests in flight first.
-            if self._tasks:
+            if self._tasks:  # a half-close or an ending answer: the others first
                 await asyncio.wait(list(self._tasks))
             if kind == "eof":
                 return "client_ended"
             await self._write(end[1])  # type: ignore[arg-type]
-            return "closed"  # nothing may follow the answer to a close
+            return "closed"
         finally:
             if reader is not None:
                 reader.cancel()
@@ -794,15 +639,14 @@ class _StreamLoop:
             self._ended.set_result(how)
 
     def _full(self) -> bool:
-        """Answers of this stream wait for its client, and it may hold no more of them:
-        the cap is reached, or its own answers made the budget short."""
+        """Answers wait for the client, and the stream may hold no more of them: the cap
+        is reached, or its own answers made the budget short."""
         return self._answering > self._working and (
             self._answering >= self._cap
             or (self._held > 0 and not self._budget.fits(self._largest))
         )
 
     async def _until_taken(self) -> None:
-        """Wait until an answer of this stream leaves (its write is done)."""
         if self._taken is None:
             self._taken = self._loop.create_future()
         await self._taken
@@ -812,12 +656,10 @@ class _StreamLoop:
         inline = self._lock is None
         try:
             while not ended.done():
-                # Backpressure (a Session's one answer is written before it reads again).
                 while not inline and self._full():  # the request stays in gRPC's window
                     await self._until_taken()
                 raw: object = await read()
-                if raw is grpc.aio.EOF:
-                    # The client half-closed or cancelled: gRPC shows both as the end.
+                if raw is grpc.aio.EOF:  # a half-close or a cancel
                     self._end("eof")
                     return
                 while not inline and self._full():  # answers left the env meanwhile
@@ -851,13 +693,12 @@ class _StreamLoop:
 
     async def _answer(self, raw: bytes) -> None:
         """Answer one request and write the answer; it counts against the cap until it
-        is written (an answer the client never takes counts)."""
+        is written."""
         manager, live = self._manager, self.live
         try:
             try:
                 answer = await self._backend.handle(raw)
-            except UndecodableRequest as exc:
-                # No request id to answer to: the stream is out of sync, so end it.
+            except UndecodableRequest as exc:  # no request id to answer to: out of sync
                 self._end("abort", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                 return
             except SessionLostError as exc:
@@ -865,8 +706,7 @@ class _StreamLoop:
                 return
             finally:
                 self._working -= 1
-                if not self._working:
-                    # Idle from here: waiting for the client, to take this answer or to ask.
+                if not self._working:  # idle from here: waiting for the client
                     live.waiting_since = self._loop.time()
             manager.record(answer)
             response = answer.response
@@ -897,7 +737,6 @@ class _StreamLoop:
                     taken.set_result(None)
 
     async def _write_locked(self, response: bytes) -> None:
-        """:meth:`_write_now` for a stream of several answer tasks: one write at a time."""
         assert self._lock is not None
         async with self._lock:
             await self._write_now(response)
@@ -905,20 +744,17 @@ class _StreamLoop:
     async def _write_now(self, response: bytes) -> None:
         """Write one answer, never overlapping a drain notice."""
         live, write = self.live, self._context.write
-        if live.side_write is not None:  # a notice is on its way: never overlap it
+        if live.side_write is not None:
             await live.side_write
             live.side_write = None
         live.writing = True
-        # Any write, small or not: a client that takes none holds every answer queued
-        # behind it (``live.holding``).
+        # Any write: a client that takes none holds every answer queued behind it.
         live.unread_since = self._loop.time()
         try:
             await write(response)
         except Exception as exc:
-            # grpc-core fails a write (ExecuteBatchError) only once the call is over:
-            # the client cancelled or went away mid-write, before the reader saw it.
-            # The stream ends as on any cancel, not as a server error with a
-            # traceback in the log (a client could fill the log with those).
+            # grpc-core fails a write only once the call is over (the client went away):
+            # end as on a cancel, without a traceback a client could fill the log with.
             log.debug("write failed, the call is over: %r", exc)
             self._end("eof")
             return
@@ -934,18 +770,34 @@ class _StreamLoop:
                 live.writing = False
 
 
-def _command(raw: bytes, opening: StreamOpening) -> tuple[Message, str]:
-    """The request ``raw`` (decoded once already: empty if it no longer parses) and the
-    name of its command."""
-    request: Message
+def _open_failed(exc: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status of a stream whose envs could not be made."""
+    if isinstance(exc, InvalidAction):  # e.g. make_batch refused this size
+        return grpc.StatusCode.INVALID_ARGUMENT, f"the environment refused the open: {exc}"
+    if isinstance(exc, CreateTimeout):  # the factory ran past --lifecycle-timeout
+        return grpc.StatusCode.DEADLINE_EXCEEDED, f"could not create the environment: {exc}"
+    if isinstance(exc, SessionLostError):  # an env process died while making the envs
+        return (
+            grpc.StatusCode.UNAVAILABLE,
+            f"could not create the environment: {exc}; nothing was made, open again",
+        )
+    log.exception("environment factory raised")
+    # A worker process reports the factory's exception as text already.
+    detail = str(exc) if isinstance(exc, EnvFactoryError) else describe(exc)
+    return grpc.StatusCode.INTERNAL, f"could not create the environment: {detail}"
+
+
+def _command(raw: bytes, opening: StreamOpening) -> tuple[int, str]:
+    """The id of request ``raw`` (parsed once already) and its command's name."""
+    request: Any
     try:
         request = opening.request_class.FromString(raw)
     except DecodeError:  # kept total for safety
         request = opening.request_class()
-    return request, request.WhichOneof("command") or "request"
+    return request.request_id, request.WhichOneof("command") or "request"
 
 
-async def _write_quietly(context: _Context, message: bytes) -> None:
+async def _write_quietly(context: Wire, message: bytes) -> None:
     """Write ``message`` on a stream that may end meanwhile (then it is simply not sent)."""
     with contextlib.suppress(Exception):
         await context.write(message)
