@@ -668,6 +668,50 @@ def test_a_drain_closes_websockets_with_a_close_frame() -> None:
         assert exit_code == 0
 
 
+@pytest.mark.fresh_server  # a server it stops: make test
+def test_a_drain_answers_bodies_still_arriving_with_503_and_no_traceback() -> None:
+    """HTTP requests whose bodies trickle in when the server drains: each is answered 503
+    (``Connection: close``) at the drain, not cancelled at uvicorn's shutdown timeout with
+    an ERROR traceback per request (before)."""
+    with own_server("--grace", "5") as (server, url):
+        socks = []
+        for path in ("/reset", "/step", "/mcp"):
+            sock = socket.create_connection(_hostport(url))
+            sock.sendall(f"POST {path} HTTP/1.1\r\nHost: door\r\nContent-Type: "
+                         "application/json\r\nContent-Length: 1000\r\n\r\n{".encode())  # fmt: skip
+            socks.append(sock)
+        for sock in socks:  # every request is reading its body
+            sock.sendall(b" ")
+        # A round trip after them: the loop has parsed their heads and runs their routes.
+        with urllib.request.urlopen(f"{url}/health", timeout=30) as health:
+            assert health.status == 200
+        started = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        answers = []
+        for sock in socks:
+            sock.settimeout(30)
+            answers.append(_read_all(sock))
+            sock.close()
+        took = time.monotonic() - started
+        exit_code = server.proc.wait(30)
+        errors = server.stderr()
+    print(f"\n3 bodies arriving at a drain: answered {took:.2f} s after SIGTERM; exit {exit_code}")
+    for answer in answers:
+        assert answer.startswith(b"HTTP/1.1 503"), answer[:200]
+        assert b"server draining" in answer
+        assert b"connection: close" in answer.lower()
+    assert exit_code == 0
+    assert "Traceback" not in errors, errors[-3000:]
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    """What the server sends until it closes the connection."""
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
 # -- 9. bytes across connections: the server's one byte budget -----------------------------------
 
 BUDGET = 8 << 20  # --max-held-bytes of the servers below

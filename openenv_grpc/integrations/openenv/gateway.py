@@ -99,6 +99,14 @@ _CLOSE_POLICY, _CLOSE_IDLE, _CLOSE_DRAIN = 1008, 1001, 1012
 _UNAUTHORIZED = {"detail": "missing or wrong bearer token"}
 
 
+def _draining() -> JSONResponse:
+    """The answer to a request whose body was still arriving when the server drained."""
+    return JSONResponse(
+        {"detail": "server draining: retry on another server"}, 503,
+        headers={"Connection": "close", "Retry-After": "1"},
+    )  # fmt: skip
+
+
 def openenv_mode() -> str:
     """OpenEnv's server mode, from ``OPENENV_MODE`` as its ``create_app`` reads it:
     ``simulation`` (the default) or ``production`` (no ``/reset``, ``/step``, ``/state``).
@@ -176,6 +184,11 @@ class OpenEnvGateway:
         #: Closes of sockets whose sessions the core ended, and of held sessions closed by
         #: ``openenv/session/close`` (referenced until done).
         self._closers: set[asyncio.Future[None]] = set()
+        #: Requests whose bodies are arriving: a drain stops each with a 503 at once
+        #: rather than leaving uvicorn to cancel it at its shutdown timeout.
+        self._reading: set[asyncio.Task[Any]] = set()
+        #: Those a drain stopped (their cancellation is the door's, not their caller's).
+        self._stopped: set[asyncio.Task[Any]] = set()
         self.draining = False
         tool_fields = find_tool_fields(
             classes["action"].DESCRIPTOR, classes["observation"].DESCRIPTOR
@@ -369,6 +382,11 @@ class OpenEnvGateway:
                     return False
             return True
 
+        task = asyncio.current_task()
+        assert task is not None
+        if self.draining:
+            return _draining()
+        self._reading.add(task)
         try:
             complete = await asyncio.wait_for(read(), self.limits.arrival_timeout)
         except asyncio.TimeoutError:
@@ -376,7 +394,16 @@ class OpenEnvGateway:
                                  f"{self.limits.arrival_timeout:g}s"}, 408)  # fmt: skip
         except ClientDisconnect:
             return JSONResponse({"detail": "the client went"}, 400)
+        except asyncio.CancelledError:
+            if task not in self._stopped:
+                raise
+            uncancel = getattr(task, "uncancel", None)  # Python 3.11+ counts cancellations
+            if uncancel is not None:
+                uncancel()  # the drain's cancellation, answered here
+            return _draining()
         finally:
+            self._reading.discard(task)
+            self._stopped.discard(task)
             if budget is not None:
                 budget.give(held)
         if complete is None:
@@ -434,8 +461,12 @@ class OpenEnvGateway:
                     await self._let_go(session_id, held)
 
     def start_draining(self) -> None:
-        """The server drains: sockets that end from now on close with 1012 (restart)."""
+        """The server drains: sockets that end from now on close with 1012 (restart), and
+        bodies still arriving are answered 503 now."""
         self.draining = True
+        for task in self._reading:
+            self._stopped.add(task)
+            task.cancel()
 
     async def close_sockets(self) -> None:
         """Close every WebSocket still open with 1012 (the core ends their sessions)."""
