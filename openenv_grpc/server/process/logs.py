@@ -45,12 +45,8 @@ def configure_logging(level: str = "INFO", fmt: str = "text") -> None:
         raise ValueError(f"log format must be text or json, got {fmt!r}")
     handler = logging.StreamHandler()
     handler.addFilter(_SessionFilter())
-    if fmt == "json":
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(
-            logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(session)s] %(message)s")
-        )
+    text = logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(session)s] %(message)s")
+    handler.setFormatter(JsonFormatter() if fmt == "json" else text)
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
