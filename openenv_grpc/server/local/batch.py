@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, cast
 
@@ -202,18 +202,17 @@ class _Instances(VectorBatch):
         first = self._envs[index].reset(seed=None, episode_id=episode_id, options=options)
         return first, episode_id
 
-    def _restarts(self, autoresets: Autoresets) -> Mapping[int, str]:
-        """The envs this step resets instead of stepping (NEXT_STEP's)."""
-        return autoresets.episode_ids if self._next_step else {}
-
-    def _reset_row(self, out: BatchOutcome, index: int, answer: Any) -> None:
-        """One env's row, or its error (``answer``: what its reset returned or raised)."""
-        try:
-            first = self._checked(_result(answer))
-        except BaseException as exc:
-            out.errors[index] = row_error(exc, "reset")
-            return
-        self._add(out, index, first)
+    def _reset_rows(self, indices: Sequence[int], answers: Iterable[Any]) -> BatchOutcome:
+        """Each env's row, or its error (``answers``: what each reset returned or raised)."""
+        out = BatchOutcome()
+        for index, answer in zip(indices, answers, strict=True):
+            try:
+                first = self._checked(_result(answer))
+            except BaseException as exc:
+                out.errors[index] = row_error(exc, "reset")
+                continue
+            self._add(out, index, first)
+        return out
 
 
 class LoopBatch(_Instances):
@@ -227,17 +226,12 @@ class LoopBatch(_Instances):
         options: Sequence[Message | None],
         batch_form: bool = False,
     ) -> BatchOutcome:
-        out = BatchOutcome()
         envs = self._envs
-        for index, seed, episode_id, option in zip(
-            indices, seeds, episode_ids, options, strict=True
-        ):
-            try:
-                first: Any = envs[index].reset(seed=seed, episode_id=episode_id, options=option)
-            except BaseException as exc:
-                first = exc
-            self._reset_row(out, index, first)
-        return out
+
+        def reset(index: int, seed: int | None, episode_id: str, option: Any) -> Any:
+            return envs[index].reset(seed=seed, episode_id=episode_id, options=option)
+
+        return self._reset_rows(indices, _called(reset, indices, seeds, episode_ids, options))
 
     def step(
         self,
@@ -247,7 +241,8 @@ class LoopBatch(_Instances):
         autoresets: Autoresets = NO_AUTORESETS,
     ) -> BatchOutcome:
         out = BatchOutcome()
-        envs, restarts = self._envs, self._restarts(autoresets)
+        envs = self._envs
+        restarts = autoresets.episode_ids if self._next_step else {}  # NEXT_STEP's
         add, checked, same_step = self._add, self._checked, self._same_step
         # The common row (not ended, no autoreset yet in this call) is written here
         # without a call per row: it is most of a vector step.
@@ -293,13 +288,14 @@ class LoopBatch(_Instances):
 
     def query(self, name: str, indices: Sequence[int]) -> BatchStates:
         envs = self._envs
-        return _queried(name, indices, lambda index: getattr(envs[index], name)(), self._types)
+        answers = _called(lambda index: getattr(envs[index], name)(), indices)
+        return _states(name, indices, answers, self._types)
 
     def restore(
         self, indices: Sequence[int], states: Sequence[bytes], ended: Sequence[bool]
     ) -> dict[int, RowError]:
         envs = self._envs
-        return _restores(indices, states, ended, lambda i, state, _: envs[i].restore(state))
+        return _restored(indices, _called(lambda i, state: envs[i].restore(state), indices, states))
 
     def close(self) -> None:
         """Close every env, whatever the others do; then raise the first close's error."""
@@ -324,11 +320,7 @@ class AsyncLoopBatch(_Instances):
                 indices, seeds, episode_ids, options, strict=True
             )
         ]
-        answers = await _gather(calls)
-        out = BatchOutcome()
-        for index, answer in zip(indices, answers, strict=True):
-            self._reset_row(out, index, answer)
-        return out
+        return self._reset_rows(indices, await _gather(calls))
 
     async def step(
         self,
@@ -337,7 +329,7 @@ class AsyncLoopBatch(_Instances):
         batch_form: bool = False,
         autoresets: Autoresets = NO_AUTORESETS,
     ) -> BatchOutcome:
-        restarts = self._restarts(autoresets)
+        restarts = autoresets.episode_ids if self._next_step else {}
         answers = await _gather(
             self._one_step(index, action, index in restarts, autoresets)
             for index, action in zip(indices, actions, strict=True)
@@ -374,25 +366,14 @@ class AsyncLoopBatch(_Instances):
     async def query(self, name: str, indices: Sequence[int]) -> BatchStates:
         envs = self._envs
         answers = await _gather(getattr(envs[index], name)() for index in indices)
-        out = BatchStates()
-        for index, answer in zip(indices, answers, strict=True):
-            _query_row(out, name, index, answer, self._types)
-        return out
+        return _states(name, indices, answers, self._types)
 
     async def restore(
         self, indices: Sequence[int], states: Sequence[bytes], ended: Sequence[bool]
     ) -> dict[int, RowError]:
         envs = self._envs
-        answers = await _gather(
-            envs[index].restore(state) for index, state in zip(indices, states, strict=True)
-        )
-        errors: dict[int, RowError] = {}
-        for index, answer in zip(indices, answers, strict=True):
-            try:
-                _result(answer)
-            except BaseException as exc:
-                errors[index] = row_error(exc, "restore")
-        return errors
+        calls = (envs[index].restore(state) for index, state in zip(indices, states, strict=True))
+        return _restored(indices, await _gather(calls))
 
     async def close(self) -> None:
         """Close every env at once (a hung close holds back no other); then raise the
@@ -442,13 +423,17 @@ class NativeBatch(VectorBatch):
         return self._outcome(indices, batch.step(indices, action), batch_form, resets=True)
 
     def query(self, name: str, indices: Sequence[int]) -> BatchStates:
-        return _queried(name, indices, getattr(self._batch, name), self._types)
+        return _states(name, indices, _called(getattr(self._batch, name), indices), self._types)
 
     def restore(
         self, indices: Sequence[int], states: Sequence[bytes], ended: Sequence[bool]
     ) -> dict[int, RowError]:
         batch = self._batch
-        return _restores(indices, states, ended, lambda i, s, over: batch.restore(i, s, ended=over))
+
+        def restore(index: int, state: bytes, over: bool) -> None:
+            batch.restore(index, state, ended=over)
+
+        return _restored(indices, _called(restore, indices, states, ended))
 
     def close(self) -> None:
         self._batch.close()
@@ -535,21 +520,17 @@ def build_batch(
         TypeError: ``make_batch`` returned something else than a BatchEnvironment.
     """
     env_class = spec.env_class
-    if issubclass(env_class, Environment):
-        made = (
-            env_class.make_batch(size, autoreset)
-            if native and natively_batched(env_class)
-            else None
-        )
-        if made is not None:
-            if not isinstance(made, BatchEnvironment):
-                raise TypeError(
-                    f"{env_class.__qualname__}.make_batch returned "
-                    f"{type(made).__qualname__}, not a BatchEnvironment"
-                )
-            return NativeBatch(made, spec)
+    if not issubclass(env_class, Environment):
+        return AsyncLoopBatch(spec, size, autoreset)
+    made = env_class.make_batch(size, autoreset) if native and natively_batched(env_class) else None
+    if made is None:
         return LoopBatch(spec, size, autoreset)
-    return AsyncLoopBatch(spec, size, autoreset)
+    if not isinstance(made, BatchEnvironment):
+        raise TypeError(
+            f"{env_class.__qualname__}.make_batch returned "
+            f"{type(made).__qualname__}, not a BatchEnvironment"
+        )
+    return NativeBatch(made, spec)
 
 
 def batch_spec(
@@ -568,43 +549,40 @@ def batch_spec(
     return dataclasses.replace(spec, factory=factory, env_class=batch_class, placement=placement)
 
 
-def _queried(
-    name: str, indices: Sequence[int], ask: Callable[[int], Any], types: EnvironmentTypes
-) -> BatchStates:
-    out = BatchStates()
-    for index in indices:
+def _called(call: Callable[..., Any], *columns: Sequence[Any]) -> Iterator[Any]:
+    """``call`` on each row of ``columns``, as it is consumed: what it returned or raised."""
+    for row in zip(*columns, strict=True):
         try:
-            answer: Any = ask(index)
+            answer = call(*row)
         except BaseException as exc:
             answer = exc
-        _query_row(out, name, index, answer, types)
+        yield answer
+
+
+def _states(
+    name: str, indices: Sequence[int], answers: Iterable[Any], types: EnvironmentTypes
+) -> BatchStates:
+    """Each env's encoded answer to query ``name``, or its error."""
+    out = BatchStates()
+    for index, answer in zip(indices, answers, strict=True):
+        try:
+            out.states.append(QUERIES[name].encode(_result(answer), types))
+        except BaseException as exc:
+            out.errors[index] = row_error(exc, name)
+            continue
+        out.rows.append(index)
     return out
 
 
-def _restores(
-    indices: Sequence[int],
-    states: Sequence[bytes],
-    ended: Sequence[bool],
-    put: Callable[[int, bytes, bool], object],
-) -> dict[int, RowError]:
+def _restored(indices: Sequence[int], answers: Iterable[Any]) -> dict[int, RowError]:
+    """The restores that failed."""
     errors: dict[int, RowError] = {}
-    for index, state, over in zip(indices, states, ended, strict=True):
+    for index, answer in zip(indices, answers, strict=True):
         try:
-            put(index, state, over)
+            _result(answer)
         except BaseException as exc:
             errors[index] = row_error(exc, "restore")
     return errors
-
-
-def _query_row(
-    out: BatchStates, name: str, index: int, answer: Any, types: EnvironmentTypes
-) -> None:
-    try:
-        out.states.append(QUERIES[name].encode(_result(answer), types))
-    except BaseException as exc:
-        out.errors[index] = row_error(exc, name)
-        return
-    out.rows.append(index)
 
 
 async def _gather(calls: Iterable[Awaitable[Any]]) -> list[Any]:

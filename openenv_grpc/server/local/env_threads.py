@@ -52,13 +52,10 @@ class EnvThreadPool(concurrent.futures.Executor):
         # Threads waiting for work: a submit that finds one idle starts no new thread.
         self._idle = threading.Semaphore(0)
         self._lock = threading.Lock()
-        self._busy = 0
+        #: Threads running a call now.
+        self.busy = 0
         self._started = 0
         self._shutdown = False
-
-    @property
-    def busy(self) -> int:
-        return self._busy
 
     def abandon(self, call: EnvCall) -> bool:
         """Give up on ``call``: its thread stops counting against ``size``, so a new one
@@ -106,20 +103,18 @@ class EnvThreadPool(concurrent.futures.Executor):
             surplus = False
             if future.set_running_or_notify_cancel():
                 with self._lock:
-                    self._busy += 1
+                    self.busy += 1
                 try:
                     result = fn(*args, **kwargs)
-                except Exception as exc:  # as ThreadPoolExecutor: the caller sees it
-                    future.set_exception(exc)
                 except BaseException as exc:
-                    # Env code's SystemExit, carried as an Exception: thrown bare into the
+                    # Env code's SystemExit goes as an Exception: thrown bare into the
                     # awaiting task, it could end the event loop.
-                    future.set_exception(EnvExit(exc))
+                    future.set_exception(exc if isinstance(exc, Exception) else EnvExit(exc))
                 else:
                     future.set_result(result)
                 finally:
                     with self._lock:
-                        self._busy -= 1
+                        self.busy -= 1
                         if future.abandoned:
                             self._abandoned -= 1
                         # A thread started for an abandoned call's queue leaves once

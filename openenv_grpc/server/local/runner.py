@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import Executor
 from typing import Any, ParamSpec, TypeVar
 
-from openenv_grpc.environment import AnyEnvironment, Environment
+from openenv_grpc.environment import AnyEnvironment
 from openenv_grpc.server.errors import EnvExit, contained
 from openenv_grpc.server.local.env_threads import EnvCall, EnvThreadPool, Lifecycle
 from openenv_grpc.server.model.placement import CallPlacement, CostGroup, PooledCall
@@ -112,11 +112,10 @@ class EnvRunner:
         #: Every call runs on the event loop, untimed: :meth:`call_inline` may be used.
         self.inline = mode is ExecutionMode.INLINE
         self._placement = placement
-        self._cost_class: Callable[[], str] | None = None
-        if mode is ExecutionMode.MEASURED:
-            own = getattr(type(env), "cost_class", Environment.cost_class)
-            measured: Any = env  # an Environment or a VectorBatch (which always answers)
-            self._cost_class = None if own is Environment.cost_class else measured.cost_class
+        measured: Any = env  # a VectorBatch: it answers for its envs
+        self._cost_class: Callable[[], str] | None = (
+            measured.cost_class if mode is ExecutionMode.MEASURED else None
+        )
         self._pool = pool
         self._lifecycle = lifecycle if lifecycle is not None else pool
         self._release = release
