@@ -203,6 +203,7 @@ class CallPlacement:
         self._env_name = env_name
         self._groups: dict[tuple[str, str], CostGroup] = {}
         self._overflow = _Unmeasured(self, f"{env_name} (groups beyond {MAX_GROUPS})")
+        self._overflowed = False
 
     def group(self, cost_class: str, method: str, by_process: bool = False) -> CostGroup:
         """Made on first use; beyond :data:`MAX_GROUPS`, a shared group kept on the pool."""
@@ -211,8 +212,8 @@ class CallPlacement:
         if found is not None:
             return found
         if len(self._groups) >= MAX_GROUPS:
-            if not self._overflow.warned:
-                self._overflow.warned = True
+            if not self._overflowed:
+                self._overflowed = True
                 log.warning(
                     "%s: more than %d cost groups (methods x cost_class() values); calls of "
                     "new ones stay on the thread pool",
@@ -220,18 +221,14 @@ class CallPlacement:
                 )  # fmt: skip
             return self._overflow
         name = f"{self._env_name}.{method}" + (f" [{cost_class[:80]}]" if cost_class else "")
-        made = self._groups[key] = CostGroup(self, name, by_process)
-        return made
+        self._groups[key] = found = CostGroup(self, name, by_process)
+        return found
 
 
 class _Unmeasured(CostGroup):
     """A group kept on the pool whatever its calls cost."""
 
-    __slots__ = ("warned",)
-
-    def __init__(self, placement: CallPlacement, name: str) -> None:
-        super().__init__(placement, name)
-        self.warned = False
+    __slots__ = ()
 
     def ran_pooled(self, seconds: float, own: bool) -> None:
         pass

@@ -41,9 +41,11 @@ class ReadsWithin(Protocol):
     """Batch calls that bound a query's answers where the envs make them."""
 
     async def query_within(self, name: str, indices: Sequence[int], room: int) -> BatchStates:
-        """Raises:
-        AnswerTooLarge: the answers passed ``room`` bytes (no env is read past that).
-        BatchRefused: the whole call failed (e.g. the server's byte budget is short).
+        """Each env's answer to query ``name``, or its error, as ``query`` does.
+
+        Raises:
+            AnswerTooLarge: the answers passed ``room`` bytes (no env is read past that).
+            BatchRefused: the whole call failed (e.g. the server's byte budget is short).
         """
         ...
 

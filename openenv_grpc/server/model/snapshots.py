@@ -69,14 +69,7 @@ _INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 _FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION.value[0]
 _RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 
-#: The phase codes a snapshot may carry (``phases.CAPTURED_PHASE``'s).
-_PHASES = frozenset(
-    (
-        snapshot_pb2.SNAPSHOT_PHASE_RUNNING,
-        snapshot_pb2.SNAPSHOT_PHASE_TERMINATED,
-        snapshot_pb2.SNAPSHOT_PHASE_TRUNCATED,
-    )
-)
+_PHASES = frozenset(snapshot_pb2.SnapshotPhase.values()) - {snapshot_pb2.SNAPSHOT_PHASE_UNSPECIFIED}
 
 
 class SnapshotRefused(Exception):
@@ -122,7 +115,6 @@ class KeyRing:
 
     @property
     def ids(self) -> tuple[str, ...]:
-        """The ids of every key that verifies, the signing one first."""
         return tuple(self._secrets)
 
     def secret(self, key_id: str) -> bytes | None:
@@ -225,9 +217,7 @@ class SnapshotSeal:
         self.limit = limit
 
     def seal(self, captured: Captured) -> bytes:
-        """Raises:
-        SnapshotRefused: RESOURCE_EXHAUSTED, the snapshot would be over the limit.
-        """
+        """Raises SnapshotRefused: RESOURCE_EXHAUSTED, the snapshot is over the limit."""
         body = snapshot_pb2.SnapshotBody(
             env_name=self._env_name,
             env_version=self._env_version,

@@ -112,18 +112,15 @@ def _supports_snapshots(env_class: type[AnyEnvironment]) -> bool:
         TypeError: it overrides one of them only.
     """
     base = AsyncEnvironment if issubclass(env_class, AsyncEnvironment) else Environment
-    overridden = {
-        name
-        for name in ("snapshot", "restore")
-        if getattr(env_class, name) is not getattr(base, name)
-    }
-    if len(overridden) == 1:
-        (done,) = overridden
-        missing = ({"snapshot", "restore"} - overridden).pop()
+    snapshot, restore = (
+        getattr(env_class, n) is not getattr(base, n) for n in ("snapshot", "restore")
+    )
+    if snapshot != restore:
+        done, missing = ("snapshot", "restore") if snapshot else ("restore", "snapshot")
         raise TypeError(
             f"{env_class.__qualname__} overrides {done}() but not {missing}(): snapshots need both"
         )
-    return bool(overridden)
+    return snapshot
 
 
 def _env_class_of(factory: Callable[[], Any]) -> type[AnyEnvironment]:
