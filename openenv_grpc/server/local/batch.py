@@ -157,8 +157,9 @@ class _Instances(VectorBatch):
         return transition
 
     def _add(
-        self, out: BatchOutcome, index: int, transition: Transition[Any], *, auto: bool = False
+        self, out: BatchOutcome, index: int, transition: Transition[Any], new_episode: str = ""
     ) -> None:
+        """One row from a checked transition (``new_episode``: the id of an autoreset's)."""
         out.rows.append(index)
         out.observations.append(transition.observation.SerializeToString())
         out.rewards.append(_reward(out, index, transition.reward))
@@ -167,7 +168,8 @@ class _Instances(VectorBatch):
         if transition.info:
             out.infos[index] = transition.info
         marks = out.autoreset
-        if auto:
+        if new_episode:
+            out.new_episode_ids[index] = new_episode
             if marks is None:
                 out.autoreset = marks = [False] * (len(out.rows) - 1)
             marks.append(True)
@@ -184,7 +186,7 @@ class _Instances(VectorBatch):
     ) -> None:
         """SAME_STEP's row for an episode that just ended: the step's reward and flags,
         the new episode's first observation and info; the last ones go to the finals."""
-        self._add(out, index, first, auto=True)
+        self._add(out, index, first, episode_id)
         out.no_reward.discard(index)  # the row's reward is the ended step's, not the reset's
         out.rewards[-1] = _reward(out, index, ended.reward)
         out.terminated[-1] = ended.terminated
@@ -192,7 +194,6 @@ class _Instances(VectorBatch):
         out.final_observations.append(ended.observation.SerializeToString())
         if ended.info:
             out.final_infos[index] = ended.info
-        out.new_episode_ids[index] = episode_id
 
     def _restart(self, index: int, autoresets: Autoresets) -> tuple[Any, str]:
         """Autoreset env ``index`` (the one place one is made): what its ``reset``
@@ -256,8 +257,7 @@ class LoopBatch(_Instances):
             try:
                 if index in restarts:  # NEXT_STEP: this step starts the next episode
                     first, episode_id = self._restart(index, autoresets)
-                    add(out, index, checked(first), auto=True)
-                    out.new_episode_ids[index] = episode_id
+                    add(out, index, checked(first), episode_id)
                     continue
                 transition = env.step(action)
                 if (
@@ -343,10 +343,8 @@ class AsyncLoopBatch(_Instances):
                 continue
             if kind == "same_step":
                 self._add_same_step(out, index, transition, first, episode_id)
-            else:
-                self._add(out, index, transition, auto=kind == "next_step")
-                if kind == "next_step":
-                    out.new_episode_ids[index] = episode_id
+            else:  # a plain step's episode_id is ""
+                self._add(out, index, transition, episode_id)
         return out
 
     async def _one_step(

@@ -178,15 +178,12 @@ class Lifecycle(concurrent.futures.Executor):
         call = self.closes.submit(fn, *args)
         if self.timeout is not None:
             with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(self._watch, loop, call)
+                loop.call_soon_threadsafe(self._expire, loop, call)
         return call
 
-    def _watch(self, loop: asyncio.AbstractEventLoop, call: EnvCall) -> None:
-        assert self.timeout is not None
-        loop.call_later(self.timeout, self._expire, loop, call)
-
     def _expire(self, loop: asyncio.AbstractEventLoop, call: EnvCall) -> None:
-        """Abandon ``call`` past the timeout, counted from when a thread took it."""
+        """Abandon ``call`` past the timeout, counted from when a thread took it; until
+        then, check again when it would be due."""
         if call.done() or call.abandoned:
             return
         assert self.timeout is not None
