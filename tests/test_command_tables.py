@@ -19,7 +19,6 @@ from openenv_grpc.server.model.commands import (
     complete_table,
     empty_request,
 )
-from openenv_grpc.server.model.queries import QUERIES
 from openenv_grpc.server.stream import session_view, vector_view
 from openenv_grpc.server.stream.backend import Outcome
 from openenv_grpc.v1 import session_pb2 as pb
@@ -65,10 +64,8 @@ def test_a_vector_command_holds_the_envs_it_names_except_close() -> None:
     assert holds == VECTOR - {"close"}
 
 
-def test_the_env_process_answers_every_block_command_but_close_and_every_op() -> None:
-    table = env_process._BLOCK_COMMANDS
-    assert set(table) == VECTOR - {"close"}  # a close is a CLOSE frame, never a request
-    assert {name for name, run in table.items() if run is env_process._block_query} == set(QUERIES)
+def test_the_env_process_answers_every_op_and_dispatches_commands_by_name() -> None:
+    assert not hasattr(env_process, "_BLOCK_COMMANDS")  # no table of commands: by name
     assert set(env_process._OPS) == set(env_process.Op)
     assert all(env_process._OPS[op] is not None for op in (1, 2, 3, 4))  # ints as read
 

@@ -108,19 +108,20 @@ def test_a_restored_ended_episode_autoresets_without_the_slots_options(server) -
 
 def test_a_step_frame_carries_its_autoresets_to_the_env_process() -> None:
     from openenv_grpc.codec import pack
-    from openenv_grpc.server.local.frames import read_step_frame, step_frame
+    from openenv_grpc.server.local.batch import Autoresets
+    from openenv_grpc.server.local.calls import StepArgs, part_args
+    from openenv_grpc.server.local.frames import command_frame, read_command
 
-    options = pack(EchoResetOptions(max_steps=4))
-    actions = [pack(a) for a in say("a", "b", "c")]
-    frame = step_frame([0, 1, 2], actions, False, [(0, "id0", None), (2, "id2", options)])
-    request, autoresets = read_step_frame(frame)
-    assert list(request.step.indices) == [0, 1, 2] and list(request.step.actions) == actions
-    assert autoresets is not None and list(autoresets.indices) == [0, 2]
-    assert [c.episode_id for c in autoresets.envs] == ["id0", "id2"]
-    assert not autoresets.envs[0].HasField("options") and autoresets.envs[1].options == options
-    # any other request frame is the request itself
-    plain, none = read_step_frame(request.SerializeToString())
-    assert plain == request and none is None
+    options = EchoResetOptions(max_steps=4)
+    actions = say("a", "b", "c")
+    autoresets = Autoresets({4: "id4", 6: "id6"}, {6: options}, {6: pack(options)})
+    step = StepArgs([4, 5, 6], actions, None, False, None, autoresets)
+    # the block of envs 4.. : local indices 0, 1, 2
+    frame = command_frame("step", "step", 3, part_args(step, [0, 1, 2], [0, 1, 2]))
+    what, method, envs, (indices, got, batch_form, sent) = read_command(frame)
+    assert (what, method, envs) == ("step", "step", 3)
+    assert (indices, got, batch_form) == ([0, 1, 2], actions, False)
+    assert sent.episode_ids == {0: "id4", 2: "id6"} and sent.options == {2: options}
 
 
 def test_an_autoreset_whose_episode_ends_as_it_begins_autoresets_again(server) -> None:

@@ -1,50 +1,14 @@
-"""``--isolated``: a stream's envs as blocks in the env processes; a vector stream's spread
-over them, a Session's one env a block of one.
+"""``--isolated``: a stream's envs as contiguous blocks in the env processes (one
+sub-batch per process, so a step runs on every core; a native batch or a Session's env is
+one block). Each block gets its part of any call (``calls.part_args``), and the answers
+are gathered in index order.
 
-The stream's N envs are cut into contiguous blocks, one sub-batch per env process (the
-least loaded first), so a step runs on every core at once: the front sends each process
-the part of the request about its block (``frames.py``), awaits them together and
-gathers the answers into one outcome, in index order. The vector driver in the front
-keeps the books and checks every request before any of it is sent, so a refusal never
-leaves some blocks stepped and others not.
-
-An env's native batch is one unit: a stream of an env that overrides ``make_batch`` lives
-in one env process (streams are still spread over the processes), since batch-form
-observations of several processes could not be joined.
-
-When an env process dies (a crash, or killed past the step timeout), only the envs of its
-block are lost: the call that saw it answers UNAVAILABLE (DEADLINE_EXCEEDED when this
-call's own block hung) for each of those indices, a fresh sub-batch replaces the block on
-a live process (reset those envs to go on), and the other blocks' results come as usual.
-The block's envs that call did not name are fresh ones too: they are reported, there and
-then, to the driver's books (``calls.Losses``), which keep them LOST and say what a
-request naming one gets (``driver.py``); this keeps only its blocks. If no fresh sub-batch
-can be made, the stream ends (UNAVAILABLE).
-
-A Session is the same path with one block of one env, opened with a policy of its own
-(:class:`BlockPolicy`, chosen by ``service``; these calls never ask what kind of stream
-they serve): its own call past the step timeout is refused DEADLINE_EXCEEDED and a fresh
-env made meanwhile (the Session's view waits for it, :meth:`SpreadBatchCalls.replacing`,
-before its next request; if none can be made, INTERNAL and the stream ends); losing its
-process any other way ends the stream ("session lost"), as the client cannot tell which
-of its requests took effect.
-
-A call over several blocks whose env process refused it as a whole with the end of the
-stream (a block closed under its frame) ends the stream as a call of one block does,
-with that refusal; the blocks that stepped meanwhile are handed to ``StepArgs.orphaned``.
-
-A vector stream's query is read within the message limit (:meth:`query_within`): each
-block's frame carries the room, its env process stops reading its envs once their answers
-pass it, and each part that comes back is held against the server's byte budget (taken
-as it arrives, given back once the parts are one answer for the driver, or refused). The
-sum of the parts passing the room refuses the answer as too large (``AnswerTooLarge``: the
-driver answers the client as for envs in this process); the budget short refuses it
-RESOURCE_EXHAUSTED. Either way nothing else changes, and no part is kept.
-
-A step whose stream ends while its env processes step (its call is cancelled) is still
-counted: each block's answer that comes after all -- or came before the cancellation
-reached the call -- is read and handed to the driver's ``StepArgs.orphaned``, which books
-it and counts its env steps, once per block, as it does for envs in this process.
+A lost env process costs only its block's envs: the call answers UNAVAILABLE
+(DEADLINE_EXCEEDED for its own hung block) for those it named, the others go to the
+driver's books (``calls.Losses``), and a fresh block is made on a live process
+(:class:`BlockPolicy` says what a Session's stream does instead). A refusal that ends the
+stream is the whole call's; a step given up still hands each block's answer to
+``StepArgs.orphaned``, once.
 """
 
 from __future__ import annotations
@@ -75,22 +39,12 @@ from openenv_grpc.server.isolated.env_process_pool import (
 from openenv_grpc.server.local.batch import BatchOutcome
 from openenv_grpc.server.local.calls import (
     BatchRefused,
+    Commands,
     Losses,
-    ResetArgs,
-    RestoreArgs,
-    StepArgs,
+    batch_args,
+    part_args,
 )
-from openenv_grpc.server.local.frames import (
-    ROOM,
-    query_frame,
-    read_errors,
-    read_outcome,
-    read_rows,
-    reset_frame,
-    restore_frame,
-    room_frame,
-    step_frame,
-)
+from openenv_grpc.server.local.frames import ROOM, command_frame, read_answer
 from openenv_grpc.server.model.phases import VECTOR_WORDS, Words
 from openenv_grpc.server.model.queries import AnswerTooLarge, BatchStates
 from openenv_grpc.server.process.budget import ByteBudget
@@ -108,27 +62,21 @@ _RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 
 @dataclass(frozen=True, slots=True)
 class BlockPolicy:
-    """Where a stream's blocks go, what its env processes make of them and what losing
-    one's process means to the stream: chosen by who opens it (``service``); the
-    defaults are a vector's."""
+    """Where a stream's blocks go and what losing one's process means to the stream,
+    chosen by ``service``; the defaults are a vector's."""
 
-    #: CREATE's block kind (``env_process.BLOCK_OPEN``), passed on as it is.
+    #: CREATE's block kind (``env_process.BLOCK_OPEN``).
     kind: int = VECTOR_BLOCK
-    #: New blocks go to the env processes up already first; else to the least loaded,
-    #: even one still starting, so streams opened one after the other spread out.
+    #: New blocks go to env processes up already first; else to the least loaded.
     prefer_ready: bool = True
-    #: A call that ran past the step timeout is refused as a whole (DEADLINE_EXCEEDED,
-    #: ``replaced``) rather than per env; should the fresh block not be made, INTERNAL
-    #: and the stream ends (a stream of one block).
+    #: A call past the step timeout is refused as a whole (DEADLINE_EXCEEDED,
+    #: ``replaced``); should no fresh block be made, INTERNAL and the stream ends.
     refuse_timed_out_call: bool = False
-    #: Losing an env process other than by the call's own timeout ends the stream
-    #: (SessionLostError) rather than a fresh block taking the lost one's place.
+    #: Losing an env process otherwise ends the stream (SessionLostError).
     lost_process_ends: bool = False
-    #: The words of those refusals.
     words: Words = VECTOR_WORDS
 
 
-#: A vector stream's blocks (see the module's docstring).
 VECTOR_BLOCKS = BlockPolicy()
 
 
@@ -140,20 +88,18 @@ class _Block:
     env_id: int
     start: int
     size: int
-    #: Its fresh sub-batch being made after its process was lost (the answer that said
-    #: so did not wait for it); the block's next call waits for it.
+    #: Its fresh sub-batch being made after its process was lost; its next call waits.
     rebuilding: asyncio.Task[None] | None = None
 
 
-#: One block's part of a call: the block, the positions of its envs in the call's index
-#: list, and their indices in the sub-batch.
+#: One block's part of a call: the block, its envs' positions in the call, their local
+#: indices.
 _Part = tuple[_Block, list[int], list[int]]
 
-#: Takes the outcome (and seconds) of a step its caller gave up (``StepArgs.orphaned``).
 _Orphaned = Callable[[BatchOutcome, float], None]
 
 
-class SpreadBatchCalls:
+class SpreadBatchCalls(Commands):
     """A stream's envs as blocks in the env processes (``BatchCalls``)."""
 
     __slots__ = ("_autoreset", "_blocks", "_losses", "_native", "_policy", "_pool", "_starts")
@@ -172,8 +118,6 @@ class SpreadBatchCalls:
         self._autoreset = autoreset
         self._native = native
         self._policy = policy
-        #: Where the envs of a lost block that the call which lost it did not name are
-        #: reported (the driver's books; see the module's docstring).
         self._losses: Losses = _UNBOOKED
 
     @classmethod
@@ -185,22 +129,18 @@ class SpreadBatchCalls:
         batches: bool,
         policy: BlockPolicy = VECTOR_BLOCKS,
     ) -> SpreadBatchCalls:
-        """Build the stream's blocks, all at once, as ``policy`` says: over every live env
-        process, or in one when the env ``batches`` natively or ``size`` is one.
+        """Build the stream's blocks at once: over every live env process, or one block
+        when the env ``batches`` natively or ``size`` is one.
 
         Raises:
-            EnvFactoryError, InvalidAction: building a block failed (the others made are
-                closed).
-            SessionLostError: no env process is running, or one died meanwhile (one block:
-                every one tried died).
+            EnvFactoryError, InvalidAction: building a block failed (the others are closed).
+            SessionLostError: no env process is running, or one died meanwhile.
         """
         if batches or size == 1:
-            # One block: made on another process should the one picked die meanwhile.
             worker, env_id, native = await pool.place_block(
                 size, autoreset, kind=policy.kind, prefer_ready=policy.prefer_ready
             )
             return cls(pool, [_Block(worker, env_id, 0, size)], autoreset, native, policy)
-        # Never behind another stream's call if it can be helped (see for_new_envs).
         workers = pool.for_new_envs(prefer_ready=policy.prefer_ready)
         count = min(len(workers), size)
         sizes = [size // count + (k < size % count) for k in range(count)]
@@ -233,10 +173,8 @@ class SpreadBatchCalls:
         self._losses = losses
 
     def replacing(self) -> Awaitable[None] | None:
-        """The wait for the fresh blocks of lost ones still being made (None: none is);
-        awaiting it raises what making one raised (see :meth:`_rebuild`). A block's own
-        next call waits for it anyway: this is for a stream whose client must learn of a
-        failed replacement at its next request, whatever it is (a Session's view)."""
+        """The wait for lost blocks' fresh ones still being made (None: none is), raising
+        what making one raised: for a Session's view, whose client learns of it next."""
         for block in self._blocks:
             if block.rebuilding is not None:
                 return self._replaced()
@@ -246,64 +184,35 @@ class SpreadBatchCalls:
         for block in self._blocks:
             await _rebuilt(block)
 
-    async def reset(self, args: ResetArgs) -> BatchOutcome:
-        seeds, ids, options = args.seeds, args.episode_ids, args.wire_options
+    async def command(self, name: str, args: Any) -> Any:
+        parts = self._split(args.indices)
+        # One block from index 0 (a Session's, a native batch's): the args as they are.
+        whole = len(parts) == 1 and parts[0][0].start == 0
 
-        def frame(positions: list[int], local: list[int]) -> bytes:
-            return reset_frame(
-                local, [seeds[k] for k in positions], [ids[k] for k in positions],
-                [options[k] for k in positions], args.batch_form,
-            )  # fmt: skip
+        def frame(part: _Part) -> bytes:
+            sub = batch_args(args) if whole else part_args(args, part[1], part[2])
+            return command_frame(name, name, len(part[1]), sub)
 
-        return await self._outcomes("reset", args.indices, frame)
-
-    async def step(self, args: StepArgs) -> BatchOutcome:
-        wire, indices = args.wire, args.indices
-        ids, options = args.autoresets.episode_ids, args.autoresets.wire_options
-
-        def frame(positions: list[int], local: list[int]) -> bytes:
-            if args.batch_form:  # one block: a native batch is never spread
-                return step_frame(local, wire, True)
-            # The driver's autoresets of this block's envs, by their local indices.
-            autoresets = [
-                (at, ids[index], options.get(index))
-                for k, at in zip(positions, local, strict=True)
-                if (index := indices[k]) in ids
-            ]
-            return step_frame(local, [wire[k] for k in positions], False, autoresets)
-
-        return await self._outcomes("step", args.indices, frame, args.orphaned)
+        orphaned = getattr(args, "orphaned", None)
+        return await self._gather(name, args.indices, parts, frame, args.outcome(), orphaned)
 
     async def query(self, name: str, indices: Sequence[int]) -> BatchStates:
-        """Each block's part of the query, together; the answers in index order (the
-        env processes answer a snapshot's own bytes: the front seals them)."""
-        out = BatchStates()
-        parts = self._split(indices)
-        answers = await asyncio.gather(
-            *(self._call(name, part, query_frame(name, part[2])) for part in parts)
+        def frame(part: _Part) -> bytes:
+            return command_frame(name, "query", len(part[2]), (name, part[2]))
+
+        out: BatchStates = await self._gather(
+            name, indices, self._split(indices), frame, BatchStates()
         )
-        for part, (status, payload) in zip(parts, answers, strict=True):
-            if status is None:  # the block was lost: its envs are fresh ones now
-                out.errors.update(_rows(part, indices, payload))
-                continue
-            response = _read(status, payload)
-            if isinstance(response, BatchRefused):
-                raise response
-            got = read_rows(response.snapshots, part[0].start)
-            out.rows.extend(got.rows)
-            out.states.extend(got.states)
-            out.errors.update(got.errors)
         return out
 
     async def query_within(self, name: str, indices: Sequence[int], room: int) -> BatchStates:
-        """:meth:`query`, its answers within ``room`` bytes (see the module's docstring):
-        every block at once, each told the room; the answers in index order.
+        """:meth:`query` within ``room`` bytes: each block is told the room, and each
+        part is held against the byte budget until the parts are one answer.
 
         Raises:
             AnswerTooLarge: the parts passed ``room`` bytes (with the envs found lost).
-            BatchRefused: the byte budget could not hold a part (RESOURCE_EXHAUSTED), or a
+            BatchRefused: the budget could not hold a part (RESOURCE_EXHAUSTED), or a
                 block's call failed as a whole.
-            SessionLostError: as :meth:`_call`.
         """
         lost: dict[int, RowError] = {}
         parts = self._split(indices)
@@ -313,19 +222,19 @@ class SpreadBatchCalls:
 
         async def one(k: int, part: _Part) -> None:
             nonlocal refused
-            frame = room_frame(name, part[2], room)
+            frame = ROOM.pack(room) + command_frame(name, "query", len(part[2]), (name, part[2]))
             status, payload = await self._call(name, part, frame, Op.QUERY, charge=gathered)
             if status is None:  # the block was lost: its envs are fresh ones now
                 lost.update(_rows(part, indices, payload))
             elif status == Status.TOO_LARGE:
                 gathered.seen += ROOM.unpack(payload)[0]
             elif status == Status.UNKEPT:
-                pass  # not read: past the room, or the budget was short (gathered knows)
+                pass  # not read: past the room, or the budget short (gathered knows)
             elif isinstance(response := _read(status, payload), BatchRefused):
                 refused = refused or response
             elif not gathered.over:
                 del payload  # the rows are copied out of the parsed answer
-                got[k] = read_rows(response.snapshots, part[0].start)
+                got[k] = read_answer(response, part[0].start)
 
         try:
             answers = await asyncio.gather(
@@ -347,42 +256,18 @@ class SpreadBatchCalls:
         out = BatchStates(errors=lost)
         for rows in got:
             if rows is not None:
-                out.rows.extend(rows.rows)
-                out.states.extend(rows.states)
-                out.errors.update(rows.errors)
+                _merge(out, rows)
         return out
-
-    async def restore(self, args: RestoreArgs) -> dict[int, RowError]:
-        captured = args.captured
-
-        def frame(positions: list[int], local: list[int]) -> bytes:
-            return restore_frame(local, [captured[k] for k in positions])
-
-        parts = self._split(args.indices)
-        answers = await asyncio.gather(
-            *(self._call("restore", part, frame(part[1], part[2])) for part in parts)
-        )
-        errors: dict[int, RowError] = {}
-        for part, (status, payload) in zip(parts, answers, strict=True):
-            if status is None:  # the block was lost: its envs are fresh ones now
-                errors.update(_rows(part, args.indices, payload))
-                continue
-            response = _read(status, payload)
-            if isinstance(response, BatchRefused):
-                raise response
-            errors.update(read_errors(response.restored.errors, part[0].start))
-        return errors
 
     async def close(self) -> None:
         await self._close_all()
 
     async def close_strictly(self) -> None:
-        """Close every block for a close command, each in its worker, and wait for them
-        (a block still being rebuilt is closed quietly).
+        """Close every block for a close command (one being rebuilt quietly).
 
         Raises:
-            BatchRefused: a close hung past the step timeout (its worker was stopped), or
-                an env's ``close`` raised (INTERNAL, what it raised); the stream ends.
+            BatchRefused: a close hung (its worker was stopped), or an env's ``close``
+                raised (INTERNAL); the stream ends.
             SessionLostError: a Session's env process died before its close.
         """
         strict = [block for block in self._blocks if block.rebuilding is None]
@@ -428,54 +313,51 @@ class SpreadBatchCalls:
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.shield(asyncio.gather(*closing))
 
-    # -- one call over the blocks ---------------------------------------------------------
-
-    async def _outcomes(
-        self, what: str, indices: Sequence[int], frame: Any, orphaned: _Orphaned | None = None
-    ) -> BatchOutcome:
-        """Send each block its part (``frame(positions, local indices)``), together, and
-        gather the answers in index order. Cancelled meanwhile, each block's answer is
-        handed to ``orphaned`` as it comes (see :meth:`_gather_or_hand_on`)."""
-        out = BatchOutcome()
-        parts = self._split(indices)
+    async def _gather(
+        self,
+        what: str,
+        indices: Sequence[int],
+        parts: list[_Part],
+        frame: Callable[[_Part], bytes],
+        out: Any,
+        orphaned: _Orphaned | None = None,
+    ) -> Any:
+        """Send each block its ``frame``, together, and merge the answers into ``out`` in
+        index order (handed to ``orphaned`` should this be cancelled)."""
         started = time.perf_counter()
         if orphaned is None:
-            answers = await asyncio.gather(
-                *(self._call(what, part, frame(part[1], part[2])) for part in parts)
-            )
+            answers = await asyncio.gather(*(self._call(what, part, frame(part)) for part in parts))
         else:
             answers = await self._gather_or_hand_on(what, parts, frame, orphaned, started)
         read = [None if status is None else _read(status, payload) for status, payload in answers]
         refused = [response for response in read if isinstance(response, BatchRefused)]
         if refused:
-            # A refusal that ends the stream is the whole call's, whatever the other blocks
-            # answered (as a refusal of a call of one block is).
             ending = next((one for one in refused if one.ends), None)
             if ending is not None or len(parts) == 1:
                 if orphaned is not None:  # what stepped is booked and counted all the same
                     seconds = time.perf_counter() - started
                     for part, response in zip(parts, read, strict=True):
                         if isinstance(response, pb.VectorSessionResponse):
-                            orphaned(read_outcome(response.result, part[0].start), seconds)
+                            orphaned(read_answer(response, part[0].start), seconds)
                 raise ending or refused[0]
+        errors = out if isinstance(out, dict) else out.errors
         for part, (_, payload), response in zip(parts, answers, read, strict=True):
             if response is None:  # the block was lost: its envs are fresh ones now
-                out.errors.update(_rows(part, indices, payload))
+                errors.update(_rows(part, indices, payload))
             elif isinstance(response, BatchRefused):
                 # Only a whole block failed (e.g. no env thread in time): its envs say so.
                 error = RowError(response.code, response.message, response.exception_type)
-                out.errors.update({indices[k]: error for k in part[1]})
+                errors.update({indices[k]: error for k in part[1]})
             else:
-                _merge(out, read_outcome(response.result, part[0].start))
+                _merge(out, read_answer(response, part[0].start))
         return out
 
     async def _gather_or_hand_on(
         self, what: str, parts: list[_Part], frame: Any, orphaned: _Orphaned, started: float
     ) -> list[tuple[int | None, Any]]:
-        """Each part's answer, as :meth:`_outcomes` gathers them; should this be cancelled
-        (the stream ended), every block's step that the env process completes is handed
-        to ``orphaned`` exactly once (with the seconds since ``started``): an answer still
-        to come by the pool (``late``), one its part's call got already here."""
+        """Each part's answer; should this be cancelled, every block's answer is handed
+        to ``orphaned`` exactly once: by the pool (``late``) when still to come, else
+        here."""
 
         def late_of(part: _Part) -> Late:
             def late(status: int, payload: Payload) -> None:
@@ -483,22 +365,18 @@ class SpreadBatchCalls:
 
             return late
 
-        if len(parts) == 1:  # one block's (one env's, a native batch's): no task to gather
+        if len(parts) == 1:  # no task to gather
             part = parts[0]
-            return [await self._call(what, part, frame(part[1], part[2]), late=late_of(part))]
+            return [await self._call(what, part, frame(part), late=late_of(part))]
         calls = [
-            asyncio.ensure_future(
-                self._call(what, part, frame(part[1], part[2]), late=late_of(part))
-            )
+            asyncio.ensure_future(self._call(what, part, frame(part), late=late_of(part)))
             for part in parts
         ]
         try:
             return await asyncio.gather(*calls)
         except asyncio.CancelledError:
-            # A part whose call returned before the cancellation reached it: its answer
-            # is here, and nobody else has it (in a callback, as the pool's: what that
-            # raises never replaces the cancellation). A part's call cancelled itself
-            # hands on through the pool.
+            # A call that returned before the cancellation reached it: its answer is
+            # here only (handed on in a callback, so it never replaces the cancellation).
             loop = asyncio.get_running_loop()
             for part, call in zip(parts, calls, strict=True):
                 if call.done() and not call.cancelled() and call.exception() is None:
@@ -508,7 +386,7 @@ class SpreadBatchCalls:
             raise
 
     def _split(self, indices: Sequence[int]) -> list[_Part]:
-        """The call's indices, block by block (only blocks with envs in the call)."""
+        """The call's indices, block by block."""
         parts: list[_Part] = []
         starts, blocks = self._starts, self._blocks
         current: _Part | None = None
@@ -531,18 +409,12 @@ class SpreadBatchCalls:
         charge: Charge | None = None,
         late: Late | None = None,
     ) -> tuple[int | None, Any]:
-        """One block's call (``what``: its command; ``op``: its frame's operation): its
-        status and payload, or (None, the error of its envs) when its env process died or
-        was stopped under it (the block is rebuilt). With ``charge``, the answer is held,
-        and with ``late`` handed on once its caller is cancelled, as
-        :meth:`EnvProcessPool.call` says.
+        """One block's call: its status and payload, or (None, its envs' error) when its
+        env process died or was stopped under it (the block is rebuilt).
 
         Raises:
-            SessionLostError: the block could not be rebuilt; or its process was lost other
-                than by this call's own timeout (``BlockPolicy.lost_process_ends``).
-            BatchRefused: the call ran past the step timeout (the block is being replaced)
-                or that replacement could not be made (the stream ends), as
-                ``BlockPolicy.refuse_timed_out_call`` says.
+            SessionLostError: the block could not be rebuilt, or ``lost_process_ends``.
+            BatchRefused: ``refuse_timed_out_call`` and the call ran past the timeout.
         """
         block = part[0]
         if block.rebuilding is not None:
@@ -561,13 +433,11 @@ class SpreadBatchCalls:
             code, why = _UNAVAILABLE, str(exc)
         message = f"{why}; a fresh environment took this one's place: reset it"
         if block.rebuilding is not None or block.worker is not worker or block.env_id != env_id:
-            # Another request in flight on this block saw the loss first: one rebuild.
-            # This call's envs are told here, so they are not told again later.
+            # Another call saw the loss first (one rebuild); this call's envs are told here.
             self._losses.book_told(block.start + local for local in part[2])
             return None, RowError(code, message)
-        # Answered now, not once the fresh block is made: with the process killed past
-        # the step timeout, its replacement may take seconds to start.
-        # Its other envs are fresh ones too; they learn it when next named.
+        # Answered now, not once the fresh block is made (that may take seconds); its
+        # other envs learn it when next named.
         named = {block.start + local for local in part[2]}
         gone = RowError(
             _UNAVAILABLE,
@@ -590,12 +460,11 @@ class SpreadBatchCalls:
         return None, RowError(code, message)
 
     async def _rebuild(self, block: _Block, hung: bool) -> None:
-        """A fresh block for a lost one, on a live env process (``hung``: for a call
-        refused as a whole past the step timeout).
+        """A fresh block for a lost one, on a live env process.
 
         Raises:
-            SessionLostError: none could be made (after ``hung``: BatchRefused, INTERNAL,
-                and the stream ends).
+            SessionLostError: none could be made (``hung``, a call refused past the
+                timeout: BatchRefused, INTERNAL, and the stream ends).
         """
         block.worker.envs.pop(block.env_id, None)
         try:
@@ -619,25 +488,21 @@ class SpreadBatchCalls:
 
 
 class _Gathered:
-    """The parts of one query as they arrive (the charge of each part's call): an answer
-    is read only while the parts stay within the room and the byte budget takes its
-    bytes, held until the parts are one answer (:meth:`give`)."""
+    """The charge of a query's parts: each is read only while the parts stay within the
+    room and the byte budget takes its bytes, held until they are one answer."""
 
     __slots__ = ("budget", "held", "room", "seen", "short")
 
     def __init__(self, room: int, budget: ByteBudget | None) -> None:
         self.room = room
         self.budget = budget
-        #: Bytes the parts answered so far (read or not): a lower bound of the answer.
-        self.seen = 0
-        #: Bytes taken from the budget for the parts read.
-        self.held = 0
+        self.seen = 0  # bytes the parts answered, read or not
+        self.held = 0  # bytes taken from the budget
         #: The budget could not take a part: the bytes it held then, and the part's.
         self.short: tuple[int, int] | None = None
 
     @property
     def over(self) -> bool:
-        """The answer cannot be sent: past the room, or a part could not be held."""
         return self.seen > self.room or self.short is not None
 
     def admit(self, status: int, length: int) -> bool:
@@ -658,7 +523,7 @@ class _Gathered:
 
 
 class _Unbooked:
-    """The books of calls no driver reads (losses are reported to nobody)."""
+    """The books of calls no driver reads."""
 
     def book_lost(self, errors: Mapping[int, RowError]) -> None:
         pass
@@ -671,7 +536,7 @@ _UNBOOKED = _Unbooked()
 
 
 async def _rebuilt(block: _Block) -> None:
-    """Wait for ``block``'s fresh sub-batch being made; raises what making it raised."""
+    """Wait for ``block``'s fresh sub-batch; raises what making it raised."""
     rebuilding = block.rebuilding
     if rebuilding is None:
         return
@@ -683,23 +548,20 @@ async def _rebuilt(block: _Block) -> None:
 
 
 def _rows(part: _Part, indices: Sequence[int], error: RowError) -> dict[int, RowError]:
-    """``error`` for each env of ``part`` (of a call over ``indices``)."""
     return {indices[k]: error for k in part[1]}
 
 
 def _read(status: int, payload: Payload) -> pb.VectorSessionResponse | BatchRefused:
-    """A block's answer, or the whole-call refusal its env process answered, read by its
-    status: only ANSWER and ``CALL_REFUSED + flags`` carry a VectorSessionResponse. A block
-    closed under a queued frame answers that in plain text: the stream cannot go on."""
+    """A block's answer, or its whole-call refusal, by its status (a block closed under
+    its frame is said in plain text: the stream cannot go on)."""
     if status == Status.BLOCK_GONE:
         why = payload.decode(errors="replace")
         return BatchRefused(_UNAVAILABLE, f"{why}; nothing was done", ends=True)
     flags = status - Status.CALL_REFUSED
     if status != Status.ANSWER and not 0 <= flags < REFUSAL_FLAGS:
-        # No request is answered so (a create's, a close's or a room's status): a bug of
-        # the frame protocol, said as one rather than parsed as what it is not.
+        # No request is answered so: a bug of the frame protocol, said as one.
         return BatchRefused(_INTERNAL, f"env process answered status {status}", ends=True)
-    # Parsed where it lies: the stubs say bytes, protobuf reads any buffer.
+    # The stubs say bytes; protobuf reads any buffer where it lies.
     response = pb.VectorSessionResponse.FromString(cast(bytes, payload))
     if status == Status.ANSWER:
         return response
@@ -714,16 +576,13 @@ def _read(status: int, payload: Payload) -> pb.VectorSessionResponse | BatchRefu
 def _hand_on(
     part: _Part, status: int, payload: Payload, orphaned: _Orphaned, seconds: float
 ) -> None:
-    """Hand the step answer of ``part``'s block, which its caller gave up, to ``orphaned``
-    (with the ``seconds`` since the step was sent); a refusal stepped nothing."""
+    """Hand a given-up step's answer to ``orphaned`` (a refusal stepped nothing)."""
     response = _read(status, payload)
     if not isinstance(response, BatchRefused):
-        orphaned(read_outcome(response.result, part[0].start), seconds)
+        orphaned(read_answer(response, part[0].start), seconds)
 
 
 def _unkept(name: str, budget: ByteBudget | None, held: int, part: int) -> BatchRefused:
-    """The refusal of a query whose answer the server's byte budget could not hold
-    (``held`` bytes were held for the server's clients when a ``part`` came)."""
     total = 0 if budget is None else budget.total
     return BatchRefused(
         _RESOURCE_EXHAUSTED,
@@ -733,8 +592,16 @@ def _unkept(name: str, budget: ByteBudget | None, held: int, part: int) -> Batch
     )
 
 
-def _merge(out: BatchOutcome, part: BatchOutcome) -> None:
-    """Append one block's outcome (its rows follow those already in ``out``)."""
+def _merge(out: Any, part: Any) -> None:
+    """Append one block's answer (its rows follow those already in ``out``)."""
+    if not isinstance(out, BatchOutcome):
+        if isinstance(out, dict):  # per-env errors
+            out.update(part)
+        else:
+            out.rows.extend(part.rows)
+            out.states.extend(part.states)
+            out.errors.update(part.errors)
+        return
     before = len(out.rows)
     out.rows.extend(part.rows)
     if part.batch_observation is not None:  # one block only

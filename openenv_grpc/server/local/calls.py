@@ -1,20 +1,19 @@
-"""A stream's envs, wherever they run, called once per request: the driver's view of them.
-
-:class:`BatchCalls` is what the driver (``driver.py``) needs of the envs: one call per
-request over env indices. :class:`LocalBatchCalls` runs the envs in this process (or in an
-env process) as one :class:`~openenv_grpc.server.local.batch.VectorBatch` through one
-runner; ``spread.py`` spreads them over env processes. A Session's env is a batch
-of one here, so a hung call, a saturated pool and a raising batch are handled once.
+"""A stream's envs, wherever they run, called once per request (:class:`BatchCalls`, the
+driver's view): :class:`LocalBatchCalls` runs them here (or in an env process) as one
+``VectorBatch`` through one runner; ``spread.py`` over env processes. An episode-changing
+command is its args dataclass (:data:`PER_ENV`...) and the batch's method of its name.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+import operator
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
-from typing import Any, NoReturn, Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, NoReturn, Protocol, runtime_checkable
 
 import grpc
 from google.protobuf import any_pb2
@@ -39,15 +38,21 @@ from openenv_grpc.server.process.limiter import NoSlot
 from openenv_grpc.v1 import snapshot_pb2
 
 __all__ = [
+    "BY_ENV",
+    "FRONT",
+    "PER_ENV",
     "BatchCalls",
     "BatchRefused",
+    "Commands",
     "LocalBatchCalls",
     "LosesEnvs",
     "Losses",
     "ResetArgs",
     "RestoreArgs",
     "StepArgs",
+    "batch_args",
     "local_calls",
+    "part_args",
 ]
 
 log = logging.getLogger(__name__)
@@ -60,15 +65,9 @@ _RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 
 
 class BatchRefused(Exception):
-    """A whole batch call failed; nothing of it has a row.
-
-    Attributes:
-        code, message, exception_type: the error the request gets.
-        broken: every env the call named must be reset (a native batch raised).
-        replaced: every env of the stream is a fresh one (the batch hung and was replaced).
-        saturated: the call never ran (no env thread in time): the episodes are unchanged.
-        ends: nothing is left to serve; the stream ends after this answer.
-    """
+    """A whole batch call failed. ``broken``: the envs it named must be reset;
+    ``replaced``: every env is a fresh one (the batch hung); ``saturated``: it never ran;
+    ``ends``: the stream ends after this answer."""
 
     def __init__(
         self,
@@ -89,133 +88,194 @@ class BatchRefused(Exception):
         self.replaced = replaced
         self.saturated = saturated
         self.ends = ends
-        #: The envs the refused call named (set by the driver, which books the refusal:
-        #: with several calls in flight, only its own envs are broken).
         self.indices: Sequence[int] = ()
+
+
+#: Field metadata of a command's args. FRONT: stays in the front; PER_ENV: one item per
+#: index; BY_ENV: keyed by env index (or a dataclass of such mappings). The others go to
+#: the batch's method as they are, in declaration order.
+FRONT: Mapping[str, str] = {"split": "front"}
+PER_ENV: Mapping[str, str] = {"split": "per_env"}
+BY_ENV: Mapping[str, str] = {"split": "by_env"}
 
 
 @dataclass(slots=True)
 class StepArgs:
-    """One step's actions, decoded and as received (the spread forwards these)."""
+    """One step: ``batch.step(indices, actions, batch_form, autoresets)``."""
 
-    #: Env indices, strictly increasing.
     indices: Sequence[int]
-    #: One decoded action per index, or one batch-form message.
-    actions: Any
-    #: The same actions as they came on the wire: Anys, or one Any in batch form.
-    wire: Any
-    batch_form: bool
-    #: Takes the outcome (and seconds) of a step the envs completed after its request was
-    #: given up (its stream ended meanwhile), so it is still booked and counted (the
-    #: driver's).
-    orphaned: Callable[[BatchOutcome, float], None] | None = None
-    #: The autoresets this step makes, as the driver decided them (a loop batch's; a
-    #: native batch makes its own).
-    autoresets: Autoresets = NO_AUTORESETS
+    #: One action per index, or one batch-form message (a native batch: never split).
+    actions: Any = field(metadata=PER_ENV)
+    wire: Any = field(metadata=FRONT)
+    batch_form: bool = False
+    #: Takes the outcome (and seconds) of a step completed after it was given up.
+    orphaned: Callable[[BatchOutcome, float], None] | None = field(default=None, metadata=FRONT)
+    autoresets: Autoresets = field(default=NO_AUTORESETS, metadata=BY_ENV)
+    outcome: ClassVar[Callable[[], Any]] = BatchOutcome
 
 
 @dataclass(slots=True)
 class ResetArgs:
-    """One reset's per-env arguments (the episode ids are chosen already)."""
+    """One reset: ``batch.reset(indices, seeds, episode_ids, options, batch_form)``."""
 
     indices: Sequence[int]
-    seeds: Sequence[int | None]
-    episode_ids: Sequence[str]
-    options: Sequence[Message | None]
-    #: The same options as they came on the wire (None where none was given).
-    wire_options: Sequence[any_pb2.Any | None]
-    batch_form: bool
+    seeds: Sequence[int | None] = field(metadata=PER_ENV)
+    episode_ids: Sequence[str] = field(metadata=PER_ENV)
+    options: Sequence[Message | None] = field(metadata=PER_ENV)
+    wire_options: Sequence[any_pb2.Any | None] = field(metadata=FRONT)
+    batch_form: bool = False
+    outcome: ClassVar[Callable[[], Any]] = BatchOutcome
 
 
 @dataclass(slots=True)
 class RestoreArgs:
-    """One restore's snapshots, authenticated and opened (the envs get ``env_state``)."""
+    """``batch.restore(indices, states, ended)``, the per-env errors back: only each env's
+    authenticated bytes and phase leave the front."""
 
     indices: Sequence[int]
-    captured: Sequence[Captured]
+    captured: Sequence[Captured] = field(metadata=FRONT)
+    states: list[bytes] = field(init=False, metadata=PER_ENV)
+    ended: list[bool] = field(init=False, metadata=PER_ENV)
+    outcome: ClassVar[Callable[[], Any]] = dict
 
-    @property
-    def states(self) -> list[bytes]:
-        """Each env's own bytes."""
-        return [one.env_state for one in self.captured]
+    def __post_init__(self) -> None:
+        self.states = [one.env_state for one in self.captured]
+        self.ended = [one.phase != snapshot_pb2.SNAPSHOT_PHASE_RUNNING for one in self.captured]
 
-    @property
-    def ended(self) -> list[bool]:
-        """Per env: the captured episode had ended (terminated or truncated)."""
-        return [one.phase != snapshot_pb2.SNAPSHOT_PHASE_RUNNING for one in self.captured]
+
+_Plan = tuple[Callable[[Any], tuple[Any, ...]], tuple[str, ...]]
+_PLANS: dict[type, _Plan] = {}
+
+
+def _plan(kind: type) -> _Plan:
+    plan = _PLANS.get(kind)
+    if plan is None:
+        sent = [f for f in dataclasses.fields(kind) if f.metadata.get("split") != "front"]
+        plan = _PLANS[kind] = (
+            _getter(f.name for f in sent),
+            tuple("indices" if f.name == "indices" else f.metadata.get("split", "") for f in sent),
+        )
+    return plan
+
+
+def _getter(names: Iterable[str]) -> Callable[[Any], tuple[Any, ...]]:
+    names = tuple(names)
+    get = operator.attrgetter(*names)
+    if len(names) == 1:
+        return lambda one: (get(one),)
+    return get
+
+
+def batch_args(args: Any) -> tuple[Any, ...]:
+    """What the batch's method gets: the args' fields but FRONT ones."""
+    return _plan(type(args))[0](args)
+
+
+def part_args(args: Any, positions: Sequence[int], local: Sequence[int]) -> tuple[Any, ...]:
+    """:func:`batch_args` for a sub-batch: the envs at ``positions`` of ``args.indices``,
+    as the sub-batch's ``local`` indices."""
+    get, splits = _plan(type(args))
+    return tuple(
+        [
+            local
+            if split == "indices"
+            else [value[k] for k in positions]
+            if split == "per_env"
+            else _rekey(value, args.indices, positions, local)
+            if split == "by_env"
+            else value
+            for value, split in zip(get(args), splits, strict=True)
+        ]
+    )
+
+
+#: Per BY_ENV type: the getter of a dataclass's mappings (None: a mapping).
+_MAPS: dict[type, Callable[[Any], tuple[Any, ...]] | None] = {}
+
+
+def _rekey(value: Any, indices: Sequence[int], positions: Sequence[int], local: Any) -> Any:
+    kind = type(value)
+    if kind in _MAPS:
+        get = _MAPS[kind]
+    else:
+        fields = dataclasses.fields(kind) if dataclasses.is_dataclass(kind) else ()
+        get = _MAPS[kind] = _getter(f.name for f in fields) if fields else None
+    maps = (value,) if get is None else get(value)
+    if not any(maps):
+        return value  # nothing keyed: as it is
+    to_local = {indices[k]: at for k, at in zip(positions, local, strict=True)}
+    maps = tuple([{to_local[i]: v for i, v in one.items() if i in to_local} for one in maps])
+    return maps[0] if get is None else kind(*maps)
 
 
 class BatchCalls(Protocol):
-    """A vector stream's envs, wherever they run: one call per request.
-
-    Each method raises :class:`BatchRefused` when the whole call failed, and
-    :class:`~openenv_grpc.server.errors.SessionLostError` when the envs are gone.
-    """
+    """A stream's envs: one call per request, raising :class:`BatchRefused` when it failed
+    as a whole, ``SessionLostError`` when the envs are gone."""
 
     @property
-    def native(self) -> bool:
-        """The envs answer in a native batch form."""
+    def native(self) -> bool: ...
+
+    async def command(self, name: str, args: Any) -> Any:
+        """The batch's method ``name`` on ``args`` (as :class:`StepArgs`)."""
         ...
 
     async def reset(self, args: ResetArgs) -> BatchOutcome: ...
 
     async def step(self, args: StepArgs) -> BatchOutcome: ...
 
-    async def query(self, name: str, indices: Sequence[int]) -> BatchStates:
-        """Each env's answer to query ``name`` (``queries.py``; a snapshot's bytes come
-        unsealed), or its error."""
-        ...
+    async def restore(self, args: RestoreArgs) -> dict[int, RowError]: ...
 
-    async def restore(self, args: RestoreArgs) -> dict[int, RowError]:
-        """Hand each env its authenticated bytes; the envs that failed, by index."""
-        ...
+    async def query(self, name: str, indices: Sequence[int]) -> BatchStates: ...
 
-    async def close(self) -> None:
-        """Close every env, once; never raises for what the envs' ``close`` did (logged)."""
-        ...
+    async def close(self) -> None: ...
 
     async def close_strictly(self) -> None:
-        """Close every env for a close command.
-
-        Raises:
-            Exception: what an env's ``close`` raised (closed all the same).
-            BatchRefused: DEADLINE_EXCEEDED, the close ran past its timeout and was given
-                up on (the stream ends), wherever the envs live.
-        """
+        """Close every env for a close command; raises what a ``close`` raised, or
+        BatchRefused (DEADLINE_EXCEEDED, the stream ends) past its timeout."""
         ...
+
+
+class Commands:
+    """The driver's names for :meth:`command` (plain functions: no coroutine of their
+    own)."""
+
+    __slots__ = ()
+
+    async def command(self, name: str, args: Any) -> Any:
+        raise NotImplementedError
+
+    def reset(self, args: ResetArgs) -> Coroutine[Any, Any, BatchOutcome]:
+        return self.command("reset", args)
+
+    def step(self, args: StepArgs) -> Coroutine[Any, Any, BatchOutcome]:
+        return self.command("step", args)
+
+    def restore(self, args: RestoreArgs) -> Coroutine[Any, Any, dict[int, RowError]]:
+        return self.command("restore", args)
 
 
 class Losses(Protocol):
-    """Who books the envs that batch calls lost with their env process (the driver): the
-    calls report each loss as they learn of it, the books say what a request naming such
-    an env gets."""
+    """The driver's books of envs lost with their env process."""
 
     def book_lost(self, errors: Mapping[int, RowError]) -> None:
-        """These envs are fresh ones since their process was lost, and nobody told them
-        yet: each is told its error by the next request that asks about it."""
+        """These envs are fresh ones, told by the next request naming one."""
         ...
 
     def book_told(self, indices: Iterable[int]) -> None:
-        """These envs are told of their loss by the answer of the call under way."""
+        """These envs are told of their loss by the answer under way."""
         ...
 
 
 @runtime_checkable
 class LosesEnvs(Protocol):
-    """Batch calls that can lose envs a call did not name, with their process
-    (``--isolated``): they report those to :meth:`report_losses`'s books."""
+    """Batch calls that can lose envs a call did not name (``--isolated``)."""
 
     def report_losses(self, losses: Losses) -> None: ...
 
 
-class LocalBatchCalls:
-    """A batch in this process (or in an env process), called through one runner: the
-    whole call runs where one env call of this env would run.
-
-    A call gets ``call_timeout`` seconds per env it names. Past that the batch is
-    abandoned (closed once its call returns) and replaced by a fresh one made by
-    ``replace``: every env of the stream starts over (a Session's one env, too).
-    """
+class LocalBatchCalls(Commands):
+    """A batch called through one runner; a call past ``call_timeout`` s per env it names
+    has the batch replaced by a fresh one from ``replace``."""
 
     __slots__ = (
         "_batch", "_generation", "_lock", "_make", "_queued", "_runner", "_timeout", "_words",
@@ -229,17 +289,15 @@ class LocalBatchCalls:
         words: Words = VECTOR_WORDS,
     ) -> None:
         self._runner = runner
-        self._batch: Any = runner.env  # a VectorBatch (see batch.batch_spec)
+        self._batch: Any = runner.env  # a VectorBatch
         self._make = replace
         self._timeout = call_timeout
         self._words = words
-        #: One batch call at a time, whatever the requests in flight: a batch (a native
-        #: one above all) is not made to be called from two threads at once.
         self._lock = asyncio.Lock()
         #: Calls waiting for the lock (while any do, none may skip it).
         self._queued = 0
-        #: Bumped when a hung batch is replaced: a call that waited behind the hung one
-        #: must not run on the fresh envs it was never checked against.
+        #: Bumped when a hung batch is replaced: a call queued behind it must not run on
+        #: fresh envs it was never checked against.
         self._generation = 0
 
     @property
@@ -247,51 +305,29 @@ class LocalBatchCalls:
         batch: VectorBatch = self._batch
         return batch.native
 
-    async def reset(self, args: ResetArgs) -> BatchOutcome:
-        batch = self._batch
-        result: BatchOutcome = await self._call(
-            "reset", len(args.indices), batch.reset, args.indices, args.seeds,
-            args.episode_ids, args.options, args.batch_form,
-        )  # fmt: skip
-        return result
-
-    async def step(self, args: StepArgs) -> BatchOutcome:
-        result: BatchOutcome = await self._call(
-            "step", len(args.indices), self._batch.step, args.indices, args.actions,
-            args.batch_form, args.autoresets, orphaned=args.orphaned,
-        )  # fmt: skip
-        return result
+    async def command(self, name: str, args: Any) -> Any:
+        orphaned = getattr(args, "orphaned", None)
+        return await self.call(name, name, len(args.indices), batch_args(args), orphaned)
 
     async def query(self, name: str, indices: Sequence[int]) -> BatchStates:
-        batch = self._batch
-        result: BatchStates = await self._call(name, len(indices), batch.query, name, indices)
-        return result
+        states: BatchStates = await self.call(name, "query", len(indices), (name, indices))
+        return states
 
-    async def restore(self, args: RestoreArgs) -> dict[int, RowError]:
-        result: dict[int, RowError] = await self._call(
-            "restore", len(args.indices), self._batch.restore, args.indices, args.states,
-            args.ended,
-        )  # fmt: skip
-        return result
-
-    async def close(self) -> None:
-        await self._runner.close_quietly()
-
-    async def close_strictly(self) -> None:
-        try:
-            await self._runner.close()
-        except CloseAbandoned as exc:  # answered as an isolated hung close is
-            raise BatchRefused(_DEADLINE_EXCEEDED, str(exc), ends=True) from None
-
-    async def _call(
-        self, what: str, envs: int, method: Any, *args: Any, orphaned: Orphaned | None = None
+    async def call(
+        self,
+        what: str,
+        method: str,
+        envs: int,
+        args: tuple[Any, ...],
+        orphaned: Orphaned | None = None,
     ) -> Any:
+        """The batch's ``method`` on ``args``, for ``envs`` envs (``what``: its name)."""
+        call = getattr(self._batch, method)
         runner = self._runner
         if runner.inline and not self._queued and not self._lock.locked():
-            # Nothing holds the lock or waits for it, and an inline call never yields:
-            # taking the lock would change nothing, so a step's hot path skips it.
+            # Nothing holds or waits for the lock and an inline call never yields.
             try:
-                return runner.call_inline(method, *args)
+                return runner.call_inline(call, *args)
             except Exception as exc:
                 async with self._lock:  # a hung call's replacement holds it
                     await self._refuse(what, self._call_timeout(envs), exc)
@@ -310,26 +346,29 @@ class LocalBatchCalls:
                     f"time and {self._words.replaced}",
                 )
             runner = self._runner  # a replacement made while this call waited
+            call = getattr(self._batch, method)
             try:
-                if runner.inline:  # on the loop and untimed: no coroutine to await
-                    return runner.call_inline(method, *args)
-                return await runner.call_within(timeout, method, *args, orphaned=orphaned)
+                if runner.inline:
+                    return runner.call_inline(call, *args)
+                return await runner.call_within(timeout, call, *args, orphaned=orphaned)
             except Exception as exc:
                 await self._refuse(what, timeout, exc)
         finally:
             self._lock.release()
 
+    async def close(self) -> None:
+        await self._runner.close_quietly()
+
+    async def close_strictly(self) -> None:
+        try:
+            await self._runner.close()
+        except CloseAbandoned as exc:  # answered as an isolated hung close is
+            raise BatchRefused(_DEADLINE_EXCEEDED, str(exc), ends=True) from None
+
     def _call_timeout(self, envs: int) -> float | None:
-        """The seconds a call naming ``envs`` envs may take (None: no limit)."""
         return None if self._timeout is None else self._timeout * max(envs, 1)
 
     async def _refuse(self, what: str, timeout: float | None, exc: Exception) -> NoReturn:
-        """Refuse the call that raised ``exc`` (call it in the ``except`` block).
-
-        Raises:
-            BatchRefused: always; DEADLINE_EXCEEDED after a timeout, once the hung batch
-                is replaced (see :meth:`_replace`).
-        """
         if isinstance(exc, TimeoutError):
             await self._replace(what, timeout or 0.0)
         if isinstance(exc, PoolSaturated):
@@ -341,13 +380,7 @@ class LocalBatchCalls:
             _INTERNAL, f"{what} failed: {describe(exc)}", qualname(exc), broken=True
         ) from None
 
-    async def _replace(self, what: str, timeout: float) -> None:
-        """Abandon the hung batch, make a fresh one, and refuse the call.
-
-        Raises:
-            BatchRefused: always (DEADLINE_EXCEEDED; or the end of the stream when no
-                fresh batch can be made).
-        """
+    async def _replace(self, what: str, timeout: float) -> NoReturn:
         words = self._words
         self._runner.abandon()
         self._generation += 1
@@ -364,10 +397,7 @@ class LocalBatchCalls:
         except Exception as exc:
             log.exception("building a batch to replace a hung one raised")
             raise BatchRefused(
-                _INTERNAL,
-                f"{words.not_replaced}: {describe(exc)}",
-                qualname(exc),
-                ends=True,
+                _INTERNAL, f"{words.not_replaced}: {describe(exc)}", qualname(exc), ends=True
             ) from None
         self._batch = self._runner.env
         raise BatchRefused(
@@ -396,15 +426,8 @@ async def local_calls(
     reserve: Callable[[int], None] = _nothing,
 ) -> LocalBatchCalls:
     """The ``size`` envs of one stream built here as one batch (``native``: the env's own
-    batch if it has one; a Session's env is a loop of one), run through one runner on
-    ``pool`` / ``lifecycle`` as the env's execution mode says (``placement`` measures a
-    measured env's batch calls). The runner calls ``release(size)`` when the batch is
-    closed or could not be made; a hung batch's replacement first calls ``reserve(size)``
-    (a limiter's ``acquire_for_replacement``, which may raise NoSlot).
-
-    Raises:
-        Exception: what building the envs raised.
-    """
+    if it has one). ``release(size)`` is called once it is closed or failed; a replacement
+    first calls ``reserve(size)`` (which may raise NoSlot)."""
     batched = batch_spec(spec, size, autoreset, placement, native=native)
 
     def freed() -> None:
