@@ -1,36 +1,15 @@
-"""Isolated execution (``--isolated K``): env instances live in a pool of K env processes.
+"""``--isolated K``: env instances live in a pool of K env processes (``env_process.py``;
+"worker" here), as blocks of their streams (``spread.py``), so a crash or runaway memory
+in env code costs only that worker's envs, and CPU-heavy envs use every core.
 
-The gRPC front (one process) keeps the sessions and their drivers; each env lives in one
-env process (``env_process.py``; "worker" below means one of them, never a ``--workers``
-server process), as a block of its stream: a Session's one env, or a sub-batch of a
-vector stream (``spread.py``). So a segfault, ``os._exit`` or runaway memory in
-env code costs only the envs on that worker (a Session there ends, UNAVAILABLE "session
-lost"; a vector stream's envs there answer UNAVAILABLE and are replaced, the stream goes
-on), the pool starts a replacement, and CPU-heavy envs use every core even when all
-streams share one HTTP/2 connection.
-
-The front never blocks on a worker: frames go out through asyncio streams (a frame for a
-busy worker waits in that worker's queue, written as the worker reads), and answers come
-in the same way. A worker answers its frames one at a time, in order, so the front knows
-which call each worker is busy with and since when. That is how it enforces the step
-timeout, which a worker running env code inline cannot: a worker that has not answered a
-call in time is killed; that call fails :class:`CallTimedOut` (its stream answers
-DEADLINE_EXCEEDED in-band and gets fresh envs on a live worker), the other calls on that
-worker fail as on a crash, and a replacement worker starts. A drain uses the same watchdog
-to keep its grace period. After a worker dies, the env's ``reclaim_orphans`` hook runs in a
-thread (``orphans.py``).
-
-A vector stream's envs live here as sub-batches, one per worker, so that they step in
-parallel; a block counts as its size in a worker's load.
-
-A call may say how its answer is held (a :class:`Charge`: a query's, against its room
-and the server's byte budget): the answer's length is offered to it as its header
-arrives, before any of its bytes are read; one it does not admit is read and dropped a
-buffer at a time (answered UNKEPT, with no payload), as is one nobody waits for any more.
-
-A call may also say who takes its answer should its caller stop waiting (a :data:`Late`:
-a step's, whose stream ended while the env process stepped): the answer that comes after
-all is handed to it, once, so the steps the envs completed are still counted.
+The front never blocks on a worker: frames go out and answers come in through asyncio
+streams. A worker answers its frames one at a time, in order, so the front knows which
+call each worker is busy with and since when: a call not answered within the step
+timeout kills its worker (that call fails :class:`CallTimedOut`, the worker's other calls
+as on a crash), and a replacement starts. A drain uses the same watchdog for its grace.
+A call may hold its answer against a :class:`Charge` (offered before its bytes are read;
+one not admitted is read and dropped), or hand it to a :data:`Late` should its caller
+stop waiting, so steps the envs completed are still counted.
 """
 
 from __future__ import annotations
@@ -59,6 +38,7 @@ from openenv_grpc.server.isolated.env_process import (
     VECTOR_BLOCK,
     Op,
     Status,
+    put,
     worker_main,
 )
 from openenv_grpc.server.model.spec import EnvSpec, ExecutionMode
@@ -71,15 +51,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Frames smaller than this are joined to their header and written in one piece; larger
-#: ones are written after it, never copied into one buffer.
-_JOIN_BELOW = 64 * 1024
-#: Seconds an async env's worker gets past the timeout before the front kills it: the
-#: worker cancels the call itself at the timeout (as in-process) and answers.
+#: Seconds an async env's worker gets past the timeout (it cancels the call itself).
 _ASYNC_MARGIN = 1.0
-#: Once a drain's grace period is over, seconds a call may still keep its worker busy
-#: (e.g. the closes the drain sends; closes of other envs go on its side thread) before
-#: that worker is killed.
+#: Once a drain's grace is over, seconds a call may still keep its worker busy.
 _DRAIN_ALLOWANCE = 1.0
 #: Seconds :meth:`EnvProcessPool.stop` waits for workers to exit, then for the orphan hook.
 _STOP_WAIT = 2.0
@@ -89,8 +63,7 @@ _DIED = "the environment's worker process died"
 #: A worker's answer: read whole (bytes), or into one buffer when held against a charge.
 Payload = bytes | bytearray
 
-#: Takes the status and payload of an answer whose caller was cancelled before it came
-#: (or as it came): see :meth:`EnvProcessPool.call`.
+#: Takes the status and payload of an answer whose caller was cancelled meanwhile.
 Late = Callable[[int, Payload], None]
 
 
@@ -111,13 +84,10 @@ class Charge(Protocol):
     """How a call's answer is held: offered before it is read, given back once let go."""
 
     def admit(self, status: int, length: int) -> bool:
-        """Whether to read an answer of ``status`` and ``length`` bytes: True, and the
-        caller holds those bytes until :meth:`give`; False, and it is dropped unread."""
+        """Whether to read an answer of ``length`` bytes (held until :meth:`give`)."""
         ...
 
-    def give(self, length: int) -> None:
-        """``length`` bytes admitted before are let go."""
-        ...
+    def give(self, length: int) -> None: ...
 
 
 class _Call:
@@ -134,15 +104,10 @@ class _Call:
         late: Late | None = None,
     ) -> None:
         self.future = future
-        #: The env the call is about.
         self.env_id = env_id
-        #: Seconds the worker may spend on it (None: no limit).
-        self.limit = limit
-        #: Loop time at which the worker began it (it answers in order, one at a time).
-        self.started = 0.0
-        #: How its answer is held (None: read whole, whatever its length).
+        self.limit = limit  # seconds the worker may spend on it (None: no limit)
+        self.started = 0.0  # loop time at which the worker began it
         self.charge = charge
-        #: Takes its answer if it comes after its caller was cancelled (None: dropped).
         #: Set before the frame goes out: the answer may come before the caller sees its
         #: cancellation.
         self.late = late
@@ -154,12 +119,11 @@ class _Worker:
     def __init__(self, process: Any, sock: socket.socket, side: socket.socket) -> None:
         self.process = process
         self.sock = sock
-        #: Closes of envs with no call in flight, answered while the worker is busy with
-        #: another env's call (see :meth:`EnvProcessPool._close_env`); one at a time.
+        #: Closes answered while the worker is busy with another env's call (a drain's).
         self.side = side
         self.side_lock = asyncio.Lock()
         self.writer: asyncio.StreamWriter | None = None  # once connected
-        #: Frames not yet handed to the transport (it holds at most one frame more).
+        #: Frames not yet handed to the transport.
         self.unsent: deque[tuple[bytes, bytes]] = deque()
         self.wake = asyncio.Event()  # set when ``unsent`` has frames
         self.owed: deque[_Call] = deque()
@@ -167,7 +131,6 @@ class _Worker:
         #: Env id -> how many env instances it is: 1, or a vector sub-batch's size.
         self.envs: dict[int, int] = {}
         self.alive = True
-        #: Why it is gone, once it is: what its sessions are told.
         self.gone = _DIED
         self.ready = False  # the process is up and reading
         self.task: asyncio.Task[None] | None = None  # connects, then reads its answers
@@ -187,12 +150,9 @@ class EnvProcessPool:
     ) -> None:
         if size < 1:
             raise ValueError(f"env process pool size must be >= 1, got {size}")
-        #: The step timeout this pool enforces (None: none).
         self.call_timeout = call_timeout
-        #: What a worker's construction of one env may add to its memory (0: no ceiling).
-        self.max_env_bytes = max_env_bytes
-        #: The server's byte budget, which a query's answers are held against (None: not
-        #: counted); the pool holds it for the streams on its env processes.
+        self.max_env_bytes = max_env_bytes  # per env (0: no ceiling)
+        #: The server's byte budget, which a query's answers are held against.
         self.budget = budget
         spec = EnvSpec.from_factory(factory)
         margin = _ASYNC_MARGIN if spec.mode is ExecutionMode.ASYNC else 0.0
@@ -208,8 +168,7 @@ class EnvProcessPool:
         self._reaper = OrphanReaper(spec.env_class)
         self._closing: set[asyncio.Task[None]] = set()
         self._drain_timer: asyncio.TimerHandle | None = None
-        #: Loop time at which a drain's grace period ended (None: not yet).
-        self._grace_over_at: float | None = None
+        self._grace_over_at: float | None = None  # loop time a drain's grace ended
         #: A drain began: closes no longer wait behind other envs' calls.
         self._draining = False
         self._stopped = False
@@ -218,8 +177,6 @@ class EnvProcessPool:
         """Start the workers; call on the server's event loop."""
         for _ in range(self._size):
             self._workers.append(self._spawn())
-
-    # -- worker processes ---------------------------------------------------------------
 
     def _spawn(self) -> _Worker:
         front, back = socket.socketpair()
@@ -279,9 +236,8 @@ class EnvProcessPool:
         with contextlib.suppress(ConnectionError):  # the reader sees the worker go
             while True:
                 while worker.unsent:
-                    # Room first: the transport holds at most one frame past its mark.
                     await writer.drain()
-                    _put(writer, *worker.unsent.popleft())
+                    put(writer, *worker.unsent.popleft())
                 worker.wake.clear()
                 await worker.wake.wait()
 
@@ -292,7 +248,7 @@ class EnvProcessPool:
             and not worker.unsent
             and not writer.transport.get_write_buffer_size()
         ):
-            _put(writer, header, payload)  # the common case: straight to the socket
+            put(writer, header, payload)  # the common case: straight to the socket
         else:
             worker.unsent.append((header, payload))
             worker.wake.set()
@@ -306,8 +262,7 @@ class EnvProcessPool:
         if not future.done():  # not cancelled by a session that went away
             future.set_result((status, payload))
         elif call.late is not None and future.cancelled():
-            # Its caller went away first, and the env did the work all the same: handed on
-            # in a callback of its own, so nothing it raises stops this worker's reader.
+            # In a callback of its own: nothing it raises stops this reader.
             future.get_loop().call_soon(call.late, status, payload)
         if worker.owed:
             self._begin(worker, worker.owed[0])
@@ -315,10 +270,7 @@ class EnvProcessPool:
             worker.timer.cancel()
             worker.timer = None
 
-    # -- the watchdog -------------------------------------------------------------------
-
     def _begin(self, worker: _Worker, call: _Call) -> None:
-        """The worker starts on ``call`` now."""
         call.started = asyncio.get_running_loop().time()
         self._arm(worker)
 
@@ -367,8 +319,8 @@ class EnvProcessPool:
         culprit: _Call | None = None,
         culprit_message: str = "",
     ) -> None:
-        """The worker is gone: fail what it owed (``culprit``, the call that hung, with its
-        own message), reclaim its leftovers, replace it."""
+        """The worker is gone: fail what it owed (``culprit``: the call that hung), reclaim
+        its leftovers, replace it."""
         if not worker.alive:
             return
         self._disconnect(worker)
@@ -392,14 +344,11 @@ class EnvProcessPool:
             worker.timer.cancel()
             worker.timer = None
         worker.unsent.clear()
-        # Shut down, not closed: the transport owns the socket. The worker sees EOF now,
-        # even if this loop does not run for a while (stop() waits on it).
+        # Shut down, not closed (the transport owns the socket): the worker sees EOF now.
         with contextlib.suppress(OSError):
             worker.sock.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             worker.side.shutdown(socket.SHUT_RDWR)
-
-    # -- calls ----------------------------------------------------------------------------
 
     async def call(
         self,
@@ -412,17 +361,14 @@ class EnvProcessPool:
         charge: Charge | None = None,
         late: Late | None = None,
     ) -> tuple[int, Payload]:
-        """Send one frame and wait for its answer; returns its status and payload. A call
-        about ``envs`` envs (a sub-batch's step) gets the step timeout that many times.
-        With ``charge``, the answer is offered to it first: the caller holds
-        ``len(payload)`` bytes of it until it gives them back (UNKEPT and no payload: not
-        admitted). With ``late``, a caller cancelled before it got the answer has it
-        handed to ``late`` once the worker answers (in a loop callback): exactly once, and
-        never if this call returned it, or the worker died first.
+        """Send one frame and wait for its status and payload; a call about ``envs`` envs
+        gets the step timeout that many times. With ``charge``, the caller holds the
+        payload's bytes until it gives them back (UNKEPT, no payload: not admitted); with
+        ``late``, a caller cancelled first has the answer handed there, exactly once.
 
         Raises:
-            SessionLostError: the worker is (or becomes) dead, or was killed because this
-                call (``CallTimedOut``) or another one on it took too long.
+            SessionLostError: the worker is or becomes dead (``CallTimedOut``: this call
+                took too long).
         """
         if not worker.alive:
             raise SessionLostError(worker.gone)
@@ -440,7 +386,7 @@ class EnvProcessPool:
         try:
             return await call.future
         except asyncio.CancelledError:
-            # Cancelled after its answer came: nobody else will give its bytes back.
+            # Cancelled after its answer came: nobody else gives its bytes back.
             future = call.future
             answered = future.done() and not future.cancelled() and future.exception() is None
             if charge is not None and answered:
@@ -452,11 +398,8 @@ class EnvProcessPool:
     async def place_block(
         self, size: int, autoreset: AutoresetMode, *, kind: int, prefer_ready: bool
     ) -> tuple[_Worker, int, bool]:
-        """Create a block (of ``kind``, as :meth:`create_block`) on the first worker of
-        :meth:`for_new_envs`; returns the worker, the block's env id and whether it is
-        the env's native batch. A worker that dies before it answered (e.g. killed a
-        moment before the front noticed) costs nothing but time: the block is made on
-        another one, each worker tried at most once.
+        """:meth:`create_block` on the first worker of :meth:`for_new_envs`, or on
+        another should that one die first; returns the worker too.
 
         Raises:
             EnvFactoryError, InvalidAction: see :meth:`create_block`.
@@ -480,11 +423,9 @@ class EnvProcessPool:
     def for_new_envs(
         self, *, prefer_ready: bool = False, tried: AbstractSet[int] = frozenset()
     ) -> list[_Worker]:
-        """The workers new envs may go to without waiting behind another session's call
-        if it can be helped: a worker answers one frame at a time, so a create sent to a
-        busy one waits for that call (behind a 5 s step: 5 s). The idle workers (in
-        :meth:`least_loaded`'s order, ``tried`` left out); if every one is busy, a new
-        worker (up to twice the pool's size; it retires once its envs are closed); at
+        """The workers new envs may go to without waiting behind another call (a create
+        waits for the call its worker is busy with): the idle ones, least loaded first;
+        if none, a new worker (up to twice the pool's size; it retires once empty); at
         that limit, every live worker.
 
         Raises:
@@ -511,8 +452,7 @@ class EnvProcessPool:
         return live
 
     def _retire(self, worker: _Worker) -> None:
-        """Stop ``worker`` if the pool has more than its size and it holds nothing: the
-        extra workers busy ones made (see :meth:`for_new_envs`) go once they are empty."""
+        """Stop ``worker`` if it holds nothing and the pool is over its size."""
         if (
             worker.alive
             and not worker.envs
@@ -525,8 +465,7 @@ class EnvProcessPool:
             log.info("env worker pid %s retired (%d now)", worker.process.pid, len(self._workers))
 
     def least_loaded(self, *, prefer_ready: bool = False) -> list[_Worker]:
-        """The live workers, least loaded (fewest env instances) first (with
-        ``prefer_ready``, those up already first).
+        """The live workers, fewest env instances (and, ``prefer_ready``, up) first.
 
         Raises:
             SessionLostError: no worker is running.
@@ -539,9 +478,8 @@ class EnvProcessPool:
     async def create_block(
         self, worker: _Worker, size: int, autoreset: AutoresetMode, *, kind: int = VECTOR_BLOCK
     ) -> tuple[int, bool]:
-        """Create a block of ``size`` envs on ``worker`` (``kind``: what the env process
-        makes of it, ``env_process.BLOCK_OPEN``'s last field, passed on as it is); returns
-        its env id and whether it is the env's native batch.
+        """Create a block of ``size`` envs (of ``kind``) on ``worker``; returns its env id
+        and whether it is the env's native batch.
 
         Raises:
             EnvFactoryError: the factory (or ``make_batch``) raised in the worker.
@@ -569,7 +507,7 @@ class EnvProcessPool:
 
     def close_env(self, worker: _Worker, env_id: int) -> asyncio.Task[None]:
         """Close an env in its worker, in a task of its own (a cancelled session must not
-        skip it); the task ends quietly if the worker is or becomes dead."""
+        skip it); quietly if the worker is or becomes dead."""
         task = asyncio.get_running_loop().create_task(self._close_env(worker, env_id))
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
@@ -599,14 +537,12 @@ class EnvProcessPool:
 
     async def _close_on_the_side(self, worker: _Worker, env_id: int) -> bool:
         """In a drain, close an env whose worker is busy with another env's call (maybe
-        hung: then the worker is killed at the grace's end, and every env queued behind
-        that call would be lost unclosed) on the worker's side thread, without waiting
-        for that call. True if closed so (or the worker is gone); False: send CLOSE."""
+        hung, killed at the grace's end) on its side thread. True if closed so (or the
+        worker is gone); False: send CLOSE."""
         if not self._draining or not worker.alive or not worker.owed:
             return False
         if worker.owed[0].env_id == env_id:
             return False  # its own call runs: close after it, in order
-        # Its requests still queued (their sessions gone) find it closed: answered so.
         loop = asyncio.get_running_loop()
         try:
             async with worker.side_lock:
@@ -622,13 +558,9 @@ class EnvProcessPool:
         _, closed = SIDE_CLOSED.unpack(answer)
         return bool(closed)
 
-    # -- the end ----------------------------------------------------------------------------
-
     def start_draining(self, grace: float) -> None:
-        """The server drains: once ``grace`` seconds have passed, a call that keeps its
-        worker busy for more than a couple of seconds kills that worker (its envs are
-        lost and reclaimed), so a hung env call cannot hold the drain past its grace.
-        Dead workers are not replaced from then on."""
+        """The server drains: past ``grace`` seconds, a call that keeps its worker busy
+        longer than ``_DRAIN_ALLOWANCE`` kills it; dead workers are not replaced."""
         loop = asyncio.get_running_loop()
         self._draining = True
         self._drain_timer = loop.call_later(grace, self._end_grace)
@@ -640,14 +572,9 @@ class EnvProcessPool:
                 self._arm(worker)
 
     def stop(self) -> None:
-        """Stop every worker, after the sessions closed their envs; returns within about
-        ``2 * _STOP_WAIT`` seconds.
-
-        Each worker closes the envs it still holds and exits; one still running after
-        ``_STOP_WAIT`` seconds is killed. Then the env's ``reclaim_orphans`` hook gets up to
-        ``_STOP_WAIT`` seconds for what killed workers left. Blocks the event loop (the
-        server has stopped serving by then).
-        """
+        """Stop every worker (each closes its envs and exits; killed after
+        ``_STOP_WAIT`` s), then give ``reclaim_orphans`` up to ``_STOP_WAIT`` s. Blocks the
+        event loop: the server has stopped serving by then."""
         if self._stopped:
             return
         self._stopped = True
@@ -675,9 +602,8 @@ class EnvProcessPool:
 async def _read_charged(
     reader: asyncio.StreamReader, length: int, status: int, call: _Call, charge: Charge
 ) -> tuple[int, Payload]:
-    """Read the answer of a call with a charge, offered to it first; returns the status
-    and payload to hand over (UNKEPT and no bytes when not admitted; no bytes when nobody
-    waits for it any more)."""
+    """Read a charged call's answer if admitted (else UNKEPT, no bytes; no bytes either
+    when nobody waits for it)."""
     if call.future.done():  # its caller went away: nothing to hold
         await _skip(reader, length)
         return status, b""
@@ -696,12 +622,8 @@ async def _read_charged(
 
 
 async def _read_whole(reader: asyncio.StreamReader, length: int) -> bytearray:
-    """``length`` bytes in one buffer, read into it a buffer at a time: an answer held
-    against the budget is in memory once, not twice as ``readexactly`` makes it.
-
-    Raises:
-        asyncio.IncompleteReadError: the worker went away first.
-    """
+    """``length`` bytes read into one buffer (in memory once, not twice as with
+    ``readexactly``); IncompleteReadError if the worker went away first."""
     data = bytearray(length)
     with memoryview(data) as view:
         done = 0
@@ -715,20 +637,10 @@ async def _read_whole(reader: asyncio.StreamReader, length: int) -> bytearray:
 
 
 async def _skip(reader: asyncio.StreamReader, length: int) -> None:
-    """Read ``length`` bytes and drop them, a buffer at a time (never held whole)."""
     while length:
         chunk = min(length, READ_LIMIT)
         await reader.readexactly(chunk)
         length -= chunk
 
 
-def _put(writer: asyncio.StreamWriter, header: bytes, payload: bytes) -> None:
-    if len(payload) < _JOIN_BELOW:
-        writer.write(header + payload)
-    else:
-        writer.write(header)
-        writer.write(payload)  # sent as far as the socket takes it; the rest is buffered
-
-
-#: One env process of the pool (for the vector spread, which places sub-batches on them).
 Worker = _Worker
