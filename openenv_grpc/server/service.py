@@ -99,7 +99,6 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
             snapshots.max_bytes = seal.limit
             snapshots.signing_key_id = seal.keys.signing.id
             snapshots.ephemeral_key = seal.keys.ephemeral
-        self._workers = config.workers
 
     async def Session(  # type: ignore[override]
         self,
@@ -132,7 +131,7 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
         response.capacity.max_sessions = limiter.capacity
         response.capacity.active_sessions = limiter.active
         response.capacity.draining = limiter.draining
-        response.capacity.workers = self._workers
+        response.capacity.workers = self._sessions.config.workers
         self._sessions.activity.fill(response.activity, limiter)
         return response
 

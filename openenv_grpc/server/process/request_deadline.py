@@ -62,15 +62,6 @@ class _Reader(NamedTuple):
     outsiders: OutsiderBudget | None
 
 
-async def _one_request(context: grpc.aio.ServicerContext[Any, Any], reader: _Reader) -> Any:
-    """The call's one request, or the call ended (INVALID_ARGUMENT: none; else as
-    :func:`_read` ends it)."""
-    request = await _next_request(context, reader)
-    if request is grpc.aio.EOF:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call carried no request")
-    return request
-
-
 async def _requests(
     context: grpc.aio.ServicerContext[Any, Any], reader: _Reader
 ) -> AsyncIterator[Any]:
@@ -114,18 +105,19 @@ async def _read(
 
 def _wrapped(handler: _Handler, reader: _Reader) -> _Handler:
     """``handler`` as a request-streaming handler that reads its requests with ``reader``."""
-    # Any: the stubs type the behaviours as sync callables; on grpc.aio they are coroutines
-    # (or async generators).
-    behaviour: Any
-    if handler.request_streaming:
-        behaviour = handler.stream_stream or handler.stream_unary
-    else:
-        behaviour = handler.unary_unary or handler.unary_stream
+    # Exactly one is set. Any: the stubs type behaviours as sync callables; on grpc.aio
+    # they are coroutines (or async generators).
+    behaviour: Any = (
+        handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
+    )
 
     async def request(context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         if handler.request_streaming:
             return _requests(context, reader)
-        return await _one_request(context, reader)
+        one = await _next_request(context, reader)
+        if one is grpc.aio.EOF:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call carried no request")
+        return one
 
     async def answers(_: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
         result = behaviour(await request(context), context)
