@@ -23,6 +23,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from openenv_grpc.environment import AutoresetMode, InvalidAction
@@ -90,27 +91,17 @@ class Charge(Protocol):
     def give(self, length: int) -> None: ...
 
 
+@dataclass(slots=True)
 class _Call:
     """One frame sent to a worker and the answer awaited for it."""
 
-    __slots__ = ("charge", "env_id", "future", "late", "limit", "started")
-
-    def __init__(
-        self,
-        future: asyncio.Future[tuple[int, Payload]],
-        limit: float | None,
-        env_id: int = 0,
-        charge: Charge | None = None,
-        late: Late | None = None,
-    ) -> None:
-        self.future = future
-        self.env_id = env_id
-        self.limit = limit  # seconds the worker may spend on it (None: no limit)
-        self.started = 0.0  # loop time at which the worker began it
-        self.charge = charge
-        #: Set before the frame goes out: the answer may come before the caller sees its
-        #: cancellation.
-        self.late = late
+    future: asyncio.Future[tuple[int, Payload]]
+    limit: float | None  # seconds the worker may spend on it (None: no limit)
+    env_id: int = 0
+    charge: Charge | None = None
+    #: Set before the frame goes out: the answer may come before the caller's cancellation.
+    late: Late | None = None
+    started: float = 0.0  # loop time at which the worker began it
 
 
 class _Worker:
@@ -423,15 +414,17 @@ class EnvProcessPool:
     def for_new_envs(
         self, *, prefer_ready: bool = False, tried: AbstractSet[int] = frozenset()
     ) -> list[_Worker]:
-        """The workers new envs may go to without waiting behind another call (a create
-        waits for the call its worker is busy with): the idle ones, least loaded first;
-        if none, a new worker (up to twice the pool's size; it retires once empty); at
-        that limit, every live worker.
+        """The workers new envs may go to without waiting behind another call: the idle
+        ones, least loaded (and, ``prefer_ready``, up) first; if none, a new worker (up to
+        twice the pool's size; it retires once empty); at that limit, every live one.
 
         Raises:
             SessionLostError: no worker is running.
         """
-        live = [w for w in self.least_loaded(prefer_ready=prefer_ready) if id(w) not in tried]
+        live = sorted(
+            (w for w in self._workers if w.alive and id(w) not in tried),
+            key=lambda w: (prefer_ready and not w.ready, sum(w.envs.values())),
+        )
         if not live:
             raise SessionLostError("no environment worker process is running")
         idle = [w for w in live if not w.owed]
@@ -463,17 +456,6 @@ class EnvProcessPool:
             self._disconnect(worker)  # it sees EOF and exits: it holds no env
             self._reaper.reap(worker.process)  # joined off the loop (no zombie)
             log.info("env worker pid %s retired (%d now)", worker.process.pid, len(self._workers))
-
-    def least_loaded(self, *, prefer_ready: bool = False) -> list[_Worker]:
-        """The live workers, fewest env instances (and, ``prefer_ready``, up) first.
-
-        Raises:
-            SessionLostError: no worker is running.
-        """
-        live = [worker for worker in self._workers if worker.alive]
-        if not live:
-            raise SessionLostError("no environment worker process is running")
-        return sorted(live, key=lambda w: (prefer_ready and not w.ready, sum(w.envs.values())))
 
     async def create_block(
         self, worker: _Worker, size: int, autoreset: AutoresetMode, *, kind: int = VECTOR_BLOCK
