@@ -168,13 +168,15 @@ def _getter(names: Iterable[str]) -> Callable[[Any], tuple[Any, ...]]:
 
 def batch_args(args: Any) -> tuple[Any, ...]:
     """What the batch's method gets: the args' fields but FRONT ones."""
-    return _plan(type(args))[0](args)
+    kind = type(args)
+    return (_PLANS.get(kind) or _plan(kind))[0](args)
 
 
 def part_args(args: Any, positions: Sequence[int], local: Sequence[int]) -> tuple[Any, ...]:
     """:func:`batch_args` for a sub-batch: the envs at ``positions`` of ``args.indices``,
     as the sub-batch's ``local`` indices."""
-    get, splits = _plan(type(args))
+    kind = type(args)
+    get, splits = _PLANS.get(kind) or _plan(kind)
     return tuple(
         [
             local
@@ -305,9 +307,10 @@ class LocalBatchCalls(Commands):
         batch: VectorBatch = self._batch
         return batch.native
 
-    async def command(self, name: str, args: Any) -> Any:
-        orphaned = getattr(args, "orphaned", None)
-        return await self.call(name, name, len(args.indices), batch_args(args), orphaned)
+    def command(self, name: str, args: Any) -> Coroutine[Any, Any, Any]:
+        kind = type(args)  # batch_args, inline: a Session's step is the hot path
+        sent = (_PLANS.get(kind) or _plan(kind))[0](args)
+        return self.call(name, name, len(args.indices), sent, getattr(args, "orphaned", None))
 
     async def query(self, name: str, indices: Sequence[int]) -> BatchStates:
         states: BatchStates = await self.call(name, "query", len(indices), (name, indices))
