@@ -231,11 +231,7 @@ class Driver:
 
     def hold(self, indices: Sequence[int], request_id: int) -> None:
         """Hold the envs of ``indices`` for request ``request_id`` until :meth:`let_go`.
-
-        Raises:
-            RequestError: FAILED_PRECONDITION, an env named is held by a request still in
-                flight, or a close is under way (nothing was done).
-        """
+        Raises RequestError (FAILED_PRECONDITION): one is held already, or a close is on."""
         held = self._held
         if self._closing is not None:
             raise RequestError(
@@ -290,12 +286,8 @@ class Driver:
 
     async def step(self, args: StepArgs) -> tuple[BatchOutcome, int, float]:
         """Step the envs of ``args`` (all may step: see :meth:`blocked`); returns the
-        outcome, the env steps taken (a NEXT_STEP autoreset row took none) and the
-        call's seconds.
-
-        Raises:
-            BatchRefused: the whole call failed (see :meth:`refused`).
-        """
+        outcome, the env steps taken (a NEXT_STEP autoreset row took none) and the call's
+        seconds. Raises BatchRefused: the whole call failed (see :meth:`refused`)."""
         started = time.perf_counter()
         named = args.indices
         told: dict[int, RowError] = {}
@@ -345,15 +337,13 @@ class Driver:
         if self._mode is AutoresetMode.SAME_STEP:
             kept = self._options
             ids = {index: "" for index in indices if index in kept} if kept else {}
-            if not ids:
-                return NO_AUTORESETS
         else:
             phases = self.phases
             if Phase.TERMINATED not in phases and Phase.TRUNCATED not in phases:
                 return NO_AUTORESETS
             ids = {index: new_episode_id() for index in indices if phases[index] in _ENDED}
-            if not ids:
-                return NO_AUTORESETS
+        if not ids:
+            return NO_AUTORESETS
         options, wire = self._options, self._wire_options
         if not options:
             return Autoresets(ids)
@@ -372,11 +362,7 @@ class Driver:
             self._metrics.env_steps(stepped, seconds)
 
     async def reset(self, args: ResetArgs) -> BatchOutcome:
-        """Reset the envs of ``args``; their episodes start (or break).
-
-        Raises:
-            BatchRefused: the whole call failed.
-        """
+        """Reset the envs of ``args``; raises BatchRefused: the whole call failed."""
         found = self._tell(args.indices)[1]  # a reset may give a LOST env an episode
         try:
             outcome = await self._calls.reset(args)
@@ -418,11 +404,8 @@ class Driver:
                     wire[index] = wired
 
     async def snapshot(self, indices: Sequence[int]) -> Sealed:
-        """Capture each env of ``indices``, sealed with its books; no episode changes.
-
-        Raises:
-            BatchRefused: the whole call failed.
-        """
+        """Capture each env of ``indices``, sealed with its books; raises BatchRefused:
+        the whole call failed."""
         if not self.spec.snapshots:
             return Sealed(errors=self._no_snapshots(indices))
         out = Sealed()
@@ -453,12 +436,8 @@ class Driver:
         return out
 
     async def restore(self, indices: Sequence[int], data: Sequence[bytes]) -> Restored:
-        """Authenticate each snapshot, hand the envs theirs, and take over the captured
-        books; a refused snapshot leaves that env's episode as it was.
-
-        Raises:
-            BatchRefused: the whole call failed.
-        """
+        """Authenticate each snapshot, hand the envs theirs and take over the captured
+        books (a refused one changes nothing); raises BatchRefused: the whole call failed."""
         if not self.spec.snapshots:
             return Restored(errors=self._no_snapshots(indices))
         out = Restored()
@@ -496,12 +475,8 @@ class Driver:
         return out
 
     async def close_command(self) -> None:
-        """Close every env for a close command; the stream ends after its answer.
-
-        Raises:
-            RequestError: INTERNAL, what an env's ``close`` raised (closed all the same).
-            BatchRefused: the close failed as a whole (its envs' process, e.g.).
-        """
+        """Close every env for a close command. Raises RequestError (INTERNAL): what an
+        env's ``close`` raised (closed all the same); BatchRefused: it failed as a whole."""
         self.ends = True
         try:
             await self._calls.close_strictly()
@@ -554,12 +529,8 @@ class Driver:
 
     async def query(self, name: str, indices: Sequence[int]) -> tuple[BatchStates, int]:
         """Each env's answer to query ``name`` (``queries.py``) and their bytes, read no
-        further than the message limit; LOST envs are told rather than read, and envs
-        found replaced lose their episodes.
-
-        Raises:
-            BatchRefused: the whole call failed.
-        """
+        further than the message limit; LOST envs are told rather than read, envs found
+        replaced lose their episodes. Raises BatchRefused: the whole call failed."""
         indices, told = self._tell(indices)
         if not told:
             got = await self._states_within(name, indices)

@@ -142,12 +142,10 @@ class Held:
 
 
 class StreamOpening(Protocol):
-    """What one kind of stream brings to :meth:`SessionManager.run`: the limiter slots
-    (env instances) it takes, all or nothing; its message types; the requests it may
-    have in flight (0: one at a time, in order); how its backend is made, once admitted
-    (``open`` sets ``held.owns_slot`` to False before handing the slots to something
-    that frees them itself); and initial metadata beyond the admitted and session-id keys.
-    """
+    """What one kind of stream brings to :meth:`SessionManager.run`: the slots (envs) it
+    takes, the requests it may have in flight (0: one at a time), its message types, its
+    backend (``open`` sets ``held.owns_slot`` to False when it hands the slots to what
+    frees them itself), and initial metadata beyond the admitted and session-id keys."""
 
     slots: int
     in_flight: int
@@ -551,17 +549,14 @@ class SessionManager:
 
 
 class _StreamLoop:
-    """The one loop of every stream: read a request, answer it, write the answer, until
-    the stream ends.
+    """The one loop of every stream: read a request, answer it, write the answer.
 
-    Up to ``opening.in_flight`` requests may be in flight (read, and not yet written). A
-    Session has one: the reader answers each request before it reads the next. A
-    VectorSession's reader hands each to a task; answers go out as each is ready, one
-    write at a time. Past the cap the stream reads nothing more while answers wait for
-    the client (backpressure), or answers RESOURCE_EXHAUSTED at once while all are in the
-    env; likewise it stops reading while its own answers make the byte budget short. The
-    stream is idle (for the reaper) while it waits for its client. After a half-close
-    the requests in flight are answered first; an answer that ends the stream goes last.
+    Up to ``opening.in_flight`` requests are in flight (read, not yet written): a Session
+    answers each before it reads the next; a VectorSession's reader hands each to a task
+    and answers go out as they are ready. Past the cap, or while its answers make the
+    budget short, the stream stops reading (backpressure), or answers RESOURCE_EXHAUSTED
+    while all are in the env. After a half-close the requests in flight are answered
+    first; an answer that ends the stream goes last.
     """
 
     __slots__ = (

@@ -76,12 +76,8 @@ class SessionView:
         return self._driver
 
     async def handle(self, raw: bytes) -> Answer:
-        """Answer one serialized request. Never raises for anything the env did.
-
-        Raises:
-            UndecodableRequest: ``raw`` is not a SessionRequest (no id to answer to).
-            SessionLostError: the env is gone (its env process died).
-        """
+        """Answer one serialized request; raises UndecodableRequest or SessionLostError
+        (the env is gone), never for anything the env did."""
         request = parse_request(raw, pb.SessionRequest)
         response = pb.SessionResponse(request_id=request.request_id)
         command = request.WhichOneof("command")

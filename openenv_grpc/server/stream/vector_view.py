@@ -83,12 +83,8 @@ class VectorView:
         return self._driver.native
 
     async def handle(self, raw: bytes) -> Answer:
-        """Answer one serialized request. Never raises for anything the envs did.
-
-        Raises:
-            UndecodableRequest: ``raw`` is not a VectorSessionRequest (no id to answer to).
-            SessionLostError: the envs are gone (their env processes died for good).
-        """
+        """Answer one serialized request; raises UndecodableRequest or SessionLostError
+        (the envs are gone), never for anything the envs did."""
         request = parse_request(raw, pb.VectorSessionRequest)
         request_id = request.request_id
         response = pb.VectorSessionResponse(request_id=request_id)
@@ -319,11 +315,7 @@ class VectorView:
         fill_result(result, outcome, self._obs_url, ids, counts, self._info_json)
 
     def _indices(self, given: Sequence[int]) -> Sequence[int]:
-        """The env indices a request names (all when empty), checked.
-
-        Raises:
-            RequestError: an index is out of range, repeated or out of order.
-        """
+        """The env indices a request names (all when empty); raises RequestError."""
         driver = self._driver
         if not given:
             return driver.all
