@@ -13,7 +13,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-__all__ = ["TRIM_INTERVAL", "malloc_trim", "start_heap_trimmer"]
+__all__ = ["TRIM_INTERVAL", "start_heap_trimmer"]
 
 log = logging.getLogger(__name__)
 
@@ -40,31 +40,28 @@ def _load_malloc_trim() -> Callable[[int], int] | None:
 _malloc_trim = _load_malloc_trim()
 
 
-def malloc_trim() -> bool:
-    """Return the heap's free pages to the kernel now; False if none (or no glibc)."""
-    return _malloc_trim is not None and bool(_malloc_trim(0))
-
-
-def start_heap_trimmer(interval: float = TRIM_INTERVAL) -> bool:
-    """Trim every ``interval`` s on a daemon thread, once per process; False without glibc."""
+def start_heap_trimmer() -> bool:
+    """Trim every :data:`TRIM_INTERVAL` s on a daemon thread, once per process; False
+    without glibc."""
     global _started
-    if _malloc_trim is None:
+    trim = _malloc_trim
+    if trim is None:
         return False
     with _lock:
         if _started is None or not _started.is_alive():
             _started = threading.Thread(
-                target=_trim_forever, args=(interval,), name="openenv-heap-trim", daemon=True
+                target=_trim_forever, args=(trim,), name="openenv-heap-trim", daemon=True
             )
             _started.start()
     return True
 
 
-def _trim_forever(interval: float) -> None:
+def _trim_forever(trim: Callable[[int], int]) -> None:
     wake = threading.Event()  # never set: a sleep that does not hold the GIL
     while True:
-        wake.wait(interval)
+        wake.wait(TRIM_INTERVAL)
         try:
-            malloc_trim()
+            trim(0)
         except Exception:  # pragma: no cover - a libc that misbehaves must not kill us
             log.exception("malloc_trim failed; heap trimming stops")
             return
