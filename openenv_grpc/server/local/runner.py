@@ -136,12 +136,8 @@ class EnvRunner:
     ) -> EnvRunner:
         """A runner of a fresh instance from the spec's factory (run on ``lifecycle``,
         default ``pool``, for pooled and measured envs). It owns ``release`` from here on,
-        also when this call is cancelled or fails.
-
-        Raises:
-            Exception: whatever the factory raised.
-            TypeError: the factory returned an instance of another class than the spec's.
-        """
+        also when this call is cancelled or fails (raising what the factory raised, or
+        TypeError for an instance of another class than the spec's)."""
         loop = asyncio.get_running_loop()
         lifecycle = lifecycle if lifecycle is not None else pool
         try:
@@ -187,11 +183,7 @@ class EnvRunner:
         **kwargs: Any,
     ) -> Any:
         """Call one of the env's methods where its mode says. A pooled call whose caller is
-        cancelled hands its result to ``orphaned`` once it returns.
-
-        Raises:
-            Exception: whatever the method (or a measured env's ``cost_class()``) raised.
-        """
+        cancelled hands its result to ``orphaned`` once it returns."""
         mode = self._mode
         if mode is ExecutionMode.INLINE:
             return method(*args, **kwargs)
@@ -230,11 +222,7 @@ class EnvRunner:
 
     def call_inline(self, method: Callable[..., Any], *args: Any) -> Any:
         """:meth:`call_within` of an :attr:`inline` runner without its three coroutines (a
-        step's hot path).
-
-        Raises:
-            Exception: whatever the method raised.
-        """
+        step's hot path)."""
         try:
             return method(*args)
         except (Exception, asyncio.CancelledError):
@@ -344,11 +332,11 @@ class EnvRunner:
 
     @_contained
     async def close(self) -> None:
-        """Close the env exactly once and free its slot. A call a cancelled session left
-        running is not waited for: the env is closed once it returns.
+        """Close the env exactly once (also when its ``close`` raises) and free its slot.
+        A call a cancelled session left running is not waited for: the env is closed once
+        it returns.
 
         Raises:
-            Exception: whatever the env's ``close`` raised (it still counts as closed).
             CloseAbandoned: the close ran past the lifecycle timeout (pooled envs).
         """
         if self._closed:
