@@ -126,8 +126,7 @@ class Driver:
         self.episode_ids = [""] * size
         self.step_counts = [0] * size
         self.ends = False  # nothing is left to serve (closed, or not replaceable)
-        #: Env index -> the id of the request in flight that holds it (-1: all envs), so
-        #: that nothing of one env is lost or reordered between requests in flight.
+        #: Env index -> the request in flight that holds it (-1: all envs).
         self._held: dict[int, int] = {}
         self._quiet: asyncio.Event | None = None  # set while no env is held
         self._closing: int | None = None  # the request id of a close under way
@@ -311,8 +310,7 @@ class Driver:
                     args = StepArgs(
                         indices, [actions[k] for k in keep], [wire[k] for k in keep], False
                     )
-        # Should the stream end while the envs step, their steps are booked and counted
-        # all the same; else its answer counts them.
+        # Should the stream end meanwhile, the steps are booked and counted all the same.
         args.orphaned = self._orphan
         if self._mode is not AutoresetMode.DISABLED:
             args.autoresets = self._autoresets(args.indices)

@@ -51,30 +51,26 @@ __all__ = ["CLOSE_BUDGET", "Held", "SessionManager", "StreamOpening"]
 
 log = logging.getLogger(__name__)
 
-#: Seconds a drain gives envs to close after the grace; what is still closing then is
-#: stuck in env code and abandoned, so that the process exits on time.
+#: Seconds a drain gives envs to close after the grace; envs stuck then are abandoned.
 CLOSE_BUDGET = 2.0
 
 #: An answer is held twice until its write is done: our bytes, and gRPC's copy of them.
 _COPIES = 2
-#: Answers this small go out even when the budget is short, from its reserve
-#: (``ByteBudget.try_overdraw``): stalled readers must not stop every neighbour's steps.
+#: Answers this small may overdraw a short budget: stalled readers must not stop others.
 _SMALL = 64 * 1024
 #: Answers this small (most steps, errors) always go out, counted or not: at most
 #: capacity x requests in flight x 4 KiB x 2 uncounted (32 MiB at the defaults).
 _TINY = 4 * 1024
-#: Seconds an answer holding budget bytes may wait for its client before the stream counts
-#: as stalled; a stalled stream is ended only when another stream's answer needs the bytes.
+#: Seconds an answer holding budget bytes may wait for its client: then its stream stalls.
 STALLED_AFTER = 5.0
 #: Seconds an answer waits for bytes that stalled streams give back before it is refused.
 _BUDGET_WAIT = 1.0
 
-#: A refusal first waits this long for the client's first request (or half-close): else
-#: grpc.aio may report the status racing a write as INTERNAL (grpc/grpc#36066). Longer
-#: waits made a 16,384-open burst see grpc cancel thousands of queued opens.
+#: A refusal first waits this long for the client's first request, else grpc.aio may
+#: report the status racing a write as INTERNAL (grpc/grpc#36066); not longer: a burst of
+#: 16,384 opens then saw grpc cancel thousands of queued ones.
 REFUSAL_WAIT = 0.25
-#: Refusals that may wait at once (each holds its call and first request); past it a
-#: refusal goes out at once.
+#: Refusals that may wait at once (each holds its call); past it one goes out at once.
 MAX_WAITING_REFUSALS = 1024
 
 
@@ -104,8 +100,7 @@ class Held:
         self.reason = "error"  # how the session ended, for logs and metrics
         self.backend: SessionBackend | None = None
         self.released = False
-        #: False once an in-process env runner took the slots over (it frees them when
-        #: its envs are closed, maybe after the session).
+        #: False once an env runner took the slots over (it frees them with its envs).
         self.owns_slot = True
         #: Loop time when the session began waiting for its client; None while it works.
         self.waiting_since: float | None = None
@@ -178,8 +173,7 @@ class SessionManager:
         budget: ByteBudget | None = None,
     ) -> None:
         self.snapshots = snapshots  # None: the driver's default seal
-        #: The server's one byte budget (``--max-held-bytes``), shared with whatever else
-        #: holds bytes for clients (isolated frames, the OpenEnv wire).
+        #: The server's one byte budget (``--max-held-bytes``), for all it holds for clients.
         self.budget = budget if budget is not None else ByteBudget(config.max_held_bytes)
         self.spec = spec
         self.config = config
@@ -256,7 +250,7 @@ class SessionManager:
             held.ready = True
             if self._drain_deadline is not None:
                 held.notify(self._drain_notice(), self._notices)
-            held.reason = await _StreamLoop(self, context, held.backend, held, opening).run()
+            held.reason = await _StreamLoop(self, held, held.backend, opening).run()
         except asyncio.CancelledError:
             end_reason = held.end_reason
             if end_reason is None:
@@ -566,15 +560,10 @@ class _StreamLoop:
     )  # fmt: skip
 
     def __init__(
-        self,
-        manager: SessionManager,
-        context: Wire,
-        backend: SessionBackend,
-        live: Held,
-        opening: StreamOpening,
+        self, manager: SessionManager, live: Held, backend: SessionBackend, opening: StreamOpening
     ) -> None:
         self._manager = manager
-        self._context = context
+        self._context = live.context
         self._backend = backend
         self.live = live
         self._opening = opening

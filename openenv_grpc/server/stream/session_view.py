@@ -63,8 +63,7 @@ class SessionView:
         self._info_json = info_json  # the client reads info as JSON text
         # The session checks the serialized answer against the message limit itself.
         self._driver = Driver(spec, 1, AutoresetMode.DISABLED, calls, SESSION_WORDS, snapshots)
-        #: The wait for a fresh env still being made after a hung call (``--isolated``):
-        #: the next request, whatever it is, learns should it not be made.
+        #: The wait for an env replacing a hung one (``--isolated``), for the next request.
         self._replacing = replacing
         self._obs_url = spec.observation_url
         self._state_url = spec.state_url
@@ -201,8 +200,7 @@ class SessionView:
                 struct_info(info, result.info)
 
 
-#: Each command of a SessionRequest, by its field (``None``: no command set); a command
-#: of the proto without an entry here fails this module's import.
+#: Each command by its field (``None``: none set); one left out fails the import.
 _COMMANDS = command_table(
     pb.SessionRequest,
     {

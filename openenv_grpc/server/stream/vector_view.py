@@ -115,8 +115,7 @@ class VectorView:
             return Answer(
                 serialized, entry.outcome, done.seconds, "", entry.ends, done.steps, codes
             )
-        # The call took effect; it counts as its steps, per-env errors and one
-        # RESOURCE_EXHAUSTED, as the session counts such an answer.
+        # It took effect: counted as its steps, its per-env errors and a RESOURCE_EXHAUSTED.
         return Answer(
             exhausted(response, done.too_large), entry.outcome, done.seconds, steps=done.steps,
             env_errors=(*codes, grpc.StatusCode.RESOURCE_EXHAUSTED.name),
@@ -344,8 +343,7 @@ class VectorView:
             )
 
 
-#: Each command of a VectorSessionRequest, by its field (``None``: no command set); a
-#: command of the proto without an entry here fails this module's import.
+#: Each command by its field (``None``: none set); one left out fails the import.
 _COMMANDS = command_table(
     pb.VectorSessionRequest,
     {
