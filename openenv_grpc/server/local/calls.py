@@ -144,18 +144,22 @@ class RestoreArgs:
 
 
 _Plan = tuple[Callable[[Any], tuple[Any, ...]], tuple[str, ...]]
-_PLANS: dict[type, _Plan] = {}
 
 
-def _plan(kind: type) -> _Plan:
-    plan = _PLANS.get(kind)
-    if plan is None:
+class _Plans(dict[type, _Plan]):
+    """Per args class: the getter of what the batch gets, and each field's split (read by
+    subscript: no call on the hot path once made)."""
+
+    def __missing__(self, kind: type) -> _Plan:
         sent = [f for f in dataclasses.fields(kind) if f.metadata.get("split") != "front"]
-        plan = _PLANS[kind] = (
+        plan = self[kind] = (
             _getter(f.name for f in sent),
             tuple("indices" if f.name == "indices" else f.metadata.get("split", "") for f in sent),
         )
-    return plan
+        return plan
+
+
+_PLANS = _Plans()
 
 
 def _getter(names: Iterable[str]) -> Callable[[Any], tuple[Any, ...]]:
@@ -168,15 +172,13 @@ def _getter(names: Iterable[str]) -> Callable[[Any], tuple[Any, ...]]:
 
 def batch_args(args: Any) -> tuple[Any, ...]:
     """What the batch's method gets: the args' fields but FRONT ones."""
-    kind = type(args)
-    return (_PLANS.get(kind) or _plan(kind))[0](args)
+    return _PLANS[type(args)][0](args)
 
 
 def part_args(args: Any, positions: Sequence[int], local: Sequence[int]) -> tuple[Any, ...]:
     """:func:`batch_args` for a sub-batch: the envs at ``positions`` of ``args.indices``,
     as the sub-batch's ``local`` indices."""
-    kind = type(args)
-    get, splits = _PLANS.get(kind) or _plan(kind)
+    get, splits = _PLANS[type(args)]
     return tuple(
         [
             local
@@ -308,8 +310,7 @@ class LocalBatchCalls(Commands):
         return batch.native
 
     def command(self, name: str, args: Any) -> Coroutine[Any, Any, Any]:
-        kind = type(args)  # batch_args, inline: a Session's step is the hot path
-        sent = (_PLANS.get(kind) or _plan(kind))[0](args)
+        sent = _PLANS[type(args)][0](args)  # batch_args, inline: a Session's step is hot
         return self.call(name, name, len(args.indices), sent, getattr(args, "orphaned", None))
 
     async def query(self, name: str, indices: Sequence[int]) -> BatchStates:
