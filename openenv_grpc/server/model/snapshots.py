@@ -28,6 +28,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from openenv_grpc.server.config import ServerConfig
+from openenv_grpc.server.model.phases import RESTORED_PHASE
 from openenv_grpc.v1 import snapshot_pb2
 
 __all__ = [
@@ -69,7 +70,9 @@ _INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 _FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION.value[0]
 _RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 
-_PHASES = frozenset(snapshot_pb2.SnapshotPhase.values()) - {snapshot_pb2.SNAPSHOT_PHASE_UNSPECIFIED}
+#: The phases a snapshot may hold: those the driver can restore (a new proto phase is
+#: refused until ``phases.CAPTURED_PHASE`` maps it).
+_PHASES = frozenset(RESTORED_PHASE)
 
 
 class SnapshotRefused(Exception):
