@@ -554,9 +554,9 @@ class _StreamLoop:
     """
 
     __slots__ = (
-        "_answering", "_backend", "_budget", "_cap", "_context", "_ended", "_held",
-        "_largest", "_lock", "_loop", "_manager", "_opening", "_taken", "_tasks", "_working",
-        "_write", "live",
+        "_answering", "_backend", "_budget", "_cap", "_context", "_ended", "_largest",
+        "_lock", "_loop", "_manager", "_opening", "_taken", "_tasks", "_working", "_write",
+        "live",
     )  # fmt: skip
 
     def __init__(
@@ -578,7 +578,6 @@ class _StreamLoop:
         self._answering = 0  # requests read and not yet written (the cap)
         self._working = 0  # requests inside the backend (not idle while any is)
         self._budget = manager.budget
-        self._held = 0  # bytes this stream's answers hold against the budget
         self._largest = 0  # the most one answer has held: what the next may need
         #: Set when an answer leaves (written or given up): the reader may read again.
         self._taken: asyncio.Future[None] | None = None
@@ -627,7 +626,7 @@ class _StreamLoop:
         is reached, or its own answers made the budget short."""
         return self._answering > self._working and (
             self._answering >= self._cap
-            or (self._held > 0 and not self._budget.fits(self._largest))
+            or (self.live.holding > 0 and not self._budget.fits(self._largest))
         )
 
     async def _until_taken(self) -> None:
@@ -704,13 +703,13 @@ class _StreamLoop:
             if size > manager.max_response or not self._budget.try_take(held):
                 response, held = await manager.to_send(raw, response, self._opening)
             del answer  # the bytes to send are ``response`` now
-            live.holding = self._held = self._held + held
+            live.holding += held
             if held > self._largest:
                 self._largest = held
             try:
                 await self._write(response)
             finally:
-                live.holding = self._held = self._held - held
+                live.holding -= held
                 self._budget.give(held)
         finally:
             self._answering -= 1
