@@ -15,6 +15,7 @@ def test_takes_fit_the_total_and_one_oversize_take_fits_an_empty_budget() -> Non
     budget = ByteBudget(100)
     assert budget.try_take(60) and not budget.try_take(41) and budget.try_take(40)
     assert (budget.used, budget.free) == (100, 0)
+    assert budget.try_take(0) and budget.used == 100  # nothing asked: always "taken"
     budget.give(100)
     assert budget.try_take(1_000)  # nothing else held: one large message gets through
     assert not budget.try_take(1)

@@ -53,10 +53,16 @@ class ByteBudget:
         return n <= 0 or (not self._waiters and (self._used + n <= self._total or self._used == 0))
 
     def try_take(self, n: int) -> bool:
-        """Take ``n`` bytes if they fit now; False (nothing taken) if they do not."""
-        if not self.fits(n):
+        """Take ``n`` bytes if they fit now; False (nothing taken) if they do not. (As
+        :meth:`fits` then :meth:`_add`, written out: it runs for every message.)"""
+        if n <= 0:
+            return True
+        used = self._used + n
+        if self._waiters or (used > self._total and self._used != 0):
             return False
-        self._add(n)
+        self._used = used
+        if used > self.peak:
+            self.peak = used
         return True
 
     def try_overdraw(self, n: int) -> bool:
@@ -98,7 +104,8 @@ class ByteBudget:
         if self._used < 0:  # a holder gave back more than it took: a bug, never hidden
             used, self._used = self._used, 0
             raise AssertionError(f"byte budget gave back {-used} bytes more than taken")
-        self._wake()
+        if self._waiters:
+            self._wake()
 
     def _add(self, n: int) -> None:
         if n > 0:
