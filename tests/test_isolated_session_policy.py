@@ -1,7 +1,7 @@
 """``--isolated``: the layers below a stream's view (the batch calls, the spread, the env
 process pool) never ask whether they serve a Session or a VectorSession (issue 38 item
 2). What a Session is promised differently comes down as a named policy
-(``spread.BlockPolicy``) from ``service.open_session``, and its view waits for a fresh
+(``spread.BlockPolicy``) from ``service._SessionOpening``, and its view waits for a fresh
 env itself; a VectorSession of one env is a vector like any other.
 """
 
