@@ -193,14 +193,30 @@ class _Worker:
         self.blocks: dict[int, LocalBatchCalls] = {}
 
     async def create(self, env_id: int, payload: bytes) -> tuple[int, bytes]:
+        """Build a block; a native batch, made in one piece, is measured as a whole."""
         size, mode, kind = BLOCK_OPEN.unpack(payload)
-        status, text = await _create(
-            self.spec, size, AUTORESET_MODES[mode], kind, self.call_timeout, self.max_env_bytes
-        )
-        if isinstance(text, LocalBatchCalls):
-            self.blocks[env_id] = text
-            text = b"native" if text.native else b"loop"
-        return status, text
+        session, spec, ceiling = kind == SESSION_BLOCK, self.spec, self.max_env_bytes
+        before = _resident_bytes()
+        try:
+            # A vector block gets no call timeout here: the front's watchdog stops this
+            # process. A Session's async env is cancelled here, past its timeout.
+            block = await local_calls(
+                spec, size, AUTORESET_MODES[mode], _NO_POOL, native=not session,
+                words=SESSION_WORDS if session else VECTOR_WORDS,
+                call_timeout=self.call_timeout if session else None,
+            )  # fmt: skip
+        except InvalidAction as exc:
+            return Status.REFUSED, str(exc).encode()
+        except Exception as exc:
+            log.exception("environment factory raised")
+            return Status.FAILED, describe(exc).encode()
+        if ceiling and block.native:
+            grew = (_resident_bytes() - before) // size
+            if grew > ceiling:
+                await block.close()
+                return Status.REFUSED, _over_ceiling(spec.name, grew, ceiling, size).encode()
+        self.blocks[env_id] = block
+        return Status.OK, b"native" if block.native else b"loop"
 
     async def request(self, env_id: int, payload: bytes) -> tuple[int, bytes]:
         """Any command: the block's batch's method by name (checked by the front)."""
@@ -295,39 +311,6 @@ def _serve_side(side: socket.socket, blocks: dict[int, LocalBatchCalls], threade
             if closing is not None:
                 asyncio.run(closing.close())  # an inline env's close, on this thread
             side.sendall(SIDE_CLOSED.pack(env_id, closing is not None))
-
-
-async def _create(
-    spec: EnvSpec,
-    size: int,
-    autoreset: AutoresetMode,
-    kind: int,
-    call_timeout: float | None,
-    max_env_bytes: int = 0,
-) -> tuple[int, LocalBatchCalls | bytes]:
-    """Build a block of ``size`` envs: the status to answer and the block (or the
-    failure's text). A native batch, made in one piece, is measured as a whole, per env."""
-    session = kind == SESSION_BLOCK
-    before = _resident_bytes()
-    try:
-        # A vector block gets no call timeout here: the front's watchdog stops this
-        # process. A Session's async env is cancelled here, past its timeout.
-        block = await local_calls(
-            spec, size, autoreset, _NO_POOL, native=not session,
-            words=SESSION_WORDS if session else VECTOR_WORDS,
-            call_timeout=call_timeout if session else None,
-        )  # fmt: skip
-    except InvalidAction as exc:
-        return Status.REFUSED, str(exc).encode()
-    except Exception as exc:
-        log.exception("environment factory raised")
-        return Status.FAILED, describe(exc).encode()
-    if max_env_bytes and block.native:
-        grew = (_resident_bytes() - before) // size
-        if grew > max_env_bytes:
-            await block.close()
-            return Status.REFUSED, _over_ceiling(spec.name, grew, max_env_bytes, size).encode()
-    return Status.OK, block
 
 
 #: Bytes per page of resident memory (``/proc/self/statm`` counts pages).

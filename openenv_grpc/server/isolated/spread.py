@@ -361,7 +361,10 @@ class SpreadBatchCalls(Commands):
 
         def late_of(part: _Part) -> Late:
             def late(status: int, payload: Payload) -> None:
-                _hand_on(part, status, payload, orphaned, time.perf_counter() - started)
+                response = _read(status, payload)
+                if not isinstance(response, BatchRefused):  # a refusal stepped nothing
+                    seconds = time.perf_counter() - started
+                    orphaned(read_answer(response, part[0].start), seconds)
 
             return late
 
@@ -571,15 +574,6 @@ def _read(status: int, payload: Payload) -> pb.VectorSessionResponse | BatchRefu
         broken=bool(flags & 1), replaced=bool(flags & 2), saturated=bool(flags & 4),
         ends=bool(flags & 8),
     )  # fmt: skip
-
-
-def _hand_on(
-    part: _Part, status: int, payload: Payload, orphaned: _Orphaned, seconds: float
-) -> None:
-    """Hand a given-up step's answer to ``orphaned`` (a refusal stepped nothing)."""
-    response = _read(status, payload)
-    if not isinstance(response, BatchRefused):
-        orphaned(read_answer(response, part[0].start), seconds)
 
 
 def _unkept(name: str, budget: ByteBudget | None, held: int, part: int) -> BatchRefused:
