@@ -14,20 +14,25 @@ from __future__ import annotations
 
 import ast
 import asyncio
-import pickle
+import json
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from openenv_grpc.codec import pack
+import grpc
+import pytest
+
 from openenv_grpc.environment import AutoresetMode
 from openenv_grpc.server.errors import RowError
 from openenv_grpc.server.isolated import env_process, spread
 from openenv_grpc.server.local.batch import Autoresets, BatchOutcome
 from openenv_grpc.server.local.calls import PER_ENV, ResetArgs, RestoreArgs, StepArgs
+from openenv_grpc.server.local.frames import command_frame, read_command
 from openenv_grpc.server.model.snapshots import Captured
 from openenv_grpc.server.model.spec import EnvSpec
+from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc.v1 import snapshot_pb2
 from openenv_grpc_envs.echo import EchoAction, EchoEnvironment, EchoResetOptions
 
@@ -96,8 +101,8 @@ def test_a_step_reaches_each_blocks_batch_with_its_actions_and_autoresets_local(
         calls, _, recorded = await _two_blocks()
         options = EchoResetOptions(max_steps=4)
         actions = [EchoAction(message=m) for m in "abc"]
-        autoresets = Autoresets({1: "id1", 3: "id3"}, {3: options}, {3: pack(options)})
-        outcome = await calls.step(StepArgs([0, 1, 3], actions, None, False, None, autoresets))
+        autoresets = Autoresets({1: "id1", 3: "id3"}, {3: options})
+        outcome = await calls.step(StepArgs([0, 1, 3], actions, False, None, autoresets))
         assert outcome.rows == [0, 1, 3]
         [(method, args)] = recorded[0]
         assert method == "step"
@@ -106,7 +111,6 @@ def test_a_step_reaches_each_blocks_batch_with_its_actions_and_autoresets_local(
         [(method, args)] = recorded[1]
         assert args[0] == [1] and args[1] == actions[2:]  # env 3: local index 1
         assert args[3].episode_ids == {1: "id3"} and args[3].options == {1: options}
-        assert args[3].wire_options == {1: pack(options)}
 
     asyncio.run(run())
 
@@ -116,7 +120,7 @@ def test_a_reset_reaches_each_blocks_batch_with_its_own_seeds_ids_and_options() 
         calls, _, recorded = await _two_blocks()
         options = [None, EchoResetOptions(max_steps=2), None]
         outcome = await calls.reset(
-            ResetArgs([0, 2, 3], [7, None, 9], ["a", "b", "c"], options, [None] * 3, False)
+            ResetArgs([0, 2, 3], [7, None, 9], ["a", "b", "c"], options, False)
         )
         assert outcome.rows == [0, 2, 3]
         assert recorded[0] == [("reset", ([0], [7], ["a"], [None], False))]
@@ -139,7 +143,7 @@ def test_a_restore_sends_only_the_authenticated_env_bytes_and_phase() -> None:
         assert failed == {1: RowError(5, "no such thing"), 2: RowError(5, "no such thing")}
         for frame in pool.frames:
             assert b"episode-secret" not in frame
-            what, method, envs, args = pickle.loads(frame)
+            what, method, envs, args = read_command(frame)
             assert (what, method, envs) == ("restore", "restore", 1)
             assert all(isinstance(a, (bytes, bool, int)) for part in args for a in part)
 
@@ -181,3 +185,44 @@ def test_the_isolated_path_names_no_episode_changing_command() -> None:
     for node in tree.body:
         if not (isinstance(node, ast.ClassDef) and node.name == "Commands"):
             assert _literals(node) == set(), ast.unparse(node)[:80]
+
+
+def test_a_frame_rebuilds_only_data_messages_and_named_records() -> None:
+    """The front's frames are JSON with blobs, read back into JSON data, bytes, messages
+    of a class the process has, and the records the frames module names: a frame naming
+    anything else is refused, never built (no pickle: tests/test_no_pickle.py)."""
+    options = EchoResetOptions(max_steps=3)
+    args = ([0, 2], [EchoAction(message="a"), EchoAction(message="b")], [b"\x00state", b""],
+            {1: "id"}, Autoresets({1: "id"}, {1: options}), range(2), None)  # fmt: skip
+    what, method, envs, back = read_command(command_frame("step", "step", 2, args))
+    assert (what, method, envs) == ("step", "step", 2)
+    assert back == ([0, 2], list(args[1]), [b"\x00state", b""], {1: "id"},
+                    Autoresets({1: "id"}, {1: options}), [0, 1], None)  # fmt: skip
+    with pytest.raises(TypeError, match="cannot carry a object"):
+        command_frame("step", "step", 1, (object(),))
+    for forged in ({"r": "StepArgs", "f": {}}, {"r": "os.system", "f": {}}):
+        text = json.dumps(["step", "step", 1, [forged]]).encode()
+        with pytest.raises(KeyError):
+            read_command(struct.pack("<I", len(text)) + text)
+    forged_message = json.dumps(["step", "step", 1, [{"m": "no.such.Message", "b": [0, 1]}]])
+    with pytest.raises(KeyError):
+        read_command(struct.pack("<I", len(forged_message)) + forged_message.encode() + b"x")
+
+
+def test_a_frame_the_env_process_cannot_read_is_refused_and_the_process_goes_on() -> None:
+    async def run() -> None:
+        calls, pool, recorded = await _two_blocks()
+        status, answer = await env_process._OPS[env_process.Op.REQUEST](
+            pool.worker, 1, b"\x05\x00\x00\x00nope!"
+        )
+        refused = env_process.Status.CALL_REFUSED
+        assert refused <= status < refused + env_process.REFUSAL_FLAGS
+        error = pb.VectorSessionResponse.FromString(answer).error
+        assert error.code == grpc.StatusCode.INTERNAL.value[0]
+        assert error.message.startswith("the env process could not answer the call: ")
+        # The process and its blocks go on: the next frame is answered.
+        actions = [EchoAction(message=m) for m in "abc"]
+        outcome = await calls.step(StepArgs([0, 1, 3], actions, False))
+        assert outcome.rows == [0, 1, 3] and len(recorded[0]) == 1
+
+    asyncio.run(run())

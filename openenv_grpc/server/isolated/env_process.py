@@ -32,10 +32,12 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import grpc
+
 from openenv_grpc.environment import AutoresetMode, InvalidAction
 from openenv_grpc.server.errors import describe, qualname
 from openenv_grpc.server.local.calls import BatchRefused, LocalBatchCalls, local_calls
-from openenv_grpc.server.local.frames import ROOM, fill_answer, read_command
+from openenv_grpc.server.local.frames import ROOM, fill_answer, know_messages, read_command
 from openenv_grpc.server.local.runner import contain_tasks
 from openenv_grpc.server.model.commands import complete_table
 from openenv_grpc.server.model.phases import SESSION_WORDS, VECTOR_WORDS
@@ -59,6 +61,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+_INTERNAL = grpc.StatusCode.INTERNAL.value[0]
 
 #: Payload length, env id, operation or status.
 HEADER = struct.Struct("<IQB")
@@ -151,6 +155,8 @@ async def _serve(
     if threaded:  # the worker is the env's own process: calls run inline
         spec = dataclasses.replace(spec, mode=ExecutionMode.INLINE)
     reader, writer = await asyncio.open_unix_connection(sock=sock, limit=READ_LIMIT)
+    types = spec.types
+    know_messages(types.action, types.observation, types.state, types.reset_options)
     worker = _Worker(spec, call_timeout, max_env_bytes)
     blocks = worker.blocks
     if side is not None:
@@ -226,9 +232,11 @@ class _Worker:
         response = pb.VectorSessionResponse(request_id=1)
         try:
             result = await block.call(*read_command(payload))
+            fill_answer(response, result, self.spec.observation_url)
         except BatchRefused as refused:
             return _refused(response, refused)
-        fill_answer(response, result, self.spec.observation_url)
+        except Exception as exc:  # a bug (a frame or a result this process cannot take)
+            return _unanswerable(exc)
         return Status.ANSWER, response.SerializeToString()
 
     async def query(self, env_id: int, payload: bytes) -> tuple[int, bytes]:
@@ -238,7 +246,10 @@ class _Worker:
         if block is None:
             return _BLOCK_GONE
         (room,) = ROOM.unpack_from(payload)
-        what, method, _, (name, indices) = read_command(payload[ROOM.size :])
+        try:
+            what, method, _, (name, indices) = read_command(payload[ROOM.size :])
+        except Exception as exc:
+            return _unanswerable(exc)
         response = pb.VectorSessionResponse(request_id=1)
         rows, size = BatchStates(), 0
         try:
@@ -286,6 +297,16 @@ _OPS: dict[int, Callable[[_Worker, int, bytes], Awaitable[tuple[int, bytes]]]] =
         Op.QUERY: _Worker.query,
     },
 )
+
+
+def _unanswerable(exc: Exception) -> tuple[int, bytes]:
+    """A call this process could not read or answer: refused (INTERNAL, its envs must be
+    reset), so one bad frame never ends the process and every block on it."""
+    log.exception("the env process could not answer a call")
+    refused = BatchRefused(
+        _INTERNAL, f"the env process could not answer the call: {describe(exc)}", broken=True
+    )
+    return _refused(pb.VectorSessionResponse(request_id=1), refused)
 
 
 def _refused(response: pb.VectorSessionResponse, refused: BatchRefused) -> tuple[int, bytes]:

@@ -1,22 +1,21 @@
 """A batch's outcome in the columns of a ``VectorResult``, and the frames between the
 front and an env process (``--isolated``).
 
-The front sends a sub-batch's call as a pickle (:func:`command_frame`) of only what it
-checked or chose: decoded messages, ids, a snapshot's authenticated env bytes and phase.
-The env process answers by the type of what its batch returned (:func:`fill_answer`), in
-a ``VectorSessionResponse``, never a pickle: infos as JSON text where JSON can write them,
-``episode_ids`` only for the episodes it autoreset.
+The front sends a sub-batch's call (:func:`command_frame`) as JSON with blobs beside it,
+never a pickle: only what it checked or chose (decoded messages, by their type's name and
+bytes; ids; a snapshot's authenticated env bytes and phase), and reading it back builds
+nothing but JSON data, bytes, messages and the records :data:`_RECORDS` names. The env
+process answers by the type of what its batch returned (:func:`fill_answer`), in a
+``VectorSessionResponse``: infos as JSON text where JSON can write them, ``episode_ids``
+only for the episodes it autoreset.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import io
-import operator
-import pickle
+import itertools
+import json
 import struct
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,7 +24,7 @@ from google.protobuf.message import Message
 
 from openenv_grpc.codec import info_from_json, info_to_json, info_to_struct
 from openenv_grpc.server.errors import RowError
-from openenv_grpc.server.local.batch import BatchOutcome
+from openenv_grpc.server.local.batch import Autoresets, BatchOutcome
 from openenv_grpc.server.model.queries import BatchStates
 from openenv_grpc.v1 import session_pb2 as pb
 
@@ -37,6 +36,7 @@ __all__ = [
     "fill_result",
     "fill_states",
     "info_text",
+    "know_messages",
     "read_answer",
     "read_command",
     "read_errors",
@@ -48,113 +48,143 @@ __all__ = [
 ROOM = struct.Struct("<Q")
 
 
-#: The first item of a packed argument: a list of messages as (mark, class name, bytes).
-_PACKED = "\0messages"
+#: The classes of records a frame may carry, by name: nothing else is rebuilt from one.
+_RECORDS: dict[str, type] = {"Autoresets": Autoresets}
+#: A record class's field names and its default instance (a record sent without fields).
+_FIELDS: dict[type, tuple[tuple[str, ...], Any]] = {}
+#: A record class's default instance, as read back.
+_DEFAULTS: dict[type, Any] = {}
+#: What JSON writes and reads back as it is (a list of only these is sent as it is).
+_PLAIN = frozenset({int, str, bool, float, type(None)})
+#: A frame's head: the length of its JSON part (the blobs follow it).
+_FRAME_HEAD = struct.Struct("<I")
 
 
-def _packed(value: list[Message]) -> Any:
-    """A list of messages of one class, packed (no Python call per message)."""
-    kinds: set[type[Message]] = set(map(type, value))
-    if len(kinds) != 1:
-        return value
-    kind = kinds.pop()
-    name = _NAMES.get(kind) or _name(kind)
-    return (_PACKED, name, list(map(kind.SerializeToString, value)))
+class _Writer:
+    """A value as JSON data, with bytes and messages as blobs after it (each named by its
+    offset and length). Only the front's own values are written (decoded messages, ids,
+    seeds, authenticated snapshot bytes): a type it does not know is a bug (TypeError)."""
+
+    __slots__ = ("blobs", "size")
+
+    def __init__(self) -> None:
+        self.blobs: list[bytes] = []
+        self.size = 0
+
+    def blob(self, data: bytes) -> list[int]:
+        at = self.size
+        self.blobs.append(data)
+        self.size += len(data)
+        return [at, len(data)]
+
+    def value(self, value: Any) -> Any:
+        kind = type(value)
+        if kind in _PLAIN:
+            return value
+        if kind is range:
+            return list(value)
+        if kind is list or kind is tuple:
+            kinds = set(map(type, value))
+            if kinds <= _PLAIN:
+                return value
+            if len(kinds) == 1 and issubclass(first := kinds.pop(), Message):
+                datas = list(map(first.SerializeToString, value))
+                sizes = list(map(len, datas))
+                at = self.size
+                self.blobs += datas
+                self.size += sum(sizes)
+                return {"ms": _name(first), "at": at, "n": sizes}
+            return {"l": [self.value(one) for one in value]}
+        if kind is bytes or kind is bytearray:
+            return {"b": self.blob(bytes(value))}
+        if isinstance(value, dict):
+            return {"d": [[self.value(key), self.value(one)] for key, one in value.items()]}
+        if isinstance(value, Message):
+            return {"m": _name(kind), "b": self.blob(value.SerializeToString())}
+        known = _FIELDS.get(kind)
+        if known is None:
+            if _RECORDS.get(kind.__name__) is not kind:
+                raise TypeError(f"a frame cannot carry a {kind.__qualname__}")
+            known = _FIELDS[kind] = (tuple(f.name for f in dataclasses.fields(kind)), kind())
+        names, default = known
+        if value == default:  # the common case (a step without autoresets): no fields
+            return {"r": kind.__name__, "f": {}}
+        return {"r": kind.__name__, "f": {name: self.value(getattr(value, name)) for name in names}}
+
+
+def _read(value: Any, blobs: memoryview) -> Any:
+    """:meth:`_Writer.value` read back: only JSON data, bytes, messages of classes the env
+    process has, and records of :data:`_RECORDS`."""
+    if type(value) is not dict:
+        return value  # JSON data as it was (a plain list included: not walked)
+    if "ms" in value:
+        parse = _parser(value["ms"])
+        ends = itertools.accumulate(value["n"], initial=value["at"])
+        return [parse(blobs[start:end]) for start, end in itertools.pairwise(ends)]
+    if "m" in value:
+        at, size = value["b"]
+        return _parser(value["m"])(blobs[at : at + size])
+    if "b" in value:
+        at, size = value["b"]
+        return bytes(blobs[at : at + size])
+    if "l" in value:
+        return [_read(one, blobs) for one in value["l"]]
+    if "d" in value:
+        return {_read(key, blobs): _read(one, blobs) for key, one in value["d"]}
+    record = _RECORDS[value["r"]]
+    fields = value["f"]
+    if not fields:  # its default: the one instance, as NO_AUTORESETS is shared
+        return _DEFAULTS.get(record) or _DEFAULTS.setdefault(record, record())
+    return record(**{name: _read(one, blobs) for name, one in fields.items()})
 
 
 def _name(kind: type[Message]) -> str:
-    """A message class's name for the env process: module and name, or the descriptor's
-    full name for a class made at run time."""
+    """A message class's name for the env process: its descriptor's full name."""
     name = _NAMES.get(kind)
     if name is None:
-        where: Any = sys.modules.get(kind.__module__)
-        for part in kind.__qualname__.split("."):
-            where = getattr(where, part, None)
-        found = where is kind
-        name = _NAMES[kind] = (
-            f"{kind.__module__}:{kind.__qualname__}" if found else kind.DESCRIPTOR.full_name
-        )
+        name = _NAMES[kind] = kind.DESCRIPTOR.full_name
+        _CLASSES.setdefault(name, kind)
     return name
 
 
-#: Message class -> its name (front), and name -> ``FromString`` (env process).
+#: Message class -> its name (front); name -> its class (the classes this process made
+#: or was sent, then the default descriptor pool's).
 _NAMES: dict[type, str] = {}
-_PARSERS: dict[str, Any] = {}
+_CLASSES: dict[str, type[Message]] = {}
 
 
 def _parser(name: str) -> Any:
-    parse = _PARSERS.get(name)
-    if parse is None:
-        module, _, qualname = name.partition(":")
-        if qualname:
-            kind: Any = sys.modules[module]
-            for part in qualname.split("."):
-                kind = getattr(kind, part)
-        else:
-            pool = descriptor_pool.Default()
-            kind = message_factory.GetMessageClass(pool.FindMessageTypeByName(name))
-        parse = _PARSERS[name] = kind.FromString
-    return parse
+    kind = _CLASSES.get(name)
+    if kind is None:
+        descriptor = descriptor_pool.Default().FindMessageTypeByName(name)
+        kind = _CLASSES[name] = message_factory.GetMessageClass(descriptor)
+    return kind.FromString
 
 
-def _parse(name: str, value: bytes) -> Message:
-    return _parser(name)(value)  # type: ignore[no-any-return]
-
-
-class _Reducers(dict[type, Any]):
-    """The frames' pickle dispatch table, learning each type's reducer once: messages as
-    their class's name and their bytes, dataclasses by their fields (not dataclasses'
-    slow getstate)."""
-
-    def __missing__(self, kind: type) -> Any:
-        how: Any
-        if issubclass(kind, Message):
-            how = _reduce_message
-        elif dataclasses.is_dataclass(kind) and all(f.init for f in dataclasses.fields(kind)):
-            get = operator.attrgetter(*(f.name for f in dataclasses.fields(kind)))
-            how = functools.partial(_reduce_fields, get)
-        else:
-            raise KeyError(kind)
-        self[kind] = how
-        return how
-
-
-def _reduce_message(message: Message) -> Any:
-    return _parse, (_name(type(message)), message.SerializeToString())
-
-
-def _reduce_fields(get: Any, obj: Any) -> Any:
-    fields = get(obj)
-    return type(obj), fields if type(fields) is tuple else (fields,)
-
-
-_REDUCERS = _Reducers()
+def know_messages(*classes: type[Message] | None) -> None:
+    """Classes the env process parses frames' messages into (its env's own: a class made
+    at run time is in no descriptor pool the frame's name could find)."""
+    for kind in classes:
+        if kind is not None:
+            _CLASSES.setdefault(kind.DESCRIPTOR.full_name, kind)
 
 
 def command_frame(what: str, method: str, envs: int, args: tuple[Any, ...]) -> bytes:
     """A sub-batch's call: the batch's ``method`` on ``args`` (local indices), for
-    ``envs`` envs; ``what`` names it in errors."""
-    out = io.BytesIO()
-    pickler = pickle.Pickler(out, pickle.HIGHEST_PROTOCOL)
-    pickler.dispatch_table = _REDUCERS
-    packed = tuple(
-        [
-            _packed(arg) if type(arg) is list and arg and isinstance(arg[0], Message) else arg
-            for arg in args
-        ]
-    )
-    pickler.dump((what, method, envs, packed))
-    return out.getvalue()
+    ``envs`` envs; ``what`` names it in errors. JSON with blobs, never a pickle."""
+    writer = _Writer()
+    head = [what, method, envs, [writer.value(arg) for arg in args]]
+    text = json.dumps(head, separators=(",", ":")).encode()
+    return b"".join([_FRAME_HEAD.pack(len(text)), text, *writer.blobs])
 
 
 def read_command(payload: bytes) -> tuple[str, str, int, tuple[Any, ...]]:
     """:func:`command_frame` read back (by the env process: from its own front only)."""
-    what, method, envs, args = pickle.loads(payload)
-    unpacked = [
-        list(map(_parser(arg[1]), arg[2])) if type(arg) is tuple and arg[:1] == (_PACKED,) else arg
-        for arg in args
-    ]
-    return what, method, envs, tuple(unpacked)
+    (size,) = _FRAME_HEAD.unpack_from(payload)
+    start = _FRAME_HEAD.size
+    what, method, envs, args = json.loads(payload[start : start + size])
+    blobs = memoryview(payload)[start + size :]
+    return what, method, envs, tuple([_read(arg, blobs) for arg in args])
 
 
 def fill_answer(response: pb.VectorSessionResponse, result: Any, url: str) -> None:
