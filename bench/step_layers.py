@@ -70,7 +70,7 @@ async def main(steps: int, repeats: int) -> dict[str, float]:
         env = batch._envs[0]
 
         def args() -> StepArgs:
-            return StepArgs((0,), (action,), (wire,), False)
+            return StepArgs((0,), (action,), False)
 
         def env_step() -> Any:
             return env.step(action).observation.SerializeToString()

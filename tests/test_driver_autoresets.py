@@ -107,15 +107,14 @@ def test_a_restored_ended_episode_autoresets_without_the_slots_options(server) -
 
 
 def test_a_step_frame_carries_its_autoresets_to_the_env_process() -> None:
-    from openenv_grpc.codec import pack
     from openenv_grpc.server.local.batch import Autoresets
     from openenv_grpc.server.local.calls import StepArgs, part_args
     from openenv_grpc.server.local.frames import command_frame, read_command
 
     options = EchoResetOptions(max_steps=4)
     actions = say("a", "b", "c")
-    autoresets = Autoresets({4: "id4", 6: "id6"}, {6: options}, {6: pack(options)})
-    step = StepArgs([4, 5, 6], actions, None, False, None, autoresets)
+    autoresets = Autoresets({4: "id4", 6: "id6"}, {6: options})
+    step = StepArgs([4, 5, 6], actions, False, None, autoresets)
     # the block of envs 4.. : local indices 0, 1, 2
     frame = command_frame("step", "step", 3, part_args(step, [0, 1, 2], [0, 1, 2]))
     what, method, envs, (indices, got, batch_form, sent) = read_command(frame)

@@ -102,13 +102,13 @@ def _driver(autoreset: AutoresetMode = AutoresetMode.DISABLED) -> tuple[Driver, 
 
 def _reset(indices: list[int]) -> ResetArgs:
     count = len(indices)
-    return ResetArgs(indices, [None] * count, ["e"] * count, [None] * count, [None] * count, False)
+    return ResetArgs(indices, [None] * count, ["e"] * count, [None] * count, False)
 
 
 def _step(indices: list[int], batch_form: bool = False) -> StepArgs:
     if batch_form:
-        return StepArgs(indices, object(), object(), True)
-    return StepArgs(indices, list(indices), list(indices), False)
+        return StepArgs(indices, object(), True)
+    return StepArgs(indices, list(indices), False)
 
 
 def test_a_lost_env_is_told_once_by_a_step_then_has_no_episode() -> None:

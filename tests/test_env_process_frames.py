@@ -14,7 +14,6 @@ from typing import Any
 
 import grpc
 import pytest
-from google.protobuf import any_pb2
 
 from openenv_grpc.environment import AutoresetMode
 from openenv_grpc.server.isolated.env_process import Op, Status
@@ -33,9 +32,7 @@ GONE = "the environment was closed; nothing was done"
 
 
 def _step(orphaned: Any = None) -> StepArgs:
-    wire = any_pb2.Any()
-    wire.Pack(EchoAction(message="x"))
-    return StepArgs([0, 1], [EchoAction(message="x")] * 2, [wire] * 2, False, orphaned)
+    return StepArgs([0, 1], [EchoAction(message="x")] * 2, False, orphaned)
 
 
 async def _closed_under_it(pool: EnvProcessPool) -> SpreadBatchCalls:

@@ -77,13 +77,12 @@ def test_a_step_over_two_blocks_one_gone_is_refused_as_a_whole_and_ends() -> Non
         calls = await _open(pool, 2)
         count = 4
         await calls.reset(
-            ResetArgs(range(count), [None] * count, ["e"] * count, [None] * count,
-                      [None] * count, False)
-        )  # fmt: skip
+            ResetArgs(range(count), [None] * count, ["e"] * count, [None] * count, False)
+        )
         await _close_last_block(pool, calls)
         handed: list[BatchOutcome] = []
         args = StepArgs(
-            [0, 1, 2, 3], [EchoAction(message="x")] * 4, [_wire("x")] * 4, False,
+            [0, 1, 2, 3], [EchoAction(message="x")] * 4, False,
             lambda outcome, _: handed.append(outcome),
         )  # fmt: skip
         with pytest.raises(BatchRefused) as refused:
@@ -92,8 +91,7 @@ def test_a_step_over_two_blocks_one_gone_is_refused_as_a_whole_and_ends() -> Non
         assert refused.value.ends
         assert [outcome.rows for outcome in handed] == [[0, 1]]  # block 0 did step
         with pytest.raises(BatchRefused) as again:  # a reset likewise
-            await calls.reset(ResetArgs([1, 2], [None] * 2, ["f"] * 2, [None] * 2,
-                                        [None] * 2, False))  # fmt: skip
+            await calls.reset(ResetArgs([1, 2], [None] * 2, ["f"] * 2, [None] * 2, False))
         assert (again.value.code, again.value.message, again.value.ends) == (
             UNAVAILABLE, GONE, True,
         )  # fmt: skip

@@ -87,8 +87,6 @@ class Autoresets:
     episode_ids: Mapping[int, str] = field(default_factory=dict)
     #: Env index -> its autoreset's options (decoded).
     options: Mapping[int, Message] = field(default_factory=dict)
-    #: The same options as they came on the wire (what an env process is sent).
-    wire_options: Mapping[int, Any] = field(default_factory=dict)
 
 
 NO_AUTORESETS = Autoresets()

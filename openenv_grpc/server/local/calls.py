@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, NoReturn, Protocol, runtime_checkable
 
 import grpc
-from google.protobuf import any_pb2
 from google.protobuf.message import Message
 
 from openenv_grpc.environment import AutoresetMode, InvalidAction
@@ -106,7 +105,6 @@ class StepArgs:
     indices: Sequence[int]
     #: One action per index, or one batch-form message (a native batch: never split).
     actions: Any = field(metadata=PER_ENV)
-    wire: Any = field(metadata=FRONT)
     batch_form: bool = False
     #: Takes the outcome (and seconds) of a step completed after it was given up.
     orphaned: Callable[[BatchOutcome, float], None] | None = field(default=None, metadata=FRONT)
@@ -122,7 +120,6 @@ class ResetArgs:
     seeds: Sequence[int | None] = field(metadata=PER_ENV)
     episode_ids: Sequence[str] = field(metadata=PER_ENV)
     options: Sequence[Message | None] = field(metadata=PER_ENV)
-    wire_options: Sequence[any_pb2.Any | None] = field(metadata=FRONT)
     batch_form: bool = False
     outcome: ClassVar[Callable[[], Any]] = BatchOutcome
 

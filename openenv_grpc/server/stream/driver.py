@@ -15,7 +15,6 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
-from google.protobuf import any_pb2
 from google.protobuf.message import Message
 
 from openenv_grpc.environment import AutoresetMode
@@ -95,7 +94,7 @@ class Driver:
 
     __slots__ = (
         "_calls", "_closing", "_held", "_lost", "_max_response", "_metrics", "_mode",
-        "_options", "_orphan", "_quiet", "_seal", "_steppable", "_wire_options", "_words",
+        "_options", "_orphan", "_quiet", "_seal", "_steppable", "_words",
         "all", "ends", "episode_ids", "phases", "size", "spec", "step_counts",
     )  # fmt: skip
 
@@ -137,7 +136,6 @@ class Driver:
         #: Env index -> the options of its last reset by the client (decoded, and as they
         #: came on the wire), which its autoresets use; a restore drops them.
         self._options: dict[int, Message] = {}
-        self._wire_options: dict[int, any_pb2.Any] = {}
         if isinstance(calls, LosesEnvs):
             calls.report_losses(self)
 
@@ -306,10 +304,8 @@ class Driver:
                 indices, told = self._tell(named)
                 if told:
                     keep = [k for k, index in enumerate(named) if index not in told]
-                    actions, wire = args.actions, args.wire
-                    args = StepArgs(
-                        indices, [actions[k] for k in keep], [wire[k] for k in keep], False
-                    )
+                    actions = args.actions
+                    args = StepArgs(indices, [actions[k] for k in keep], False)
         # Should the stream end meanwhile, the steps are booked and counted all the same.
         args.orphaned = self._orphan
         if self._mode is not AutoresetMode.DISABLED:
@@ -342,14 +338,10 @@ class Driver:
             ids = {index: new_episode_id() for index in indices if phases[index] in _ENDED}
         if not ids:
             return NO_AUTORESETS
-        options, wire = self._options, self._wire_options
+        options = self._options
         if not options:
             return Autoresets(ids)
-        return Autoresets(
-            ids,
-            {index: options[index] for index in ids if index in options},
-            {index: wire[index] for index in ids if index in wire},
-        )
+        return Autoresets(ids, {index: options[index] for index in ids if index in options})
 
     def _orphaned(self, outcome: BatchOutcome, seconds: float) -> None:
         """Book and count a step the envs completed after its request was given up."""
@@ -385,21 +377,14 @@ class Driver:
 
     def _keep_options(self, args: ResetArgs, rows: Sequence[int]) -> None:
         """The envs of ``rows`` were reset by ``args``: their autoresets use its options."""
-        options, wire = self._options, self._wire_options
+        options = self._options
         position = {index: k for k, index in enumerate(args.indices)}
         for index in rows:
-            k = position[index]
-            option = args.options[k]
+            option = args.options[position[index]]
             if option is None:
                 options.pop(index, None)
-                wire.pop(index, None)
             else:
                 options[index] = option
-                wired = args.wire_options[k]
-                if wired is None:
-                    wire.pop(index, None)
-                else:
-                    wire[index] = wired
 
     async def snapshot(self, indices: Sequence[int]) -> Sealed:
         """Capture each env of ``indices``, sealed with its books; raises BatchRefused:
@@ -465,7 +450,6 @@ class Driver:
                 phases[index] = RESTORED_PHASE[one.phase]
                 # Its autoresets use no options: the slot's belong to the episode replaced.
                 self._options.pop(index, None)
-                self._wire_options.pop(index, None)
                 out.rows.append(index)
         self._book_errors(failed)
         self._still_lost({i: e for i, e in found.items() if i in failed})
@@ -676,4 +660,3 @@ class Driver:
         self.episode_ids[index] = ""
         self.step_counts[index] = 0
         self._options.pop(index, None)
-        self._wire_options.pop(index, None)

@@ -104,7 +104,7 @@ class SessionView:
         if why is not None:
             raise RequestError(_FAILED_PRECONDITION, why)
         action = _decode(command.action, self._action_class, "action")
-        outcome, _, seconds = await driver.step(StepArgs(_ROW, (action,), (command.action,), False))
+        outcome, _, seconds = await driver.step(StepArgs(_ROW, (action,), False))
         self._fill(outcome, response.result)
         return seconds
 
@@ -114,13 +114,11 @@ class SessionView:
         if problem is not None:
             raise RequestError(_INVALID_ARGUMENT, f"{problem} (the episode is unchanged)")
         options: Message | None = None
-        wire = None
         if command.HasField("options"):
             options = _decode(command.options, self._options_class, "reset options")
-            wire = command.options
         episode_id = command.episode_id if command.HasField("episode_id") else new_episode_id()
         seed = command.seed if command.HasField("seed") else None
-        args = ResetArgs(_ROW, (seed,), (episode_id,), (options,), (wire,), False)
+        args = ResetArgs(_ROW, (seed,), (episode_id,), (options,), False)
         self._fill(await self._driver.reset(args), response.result)
         return 0.0
 

@@ -155,7 +155,7 @@ class VectorView:
                     + "; ".join(f"env {i}: {why}" for i, why in cannot[:8])
                     + ("; ..." if len(cannot) > 8 else ""),
                 )
-            args = StepArgs(indices, decoded, command.batch_action, True)
+            args = StepArgs(indices, decoded, True)
         else:
             actions = command.actions
             if len(actions) != len(indices):
@@ -174,14 +174,12 @@ class VectorView:
                     _decode(action, action_class, f"action {k} (env {index})")
                     for k, (index, action) in enumerate(zip(indices, actions, strict=True))
                 ]
-            wire: Any = actions
             blocked = driver.blocked(indices)
             if blocked:  # the others step; these answer their own errors
                 keep = [k for k, index in enumerate(indices) if index not in blocked]
                 indices = [indices[k] for k in keep]
                 decoded = [decoded[k] for k in keep]
-                wire = [actions[k] for k in keep]
-            args = StepArgs(indices, decoded, wire, False)
+            args = StepArgs(indices, decoded, False)
         outcome, stepped, seconds = await driver.step(args)
         outcome.errors.update(blocked)
         too_large = driver.too_large("step", _result_bytes(outcome))
@@ -205,7 +203,6 @@ class VectorView:
         seeds: list[int | None] = [None] * count
         episode_ids = [new_episode_id() for _ in range(count)]
         options: list[Message | None] = [None] * count
-        wire: list[any_pb2.Any | None] = [None] * count
         options_class = self._spec.types.reset_options
         for k, reset in enumerate(commands):
             index = indices[k]
@@ -219,8 +216,7 @@ class VectorView:
             if reset.HasField("options"):
                 what = f"reset options {k} (env {index})"
                 options[k] = _decode(reset.options, options_class, what)
-                wire[k] = reset.options
-        args = ResetArgs(indices, seeds, episode_ids, options, wire, batch_form)
+        args = ResetArgs(indices, seeds, episode_ids, options, batch_form)
         outcome = await self._driver.reset(args)
         too_large = self._driver.too_large("reset", _result_bytes(outcome))
         if too_large is None:
