@@ -481,9 +481,11 @@ def test_held_sessions_left_idle_are_freed() -> None:
         pid = server.proc.pid
 
         def round_of(n: int) -> list[str]:
-            ids = [rpc(url, "openenv/session/create")["result"]["session_id"] for _ in range(n)]
-            for session_id in ids:  # a real episode on each
+            ids = []
+            for _ in range(n):  # a real episode on each, begun before it can idle 1 s
+                session_id = rpc(url, "openenv/session/create")["result"]["session_id"]
                 assert "result" in rpc(url, "tools/list", {"session_id": session_id})
+                ids.append(session_id)
             return ids
 
         round_of(40)  # warm up
