@@ -131,7 +131,7 @@ class _Instances(VectorBatch):
                         f"not {spec.env_class.__qualname__}"
                     )
         except BaseException:
-            _close_all(envs)
+            _closed(_called(lambda env: env.close(), envs), reraise=False)
             raise
         self._envs = envs
         self._observation = spec.types.observation
@@ -297,7 +297,7 @@ class LoopBatch(_Instances):
 
     def close(self) -> None:
         """Close every env, whatever the others do; then raise the first close's error."""
-        _close_all(self._envs, reraise=True)
+        _closed(_called(lambda env: env.close(), self._envs))
 
 
 class AsyncLoopBatch(_Instances):
@@ -374,12 +374,7 @@ class AsyncLoopBatch(_Instances):
     async def close(self) -> None:
         """Close every env at once (a hung close holds back no other); then raise the
         first close's error."""
-        answers = await _gather(env.close() for env in self._envs)
-        failed = [answer for answer in answers if isinstance(answer, BaseException)]
-        for exc in failed:
-            log.error("environment close() raised", exc_info=exc)
-        if failed:
-            raise failed[0]
+        _closed(await _gather(env.close() for env in self._envs))
 
 
 class NativeBatch(VectorBatch):
@@ -618,13 +613,11 @@ def _as_list(values: Sequence[Any], kind: type, dtype_kind: str) -> list[Any]:
     return list(map(kind, values))
 
 
-def _close_all(envs: Sequence[Any], *, reraise: bool = False) -> None:
-    first: BaseException | None = None
-    for env in envs:
-        try:
-            env.close()
-        except BaseException as exc:
-            log.exception("environment close() raised")
-            first = first or exc
-    if reraise and first is not None:
-        raise first
+def _closed(answers: Iterable[Any], *, reraise: bool = True) -> None:
+    """Log each close's error (``answers``: what each returned or raised); then raise
+    the first."""
+    failed = [answer for answer in answers if isinstance(answer, BaseException)]
+    for exc in failed:
+        log.error("environment close() raised", exc_info=exc)
+    if reraise and failed:
+        raise failed[0]
