@@ -324,9 +324,18 @@ class VectorView:
         indices = list(given)
         previous = -1
         for index in indices:
-            if index <= previous or index >= size:
-                raise RequestError(_INVALID_ARGUMENT, _bad_indices(indices, size))
-            previous = index
+            if previous < index < size:
+                previous = index
+                continue
+            if index >= size:
+                why = (
+                    f"index {index} is out of range: this stream holds {size} envs (0..{size - 1})"
+                )
+            elif index in indices[: indices.index(previous) + 1]:  # those before it increase
+                why = f"index {index} is repeated"
+            else:
+                why = f"indices must be strictly increasing: {index} after {previous}"
+            raise RequestError(_INVALID_ARGUMENT, f"{why}; nothing was done")
         return indices
 
     def _need_native(self, what: str) -> None:
@@ -353,27 +362,6 @@ _COMMANDS = command_table(
     },
     empty=_Command(VectorView._empty, holds=False),
 )
-
-
-def _bad_indices(indices: list[int], size: int) -> str:
-    """What is wrong with a list of indices that failed the check."""
-    seen: set[int] = set()
-    previous = -1
-    for index in indices:
-        if index >= size:
-            return (
-                f"index {index} is out of range: this stream holds {size} envs "
-                f"(0..{size - 1}); nothing was done"
-            )
-        if index in seen:
-            return f"index {index} is repeated; nothing was done"
-        if index < previous:
-            return (
-                f"indices must be strictly increasing: {index} after {previous}; nothing was done"
-            )
-        seen.add(index)
-        previous = index
-    return "bad indices"
 
 
 def _result_bytes(outcome: BatchOutcome) -> int:
