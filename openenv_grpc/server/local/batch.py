@@ -420,11 +420,8 @@ class NativeBatch(VectorBatch):
         self, indices: Sequence[int], states: Sequence[bytes], ended: Sequence[bool]
     ) -> dict[int, RowError]:
         batch = self._batch
-
-        def restore(index: int, state: bytes, over: bool) -> None:
-            batch.restore(index, state, ended=over)
-
-        return _restored(indices, _called(restore, indices, states, ended))
+        calls = _called(lambda i, s, over: batch.restore(i, s, ended=over), indices, states, ended)
+        return _restored(indices, calls)
 
     def close(self) -> None:
         self._batch.close()
