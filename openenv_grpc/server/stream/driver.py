@@ -612,20 +612,15 @@ class Driver:
 
     def _book_rows(self, outcome: BatchOutcome) -> int:
         phases, ids, counts = self.phases, self.episode_ids, self.step_counts
-        marks = outcome.autoreset
-        stepped = 0
-        if marks is None:
-            for index, terminated, truncated in zip(
-                outcome.rows, outcome.terminated, outcome.truncated, strict=True
-            ):
-                counts[index] += 1
-                phases[index] = ended_phase(terminated, truncated)
-            return len(outcome.rows)
+        rows, marks = outcome.rows, outcome.autoreset
+        restart_ends = marks is not None and self._restart_ends()
+        if marks is None:  # no row was autoreset
+            marks = [False] * len(rows)
         same_step = self._mode is AutoresetMode.SAME_STEP
-        restart_ends = self._restart_ends()
         new_ids = outcome.new_episode_ids
+        stepped = 0
         for index, terminated, truncated, auto in zip(
-            outcome.rows, outcome.terminated, outcome.truncated, marks, strict=True
+            rows, outcome.terminated, outcome.truncated, marks, strict=True
         ):
             if auto:  # a new episode began: the row's observation is its first
                 ids[index] = new_ids.get(index) or new_episode_id()
