@@ -256,14 +256,11 @@ class EnvProcessPool:
             # In a callback of its own: nothing it raises stops this reader.
             future.get_loop().call_soon(call.late, status, payload)
         if worker.owed:
-            self._begin(worker, worker.owed[0])
+            worker.owed[0].started = future.get_loop().time()
+            self._arm(worker)
         elif worker.timer is not None:
             worker.timer.cancel()
             worker.timer = None
-
-    def _begin(self, worker: _Worker, call: _Call) -> None:
-        call.started = asyncio.get_running_loop().time()
-        self._arm(worker)
 
     def _arm(self, worker: _Worker) -> None:
         """Set the watchdog for the call the worker is busy with."""
@@ -372,7 +369,8 @@ class EnvProcessPool:
         call = _Call(loop.create_future(), limit, env_id, charge, late)
         worker.owed.append(call)
         if len(worker.owed) == 1:
-            self._begin(worker, call)
+            call.started = loop.time()
+            self._arm(worker)
         self._send(worker, HEADER.pack(len(payload), env_id, op), payload)
         try:
             return await call.future
