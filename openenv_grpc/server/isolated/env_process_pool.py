@@ -472,12 +472,10 @@ class EnvProcessPool:
         worker.envs[env_id] = size  # counted at once, so opens at the same time spread out
         try:
             status, answer = await self.call(worker, env_id, Op.CREATE, payload)
-        except asyncio.CancelledError:
+        except BaseException as exc:
             worker.envs.pop(env_id, None)
-            self.close_env(worker, env_id)  # the worker builds it all the same
-            raise
-        except BaseException:
-            worker.envs.pop(env_id, None)
+            if isinstance(exc, asyncio.CancelledError):
+                self.close_env(worker, env_id)  # the worker builds it all the same
             raise
         if status in (Status.FAILED, Status.REFUSED):
             worker.envs.pop(env_id, None)
