@@ -573,8 +573,10 @@ class Driver:
 
     def _book_step(self, outcome: BatchOutcome) -> int:
         """Advance each env's episode from a step's rows; returns the env steps taken."""
-        full = len(outcome.rows) == self.size  # rows 0 .. size - 1: whole columns at once
-        stepped = self._book_all(outcome) if full else self._book_rows(outcome)
+        if outcome.autoreset is None and len(outcome.rows) == self.size:
+            stepped = self._book_all(outcome)  # rows 0 .. size - 1: whole columns at once
+        else:
+            stepped = self._book_rows(outcome)
         if outcome.errors:
             self._book_errors(outcome.errors, stepping=True)
         if self._lost:
@@ -582,33 +584,17 @@ class Driver:
         return stepped
 
     def _book_all(self, outcome: BatchOutcome) -> int:
-        terminated, truncated, marks = outcome.terminated, outcome.truncated, outcome.autoreset
-        running, ended, cut = Phase.RUNNING, Phase.TERMINATED, Phase.TRUNCATED
-        if marks is None:
-            self.step_counts = [count + 1 for count in self.step_counts]
-            if True in terminated or True in truncated:
-                self.phases = [
-                    ended if term else cut if trunc else running
-                    for term, trunc in zip(terminated, truncated, strict=True)
-                ]
-            else:
-                self.phases = [running] * self.size
-            return self.size
-        self.step_counts = [
-            0 if auto else count + 1 for count, auto in zip(self.step_counts, marks, strict=True)
-        ]
-        restart_ends = self._restart_ends()
-        self.phases = [
-            running if auto and not restart_ends else ended if term else cut if trunc else running
-            for term, trunc, auto in zip(terminated, truncated, marks, strict=True)
-        ]
-        ids, new_ids = self.episode_ids, outcome.new_episode_ids
-        autoreset = [index for index, auto in enumerate(marks) if auto]
-        for index in autoreset:  # a new episode began: the row's observation is its first
-            ids[index] = new_ids.get(index) or new_episode_id()
-        if self._mode is AutoresetMode.SAME_STEP:
-            return self.size  # SAME_STEP's autoreset rows also took the ending step
-        return self.size - len(autoreset)
+        terminated, truncated = outcome.terminated, outcome.truncated
+        self.step_counts = [count + 1 for count in self.step_counts]
+        if True in terminated or True in truncated:
+            ended, cut, running = Phase.TERMINATED, Phase.TRUNCATED, Phase.RUNNING
+            self.phases = [
+                ended if term else cut if trunc else running
+                for term, trunc in zip(terminated, truncated, strict=True)
+            ]
+        else:
+            self.phases = [Phase.RUNNING] * self.size
+        return self.size
 
     def _book_rows(self, outcome: BatchOutcome) -> int:
         phases, ids, counts = self.phases, self.episode_ids, self.step_counts
@@ -617,21 +603,21 @@ class Driver:
         if marks is None:  # no row was autoreset
             marks = [False] * len(rows)
         same_step = self._mode is AutoresetMode.SAME_STEP
+        ended, cut, running = Phase.TERMINATED, Phase.TRUNCATED, Phase.RUNNING
         new_ids = outcome.new_episode_ids
         stepped = 0
         for index, terminated, truncated, auto in zip(
             rows, outcome.terminated, outcome.truncated, marks, strict=True
         ):
+            phase = ended if terminated else cut if truncated else running
             if auto:  # a new episode began: the row's observation is its first
                 ids[index] = new_ids.get(index) or new_episode_id()
                 counts[index] = 0
-                phases[index] = (
-                    ended_phase(terminated, truncated) if restart_ends else Phase.RUNNING
-                )
+                phases[index] = phase if restart_ends else running
                 stepped += same_step  # SAME_STEP's row also took the ending step
             else:
                 counts[index] += 1
-                phases[index] = ended_phase(terminated, truncated)
+                phases[index] = phase
                 stepped += 1
         return stepped
 
