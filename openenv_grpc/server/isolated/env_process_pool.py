@@ -314,11 +314,9 @@ class EnvProcessPool:
         self._disconnect(worker)
         worker.gone = message
         for call in worker.owed:
+            error = CallTimedOut(culprit_message) if call is culprit else SessionLostError(message)
             if not call.future.done():
-                if call is culprit:
-                    call.future.set_exception(CallTimedOut(culprit_message))
-                else:
-                    call.future.set_exception(SessionLostError(message))
+                call.future.set_exception(error)
         worker.owed.clear()
         lost = sum(worker.envs.values())
         log.error("env worker pid %s %s: %d envs lost", worker.process.pid, how, lost)
