@@ -32,6 +32,8 @@ _FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION.value[0]
 _EMPTY = empty_request(pb.SessionRequest)
 #: The one row a Session's commands name.
 _ROW = (0,)
+#: The results that carry row 0's books.
+_Result = pb.StepResult | pb.StateResult | pb.SnapshotResult | pb.RestoreResult | pb.RenderResult
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,44 +125,32 @@ class SessionView:
         return 0.0
 
     async def _state(self, request: pb.SessionRequest, response: pb.SessionResponse) -> float:
-        driver = self._driver
         result = response.state
-        states, _ = await driver.query("state", _ROW)
-        _raise_row(states.errors)
+        states, _ = await self._driver.query("state", _ROW)
+        self._books(states.errors, result)
         result.state.type_url = self._state_url
         result.state.value = states.states[0]
-        result.episode_id = driver.episode_ids[0]
-        result.step_count = driver.step_counts[0]
         return 0.0
 
     async def _snapshot(self, request: pb.SessionRequest, response: pb.SessionResponse) -> float:
-        driver = self._driver
         result = response.snapshot
-        sealed = await driver.snapshot(_ROW)
-        _raise_row(sealed.errors)
+        sealed = await self._driver.snapshot(_ROW)
+        self._books(sealed.errors, result)
         result.snapshot = sealed.snapshots[0]
-        result.episode_id = driver.episode_ids[0]
-        result.step_count = driver.step_counts[0]
         return 0.0
 
     async def _render(self, request: pb.SessionRequest, response: pb.SessionResponse) -> float:
-        driver = self._driver
         result = response.rendered
-        frames, _ = await driver.query("render", _ROW)
-        _raise_row(frames.errors)
+        frames, _ = await self._driver.query("render", _ROW)
+        self._books(frames.errors, result)
         result.frame.MergeFromString(frames.states[0])
-        result.episode_id = driver.episode_ids[0]
-        result.step_count = driver.step_counts[0]
         return 0.0
 
     async def _restore(self, request: pb.SessionRequest, response: pb.SessionResponse) -> float:
-        driver = self._driver
         result = response.restored
-        restored = await driver.restore(_ROW, (request.restore.snapshot,))
-        _raise_row(restored.errors)
-        phase = driver.known_phase(0)
-        result.episode_id = driver.episode_ids[0]
-        result.step_count = driver.step_counts[0]
+        restored = await self._driver.restore(_ROW, (request.restore.snapshot,))
+        self._books(restored.errors, result)
+        phase = self._driver.known_phase(0)
         result.terminated = phase is Phase.TERMINATED
         result.truncated = phase is Phase.TRUNCATED
         return 0.0
@@ -177,8 +167,7 @@ class SessionView:
 
     def _fill(self, outcome: BatchOutcome, result: pb.StepResult) -> None:
         """Copy row 0 of a reset or step into ``result``, or raise its error."""
-        _raise_row(outcome.errors)
-        driver = self._driver
+        self._books(outcome.errors, result)
         observation = result.observation
         observation.type_url = self._obs_url
         observation.value = outcome.observations[0]
@@ -187,8 +176,6 @@ class SessionView:
             result.no_reward = True
         result.terminated = outcome.terminated[0]
         result.truncated = outcome.truncated[0]
-        result.episode_id = driver.episode_ids[0]
-        result.step_count = driver.step_counts[0]
         info: Any = outcome.infos.get(0)
         if info:
             text = info_text(info) if self._info_json else None
@@ -196,6 +183,16 @@ class SessionView:
                 result.info_json = text
             else:
                 struct_info(info, result.info)
+
+    def _books(self, errors: dict[int, RowError], result: _Result) -> None:
+        """Raise row 0's error, if it has one, as the request's; else put its books (episode
+        id and step count) in ``result``."""
+        if errors:
+            error = errors[0]
+            raise RequestError(error.code, error.message, error.exception_type)
+        driver = self._driver
+        result.episode_id = driver.episode_ids[0]
+        result.step_count = driver.step_counts[0]
 
 
 #: Each command by its field (``None``: none set); one left out fails the import.
@@ -212,13 +209,6 @@ _COMMANDS = command_table(
     },
     empty=_Command(SessionView._empty),
 )
-
-
-def _raise_row(errors: dict[int, RowError]) -> None:
-    """Raise row 0's error, if it has one, as the request's."""
-    if errors:
-        error = errors[0]
-        raise RequestError(error.code, error.message, error.exception_type)
 
 
 def _decode(payload: Any, message_class: type[Message], what: str) -> Message:
