@@ -200,10 +200,8 @@ class SpreadBatchCalls(Commands):
         def frame(part: _Part) -> bytes:
             return command_frame(name, "query", len(part[2]), (name, part[2]))
 
-        out: BatchStates = await self._gather(
-            name, indices, self._split(indices), frame, BatchStates()
-        )
-        return out
+        parts = self._split(indices)
+        return cast(BatchStates, await self._gather(name, indices, parts, frame, BatchStates()))
 
     async def query_within(self, name: str, indices: Sequence[int], room: int) -> BatchStates:
         """:meth:`query` within ``room`` bytes: each block is told the room, and each
