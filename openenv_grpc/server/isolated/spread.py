@@ -144,7 +144,6 @@ class SpreadBatchCalls(Commands):
         workers = pool.for_new_envs(prefer_ready=policy.prefer_ready)
         count = min(len(workers), size)
         sizes = [size // count + (k < size % count) for k in range(count)]
-        starts = [sum(sizes[:k]) for k in range(count)]
         made = await asyncio.gather(
             *(
                 pool.create_block(workers[k], sizes[k], autoreset, kind=policy.kind)
@@ -153,7 +152,7 @@ class SpreadBatchCalls(Commands):
             return_exceptions=True,
         )
         blocks = [
-            _Block(workers[k], answer[0], starts[k], sizes[k])
+            _Block(workers[k], answer[0], sum(sizes[:k]), sizes[k])
             for k, answer in enumerate(made)
             if not isinstance(answer, BaseException)
         ]
