@@ -513,16 +513,14 @@ class Driver:
         """Each env's answer to query ``name`` (``queries.py``) and their bytes, read no
         further than the message limit; LOST envs are told rather than read, envs found
         replaced lose their episodes. Raises BatchRefused: the whole call failed."""
-        indices, told = self._tell(indices)
-        if not told:
-            got = await self._states_within(name, indices)
-        else:
-            try:
-                got = await self._states_within(name, indices) if indices else (BatchStates(), 0)
-            except BaseException:
-                self.book_lost(told)  # not told: the next call naming them is
-                raise
-            told.update(got[0].errors)  # the told ones first, in index order
+        indices, told = self._tell(indices)  # empty only when every env named was told
+        try:
+            got = await self._states_within(name, indices) if indices else (BatchStates(), 0)
+        except BaseException:
+            self.book_lost(told)  # not told: the next call naming them is
+            raise
+        if told:  # the told ones first, in index order
+            told.update(got[0].errors)
             got[0].errors = told
         for index, error in got[0].errors.items():
             if error.code in _REPLACED:  # (other failures of a read change no episode)
