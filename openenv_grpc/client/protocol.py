@@ -43,6 +43,7 @@ __all__ = [
     "StreamProtocol",
     "admitted_session_id",
     "checked_seed",
+    "fill_reset",
     "lost",
     "nothing_listening",
     "pack_typed",
@@ -181,18 +182,8 @@ class SessionProtocol(StreamProtocol):
         self, seed: int | None, episode_id: str | None, options: Message | None
     ) -> pb.SessionRequest:
         request: pb.SessionRequest = self._envelope()
-        reset = request.reset
-        reset.SetInParent()
-        if seed is not None:
-            reset.seed = checked_seed(seed)
-        if episode_id is not None:
-            if not isinstance(episode_id, str):
-                raise PayloadTypeError(
-                    f"episode_id must be a str or None, got {type(episode_id).__qualname__}"
-                )
-            reset.episode_id = episode_id
-        if options is not None:
-            pack_typed(reset.options, options, self._types.reset_options, "options")
+        request.reset.SetInParent()
+        fill_reset(request.reset, seed, episode_id, options, self._types.reset_options)
         return request
 
     def step_request(self, action: Message) -> pb.SessionRequest:
@@ -274,6 +265,30 @@ def pack_typed(
 
 #: The seed field is a uint64 (session.proto): what a seed may be.
 SEED_MAX = 2**64 - 1
+
+
+def fill_reset(
+    reset: pb.ResetCommand,
+    seed: Any,
+    episode_id: Any,
+    options: Message | None,
+    options_class: type[Message] | None,
+) -> None:
+    """Put a reset's arguments in ``reset``, checked as they are sent.
+
+    Raises:
+        ValueError: the seed is out of range. PayloadTypeError: a wrong type.
+    """
+    if seed is not None:
+        reset.seed = checked_seed(seed)
+    if episode_id is not None:
+        if not isinstance(episode_id, str):
+            raise PayloadTypeError(
+                f"episode_id must be a str or None, got {type(episode_id).__qualname__}"
+            )
+        reset.episode_id = episode_id
+    if options is not None:
+        pack_typed(reset.options, options, options_class, "options")
 
 
 def checked_seed(seed: Any, what: str = "seed") -> int:

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Iterable
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 
 from openenv_grpc._version import __version__
 from openenv_grpc.environment import AutoresetMode
@@ -34,11 +35,12 @@ from openenv_grpc.server.local.batch import natively_batched
 from openenv_grpc.server.local.calls import BatchCalls
 from openenv_grpc.server.model.phases import SESSION_WORDS, VECTOR_WORDS
 from openenv_grpc.server.model.placement import CallPlacement, batch_threshold
-from openenv_grpc.server.stream.backend import SessionBackend
+from openenv_grpc.server.stream.backend import SessionBackend, exhausted, parse_request
 from openenv_grpc.server.stream.driver import Driver
-from openenv_grpc.server.stream.session import Held, SessionManager
+from openenv_grpc.server.stream.session import Held, SessionManager, StreamOpening
 from openenv_grpc.server.stream.session_view import SessionView
 from openenv_grpc.server.stream.vector_view import VectorView
+from openenv_grpc.server.stream.wire import Wire
 from openenv_grpc.v1 import session_pb2 as pb
 from openenv_grpc.v1 import session_pb2_grpc as pb_grpc
 
@@ -108,6 +110,16 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
         json_info = reads_json_info(context.invocation_metadata())
         await self._sessions.run(context, self._one_env_json if json_info else self._one_env)
 
+    def run_stream(self, context: Wire, opening: StreamOpening) -> Awaitable[None]:
+        """Run a stream of another wire (the OpenEnv door) to its end, as the RPCs do."""
+        return self._sessions.run(context, opening)
+
+    async def open_session_view(self, held: Held, objects: bool = False) -> SessionView:
+        """An admitted Session's env and its view, for a wire without envelopes;
+        ``objects``: its observations stay the env's objects where the env runs in this
+        process (``SessionView.objects`` says whether they do)."""
+        return await self._one_env_json.open(held, objects)
+
     async def VectorSession(  # type: ignore[override]
         self,
         request_iterator: AsyncIterator[bytes],
@@ -148,7 +160,29 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
         return found
 
 
-class _SessionOpening:
+class _GrpcOpening:
+    """A gRPC stream's words: its requests and answers are its protobuf messages."""
+
+    request_class: type[Message]
+    response_class: type[Message]
+
+    def command_of(self, raw: Any, strict: bool = False) -> tuple[int, str]:
+        if strict:
+            request: Any = parse_request(raw, self.request_class)
+        else:
+            try:
+                request = self.request_class.FromString(raw)
+            except DecodeError:  # parsed once already: kept total for safety
+                request = self.request_class()
+        return request.request_id, request.WhichOneof("command") or "request"
+
+    def exhausted(self, request_id: int, message: str) -> bytes:
+        response: Any = self.response_class()
+        response.request_id = request_id
+        return exhausted(response, message)
+
+
+class _SessionOpening(_GrpcOpening):
     """A Session stream, for :meth:`SessionManager.run`: one slot, one env (a block of one
     in an env process when isolated, else a loop batch of one plain instance here)."""
 
@@ -161,7 +195,7 @@ class _SessionOpening:
         self._service = service
         self._info_json = info_json
 
-    async def open(self, held: Held) -> SessionBackend:
+    async def open(self, held: Held, objects: bool = False) -> SessionView:
         manager, processes = self._service._sessions, self._service._processes
         if processes is not None:
             spread = await SpreadBatchCalls.open(
@@ -173,15 +207,16 @@ class _SessionOpening:
         # From here the runner frees the slot, once the env is closed or the factory fails.
         held.owns_slot = False
         calls = await manager.local_calls(
-            1, AutoresetMode.DISABLED, manager.spec.placement, SESSION_WORDS, native=False
-        )
-        return SessionView(manager.spec, calls, manager.snapshots, self._info_json)
+            1, AutoresetMode.DISABLED, manager.spec.placement, SESSION_WORDS, native=False,
+            objects=objects,
+        )  # fmt: skip
+        return SessionView(manager.spec, calls, manager.snapshots, self._info_json, objects=objects)
 
     def headers(self) -> tuple[tuple[str, str], ...]:
         return ()
 
 
-class _VectorOpening:
+class _VectorOpening(_GrpcOpening):
     """A VectorSession stream, for :meth:`SessionManager.run`: N slots, N envs (a batch
     built here, or blocks spread over the env processes)."""
 

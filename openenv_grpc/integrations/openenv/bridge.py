@@ -77,25 +77,29 @@ class Bridge:
             kwargs["episode_id"] = episode_id
         return kwargs
 
-    def action_in(self, message: Message) -> BaseModel:
-        """The action as the env's model, checked before the env sees it.
+    def action_in(self, message: Message | BaseModel) -> BaseModel:
+        """The action as the env's model, checked before the env sees it (the door's native
+        lane hands over a model OpenEnv's own ``deserialize_action`` made: as it is).
 
         Raises:
             InvalidAction: the env's model refuses the action, or a JSON field of it is not
                 JSON, nested too deep or holds a lone surrogate (the bridge could not
                 carry it back: see :mod:`.json_checks`).
         """
+        if isinstance(message, BaseModel):
+            return message
         try:
             model, data = to_python(self.action, message)
             return model.model_validate(data)
         except (ValidationError, ValueError) as exc:
             raise InvalidAction(_validation_message(exc)) from None
 
-    def transition(self, observation: Any) -> Transition[Message]:
+    def transition(self, observation: Any, native: bool = False) -> Transition[Any]:
         """The env's observation as a result. The env has moved: nothing in its answer
         may fail the step. What JSON or protobuf cannot hold is replaced by null (NaN and
         infinities silently, as OpenEnv writes them; the rest named in the info's
-        ``bridge_warnings`` and the server's log).
+        ``bridge_warnings`` and the server's log). ``native`` (a step of the door's native
+        lane): the observation is kept as the env returned it, its frame written from it.
 
         Raises:
             TypeError: the env returned no Observation (an env bug).
@@ -106,6 +110,12 @@ class Bridge:
                 "not an Observation"
             )
         reward = getattr(observation, "reward", None)
+        if native:
+            return Transition(
+                observation,
+                reward=None if reward is None else float(reward),
+                terminated=bool(getattr(observation, "done", False)),
+            )
         metadata = getattr(observation, "metadata", None)
         warnings = Warnings()
         message = to_message(self.observation, observation, warnings)

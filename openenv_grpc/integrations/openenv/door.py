@@ -79,7 +79,8 @@ class OpenEnvDoor:
         info = await servicer.Info(pb.InfoRequest(), None)  # type: ignore[arg-type]
         limits = GatewayLimits.from_config(config, budget=server.sessions.budget)
         self.gateway = gateway = OpenEnvGateway(
-            servicer.Session,
+            servicer.run_stream,
+            servicer.open_session_view,
             info,
             config.auth_token or None,
             limits,

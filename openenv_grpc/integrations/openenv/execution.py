@@ -20,6 +20,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from google.protobuf.message import Message
+from pydantic import BaseModel
 
 from openenv_grpc.integrations.openenv.bridge import Bridge
 from openenv_grpc.integrations.openenv.signatures import has_mcp, overrides
@@ -36,8 +37,9 @@ def sync_methods(bridge: Bridge) -> dict[str, Any]:
     def reset(self: Any, *, seed: int | None, episode_id: str, options: Message | None) -> Any:
         return bridge.transition(self._env.reset(**bridge.reset_kwargs(seed, episode_id, options)))
 
-    def step(self: Any, action: Message) -> Any:
-        return bridge.transition(self._env.step(bridge.action_in(action)))
+    def step(self: Any, action: Message | BaseModel) -> Any:
+        native = isinstance(action, BaseModel)  # the door's native lane
+        return bridge.transition(self._env.step(bridge.action_in(action)), native)
 
     def state(self: Any) -> Message:
         return bridge.state_out(self._env)
@@ -97,9 +99,10 @@ def async_methods(
         kwargs = bridge.reset_kwargs(seed, episode_id, options)
         return bridge.transition(await self._loop.run(env_reset(self, kwargs)))
 
-    async def step(self: Any, action: Message) -> Any:
+    async def step(self: Any, action: Message | BaseModel) -> Any:
+        native = isinstance(action, BaseModel)  # the door's native lane
         model = bridge.action_in(action)
-        return bridge.transition(await self._loop.run(env_step(self, model)))
+        return bridge.transition(await self._loop.run(env_step(self, model)), native)
 
     async def state(self: Any) -> Message:
         return await self._loop.run(env_state(self))  # type: ignore[no-any-return]

@@ -25,6 +25,8 @@ from typing import Any, Protocol, TypeVar
 
 import grpc
 from google.protobuf import json_format
+from google.protobuf.message import Message
+from pydantic import ValidationError
 
 from openenv_grpc.client import EnvError, OpenEnvError
 from openenv_grpc.codec import value_to_python
@@ -73,6 +75,11 @@ class SessionView(Protocol):
     @property
     def step_count(self) -> int: ...
 
+    @property
+    def native(self) -> bool:
+        """The session's env takes the door's native lane (``native.py``)."""
+        ...
+
 
 #: Answers a ``openenv/session/close`` of another session: the door's HTTP ``/mcp`` call.
 OtherCall = Callable[[dict[str, Any], "str | None"], Awaitable[dict[str, Any]]]
@@ -86,6 +93,7 @@ class FrameAnswers:
         reset_options: Its reset options class, if it takes any.
         tool_fields: The tools protocol of ``openenv_grpc.tools``, if the env speaks it.
         other_call: How an ``openenv/session/close`` naming another session is answered.
+        native: The native lane of a bridged env (``native.NativeLane``), if it has one.
     """
 
     def __init__(
@@ -94,7 +102,9 @@ class FrameAnswers:
         reset_options: Any,
         tool_fields: ToolFields | None,
         other_call: OtherCall,
+        native: Any = None,
     ) -> None:
+        self._native = native
         self._action = action
         self._reset_options = reset_options
         self._tool_fields = tool_fields
@@ -113,7 +123,14 @@ class FrameAnswers:
                 result = yield from self.reset(data if data is not None else {})
                 return self.observation(result)
             if kind == "step":
-                action = from_json(data if data is not None else {}, self._action, "action")
+                data = data if data is not None else {}
+                if session.native:
+                    try:
+                        action = self._native.action(data)
+                    except ValidationError as exc:
+                        return str(self._native.invalid(exc))
+                else:
+                    action = from_json(data, self._action, "action")
                 if not session.episode_id:  # OpenEnv steps a fresh env; ours needs a reset
                     yield ("reset", None, None, None)
                 return self.observation((yield ("step", action)))
@@ -167,7 +184,10 @@ class FrameAnswers:
 
     def observation(self, result: Any) -> str:
         """OpenEnv's observation frame for a step result. Written strictly first: only a
-        frame with a NaN or an infinity pays for the walk that writes them as null."""
+        frame with a NaN or an infinity pays for the walk that writes them as null. The
+        native lane's (the env's own observation) as OpenEnv writes it."""
+        if not isinstance(result.observation, Message):
+            return str(self._native.frame(result.observation))
         try:
             return _FRAME.encode(
                 {"type": "observation", "data": self.observation_data(result, False)}

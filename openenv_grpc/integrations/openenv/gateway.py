@@ -49,7 +49,7 @@ import json
 import logging
 import os
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -74,8 +74,11 @@ from openenv_grpc.integrations.openenv.gateway_limits import SMALL_BYTES as _SMA
 from openenv_grpc.integrations.openenv.gateway_limits import GatewayLimits
 from openenv_grpc.integrations.openenv.published import openenv_metadata, openenv_schemas
 from openenv_grpc.integrations.openenv.streams import (
+    DoorSessions,
+    OpenView,
     ProgramStream,
     Refused,
+    RunStream,
     SocketWire,
     StreamEnded,
 )
@@ -147,8 +150,9 @@ class OpenEnvGateway:
     """The FastAPI app speaking OpenEnv's protocol on the session core of this process.
 
     Args:
-        session_handler: The servicer's ``Session`` handler: every session of the door is
-            a stream it runs (:mod:`.streams`).
+        run_stream: Runs a stream of the core (``EnvServicer.run_stream``): every session
+            of the door is one (:mod:`.streams`).
+        open_view: Makes an admitted session's env (``EnvServicer.open_session_view``).
         info: The server's Info answer (names, descriptors, capacity).
         token: The server's ``AUTH_TOKEN``, if any: every route but ``/health`` and every
             WebSocket want it as a bearer token, checked by the gRPC port's own check.
@@ -157,7 +161,8 @@ class OpenEnvGateway:
 
     def __init__(
         self,
-        session_handler: Callable[[Any, Any], Awaitable[None]],
+        run_stream: RunStream,
+        open_view: OpenView,
         info: pb.InfoResponse,
         token: str | None = None,
         limits: GatewayLimits | None = None,
@@ -168,12 +173,14 @@ class OpenEnvGateway:
         self._auth = TokenAuthInterceptor(token) if token else None
         self.limits = limits or GatewayLimits()
         self._limiter = limiter
-        self._session_handler = session_handler
         classes = message_classes(info)
         self._action = classes["action"]
         roles = (classes["action"], classes["observation"], classes["state"],
                  classes.get("reset_options"))  # fmt: skip
-        self._types = SessionTypes(*roles)
+        lane = _native_lane(info.env_name)
+        self._sessions = DoorSessions(
+            run_stream, open_view, SessionTypes(*roles), native=lane is not None
+        )
         #: Sessions made by ``openenv/session/create`` over HTTP /mcp, by a random id of
         #: their own: MCP calls and a WebSocket opened with ``?session_id=`` share them
         #: until ``openenv/session/close`` or the idle timeout (MCPToolClient's
@@ -194,7 +201,7 @@ class OpenEnvGateway:
             classes["action"].DESCRIPTOR, classes["observation"].DESCRIPTOR
         )
         #: What every frame and tool call is answered with, on any session.
-        self.answers = FrameAnswers(self._action, roles[3], tool_fields, self._mcp)
+        self.answers = FrameAnswers(self._action, roles[3], tool_fields, self._mcp, lane)
         # No /docs, /redoc, /openapi.json: they answered without a token (issue 37).
         self.app = FastAPI(
             title=f"{info.env_name} (openenv-grpc)",
@@ -568,9 +575,9 @@ class OpenEnvGateway:
                 await _close(websocket, *self._closing())
             return
         # The id an mcp frame's openenv/session/create answers: the socket's own.
-        wire = SocketWire(websocket, self.answers, self._types, secrets.token_urlsafe(24), token)
+        wire = SocketWire(websocket, self.answers, secrets.token_urlsafe(24), token)
         try:
-            await self._session_handler(None, wire)
+            await self._sessions.run(wire)
         except grpc.aio.AbortError:
             await self._ended(websocket, wire)
             return
@@ -745,7 +752,7 @@ class OpenEnvGateway:
         """A session of the core that takes programs (a socket's: closed 1001 when the
         core ends it as idle). Raises _NoRoom when the server is full or refuses it."""
         ending = None if websocket is None else self._socket_ending(websocket)
-        session = ProgramStream(self._session_handler, self._types, ending)
+        session = ProgramStream(self._sessions, ending)
         try:
             await session.open()
         except Refused as exc:
@@ -764,6 +771,15 @@ class OpenEnvGateway:
         message = (f"Server at capacity: {active}/{limit} sessions active. Cannot accept new "
                    "connections.")  # fmt: skip
         return message, {"active_sessions": active, "max_sessions": limit}
+
+
+def _native_lane(env_name: str) -> Any:
+    """The native lane of the bridged env ``env_name`` (None: a native env, or no openenv)."""
+    try:
+        from openenv_grpc.integrations.openenv.native import native_lane
+    except ImportError:
+        return None
+    return native_lane(env_name)
 
 
 class _NoRoom(Exception):

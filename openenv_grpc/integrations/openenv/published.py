@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-__all__ = ["openenv_metadata", "openenv_schemas"]
+__all__ = ["action_model", "openenv_metadata", "openenv_schemas"]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,15 @@ def openenv_schemas(env_name: str) -> dict[str, Any] | None:
         "state": _model(state, found.state).model_json_schema(),
         "reset_observation": observation_model.model_json_schema(),
     }
+
+
+def action_model(env_name: str) -> type[BaseModel] | None:
+    """The action model OpenEnv's server holds for the bridged env ``env_name`` (what its
+    ``/ws`` steps validate with), None for a native env."""
+    adapter = _adapter(env_name)
+    if adapter is None:
+        return None
+    return _model(adapter._recipe[1], adapter._bridge.found.action)
 
 
 _metadata: dict[str, dict[str, Any] | None] = {}

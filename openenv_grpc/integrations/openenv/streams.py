@@ -1,13 +1,12 @@
-"""The door's sessions as Session streams of the core, run by the core's own handler
-(``EnvServicer.Session``: ``SessionManager.run``) with a wire of this module: admission
+"""The door's sessions as Session streams of the core (``SessionManager.run``: admission
 by the limiter, the stream loop, the idle reaper, the drain, the byte budget and the
-metrics are the gRPC port's. A request is what a program of :mod:`.frames` asks for, an
-answer goes back to it; no client library or grpc-like call stands in between.
+metrics are the gRPC port's), with no envelope: a request of the stream is a frame's
+program (:mod:`.frames`), run by :class:`DoorView` on the session's ``SessionView``,
+whose commands it calls directly; the answer is the frame the client waits for.
 
 * :class:`SocketWire`: a ``/ws`` socket whose own task runs its stream. ``read`` takes
-  the socket's next frame and turns it into the stream's next request (a frame that needs
-  none, or is not understood, is answered at once); ``write`` turns the answer into the
-  frame the client waits for. The next frame is read once the last answer has left.
+  the socket's next frame as the stream's next request; ``write`` sends its answer. The
+  next frame is read once the last answer has left.
 * :class:`ProgramStream`: a stream in a task of its own that answers programs handed to
   it one at a time, from any task (held ``/mcp`` sessions and the sockets attached to
   them, the stateless HTTP calls, ``WS /mcp``).
@@ -20,33 +19,58 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import math
-from collections.abc import Callable, Sequence
-from time import monotonic
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NoReturn, TypeVar
 
 import grpc
+from google.protobuf import struct_pb2
+from google.protobuf.message import Message
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from openenv_grpc.client.protocol import SessionProtocol, SessionTypes
-from openenv_grpc.integrations.openenv.frames import Call, FrameAnswers, Program, parse_frame
-from openenv_grpc.metadata import INFO_JSON, INFO_KEY
+from openenv_grpc.client import EnvError, StepOutcome
+from openenv_grpc.client.protocol import SessionTypes, fill_reset, status_code
+from openenv_grpc.codec import info_from_json, info_from_struct
+from openenv_grpc.integrations.openenv.frames import (
+    FrameAnswers,
+    Program,
+    error_frame,
+    parse_frame,
+)
+from openenv_grpc.server.errors import CODE_NAMES, RequestError
+from openenv_grpc.server.local.batch import BatchOutcome
+from openenv_grpc.server.local.calls import BatchRefused
+from openenv_grpc.server.local.frames import info_text, struct_info
+from openenv_grpc.server.stream.backend import Answer, Outcome, SessionBackend
+from openenv_grpc.server.stream.session import Held, StreamOpening
+from openenv_grpc.server.stream.session_view import SessionView
+from openenv_grpc.server.stream.wire import Wire
 from openenv_grpc.v1 import session_pb2 as pb
 
-__all__ = ["ProgramStream", "Refused", "SocketWire", "StreamEnded"]
+__all__ = [
+    "DoorOpening",
+    "DoorRequest",
+    "DoorSessions",
+    "DoorView",
+    "OpenView",
+    "ProgramStream",
+    "Refused",
+    "RunStream",
+    "SocketWire",
+    "StreamEnded",
+]
 
 log = logging.getLogger("openenv_grpc.gateway")
 
 T = TypeVar("T")
 
-#: The servicer's Session handler: runs one stream to its end on a wire.
-Handler = Callable[[Any, Any], Any]
-
-#: The call a close makes: the stream's close command.
-_CLOSE: Call = ("close",)
+#: Runs one stream of the core to its end: ``EnvServicer.run_stream``.
+RunStream = Callable[[Wire, StreamOpening], Awaitable[None]]
+#: Makes an admitted Session stream's env and its view (``objects``: its observations
+#: unserialized where it can): ``EnvServicer.open_session_view``.
+OpenView = Callable[[Held, bool], Awaitable[SessionView]]
 _EOF: Any = grpc.aio.EOF
-#: Infos as JSON text (ints stay ints), as the door's answers write them.
-_METADATA = ((INFO_KEY, INFO_JSON),)
+#: A socket's client went.
+_GONE: Any = object()
 
 
 class StreamEnded(Exception):
@@ -62,43 +86,265 @@ class Refused(StreamEnded):
     """The core did not admit the stream (``RESOURCE_EXHAUSTED``: the server is full)."""
 
 
-class _ProgramWire:
-    """What both wires share: a program's calls as the stream's requests, the answers
-    back into it (``server.stream.wire.Wire`` for the core)."""
+class DoorRequest:
+    """One request of a door stream: a program, and what becomes of what it returns.
 
-    __slots__ = (
-        "_call", "_heard", "_pending", "_program", "_protocol", "_request_id", "admitted",
-        "status",
-    )  # fmt: skip
+    ``finish`` turns the program's value into the answer's bytes (a socket's frame text;
+    a program handed to a :class:`ProgramStream` gives it to its caller and answers
+    nothing); ``fail`` does the same for what the program raised.
+    """
 
-    def __init__(self, types: SessionTypes) -> None:
-        self._protocol = SessionProtocol(types)
-        #: The program being run, and the call of it the core is answering.
-        self._program: Program[Any] | None = None
-        self._call: Call | None = None
-        self._request_id = 0
-        #: The program's next request, for the next ``read``.
-        self._pending: bytes | None = None
+    __slots__ = ("fail", "finish", "future", "kind", "program")
+
+    def __init__(
+        self,
+        kind: str,
+        program: Program[Any] | None,
+        finish: Callable[[Any], bytes],
+        fail: Callable[[BaseException], bytes],
+        future: asyncio.Future[Any] | None = None,
+    ) -> None:
+        self.kind = kind  # the frame's type, for the core's refusals ("close": the close)
+        self.program = program
+        self.finish = finish
+        self.fail = fail
+        self.future = future  # a ProgramStream's caller waits on it
+
+
+def _encoded(text: str) -> bytes:
+    return text.encode()
+
+
+def _reraise(exc: BaseException) -> bytes:
+    raise exc
+
+
+#: The close of a socket's session (its ``close`` frame, or its going).
+_CLOSE = DoorRequest("close", None, _encoded, _reraise)
+
+
+class DoorOpening:
+    """A door session, for ``SessionManager.run``: one slot, one env, as a gRPC Session
+    (the same open); requests are :class:`DoorRequest`; a refusal is an error frame."""
+
+    slots = 1
+    in_flight = 0
+
+    def __init__(self, sessions: DoorSessions, wire: SocketWire | ProgramStream) -> None:
+        self._sessions = sessions
+        self._wire = wire
+
+    async def open(self, held: Held) -> SessionBackend:
+        sessions = self._sessions
+        door = DoorView(await sessions.open_view(held, sessions.native), sessions.types)
+        self._wire.door = door
+        return door
+
+    def headers(self) -> tuple[tuple[str, str], ...]:
+        return ()
+
+    def command_of(self, raw: Any, strict: bool = False) -> tuple[int, str]:
+        return 0, raw.kind if isinstance(raw, DoorRequest) else "request"
+
+    def exhausted(self, request_id: int, message: str) -> bytes:
+        return error_frame("EXECUTION_ERROR", message).encode()
+
+
+class DoorSessions:
+    """Runs the door's sessions as Session streams of the core.
+
+    Args:
+        run_stream: Runs one stream to its end (``EnvServicer.run_stream``).
+        open_view: Makes an admitted Session's env (``EnvServicer.open_session_view``).
+        types: The env's message classes (what results decode into).
+        native: The env takes the native lane (a bridged env): its sessions keep their
+            observations unserialized where the env runs in this process.
+    """
+
+    def __init__(
+        self, run_stream: RunStream, open_view: OpenView, types: SessionTypes, native: bool
+    ) -> None:
+        self._run_stream = run_stream
+        self.open_view = open_view
+        self.types = types
+        self.native = native
+
+    def run(self, wire: SocketWire | ProgramStream) -> Awaitable[None]:
+        """Run ``wire``'s stream to its end (raises ``grpc.aio.AbortError`` when the core
+        aborted it: ``wire.status`` says how). Not a coroutine of its own: one frame less
+        for every resume of the stream's task."""
+        return self._run_stream(wire, DoorOpening(self, wire))
+
+
+class DoorView:
+    """The backend of a door session: runs each request's program, its session calls made
+    on the session's :class:`SessionView` (what it returns as the client library would
+    return it: a ``StepOutcome``, a state message; an in-band error as ``EnvError``).
+
+    A program's ``("await", awaitable)`` (work beside the session: another session's
+    close) is awaited inside the request, so the session is not idle meanwhile.
+    """
+
+    __slots__ = ("_observation", "_options", "_state", "_view")
+
+    def __init__(self, view: SessionView, types: SessionTypes) -> None:
+        assert types.observation is not None and types.state is not None
+        self._view = view
+        self._observation = types.observation
+        self._state = types.state
+        self._options = types.reset_options
+
+    @property
+    def native(self) -> bool:
+        """A step may take the native lane: the env runs here, its observations unserialized."""
+        return self._view.objects
+
+    @property
+    def episode_id(self) -> str:
+        return self._view.driver.episode_ids[0]
+
+    @property
+    def step_count(self) -> int:
+        return self._view.driver.step_counts[0]
+
+    async def close(self) -> None:
+        await self._view.close()
+
+    async def handle(self, raw: DoorRequest) -> Answer:
+        view = self._view
+        driver = view.driver
+        program = raw.program
+        if program is None:  # the close: the stream ends after it, whatever close raised
+            try:
+                if (waiting := view.replacing()) is not None:
+                    await waiting
+                await driver.close_command()
+            except (RequestError, BatchRefused) as err:
+                log.debug("a door session's close failed: %s", err.message)
+            return Answer(b"", Outcome.CLOSED, ends=True)
+        value: Any = None
+        error: BaseException | None = None
+        steps, seconds, failed, saturated = 0, 0.0, "", False
+        while True:
+            try:
+                call = program.throw(error) if error is not None else program.send(value)
+            except StopIteration as stop:
+                response = raw.finish(stop.value)
+                break
+            except Exception as exc:
+                response = raw.fail(exc)
+                break
+            value = error = None
+            kind = call[0]
+            try:  # what the program itself should see fail: a side call, bad arguments
+                if kind == "await":
+                    value = await call[1]
+                    continue
+                command = self._reset(*call[1:]) if kind == "reset" else None
+            except Exception as exc:
+                error = exc
+                continue
+            try:  # a SessionLostError goes on up: the stream ends
+                if (waiting := view.replacing()) is not None:
+                    await waiting
+                if kind == "step":
+                    outcome, took = await view.step(call[1])
+                    value = self._outcome(outcome)
+                    steps += 1
+                    seconds += took
+                elif command is not None:
+                    value = self._outcome(await view.reset(command))
+                else:
+                    value = self._state.FromString(await view.state())
+            except (RequestError, BatchRefused) as err:
+                if isinstance(err, BatchRefused):
+                    driver.refused(err, kind)
+                    saturated = saturated or err.saturated
+                failed = CODE_NAMES.get(err.code, str(err.code))
+                error = EnvError(status_code(err.code), err.message, err.exception_type)
+        if failed:
+            outcome_kind = Outcome.SATURATED if saturated else Outcome.FAILED
+        else:
+            outcome_kind = Outcome.STEPPED if steps else Outcome.ANSWERED
+        return Answer(response, outcome_kind, seconds, failed, driver.ends, steps)
+
+    def _reset(self, seed: Any, episode_id: Any, options: Message | None) -> pb.ResetCommand:
+        """A reset's arguments, checked as a Session client sends them (raises ValueError or
+        PayloadTypeError: nothing is done)."""
+        command = pb.ResetCommand()
+        fill_reset(command, seed, episode_id, options, self._options)
+        return command
+
+    def _outcome(self, outcome: BatchOutcome) -> StepOutcome[Any]:
+        """Row 0 of a reset or step as the client library reads it from its answer."""
+        driver = self._view.driver
+        observation = outcome.observations[0]
+        if type(observation) is bytes:  # else the env's own object (``objects``)
+            observation = self._observation.FromString(observation)
+        return StepOutcome(
+            observation=observation,
+            reward=outcome.rewards[0],
+            terminated=outcome.terminated[0],
+            truncated=outcome.truncated[0],
+            episode_id=driver.episode_ids[0],
+            step_count=driver.step_counts[0],
+            info=_info(outcome.infos.get(0)),
+            no_reward=0 in outcome.no_reward,
+        )
+
+
+#: Value types a JSON round trip gives back unchanged (a float too, when finite).
+_PLAIN = frozenset({str, int, bool, type(None)})
+
+
+def _info(info: Any) -> dict[str, Any]:
+    """A row's info as a Session's client reads it: through JSON text, or a Struct (a NaN
+    or an infinity in it). A flat map of plain values is that already (no round trip)."""
+    if not info:
+        return {}
+    if type(info) is dict:
+        for key, value in info.items():
+            kind = type(value)
+            # value - value: 0.0 for a finite float, NaN otherwise
+            if type(key) is not str or (
+                kind not in _PLAIN and (kind is not float or value - value)
+            ):
+                break
+        else:
+            return info
+    text = info_text(info)
+    if text is not None:
+        return info_from_json(text)
+    struct = struct_pb2.Struct()
+    struct_info(info, struct)
+    return info_from_struct(struct)
+
+
+class _DoorWire:
+    """What both wires share (``server.stream.wire.Wire`` for the core), and what a
+    program reads of its session between calls (``frames.SessionView``)."""
+
+    __slots__ = ("admitted", "door", "status")
+
+    def __init__(self) -> None:
         #: The core admitted the stream and made its env.
         self.admitted = False
         #: How the core ended the stream, if it aborted it: (code, details).
         self.status: tuple[grpc.StatusCode, str] | None = None
-        #: Loop time the client last did something the core does not see (a frame the
-        #: wire answered itself), inf while a frame waits on work beside the session.
-        self._heard = 0.0
-
-    def heard(self) -> float:
-        """When the client was last heard apart from the core's requests (``Wire``): the
-        idle reaper leaves the stream alone until this too is past the idle timeout."""
-        return self._heard
+        #: The session's backend, once the core opened it.
+        self.door: DoorView | None = None
 
     @property
     def episode_id(self) -> str:
-        return self._protocol.episode_id
+        return "" if self.door is None else self.door.episode_id
 
     @property
     def step_count(self) -> int:
-        return self._protocol.step_count
+        return 0 if self.door is None else self.door.step_count
+
+    @property
+    def native(self) -> bool:
+        return self.door is not None and self.door.native
 
     async def send_initial_metadata(self, initial_metadata: Sequence[tuple[str, str]]) -> None:
         self.admitted = True
@@ -113,85 +359,15 @@ class _ProgramWire:
         raise grpc.aio.AbortError()
 
     def invocation_metadata(self) -> Sequence[tuple[str, Any]]:
-        return _METADATA
-
-    def _close_request(self) -> bytes:
-        self._call = _CLOSE
-        request: pb.SessionRequest = self._protocol.close_request()
-        self._request_id = request.request_id
-        return request.SerializeToString()
-
-    def _answered(self, message: bytes) -> tuple[Call | None, Any, BaseException | None]:
-        """The call ``message`` answers (None: no call of ours, e.g. a drain's notice, or
-        the close), with its result or its error."""
-        response = pb.SessionResponse.FromString(message)
-        call = self._call
-        if call is None or response.request_id != self._request_id:
-            return None, None, None
-        self._call = None
-        if call is _CLOSE:
-            return None, None, None
-        try:
-            return call, self._result(call, response), None
-        except Exception as exc:  # an error answer: the program maps it
-            return call, None, exc
-
-    async def _advance(self, value: Any, error: BaseException | None) -> tuple[bytes | None, Any]:
-        """Run the program to its next session call: that call's request bytes, or (None,
-        what the program returned) once it is done. Work beside the session is awaited
-        here. What the program raises comes out here."""
-        program = self._program
-        assert program is not None
-        while True:
-            try:
-                call = program.throw(error) if error is not None else program.send(value)
-            except StopIteration as stop:
-                self._program = None
-                return None, stop.value
-            except BaseException:
-                self._program = None
-                raise
-            value = error = None
-            if call[0] == "await":
-                self._heard = math.inf  # the client waits on it: not idle
-                try:
-                    value = await call[1]
-                except Exception as exc:
-                    error = exc
-                finally:
-                    self._heard = monotonic()
-                continue
-            try:
-                request = self._request(call)
-            except Exception as exc:  # a seed out of range, say: nothing is sent
-                error = exc
-                continue
-            self._call = call
-            self._request_id = request.request_id
-            return request.SerializeToString(), None
-
-    def _request(self, call: Call) -> pb.SessionRequest:
-        protocol, kind = self._protocol, call[0]
-        if kind == "step":
-            return protocol.step_request(call[1])
-        if kind == "reset":
-            return protocol.reset_request(call[1], call[2], call[3])
-        return protocol.query_request("state")
-
-    def _result(self, call: Call, response: pb.SessionResponse) -> Any:
-        protocol = self._protocol
-        if call[0] == "state":
-            return protocol.decode(protocol.query_result(response, "state").state, "state")
-        return protocol.step_result(response)
+        return ()
 
 
-class SocketWire(_ProgramWire):
+class SocketWire(_DoorWire):
     """The server's end of one ``/ws`` socket's stream, run by the socket's own task.
 
     Args:
         websocket: The accepted socket.
         answers: The frame programs of the door's env.
-        types: The env's message classes (what results decode into).
         own_id: The id an ``openenv/session/create`` on this socket answers.
         token: The bearer token the socket came with (``/mcp`` calls it makes use it).
     """
@@ -199,14 +375,9 @@ class SocketWire(_ProgramWire):
     __slots__ = ("_answers", "_ended", "_in_flight", "_own_id", "_token", "_ws")
 
     def __init__(
-        self,
-        websocket: WebSocket,
-        answers: FrameAnswers,
-        types: SessionTypes,
-        own_id: str,
-        token: str | None,
+        self, websocket: WebSocket, answers: FrameAnswers, own_id: str, token: str | None
     ) -> None:
-        super().__init__(types)
+        super().__init__()
         self._ws = websocket
         self._answers = answers
         self._own_id = own_id
@@ -222,113 +393,85 @@ class SocketWire(_ProgramWire):
         return self._in_flight
 
     async def read(self) -> Any:
-        """The stream's next request: the rest of the frame under way, else the next
-        frame's first; ``grpc.aio.EOF`` once the client went."""
-        pending = self._pending
-        if pending is not None:
-            self._pending = None
-            return pending
+        """The stream's next request: the socket's next frame; ``grpc.aio.EOF`` once the
+        client went or asked to close."""
         if not self.admitted or self._ended:
             return _EOF  # only a refusal reads before admission
-        while True:
-            frame = await self._next_frame()
-            if frame is None:
-                return _EOF
-            if isinstance(frame, str):  # not a frame: answered at once
-                self._heard = monotonic()  # a frame the core does not see (the loop's clock)
-                if not await self._send(frame):
-                    return _EOF
-                continue
-            kind, data = frame
-            if kind == "close":
-                self._ended = True
-                return self._close_request()
+        raw = await self._next_frame()
+        if raw is _GONE:
+            return _EOF
+        frame = parse_frame(raw)
+        if isinstance(frame, str):  # not a frame: its error frame is the answer
             self._in_flight = True
-            self._program = self._answers.frame(self, kind, data, self._own_id, self._token)
-            request, text = await self._advance(None, None)
-            if request is not None:
-                return request  # the core's clock sees this one
-            self._heard = monotonic()  # answered without the core
-            self._in_flight = False
-            if not await self._send(text):
-                return _EOF
+            return DoorRequest("error", _answered(frame), _encoded, _reraise)
+        kind, data = frame
+        if kind == "close":
+            self._ended = True
+            return _CLOSE
+        self._in_flight = True
+        program = self._answers.frame(self, kind, data, self._own_id, self._token)
+        return DoorRequest(str(kind), program, _encoded, _reraise)
 
     async def write(self, message: bytes) -> None:
-        """Take the core's answer to the frame's call: go on with the frame, or send the
-        frame's answer. Answers to no call of ours (a drain's notice) are dropped: the
-        socket learns of a drain by its close frame."""
-        call, value, error = self._answered(message)
-        if call is None:
-            return
-        request, text = await self._advance(value, error)
-        if request is not None:
-            self._pending = request
-            return
+        """Send the answer to the frame (nothing for the close)."""
+        if message:
+            await self._ws.send_text(message.decode())
         self._in_flight = False
-        await self._ws.send_text(text)
 
     def cancelled(self) -> bool:
         return self._ended
 
-    async def _send(self, text: str) -> bool:
-        """Send an answer the core did not write (a frame that needed no request of it);
-        False if the client has gone (the stream then ends as on its going)."""
-        try:
-            await self._ws.send_text(text)
-        except Exception:  # gone mid-frame: nobody to tell, nothing to log
-            self._ended = True
-            return False
-        return True
-
-    async def _next_frame(self) -> tuple[str, Any] | str | None:
-        """The socket's next frame as (type, data), or the error frame answering what was
-        not one; None once the client went."""
+    async def _next_frame(self) -> Any:
+        """The socket's next frame's text (None for a binary one); ``_GONE`` once the
+        client went."""
         try:
             event = await self._ws.receive()
         except (RuntimeError, WebSocketDisconnect):  # already closed
             self._ended = True
-            return None
+            return _GONE
         if event["type"] == "websocket.disconnect":
             self._ended = True
-            return None
+            return _GONE
         raw = event.get("text")
-        return parse_frame(raw if isinstance(raw, str) else None)
+        return raw if isinstance(raw, str) else None
 
 
-class ProgramStream(_ProgramWire):
+def _answered(text: str) -> Program[str]:
+    """A program that needs no session call: its answer is ``text``."""
+    return text
+    yield  # a generator
+
+
+class ProgramStream(_DoorWire):
     """A stream of the core in a task of its own, answering the programs handed to
     :meth:`run` one at a time, in order, from any task.
 
     Args:
-        handler: The servicer's ``Session`` handler.
-        types: The env's message classes.
+        sessions: Runs the stream on the core.
         on_end: Called with the stream's status when the core ends it (idle, drain, a
             lost env process): a socket on it closes.
     """
 
-    __slots__ = ("_closing", "_ended", "_future", "_opened", "_queue", "_task", "_wake")
+    __slots__ = ("_closing", "_current", "_ended", "_opened", "_queue", "_task", "_wake")
 
     def __init__(
         self,
-        handler: Handler,
-        types: SessionTypes,
+        sessions: DoorSessions,
         on_end: Callable[[grpc.StatusCode, str], None] | None = None,
     ) -> None:
-        super().__init__(types)
+        super().__init__()
         loop = asyncio.get_running_loop()
         #: Programs handed over and not yet begun, each with the future of its caller.
-        self._queue: collections.deque[tuple[Program[Any], asyncio.Future[Any]]] = (
-            collections.deque()
-        )
+        self._queue: collections.deque[DoorRequest] = collections.deque()
+        #: The request under way (its caller is told if the stream ends under it).
+        self._current: DoorRequest | None = None
         #: Set when the queue gets something (or the stream should close).
         self._wake: asyncio.Future[None] | None = None
-        #: The caller of the program under way.
-        self._future: asyncio.Future[Any] | None = None
         self._closing = False
         #: The stream's status once it ended; None while it runs.
         self._ended: StreamEnded | None = None
         self._opened: asyncio.Future[None] = loop.create_future()
-        self._task = asyncio.ensure_future(self._serve(handler, on_end))
+        self._task = asyncio.ensure_future(self._serve(sessions, on_end))
 
     async def open(self) -> None:
         """Wait until the core admitted the stream and made its env.
@@ -350,7 +493,18 @@ class ProgramStream(_ProgramWire):
             program.close()
             raise self._ended or StreamEnded(grpc.StatusCode.CANCELLED, "the session closed")
         future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        self._queue.append((program, future))
+
+        def finish(value: Any) -> bytes:
+            if not future.done():
+                future.set_result(value)
+            return b""
+
+        def fail(exc: BaseException) -> bytes:
+            if not future.done():
+                future.set_exception(exc)
+            return b""
+
+        self._queue.append(DoorRequest("program", program, finish, fail, future))
         self._poke()
         return await future
 
@@ -365,44 +519,28 @@ class ProgramStream(_ProgramWire):
     # -- the Wire -----------------------------------------------------------------------------
 
     async def read(self) -> Any:
-        pending = self._pending
-        if pending is not None:
-            self._pending = None
-            return pending
         if not self.admitted:
             return _EOF  # only a refusal reads before admission
         while True:
             while not self._queue:
                 if self._closing:
-                    return self._close_request()
+                    return _CLOSE
                 self._wake = asyncio.get_running_loop().create_future()
                 try:
                     await self._wake
                 finally:
                     self._wake = None
-            program, future = self._queue.popleft()
-            if future.done():  # its caller gave up
-                program.close()
+            request = self._queue.popleft()
+            if request.future is not None and request.future.done():  # its caller gave up
+                assert request.program is not None
+                request.program.close()
                 continue
-            self._program, self._future = program, future
-            request, value = await self._begin()
-            if request is not None:
-                return request
-            self._finish(value)
+            self._current = request
+            return request
 
     async def write(self, message: bytes) -> None:
-        call, value, error = self._answered(message)
-        if call is None:
-            return
-        try:
-            request, result = await self._advance(value, error)
-        except Exception as exc:
-            self._fail(exc)
-            return
-        if request is not None:
-            self._pending = request
-            return
-        self._finish(result)
+        """Nothing to send: the program's caller has its answer already."""
+        self._current = None
 
     def cancelled(self) -> bool:
         return False
@@ -410,11 +548,11 @@ class ProgramStream(_ProgramWire):
     # -- its task -----------------------------------------------------------------------------
 
     async def _serve(
-        self, handler: Handler, on_end: Callable[[grpc.StatusCode, str], None] | None
+        self, sessions: DoorSessions, on_end: Callable[[grpc.StatusCode, str], None] | None
     ) -> None:
         status: tuple[grpc.StatusCode, str] = (grpc.StatusCode.OK, "the session closed")
         try:
-            await handler(None, self)
+            await sessions.run(self)
         except grpc.aio.AbortError:
             status = self.status or (grpc.StatusCode.UNKNOWN, "aborted")
         except asyncio.CancelledError:
@@ -432,16 +570,14 @@ class ProgramStream(_ProgramWire):
                 else:
                     self._opened.set_exception(ended)
                     self._opened.exception()  # retrieved: open() raises it to its caller
-            if self._future is not None and not self._future.done():
-                self._future.set_exception(ended)
-            if self._program is not None:
-                self._program.close()
-                self._program = None
+            current, self._current = self._current, None
+            if current is not None:  # the stream ended under it
+                current.fail(ended)
             while self._queue:
-                program, future = self._queue.popleft()
-                program.close()
-                if not future.done():
-                    future.set_exception(ended)
+                request = self._queue.popleft()
+                if request.program is not None:
+                    request.program.close()
+                request.fail(ended)
             if on_end is not None and code is not grpc.StatusCode.OK:
                 on_end(code, details)
 
@@ -450,30 +586,7 @@ class ProgramStream(_ProgramWire):
         if not self._opened.done():
             self._opened.set_result(None)
 
-    async def _begin(self) -> tuple[bytes | None, Any]:
-        try:
-            return await self._advance(None, None)
-        except Exception as exc:
-            self._fail(exc)
-            return None, _FAILED
-
-    def _finish(self, value: Any) -> None:
-        future, self._future = self._future, None
-        if value is _FAILED or future is None:
-            return
-        if not future.done():
-            future.set_result(value)
-
-    def _fail(self, exc: BaseException) -> None:
-        future, self._future = self._future, None
-        if future is not None and not future.done():
-            future.set_exception(exc)
-
     def _poke(self) -> None:
         wake = self._wake
         if wake is not None and not wake.done():
             wake.set_result(None)
-
-
-#: A program that raised: its caller got the exception already.
-_FAILED: Any = object()

@@ -51,10 +51,11 @@ log = logging.getLogger(__name__)
 @dataclass(slots=True)
 class BatchOutcome:
     """What one reset or step returned. Rows are env indices in call order, those in
-    ``errors`` left out; observations are serialized, per row or as one batch message."""
+    ``errors`` left out; observations are serialized, per row or as one batch message (a
+    loop built with ``objects``: per row, as the env returned them)."""
 
     rows: list[int] = field(default_factory=list)
-    observations: list[bytes] = field(default_factory=list)
+    observations: list[Any] = field(default_factory=list)
     batch_observation: bytes | None = None
     rewards: list[float] = field(default_factory=list)
     #: Rows whose env gave no reward (None): their reward above is 0.
@@ -68,7 +69,7 @@ class BatchOutcome:
     #: Env index -> the id of the episode a loop autoreset (a native batch's: the caller's).
     new_episode_ids: dict[int, str] = field(default_factory=dict)
     #: SAME_STEP: the ended episodes' last observations, one per autoreset row.
-    final_observations: list[bytes] = field(default_factory=list)
+    final_observations: list[Any] = field(default_factory=list)
     batch_final_observation: bytes | None = None
     #: SAME_STEP: env index -> the ended episode's last info.
     final_infos: dict[int, Any] = field(default_factory=dict)
@@ -116,10 +117,14 @@ class VectorBatch:
 
 
 class _Instances(VectorBatch):
-    """N plain instances of one env class."""
+    """N plain instances of one env class. ``objects``: observations stay the objects the
+    envs returned, of any type (for a wire that reads them in process), not serialized."""
 
-    def __init__(self, spec: EnvSpec, size: int, autoreset: AutoresetMode) -> None:
+    def __init__(
+        self, spec: EnvSpec, size: int, autoreset: AutoresetMode, objects: bool = False
+    ) -> None:
         super().__init__(size, autoreset)
+        self._objects = objects
         envs: list[Any] = []
         try:
             for _ in range(size):
@@ -148,7 +153,7 @@ class _Instances(VectorBatch):
             raise BadTransition(
                 f"environment returned a {type(transition).__qualname__}, not a Transition"
             )
-        if not isinstance(transition.observation, self._observation):
+        if not self._objects and not isinstance(transition.observation, self._observation):
             raise BadTransition(
                 wrong_type("observation", transition.observation, self._observation)
             )
@@ -159,7 +164,8 @@ class _Instances(VectorBatch):
     ) -> None:
         """One row from a checked transition (``new_episode``: the id of an autoreset's)."""
         out.rows.append(index)
-        out.observations.append(transition.observation.SerializeToString())
+        observation = transition.observation
+        out.observations.append(observation if self._objects else observation.SerializeToString())
         out.rewards.append(_reward(out, index, transition.reward))
         out.terminated.append(transition.terminated)
         out.truncated.append(transition.truncated)
@@ -189,7 +195,8 @@ class _Instances(VectorBatch):
         out.rewards[-1] = _reward(out, index, ended.reward)
         out.terminated[-1] = ended.terminated
         out.truncated[-1] = ended.truncated
-        out.final_observations.append(ended.observation.SerializeToString())
+        final = ended.observation
+        out.final_observations.append(final if self._objects else final.SerializeToString())
         if ended.info:
             out.final_infos[index] = ended.info
 
@@ -249,7 +256,7 @@ class LoopBatch(_Instances):
         rewards, terminated, truncated = (
             out.rewards.append, out.terminated.append, out.truncated.append,
         )  # fmt: skip
-        observation_class = self._observation
+        observation_class, objects = self._observation, self._objects
         for index, action in zip(indices, actions, strict=True):
             env = envs[index]
             try:
@@ -275,7 +282,8 @@ class LoopBatch(_Instances):
                 out.errors[index] = row_error(exc, "step")
                 continue
             rows(index)
-            observations(transition.observation.SerializeToString())
+            observation = transition.observation
+            observations(observation if objects else observation.SerializeToString())
             reward = transition.reward
             if reward is None:
                 reward = _reward(out, index, reward)
@@ -498,10 +506,10 @@ def natively_batched(env_class: type[Any]) -> bool:
 
 
 def build_batch(
-    spec: EnvSpec, size: int, autoreset: AutoresetMode, native: bool = True
+    spec: EnvSpec, size: int, autoreset: AutoresetMode, native: bool = True, objects: bool = False
 ) -> VectorBatch:
     """The env's native batch when ``native`` and its ``make_batch`` returns one, else a
-    loop over ``size`` instances from the factory.
+    loop over ``size`` instances from the factory (``objects``: see ``_Instances``).
 
     Raises:
         InvalidAction: ``make_batch`` refused (the open is refused with INVALID_ARGUMENT).
@@ -509,10 +517,10 @@ def build_batch(
     """
     env_class = spec.env_class
     if not issubclass(env_class, Environment):
-        return AsyncLoopBatch(spec, size, autoreset)
+        return AsyncLoopBatch(spec, size, autoreset, objects)
     made = env_class.make_batch(size, autoreset) if native and natively_batched(env_class) else None
     if made is None:
-        return LoopBatch(spec, size, autoreset)
+        return LoopBatch(spec, size, autoreset, objects)
     if not isinstance(made, BatchEnvironment):
         raise TypeError(
             f"{env_class.__qualname__}.make_batch returned "
@@ -528,12 +536,13 @@ def batch_spec(
     placement: CallPlacement | None = None,
     *,
     native: bool = True,
+    objects: bool = False,
 ) -> EnvSpec:
     """``spec`` whose factory builds one stream's batch, in the env's execution mode, so a
     runner runs each batch call as a whole where one env call would run; ``placement``
     measures the batch calls (None: they go to the pool)."""
     batch_class: Any = VectorBatch
-    factory: Any = functools.partial(build_batch, spec, size, autoreset, native)
+    factory: Any = functools.partial(build_batch, spec, size, autoreset, native, objects)
     return dataclasses.replace(spec, factory=factory, env_class=batch_class, placement=placement)
 
 

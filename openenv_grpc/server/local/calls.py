@@ -422,14 +422,16 @@ async def local_calls(
     call_timeout: float | None = None,
     placement: CallPlacement | None = None,
     native: bool = True,
+    objects: bool = False,
     lifecycle: Executor | None = None,
     release: Callable[[int], None] = _nothing,
     reserve: Callable[[int], None] = _nothing,
 ) -> LocalBatchCalls:
     """The ``size`` envs of one stream built here as one batch (``native``: the env's own
-    if it has one). ``release(size)`` is called once it is closed or failed; a replacement
-    first calls ``reserve(size)`` (which may raise NoSlot)."""
-    batched = batch_spec(spec, size, autoreset, placement, native=native)
+    if it has one; ``objects``: observations not serialized). ``release(size)`` is called
+    once it is closed or failed; a replacement first calls ``reserve(size)`` (which may
+    raise NoSlot)."""
+    batched = batch_spec(spec, size, autoreset, placement, native=native, objects=objects)
 
     def freed() -> None:
         release(size)

@@ -67,8 +67,9 @@ class Answer(NamedTuple):
 class SessionBackend(Protocol):
     """One session's env, wherever it runs."""
 
-    async def handle(self, raw: bytes) -> Answer:
-        """Raises UndecodableRequest (``raw`` does not parse), SessionLostError (env gone)."""
+    async def handle(self, raw: Any) -> Answer:
+        """Answer request ``raw`` (what the wire read: a gRPC stream's bytes). Raises
+        UndecodableRequest (``raw`` does not parse), SessionLostError (env gone)."""
         ...
 
     async def close(self) -> None:

@@ -14,12 +14,11 @@ import enum
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Executor
 from typing import Any, Protocol
 
 import grpc
-from google.protobuf.message import DecodeError, Message
 
 from openenv_grpc.environment import AutoresetMode, InvalidAction
 from openenv_grpc.metadata import ADMITTED_KEY, RETRY_PUSHBACK_KEY, SESSION_ID_KEY
@@ -41,8 +40,6 @@ from openenv_grpc.server.stream.backend import (
     Outcome,
     SessionBackend,
     UndecodableRequest,
-    exhausted,
-    parse_request,
 )
 from openenv_grpc.server.stream.wire import Wire
 from openenv_grpc.v1 import session_pb2 as pb
@@ -87,7 +84,7 @@ class Held:
     the reaper and the drain reach it by."""
 
     __slots__ = (
-        "backend", "context", "deferred", "end_reason", "heard", "holding", "noticed",
+        "backend", "context", "deferred", "end_reason", "holding", "noticed",
         "owns_slot", "ready", "reason", "released", "side_write", "slots", "started", "task",
         "unread_since", "waiting_since", "writing",
     )  # fmt: skip
@@ -104,7 +101,6 @@ class Held:
         self.owns_slot = True
         #: Loop time when the session began waiting for its client; None while it works.
         self.waiting_since: float | None = None
-        self.heard: Callable[[], float] | None = getattr(context, "heard", None)
         self.end_reason: _EndReason | None = None
         self.ready = False  # headers are sent: a notice may be written from now on
         #: Writes never overlap: a notice sent during the loop's write waits in
@@ -138,22 +134,26 @@ class Held:
 
 class StreamOpening(Protocol):
     """What one kind of stream brings to :meth:`SessionManager.run`: the slots (envs) it
-    takes, the requests it may have in flight (0: one at a time), its message types, its
-    backend (``open`` sets ``held.owns_slot`` to False when it hands the slots to what
-    frees them itself), and initial metadata beyond the admitted and session-id keys."""
+    takes, the requests it may have in flight (0: one at a time), its backend (``open``
+    sets ``held.owns_slot`` to False when it hands the slots to what frees them itself),
+    initial metadata beyond the admitted and session-id keys, and its wire's words for a
+    request and for an in-band RESOURCE_EXHAUSTED."""
 
     slots: int
     in_flight: int
 
-    @property
-    def request_class(self) -> type[Message]: ...
-
-    @property
-    def response_class(self) -> type[Message]: ...
-
     async def open(self, held: Held) -> SessionBackend: ...
 
     def headers(self) -> tuple[tuple[str, str], ...]: ...
+
+    def command_of(self, raw: Any, strict: bool = False) -> tuple[int, str]:
+        """Request ``raw``'s id and its command's name. Raises UndecodableRequest when
+        ``strict`` and ``raw`` does not parse (else an id of 0, command "request")."""
+        ...
+
+    def exhausted(self, request_id: int, message: str) -> bytes:
+        """The answer to request ``request_id`` refusing it in-band (RESOURCE_EXHAUSTED)."""
+        ...
 
 
 class SessionManager:
@@ -210,13 +210,14 @@ class SessionManager:
         words: Words,
         *,
         native: bool = True,
+        objects: bool = False,
     ) -> LocalBatchCalls:
         """The envs of one admitted stream, built in this process; their runner frees the
         ``size`` slots when they are closed (or could not be made)."""
         limiter = self.limiter
         return await local_calls(
             self.spec, size, autoreset, self._pool, words=words,
-            call_timeout=self._call_timeout, placement=placement, native=native,
+            call_timeout=self._call_timeout, placement=placement, native=native, objects=objects,
             lifecycle=self._lifecycle, release=limiter.release,
             reserve=limiter.acquire_for_replacement,
         )  # fmt: skip
@@ -354,7 +355,7 @@ class SessionManager:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(budget.take(held), _BUDGET_WAIT)
                 return response, held
-        request_id, command = _command(raw, opening)
+        request_id, command = opening.command_of(raw)
         return self._exhausted(
             opening,
             request_id,
@@ -367,7 +368,7 @@ class SessionManager:
 
     def too_large(self, raw: bytes, size: int, opening: StreamOpening) -> bytes:
         """The in-band error that replaces a response over the message limit."""
-        request_id, command = _command(raw, opening)
+        request_id, command = opening.command_of(raw)
         hint = "" if opening.slots == 1 else " (name fewer envs per request, by indices)"
         return self._exhausted(
             opening,
@@ -382,7 +383,7 @@ class SessionManager:
         in flight. Raises UndecodableRequest: ``raw`` does not parse."""
         return self._exhausted(
             opening,
-            parse_request(raw, opening.request_class).request_id,  # type: ignore[attr-defined]
+            opening.command_of(raw, strict=True)[0],
             f"{in_flight} requests already in flight on this stream, the most this server "
             f"allows (--max-vector-in-flight, MAX_VECTOR_IN_FLIGHT = {opening.in_flight}): "
             "wait for an answer before sending more; nothing was done, the stream goes on",
@@ -391,9 +392,7 @@ class SessionManager:
     def _exhausted(self, opening: StreamOpening, request_id: int, message: str) -> bytes:
         """An in-band RESOURCE_EXHAUSTED answer to ``request_id``, counted in the metrics."""
         self._metrics.request_error(grpc.StatusCode.RESOURCE_EXHAUSTED.name)
-        response = opening.response_class()
-        response.request_id = request_id  # type: ignore[attr-defined]
-        return exhausted(response, message)
+        return opening.exhausted(request_id, message)
 
     async def _refuse(self, context: Wire, admission: Admission, asked: int) -> None:
         if admission is Admission.DRAINING:
@@ -485,8 +484,8 @@ class SessionManager:
             await asyncio.sleep(interval)
             cutoff = loop.time() - timeout
             for held in list(self._live):
-                since, heard = held.waiting_since, held.heard
-                if since is not None and since < cutoff and (heard is None or heard() < cutoff):
+                since = held.waiting_since
+                if since is not None and since < cutoff:
                     held.end(_EndReason.IDLE)
 
     async def drain(self, grace: float) -> int:
@@ -768,16 +767,6 @@ def _open_failed(exc: Exception) -> tuple[grpc.StatusCode, str]:
     # A worker process reports the factory's exception as text already.
     detail = str(exc) if isinstance(exc, EnvFactoryError) else describe(exc)
     return grpc.StatusCode.INTERNAL, f"could not create the environment: {detail}"
-
-
-def _command(raw: bytes, opening: StreamOpening) -> tuple[int, str]:
-    """The id of request ``raw`` (parsed once already) and its command's name."""
-    request: Any
-    try:
-        request = opening.request_class.FromString(raw)
-    except DecodeError:  # kept total for safety
-        request = opening.request_class()
-    return request.request_id, request.WhichOneof("command") or "request"
 
 
 async def _write_quietly(context: Wire, message: bytes) -> None:

@@ -51,7 +51,7 @@ class SessionView:
 
     __slots__ = (
         "_action_class", "_driver", "_info_json", "_obs_url", "_options_class", "_replacing",
-        "_state_url",
+        "_state_url", "objects",
     )  # fmt: skip
 
     def __init__(
@@ -61,8 +61,13 @@ class SessionView:
         snapshots: SnapshotSeal | None = None,
         info_json: bool = False,
         replacing: Callable[[], Awaitable[None] | None] | None = None,
+        *,
+        objects: bool = False,
     ) -> None:
         self._info_json = info_json  # the client reads info as JSON text
+        #: Observations are the env's objects, not serialized (only :meth:`step` and
+        #: :meth:`reset` read them then; their caller serializes).
+        self.objects = objects
         # The session checks the serialized answer against the message limit itself.
         self._driver = Driver(spec, 1, AutoresetMode.DISABLED, calls, SESSION_WORDS, snapshots)
         #: The wait for an env replacing a hung one (``--isolated``), for the next request.
@@ -84,7 +89,7 @@ class SessionView:
         command = request.WhichOneof("command")
         entry = _COMMANDS[command]
         try:
-            if self._replacing is not None and (waiting := self._replacing()) is not None:
+            if (waiting := self.replacing()) is not None:
                 await waiting
             seconds = await entry.run(self, request, response)
         except RequestError as err:
@@ -97,21 +102,26 @@ class SessionView:
     async def close(self) -> None:
         await self._driver.close()
 
-    # -- commands -------------------------------------------------------------------------
+    # -- the commands a wire without envelopes calls (the OpenEnv door) --------------------
+    # Each raises RequestError or BatchRefused (the caller books it: ``driver.refused``).
 
-    async def _step(self, request: pb.SessionRequest, response: pb.SessionResponse) -> float:
-        command = request.step
+    def replacing(self) -> Awaitable[None] | None:
+        """What to await before the next request: an env replacing a hung one
+        (``--isolated``); None when there is none."""
+        return None if self._replacing is None else self._replacing()
+
+    async def step(self, action: Any) -> tuple[BatchOutcome, float]:
+        """Step the env: its row 0, and the env call's seconds."""
         driver = self._driver
         why = driver.cannot_step(0)
         if why is not None:
             raise RequestError(_FAILED_PRECONDITION, why)
-        action = _decode(command.action, self._action_class, "action")
         outcome, _, seconds = await driver.step(StepArgs(_ROW, (action,), False))
-        self._fill(outcome, response.result)
-        return seconds
+        _raise(outcome.errors)
+        return outcome, seconds
 
-    async def _reset(self, request: pb.SessionRequest, response: pb.SessionResponse) -> float:
-        command = request.reset
+    async def reset(self, command: pb.ResetCommand) -> BatchOutcome:
+        """Reset the env as ``command`` says: its row 0."""
         problem = reset_problem(command)
         if problem is not None:
             raise RequestError(_INVALID_ARGUMENT, f"{problem} (the episode is unchanged)")
@@ -121,15 +131,34 @@ class SessionView:
         episode_id = command.episode_id if command.HasField("episode_id") else new_episode_id()
         seed = command.seed if command.HasField("seed") else None
         args = ResetArgs(_ROW, (seed,), (episode_id,), (options,), False)
-        self._fill(await self._driver.reset(args), response.result)
+        outcome = await self._driver.reset(args)
+        _raise(outcome.errors)
+        return outcome
+
+    async def state(self) -> bytes:
+        """The env's state message, serialized."""
+        states, _ = await self._driver.query("state", _ROW)
+        _raise(states.errors)
+        return states.states[0]
+
+    # -- commands -------------------------------------------------------------------------
+
+    async def _step(self, request: pb.SessionRequest, response: pb.SessionResponse) -> float:
+        action = _decode(request.step.action, self._action_class, "action")
+        outcome, seconds = await self.step(action)
+        self._fill(outcome, response.result)
+        return seconds
+
+    async def _reset(self, request: pb.SessionRequest, response: pb.SessionResponse) -> float:
+        self._fill(await self.reset(request.reset), response.result)
         return 0.0
 
     async def _state(self, request: pb.SessionRequest, response: pb.SessionResponse) -> float:
         result = response.state
-        states, _ = await self._driver.query("state", _ROW)
-        self._books(states.errors, result)
+        state = await self.state()
+        self._books({}, result)
         result.state.type_url = self._state_url
-        result.state.value = states.states[0]
+        result.state.value = state
         return 0.0
 
     async def _snapshot(self, request: pb.SessionRequest, response: pb.SessionResponse) -> float:
@@ -187,9 +216,7 @@ class SessionView:
     def _books(self, errors: dict[int, RowError], result: _Result) -> None:
         """Raise row 0's error, if it has one, as the request's; else put its books (episode
         id and step count) in ``result``."""
-        if errors:
-            error = errors[0]
-            raise RequestError(error.code, error.message, error.exception_type)
+        _raise(errors)
         driver = self._driver
         result.episode_id = driver.episode_ids[0]
         result.step_count = driver.step_counts[0]
@@ -209,6 +236,13 @@ _COMMANDS = command_table(
     },
     empty=_Command(SessionView._empty),
 )
+
+
+def _raise(errors: dict[int, RowError]) -> None:
+    """Raise row 0's error, if it has one, as the request's."""
+    if errors:
+        error = errors[0]
+        raise RequestError(error.code, error.message, error.exception_type)
 
 
 def _decode(payload: Any, message_class: type[Message], what: str) -> Message:

@@ -12,16 +12,13 @@ __all__ = ["Wire"]
 
 
 class Wire(Protocol):
-    """One stream as the session core sees it: request bytes in, answer bytes out, a
-    status at the end. A wire authenticates its caller before the core sees the stream.
-
-    A wire that answers some messages itself may also have ``heard() -> float``: the loop
-    time its client last did something the core cannot see (``math.inf`` while such work
-    goes on); the idle reaper then needs both clocks past the timeout.
+    """One stream as the session core sees it: requests in, answer bytes out, a status at
+    the end. A wire authenticates its caller before the core sees the stream.
     """
 
     async def read(self) -> Any:
-        """The next request's bytes, or ``grpc.aio.EOF`` once the client is done."""
+        """The next request (gRPC's bytes; what the stream's backend reads), or
+        ``grpc.aio.EOF`` once the client is done."""
         ...
 
     async def write(self, message: bytes) -> None:
