@@ -238,6 +238,7 @@ def test_ws_session_equal(pair: dict[str, tuple[str, str]]) -> None:
         {"type": "step", "data": {"message": 5}},
         {"type": "step", "data": {"message": "hi", "extra": 1}},  # a field the model forbids
         {"type": "step", "data": {"type": "list_tools"}},  # an MCP action, as OpenEnv reads it
+        {"type": "step", "data": []},  # no object: OpenEnv's WSStepMessage refuses it
         {"type": "nonsense"},
         "{not json",
         {"type": "step", "data": {"message": "after the errors"}},

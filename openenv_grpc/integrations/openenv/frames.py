@@ -113,9 +113,16 @@ class FrameAnswers:
     # -- /ws frames ---------------------------------------------------------------------
 
     def frame(
-        self, session: SessionView, kind: str, data: Any, own_id: str, token: str | None
+        self,
+        session: SessionView,
+        kind: str,
+        data: Any,
+        own_id: str,
+        token: str | None,
+        size: int = 0,
     ) -> Program[str]:
-        """The frame answering one ``/ws`` request; never raises for what the client sent."""
+        """The frame answering one ``/ws`` request of ``size`` bytes; never raises for what
+        the client sent."""
         try:
             if kind == "mcp":
                 return (yield from self._mcp_frame(session, data, own_id, token))
@@ -128,7 +135,7 @@ class FrameAnswers:
                     try:
                         action = self._native.action(data)
                     except ValidationError as exc:
-                        return str(self._native.invalid(exc))
+                        return str(self._native.invalid(exc, size))
                 else:
                     action = from_json(data, self._action, "action")
                 if not session.episode_id:  # OpenEnv steps a fresh env; ours needs a reset

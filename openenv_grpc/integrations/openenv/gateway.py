@@ -659,14 +659,14 @@ class OpenEnvGateway:
         raw = await self._receive(websocket, timed=held is not None)
         if held is not None and held.closed:  # closed meanwhile: so is the socket
             return None
-        frame = parse_frame(raw)
+        frame, size = parse_frame(raw), len(raw or "")
         del raw
         if isinstance(frame, str):
             return frame
         kind, data = frame
         if kind == "close":
             return None
-        program = self.answers.frame(session, kind, data, own_id, token)
+        program = self.answers.frame(session, kind, data, own_id, token, size)
         if held is None:
             answer: str = await session.run(program)
             return answer

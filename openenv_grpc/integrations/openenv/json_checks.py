@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -49,13 +50,25 @@ WARNINGS_KEY = "bridge_warnings"
 _STRICT = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
 
+#: Seconds between two log lines of replaced values: what a client sends may come back
+#: in every answer (an echo), so the log says it once a period, with a count.
+LOG_PERIOD = 10.0
+_logged = {"at": -LOG_PERIOD, "since": 0}
+
+
 class Warnings(list[str]):
     """What one answer replaced, each naming the field (``observation.data[2]: ...``)."""
 
     def add(self, where: str, problem: str) -> None:
         message = f"{short_path(where)}: {problem}; sent as null"
         self.append(message)
-        log.warning("openenv bridge: %s", message)
+        now = time.monotonic()
+        if now - _logged["at"] < LOG_PERIOD:
+            _logged["since"] += 1
+            return
+        more = _logged["since"]
+        _logged["at"], _logged["since"] = now, 0
+        log.warning("openenv bridge: %s%s", message, f" (and {more} more since)" if more else "")
 
 
 def short_path(where: str) -> str:

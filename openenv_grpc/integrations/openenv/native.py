@@ -19,13 +19,28 @@ import json
 from typing import Any
 
 from openenv.core.env_server.serialization import deserialize_action, serialize_observation
-from openenv.core.env_server.types import WSErrorCode, WSErrorResponse, WSObservationResponse
+from openenv.core.env_server.types import (
+    WSErrorCode,
+    WSErrorResponse,
+    WSObservationResponse,
+    WSStepMessage,
+)
 from pydantic import BaseModel, ValidationError
 
-from openenv_grpc.integrations.openenv.json_checks import Warnings, safe_jsonable
+from openenv_grpc.integrations.openenv.json_checks import WARNINGS_KEY, Warnings, safe_jsonable
 from openenv_grpc.integrations.openenv.published import action_model
 
-__all__ = ["NativeLane", "native_lane"]
+__all__ = ["MAX_ECHOED_BYTES", "MAX_ERRORS", "NativeLane", "native_lane"]
+
+
+#: Validation errors listed in a refusal, at most (a frame of 600,000 unknown fields has
+#: as many: listing each would build an answer 14 times the frame's size).
+MAX_ERRORS = 16
+#: Errors past which none is listed at all (listing them costs ~5 µs each on the loop).
+_MANY_ERRORS = 1000
+#: A refusal lists what each error refused (its ``input``, as OpenEnv does) while the
+#: frame times the errors stays under this; else the inputs are left out.
+MAX_ECHOED_BYTES = 64 * 1024
 
 
 class NativeLane:
@@ -36,36 +51,77 @@ class NativeLane:
         self._action = action
 
     def action(self, data: Any) -> BaseModel:
-        """The env's action for a step frame's data.
+        """The env's action for a step frame's data, as OpenEnv's server makes it (the
+        frame's ``data`` must be an object, then the model validates it).
 
         Raises:
-            ValidationError: the model refuses it (answer :meth:`invalid`).
+            ValidationError: the frame or the model refuses it (answer :meth:`invalid`).
         """
+        if not isinstance(data, dict):
+            WSStepMessage.model_validate({"type": "step", "data": data})  # raises
         action: BaseModel = deserialize_action(data, self._action)
         return action
 
     @staticmethod
     def frame(observation: BaseModel) -> str:
-        """The observation frame OpenEnv writes for ``observation``; what pydantic cannot
-        write (a lone surrogate, an odd object) is written as ``null``."""
-        data = serialize_observation(observation)
+        """The observation frame OpenEnv writes for ``observation``. The env has moved:
+        what pydantic cannot write (a lone surrogate, a serializer that raises) is
+        written field by field, as null where JSON cannot hold it (named in the
+        metadata's ``bridge_warnings``), never an error."""
         try:
-            text: str = WSObservationResponse(data=data).model_dump_json()
+            text: str = WSObservationResponse(
+                data=serialize_observation(observation)
+            ).model_dump_json()
             return text
-        except Exception:  # the env has moved: answer what can be written
-            clean = safe_jsonable(data, "observation", Warnings())
-            return json.dumps({"type": "observation", "data": clean})
+        except Exception:
+            return json.dumps({"type": "observation", "data": _written(observation)})
 
     @staticmethod
-    def invalid(exc: ValidationError) -> str:
-        """OpenEnv's answer to an action its model refused."""
-        data = {"message": "Invalid message", "code": WSErrorCode.VALIDATION_ERROR}
+    def invalid(exc: ValidationError, frame_bytes: int) -> str:
+        """OpenEnv's answer to an action refused by ``frame_bytes`` of frame: its
+        ``VALIDATION_ERROR`` with pydantic's errors, bounded (:data:`MAX_ERRORS`,
+        :data:`MAX_ECHOED_BYTES`)."""
+        count = exc.error_count()
+        data: dict[str, Any] = {"message": "Invalid message", "code": WSErrorCode.VALIDATION_ERROR}
+        if count > _MANY_ERRORS:
+            data["errors"] = [{"type": "too_many_errors", "loc": [], "msg": (
+                f"{count} validation errors for {exc.title}: none listed")}]  # fmt: skip
+        else:
+            echoed = count * frame_bytes <= MAX_ECHOED_BYTES
+            data["errors"] = exc.errors(include_input=echoed)[:MAX_ERRORS]
+            if count > MAX_ERRORS:
+                data["errors"].append({"type": "too_many_errors", "loc": [], "msg": (
+                    f"{count} validation errors for {exc.title}: the first "
+                    f"{MAX_ERRORS} listed")})  # fmt: skip
         try:
-            text: str = WSErrorResponse(data={**data, "errors": exc.errors()}).model_dump_json()
+            text: str = WSErrorResponse(data=data).model_dump_json()
         except Exception:  # an error's context pydantic cannot write
             errors = exc.errors(include_url=False, include_context=False, include_input=False)
-            text = WSErrorResponse(data={**data, "errors": errors}).model_dump_json()
+            text = WSErrorResponse(data={**data, "errors": errors[:MAX_ERRORS]}).model_dump_json()
         return text
+
+
+def _written(observation: BaseModel) -> dict[str, Any]:
+    """``serialize_observation``'s answer, field by field (no serializer of the model's
+    runs), what JSON cannot hold as null."""
+    warnings = Warnings()
+    fields = {
+        name: getattr(observation, name)
+        for name in type(observation).model_fields
+        if name not in ("reward", "done")
+    }
+    written = safe_jsonable(fields, "observation", warnings)
+    data = {
+        "observation": written,
+        "reward": safe_jsonable(getattr(observation, "reward", None), "reward", warnings),
+        "done": bool(getattr(observation, "done", False)),
+    }
+    metadata = dict(written.get("metadata") or {})
+    if warnings:
+        metadata[WARNINGS_KEY] = list(dict.fromkeys(warnings))
+    if metadata:
+        data["metadata"] = metadata
+    return data
 
 
 def native_lane(env_name: str) -> NativeLane | None:

@@ -409,7 +409,7 @@ class SocketWire(_DoorWire):
             self._ended = True
             return _CLOSE
         self._in_flight = True
-        program = self._answers.frame(self, kind, data, self._own_id, self._token)
+        program = self._answers.frame(self, kind, data, self._own_id, self._token, len(raw))
         return DoorRequest(str(kind), program, _encoded, _reraise)
 
     async def write(self, message: bytes) -> None:
