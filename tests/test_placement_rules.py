@@ -256,3 +256,58 @@ def test_a_batch_that_computes_in_threads_gets_groups_judged_by_process_cpu() ->
         return placement.group("pool", "step").by_process
 
     assert asyncio.run(main())
+
+
+def test_a_cheap_call_on_the_loop_reads_no_thread_clock(group, monkeypatch) -> None:
+    """The thread's CPU time and switches are system calls (~2.4 µs a call): a cheap call
+    on the loop is timed by the wall clock alone."""
+    from openenv_grpc.server.model import placement
+
+    reads = []
+    monkeypatch.setattr(placement, "thread_time", lambda: reads.append("cpu") or 0.0)
+    monkeypatch.setattr(placement, "switches", lambda: reads.append("switches") or 0)
+    promoted(group)
+    for _ in range(100):
+        assert group.call_inline(lambda: 7) == 7
+    assert reads == []
+
+
+def test_after_a_slow_call_the_next_ones_are_judged_by_what_they_cost(group, monkeypatch) -> None:
+    """A slow call that was not measured counts as the env's own (a first strike); the
+    :data:`STRIKE_WINDOW` calls after it are measured: a preempted one is excused, one of
+    the env's own is the second strike."""
+    from openenv_grpc.server.model import placement
+
+    promoted(group)
+
+    def wait() -> None:
+        time.sleep(SLOW * 2)
+
+    measured = []
+    real_own_cost = placement.own_cost
+
+    def preempted(cpu: float, switched: int, limit: float) -> tuple[float, bool]:
+        measured.append(cpu)
+        return CHEAP, False  # as if the OS had run another process meanwhile
+
+    group.call_inline(wait)  # unmeasured: a strike, tolerated
+    assert group.inline and measured == []
+    monkeypatch.setattr(placement, "own_cost", preempted)
+    for _ in range(5):
+        group.call_inline(wait)  # measured, and not the env's own: excused
+    assert group.inline and len(measured) == 5
+    monkeypatch.setattr(placement, "own_cost", real_own_cost)
+    group.call_inline(wait)  # measured: it blocked, its own: the second strike
+    assert not group.inline
+
+
+def test_measuring_stops_a_window_of_cheap_calls_after_a_slow_one(group, monkeypatch) -> None:
+    from openenv_grpc.server.model import placement
+
+    promoted(group)
+    group.call_inline(lambda: time.sleep(SLOW * 2))
+    reads = []
+    monkeypatch.setattr(placement, "thread_time", lambda: reads.append(1) or 0.0)
+    for _ in range(STRIKE_WINDOW + 10):
+        group.call_inline(lambda: None)
+    assert len(reads) == STRIKE_WINDOW  # each call of the window, then none
