@@ -336,6 +336,14 @@ def test_step_before_reset_is_failed_precondition(server, channel) -> None:
         assert error.code == FAILED_PRECONDITION
         assert error.message == "step before reset: call reset first"
         neighbour.check()
+    # Said before the action is read: an action of the wrong type gets the same answer.
+    wrong = pb.SessionRequest(request_id=40)
+    wrong.step.action.CopyFrom(packed(EchoState(total_length=3)))
+    error = session.error(wrong)
+    assert (error.code, error.message) == (
+        FAILED_PRECONDITION,
+        "step before reset: call reset first",
+    )
     # state() is fine before a reset: empty episode id, no steps.
     response = session.send(pb.SessionRequest(request_id=43, state=pb.StateCommand()))
     assert response.request_id == 43 and response.WhichOneof("outcome") == "state"

@@ -165,6 +165,7 @@ class _GrpcOpening:
 
     request_class: type[Message]
     response_class: type[Message]
+    notices = True
 
     def command_of(self, raw: Any, strict: bool = False) -> tuple[int, str]:
         if strict:

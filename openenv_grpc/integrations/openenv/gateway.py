@@ -179,8 +179,9 @@ class OpenEnvGateway:
                  classes.get("reset_options"))  # fmt: skip
         lane = _native_lane(info.env_name)
         self._sessions = DoorSessions(
-            run_stream, open_view, SessionTypes(*roles), native=lane is not None
-        )
+            run_stream, open_view, SessionTypes(*roles), native=lane is not None,
+            max_response=self.limits.response_bytes,
+        )  # fmt: skip
         #: Sessions made by ``openenv/session/create`` over HTTP /mcp, by a random id of
         #: their own: MCP calls and a WebSocket opened with ``?session_id=`` share them
         #: until ``openenv/session/close`` or the idle timeout (MCPToolClient's

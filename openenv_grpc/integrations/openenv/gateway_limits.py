@@ -78,6 +78,8 @@ class GatewayLimits:
         idle_timeout: Seconds a WebSocket or a held ``/mcp`` session may stay silent
             (``--idle-timeout``; 0: forever).
         grace: Seconds WebSockets get once the server drains (``--grace``).
+        response_bytes: Largest answer to one call of a session (``--max-message-bytes``,
+            as for a gRPC answer).
         max_connections: Connections held at once; more are closed as they are accepted.
         budget: The server's byte budget (``--max-held-bytes``): what the door holds of
             clients' bytes (bodies and messages arriving, answers a client has not
@@ -88,6 +90,7 @@ class GatewayLimits:
     arrival_timeout: float = 10.0
     idle_timeout: float = 600.0
     grace: float = 25.0
+    response_bytes: int = DEFAULT_REQUEST_BYTES
     max_connections: int = dataclasses.field(default_factory=default_max_connections)
     budget: ByteBudget | None = None
 
@@ -100,6 +103,7 @@ class GatewayLimits:
             arrival_timeout=config.request_arrival_timeout,
             idle_timeout=config.idle_timeout,
             grace=config.grace_period,
+            response_bytes=config.max_message_bytes,
             budget=budget,
         )
 

@@ -69,6 +69,7 @@ RunStream = Callable[[Wire, StreamOpening], Awaitable[None]]
 #: unserialized where it can): ``EnvServicer.open_session_view``.
 OpenView = Callable[[Held, bool], Awaitable[SessionView]]
 _EOF: Any = grpc.aio.EOF
+_RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 #: A socket's client went.
 _GONE: Any = object()
 
@@ -129,6 +130,7 @@ class DoorOpening:
 
     slots = 1
     in_flight = 0
+    notices = False  # a socket learns of a drain by its close frame
 
     def __init__(self, sessions: DoorSessions, wire: SocketWire | ProgramStream) -> None:
         self._sessions = sessions
@@ -136,7 +138,8 @@ class DoorOpening:
 
     async def open(self, held: Held) -> SessionBackend:
         sessions = self._sessions
-        door = DoorView(await sessions.open_view(held, sessions.native), sessions.types)
+        view = await sessions.open_view(held, sessions.native)
+        door = DoorView(view, sessions.types, sessions.max_response)
         self._wire.door = door
         return door
 
@@ -159,15 +162,22 @@ class DoorSessions:
         types: The env's message classes (what results decode into).
         native: The env takes the native lane (a bridged env): its sessions keep their
             observations unserialized where the env runs in this process.
+        max_response: The largest answer to one call (``--max-message-bytes``).
     """
 
     def __init__(
-        self, run_stream: RunStream, open_view: OpenView, types: SessionTypes, native: bool
+        self,
+        run_stream: RunStream,
+        open_view: OpenView,
+        types: SessionTypes,
+        native: bool,
+        max_response: int,
     ) -> None:
         self._run_stream = run_stream
         self.open_view = open_view
         self.types = types
         self.native = native
+        self.max_response = max_response
 
     def run(self, wire: SocketWire | ProgramStream) -> Awaitable[None]:
         """Run ``wire``'s stream to its end (raises ``grpc.aio.AbortError`` when the core
@@ -185,10 +195,11 @@ class DoorView:
     close) is awaited inside the request, so the session is not idle meanwhile.
     """
 
-    __slots__ = ("_observation", "_options", "_state", "_view")
+    __slots__ = ("_max", "_observation", "_options", "_state", "_view")
 
-    def __init__(self, view: SessionView, types: SessionTypes) -> None:
+    def __init__(self, view: SessionView, types: SessionTypes, max_response: int) -> None:
         assert types.observation is not None and types.state is not None
+        self._max = max_response
         self._view = view
         self._observation = types.observation
         self._state = types.state
@@ -222,6 +233,15 @@ class DoorView:
             except (RequestError, BatchRefused) as err:
                 log.debug("a door session's close failed: %s", err.message)
             return Answer(b"", Outcome.CLOSED, ends=True)
+        try:
+            return await self._run(raw, program)
+        except BaseException:  # the stream ends under the program (lost, cancelled)
+            program.close()
+            raise
+
+    async def _run(self, raw: DoorRequest, program: Program[Any]) -> Answer:
+        view = self._view
+        driver = view.driver
         value: Any = None
         error: BaseException | None = None
         steps, seconds, failed, saturated = 0, 0.0, "", False
@@ -249,13 +269,15 @@ class DoorView:
                     await waiting
                 if kind == "step":
                     outcome, took = await view.step(call[1])
-                    value = self._outcome(outcome)
                     steps += 1
                     seconds += took
+                    value = self._outcome(outcome, "step")
                 elif command is not None:
-                    value = self._outcome(await view.reset(command))
+                    value = self._outcome(await view.reset(command), "reset")
                 else:
-                    value = self._state.FromString(await view.state())
+                    state = await view.state()
+                    self._fits("state", len(state))
+                    value = self._state.FromString(state)
             except (RequestError, BatchRefused) as err:
                 if isinstance(err, BatchRefused):
                     driver.refused(err, kind)
@@ -275,12 +297,22 @@ class DoorView:
         fill_reset(command, seed, episode_id, options, self._options)
         return command
 
-    def _outcome(self, outcome: BatchOutcome) -> StepOutcome[Any]:
-        """Row 0 of a reset or step as the client library reads it from its answer."""
+    def _fits(self, command: str, size: int) -> None:
+        """Raise the in-band RESOURCE_EXHAUSTED a gRPC answer of ``size`` bytes over the
+        message limit gets (the call took effect)."""
+        if size > self._max:
+            raise RequestError(_RESOURCE_EXHAUSTED, _too_large(command, size, self._max))
+
+    def _outcome(self, outcome: BatchOutcome, command: str) -> StepOutcome[Any]:
+        """Row 0 of a reset or step as the client library reads it from its answer (one
+        over the message limit refused as a gRPC answer would be)."""
         driver = self._view.driver
         observation = outcome.observations[0]
         if type(observation) is bytes:  # else the env's own object (``objects``)
+            self._fits(command, len(observation))
             observation = self._observation.FromString(observation)
+        elif isinstance(observation, Message):
+            self._fits(command, observation.ByteSize())
         return StepOutcome(
             observation=observation,
             reward=outcome.rewards[0],
@@ -295,6 +327,14 @@ class DoorView:
 
 #: Value types a JSON round trip gives back unchanged (a float too, when finite).
 _PLAIN = frozenset({str, int, bool, type(None)})
+
+
+def _too_large(command: str, size: int, limit: int) -> str:
+    return (
+        f"the {command} response is {size} bytes, over the server's message limit of "
+        f"{limit} bytes (--max-message-bytes): the {command} took effect but its result "
+        "cannot be sent; the session goes on"
+    )
 
 
 def _info(info: Any) -> dict[str, Any]:
@@ -452,7 +492,9 @@ class ProgramStream(_DoorWire):
             lost env process): a socket on it closes.
     """
 
-    __slots__ = ("_closing", "_current", "_ended", "_opened", "_queue", "_task", "_wake")
+    __slots__ = (
+        "_closing", "_current", "_ended", "_opened", "_queue", "_sessions", "_task", "_wake",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -471,6 +513,7 @@ class ProgramStream(_DoorWire):
         #: The stream's status once it ended; None while it runs.
         self._ended: StreamEnded | None = None
         self._opened: asyncio.Future[None] = loop.create_future()
+        self._sessions = sessions
         self._task = asyncio.ensure_future(self._serve(sessions, on_end))
 
     async def open(self) -> None:
@@ -493,8 +536,11 @@ class ProgramStream(_DoorWire):
             program.close()
             raise self._ended or StreamEnded(grpc.StatusCode.CANCELLED, "the session closed")
         future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        limit = self._sessions.max_response
 
         def finish(value: Any) -> bytes:
+            if type(value) is str and len(value) > limit:  # a frame (a native lane's)
+                value = error_frame("EXECUTION_ERROR", _too_large("frame", len(value), limit))
             if not future.done():
                 future.set_result(value)
             return b""

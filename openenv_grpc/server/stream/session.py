@@ -102,7 +102,8 @@ class Held:
         #: Loop time when the session began waiting for its client; None while it works.
         self.waiting_since: float | None = None
         self.end_reason: _EndReason | None = None
-        self.ready = False  # headers are sent: a notice may be written from now on
+        #: Headers are sent and the wire takes notices: one may be written from now on.
+        self.ready = False
         #: Writes never overlap: a notice sent during the loop's write waits in
         #: ``deferred`` (the loop sends it next), else goes as ``side_write``, which the
         #: loop's next write awaits first.
@@ -141,6 +142,9 @@ class StreamOpening(Protocol):
 
     slots: int
     in_flight: int
+    #: The wire takes the core's notices (a drain's DRAINING answer); the OpenEnv door's
+    #: wires do not (a socket learns of a drain by its close frame).
+    notices: bool
 
     async def open(self, held: Held) -> SessionBackend: ...
 
@@ -248,7 +252,7 @@ class SessionManager:
                 ((ADMITTED_KEY, self.spec.name), (SESSION_ID_KEY, session_id), *opening.headers())
             )
             log.debug("session opened" if slots == 1 else f"vector session of {slots} opened")
-            held.ready = True
+            held.ready = opening.notices
             if self._drain_deadline is not None:
                 held.notify(self._drain_notice(), self._notices)
             held.reason = await _StreamLoop(self, held, held.backend, opening).run()

@@ -112,13 +112,15 @@ class SessionView:
 
     async def step(self, action: Any) -> tuple[BatchOutcome, float]:
         """Step the env: its row 0, and the env call's seconds."""
-        driver = self._driver
-        why = driver.cannot_step(0)
-        if why is not None:
-            raise RequestError(_FAILED_PRECONDITION, why)
-        outcome, _, seconds = await driver.step(StepArgs(_ROW, (action,), False))
+        self._may_step()
+        outcome, _, seconds = await self._driver.step(StepArgs(_ROW, (action,), False))
         _raise(outcome.errors)
         return outcome, seconds
+
+    def _may_step(self) -> None:
+        why = self._driver.cannot_step(0)
+        if why is not None:
+            raise RequestError(_FAILED_PRECONDITION, why)
 
     async def reset(self, command: pb.ResetCommand) -> BatchOutcome:
         """Reset the env as ``command`` says: its row 0."""
@@ -144,9 +146,10 @@ class SessionView:
     # -- commands -------------------------------------------------------------------------
 
     async def _step(self, request: pb.SessionRequest, response: pb.SessionResponse) -> float:
+        self._may_step()  # before the action is read: a step before a reset says so first
         action = _decode(request.step.action, self._action_class, "action")
-        outcome, seconds = await self.step(action)
-        self._fill(outcome, response.result)
+        outcome, _, seconds = await self._driver.step(StepArgs(_ROW, (action,), False))
+        self._fill(outcome, response.result)  # raises row 0's error
         return seconds
 
     async def _reset(self, request: pb.SessionRequest, response: pb.SessionResponse) -> float:
