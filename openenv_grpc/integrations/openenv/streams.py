@@ -195,35 +195,32 @@ class DoorView:
     close) is awaited inside the request, so the session is not idle meanwhile.
     """
 
-    __slots__ = ("_max", "_observation", "_options", "_state", "_view")
+    __slots__ = ("_driver", "_max", "_observation", "_options", "_state", "_view", "native")
 
     def __init__(self, view: SessionView, types: SessionTypes, max_response: int) -> None:
         assert types.observation is not None and types.state is not None
         self._max = max_response
         self._view = view
+        self._driver = view.driver
         self._observation = types.observation
         self._state = types.state
         self._options = types.reset_options
-
-    @property
-    def native(self) -> bool:
-        """A step may take the native lane: the env runs here, its observations unserialized."""
-        return self._view.objects
+        #: A step may take the native lane: the env runs here, its observations unserialized.
+        self.native = view.objects
 
     @property
     def episode_id(self) -> str:
-        return self._view.driver.episode_ids[0]
+        return self._driver.episode_ids[0]
 
     @property
     def step_count(self) -> int:
-        return self._view.driver.step_counts[0]
+        return self._driver.step_counts[0]
 
     async def close(self) -> None:
         await self._view.close()
 
     async def handle(self, raw: DoorRequest) -> Answer:
-        view = self._view
-        driver = view.driver
+        view, driver = self._view, self._driver
         program = raw.program
         if program is None:  # the close: the stream ends after it, whatever close raised
             try:
@@ -233,57 +230,52 @@ class DoorView:
             except (RequestError, BatchRefused) as err:
                 log.debug("a door session's close failed: %s", err.message)
             return Answer(b"", Outcome.CLOSED, ends=True)
-        try:
-            return await self._run(raw, program)
-        except BaseException:  # the stream ends under the program (lost, cancelled)
-            program.close()
-            raise
-
-    async def _run(self, raw: DoorRequest, program: Program[Any]) -> Answer:
-        view = self._view
-        driver = view.driver
         value: Any = None
         error: BaseException | None = None
         steps, seconds, failed, saturated = 0, 0.0, "", False
-        while True:
-            try:
-                call = program.throw(error) if error is not None else program.send(value)
-            except StopIteration as stop:
-                response = raw.finish(stop.value)
-                break
-            except Exception as exc:
-                response = raw.fail(exc)
-                break
-            value = error = None
-            kind = call[0]
-            try:  # what the program itself should see fail: a side call, bad arguments
-                if kind == "await":
-                    value = await call[1]
+        try:
+            while True:
+                try:
+                    call = program.throw(error) if error is not None else program.send(value)
+                except StopIteration as stop:
+                    response = raw.finish(stop.value)
+                    break
+                except Exception as exc:
+                    response = raw.fail(exc)
+                    break
+                value = error = None
+                kind = call[0]
+                try:  # what the program itself should see fail: a side call, bad arguments
+                    if kind == "await":
+                        value = await call[1]
+                        continue
+                    command = self._reset(*call[1:]) if kind == "reset" else None
+                except Exception as exc:
+                    error = exc
                     continue
-                command = self._reset(*call[1:]) if kind == "reset" else None
-            except Exception as exc:
-                error = exc
-                continue
-            try:  # a SessionLostError goes on up: the stream ends
-                if (waiting := view.replacing()) is not None:
-                    await waiting
-                if kind == "step":
-                    outcome, took = await view.step(call[1])
-                    steps += 1
-                    seconds += took
-                    value = self._outcome(outcome, "step")
-                elif command is not None:
-                    value = self._outcome(await view.reset(command), "reset")
-                else:
-                    state = await view.state()
-                    self._fits("state", len(state))
-                    value = self._state.FromString(state)
-            except (RequestError, BatchRefused) as err:
-                if isinstance(err, BatchRefused):
-                    driver.refused(err, kind)
-                    saturated = saturated or err.saturated
-                failed = CODE_NAMES.get(err.code, str(err.code))
-                error = EnvError(status_code(err.code), err.message, err.exception_type)
+                try:  # a SessionLostError goes on up: the stream ends
+                    if (waiting := view.replacing()) is not None:
+                        await waiting
+                    if kind == "step":
+                        outcome, took = await view.step(call[1])
+                        steps += 1
+                        seconds += took
+                        value = self._outcome(outcome, "step")
+                    elif command is not None:
+                        value = self._outcome(await view.reset(command), "reset")
+                    else:
+                        state = await view.state()
+                        self._fits("state", len(state))
+                        value = self._state.FromString(state)
+                except (RequestError, BatchRefused) as err:
+                    if isinstance(err, BatchRefused):
+                        driver.refused(err, kind)
+                        saturated = saturated or err.saturated
+                    failed = CODE_NAMES.get(err.code, str(err.code))
+                    error = EnvError(status_code(err.code), err.message, err.exception_type)
+        except BaseException:  # the stream ends under the program (lost, cancelled)
+            program.close()
+            raise
         if failed:
             outcome_kind = Outcome.SATURATED if saturated else Outcome.FAILED
         else:
@@ -320,7 +312,7 @@ class DoorView:
             truncated=outcome.truncated[0],
             episode_id=driver.episode_ids[0],
             step_count=driver.step_counts[0],
-            info=_info(outcome.infos.get(0)),
+            info=_info(info) if (info := outcome.infos.get(0)) else {},
             no_reward=0 in outcome.no_reward,
         )
 
@@ -449,7 +441,8 @@ class SocketWire(_DoorWire):
             self._ended = True
             return _CLOSE
         self._in_flight = True
-        program = self._answers.frame(self, kind, data, self._own_id, self._token, len(raw))
+        session = self.door if self.door is not None else self  # what its program reads
+        program = self._answers.frame(session, kind, data, self._own_id, self._token, len(raw))
         return DoorRequest(str(kind), program, _encoded, _reraise)
 
     async def write(self, message: bytes) -> None:

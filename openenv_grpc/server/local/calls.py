@@ -325,13 +325,22 @@ class LocalBatchCalls(Commands):
         """The batch's ``method`` on ``args``, for ``envs`` envs (``what``: its name)."""
         call = getattr(self._batch, method)
         runner = self._runner
-        if runner.inline and not self._queued and not self._lock.locked():
-            # Nothing holds or waits for the lock and an inline call never yields.
-            try:
-                return runner.call_inline(call, *args)
-            except Exception as exc:
-                async with self._lock:  # a hung call's replacement holds it
-                    await self._refuse(what, self._call_timeout(envs), exc)
+        if not self._queued and not self._lock.locked():
+            # Nothing holds or waits for the lock and a call on the loop never yields: an
+            # inline env's, or a measured one's while its group is on the loop (and no
+            # timeout applies: one that does sends a measured call to the pool).
+            if runner.inline:
+                direct: Any = call
+            elif self._timeout is None and (group := runner.group_on_loop(call)) is not None:
+                direct, args = group.call_inline, (call, *args)
+            else:
+                direct = None
+            if direct is not None:
+                try:
+                    return runner.call_inline(direct, *args)
+                except Exception as exc:
+                    async with self._lock:  # a hung call's replacement holds it
+                        await self._refuse(what, self._call_timeout(envs), exc)
         timeout = self._call_timeout(envs)
         generation = self._generation
         self._queued += 1

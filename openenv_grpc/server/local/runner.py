@@ -220,6 +220,14 @@ class EnvRunner:
         threads = getattr(self.env, "computes_in_threads", None)  # a VectorBatch's
         return self._placement.group(cost_class, name, threads is not None and threads())
 
+    def group_on_loop(self, method: Callable[..., Any]) -> CostGroup | None:
+        """The measured group of ``method`` while it runs on the event loop (None: the env
+        is not measured, or the group is on the pool)."""
+        if self._mode is not ExecutionMode.MEASURED:
+            return None
+        group = self._group(method)
+        return group if group.inline else None
+
     def call_inline(self, method: Callable[..., Any], *args: Any) -> Any:
         """:meth:`call_within` of an :attr:`inline` runner without its three coroutines (a
         step's hot path)."""
