@@ -8,10 +8,10 @@ env's own cost counts: time the OS gave other processes (the call neither blocke
 used the CPU) is no strike. Group state is touched on the event loop only: no lock.
 
 A call on the loop is timed by the wall clock alone: the thread's CPU time and context
-switches are system calls (about 2.4 µs a call here, a tenth of a door step's server
-CPU), so they are read only for the :data:`STRIKE_WINDOW` calls after a slow one. The
-first slow call is taken as the env's own (a strike, or a stall); those after it are
-judged by what they cost.
+switches are system calls (about 2.4 µs a call here; a tenth of py-spy's samples of a
+door at 64 sessions), so they are read only for the :data:`STRIKE_WINDOW` calls after a
+slow one. The first slow call is taken as the env's own (a strike, or a stall); those
+after it are judged by what they cost.
 """
 
 from __future__ import annotations
