@@ -98,16 +98,18 @@ def test_a_refusal_of_thousands_of_errors_lists_none(server: ServerProcess) -> N
     assert len(json.dumps(refusal)) < 1024
 
 
-@pytest.mark.parametrize("data", [[], "text", 5])
+@pytest.mark.parametrize("data", [[], "text", 5, None])
 def test_step_data_that_is_no_object_is_openenv_s_validation_error(
     server: ServerProcess, data: Any
 ) -> None:
-    """OpenEnv's server refuses it as a ``WSStepMessage`` (its data is a dict): the same
-    frame here, with no traceback in the server's log."""
-    refusal = talk(server, [RESET, step(data)])[1]
+    """OpenEnv's server refuses it as a ``WSStepMessage`` (its data is a dict; null is no
+    dict either): the same frame here, with no traceback in the server's log, and the env
+    did not step."""
+    refusal, state = talk(server, [RESET, step(data), {"type": "state"}])[1:]
     assert refusal["data"]["code"] == "VALIDATION_ERROR"
     [error] = refusal["data"]["errors"]
     assert error["type"] == "dict_type" and error["loc"] == ["data"] and error["input"] == data
+    assert state["data"]["step_count"] == 0
     assert "Traceback" not in server.stderr()
 
 
@@ -122,6 +124,52 @@ def test_an_observation_pydantic_cannot_write_is_still_the_observation(
     assert observation["data"]["observation"]["text"] == "unwritable"
     assert observation["data"]["reward"] == 1.0 and observation["data"]["done"] is False
     assert state["data"]["step_count"] == 1
+
+
+def test_an_object_whose_repr_raises_is_named_in_the_observation(server: ServerProcess) -> None:
+    """pydantic cannot write the object and its ``repr`` raises: it is named, the rest of
+    the observation written, no traceback (the env has moved)."""
+    observation = talk(server, [RESET, step({"text": "unrepresentable"})])[1]
+    assert observation["type"] == "observation"
+    assert observation["data"]["observation"]["text"] == "unrepresentable"
+    assert observation["data"]["observation"]["extra"].startswith("<unrepresentable")
+    assert "Traceback" not in server.stderr()
+
+
+def test_a_frame_over_the_message_limit_is_measured_in_bytes_on_a_held_session() -> None:
+    """``--max-message-bytes 100000``: an observation frame of 30,000 four-byte characters
+    (120,000 bytes of UTF-8) on a socket attached to a held session is refused as on a
+    socket of its own; the session goes on."""
+    import urllib.request
+
+    limited = _serve("--max-message-bytes", "100000")
+    try:
+        url = gateway_url(limited)
+        request = urllib.request.Request(
+            f"{url}/mcp",
+            json.dumps({"jsonrpc": "2.0", "id": 1, "method": "openenv/session/create"}).encode(),
+            {"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            held = json.load(answer)["result"]["session_id"]
+        base = url.replace("http://", "ws://") + "/ws"
+
+        async def run(ws_url: str) -> list[dict[str, Any]]:
+            async with websockets.connect(ws_url, max_size=None) as ws:
+                answers = []
+                for frame in [RESET, step({"text": "twice:" + "\U0001f600" * 15_000}),
+                              step({"text": "small"})]:  # fmt: skip
+                    await ws.send(json.dumps(frame, ensure_ascii=False))
+                    answers.append(json.loads(await asyncio.wait_for(ws.recv(), 60)))
+                return answers
+
+        for ws_url in (base, f"{base}?session_id={held}"):
+            refusal, after = asyncio.run(run(ws_url))[1:]
+            assert refusal["type"] == "error", ws_url
+            assert "over the server's message limit of 100000 bytes" in refusal["data"]["message"]
+            assert after["data"]["observation"]["text"] == "small"
+    finally:
+        limited.stop()
 
 
 def test_an_isolated_bridged_env_answers_the_same_frames_by_the_typed_path(

@@ -23,6 +23,7 @@ from pydantic import BaseModel
 from openenv_grpc.integrations.openenv.json_checks import (
     Warnings,
     check_in,
+    fallback,
     has_lone_surrogate,
     safe_dumps,
 )
@@ -88,7 +89,7 @@ def jsonable(value: Any) -> Any:
     """``value`` as JSON data, as pydantic's ``model_dump(mode="json")`` serializes it:
     models by field name (``meta``, not its alias ``_meta``), dataclasses, enums,
     datetimes...; what pydantic cannot serialize becomes its ``tolist()`` or ``repr``."""
-    return pydantic_core.to_jsonable_python(value, by_alias=False, fallback=_fallback)
+    return pydantic_core.to_jsonable_python(value, by_alias=False, fallback=fallback)
 
 
 def loads(text: str, name: str) -> Any:
@@ -104,11 +105,6 @@ def loads(text: str, name: str) -> Any:
         raise ValueError(f"{name}: not JSON text ({exc})") from None
     check_in(value, name)
     return value
-
-
-def _fallback(value: Any) -> Any:
-    tolist = getattr(value, "tolist", None)  # numpy arrays, torch tensors
-    return tolist() if callable(tolist) else repr(value)
 
 
 def _member_for(plan: UnionPlan, value: BaseModel) -> tuple[str, ModelPlan]:

@@ -121,8 +121,8 @@ class FrameAnswers:
         token: str | None,
         size: int = 0,
     ) -> Program[str]:
-        """The frame answering one ``/ws`` request of ``size`` bytes; never raises for what
-        the client sent."""
+        """The frame answering one ``/ws`` request of ``size`` characters; never raises for
+        what the client sent."""
         try:
             if kind == "mcp":
                 return (yield from self._mcp_frame(session, data, own_id, token))
@@ -130,14 +130,13 @@ class FrameAnswers:
                 result = yield from self.reset(data if data is not None else {})
                 return self.observation(result)
             if kind == "step":
-                data = data if data is not None else {}
-                if session.native:
+                if session.native:  # as OpenEnv: data must be an object, null too is refused
                     try:
                         action = self._native.action(data)
                     except ValidationError as exc:
                         return str(self._native.invalid(exc, size))
                 else:
-                    action = from_json(data, self._action, "action")
+                    action = from_json(data if data is not None else {}, self._action, "action")
                 if not session.episode_id:  # OpenEnv steps a fresh env; ours needs a reset
                     yield ("reset", None, None, None)
                 return self.observation((yield ("step", action)))

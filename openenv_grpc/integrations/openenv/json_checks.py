@@ -32,6 +32,7 @@ __all__ = [
     "WARNINGS_KEY",
     "Warnings",
     "check_in",
+    "fallback",
     "has_lone_surrogate",
     "safe_dumps",
     "safe_jsonable",
@@ -144,12 +145,18 @@ def safe_jsonable(value: Any, where: str, warnings: Warnings) -> Any:
 
 def _jsonable(value: Any) -> Any:
     """As :func:`.convert.jsonable` (pydantic's JSON mode by field name)."""
-    return pydantic_core.to_jsonable_python(value, by_alias=False, fallback=_fallback)
+    return pydantic_core.to_jsonable_python(value, by_alias=False, fallback=fallback)
 
 
-def _fallback(value: Any) -> Any:
-    tolist = getattr(value, "tolist", None)  # numpy arrays, torch tensors
-    return tolist() if callable(tolist) else repr(value)
+def fallback(value: Any) -> Any:
+    """What pydantic cannot serialize, as JSON data: its ``tolist()`` (numpy arrays, torch
+    tensors), else its ``repr``; an object whose own methods raise is named, never raised
+    (the env has moved: its answer must not fail)."""
+    try:
+        tolist = getattr(value, "tolist", None)
+        return tolist() if callable(tolist) else repr(value)
+    except Exception as exc:
+        return f"<unrepresentable {type(value).__qualname__}: {type(exc).__name__}>"
 
 
 def _scrub(value: Any, where: str, warnings: Warnings, depth: int) -> Any:

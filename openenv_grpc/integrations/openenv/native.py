@@ -39,7 +39,8 @@ MAX_ERRORS = 16
 #: Errors past which none is listed at all (listing them costs ~5 µs each on the loop).
 _MANY_ERRORS = 1000
 #: A refusal lists what each error refused (its ``input``, as OpenEnv does) while the
-#: frame times the errors stays under this; else the inputs are left out.
+#: frame times the errors stays under this (a frame's characters counted as 4 bytes each:
+#: UTF-8's most); else the inputs are left out.
 MAX_ECHOED_BYTES = 64 * 1024
 
 
@@ -77,9 +78,9 @@ class NativeLane:
             return json.dumps({"type": "observation", "data": _written(observation)})
 
     @staticmethod
-    def invalid(exc: ValidationError, frame_bytes: int) -> str:
-        """OpenEnv's answer to an action refused by ``frame_bytes`` of frame: its
-        ``VALIDATION_ERROR`` with pydantic's errors, bounded (:data:`MAX_ERRORS`,
+    def invalid(exc: ValidationError, frame_chars: int) -> str:
+        """OpenEnv's answer to an action refused in a frame of ``frame_chars`` characters:
+        its ``VALIDATION_ERROR`` with pydantic's errors, bounded (:data:`MAX_ERRORS`,
         :data:`MAX_ECHOED_BYTES`)."""
         count = exc.error_count()
         data: dict[str, Any] = {"message": "Invalid message", "code": WSErrorCode.VALIDATION_ERROR}
@@ -87,7 +88,7 @@ class NativeLane:
             data["errors"] = [{"type": "too_many_errors", "loc": [], "msg": (
                 f"{count} validation errors for {exc.title}: none listed")}]  # fmt: skip
         else:
-            echoed = count * frame_bytes <= MAX_ECHOED_BYTES
+            echoed = count * frame_chars * 4 <= MAX_ECHOED_BYTES
             data["errors"] = exc.errors(include_input=echoed)[:MAX_ERRORS]
             if count > MAX_ERRORS:
                 data["errors"].append({"type": "too_many_errors", "loc": [], "msg": (

@@ -532,8 +532,13 @@ class ProgramStream(_DoorWire):
         limit = self._sessions.max_response
 
         def finish(value: Any) -> bytes:
-            if type(value) is str and len(value) > limit:  # a frame (a native lane's)
-                value = error_frame("EXECUTION_ERROR", _too_large("frame", len(value), limit))
+            # A frame (a native lane's), measured in bytes as a socket's own answers are.
+            if (
+                type(value) is str
+                and len(value) * 4 > limit
+                and len(encoded := value.encode()) > limit
+            ):
+                value = error_frame("EXECUTION_ERROR", _too_large("frame", len(encoded), limit))
             if not future.done():
                 future.set_result(value)
             return b""

@@ -109,7 +109,7 @@ class CostGroup:
                     self._careful = careful - 1
             elif not careful:  # unmeasured: the env's own, and the next calls measured
                 self._careful = STRIKE_WINDOW
-                self.ran_inline(seconds, seconds, True)
+                self.ran_inline(seconds, -1.0, True)
             elif self.by_process:
                 used = process_time() - process
                 self.ran_inline(seconds, used, used > limit)
@@ -120,8 +120,8 @@ class CostGroup:
         return PooledCall(self, method, self._placement.promote_below)
 
     def ran_inline(self, seconds: float, cpu: float, own: bool) -> None:
-        """Count a call on the loop (``own``: its time was its own); a slow one may move
-        the group back to the pool."""
+        """Count a call on the loop (``own``: its time was its own; ``cpu`` < 0: not
+        measured); a slow one may move the group back to the pool."""
         self._calls += 1
         placement = self._placement
         if seconds <= placement.threshold:
@@ -137,11 +137,12 @@ class CostGroup:
         self._longest = 0.0
         self.probation *= 2
         log.warning(
-            "env calls %s move to the thread pool: one took %s on the event loop (%s of "
-            "it CPU; threshold %s), blocking every other session meanwhile; back on the loop "
-            "after %d calls in a row under %s",
-            self.name, _duration(seconds), _duration(cpu), _duration(placement.threshold),
-            self.probation, _duration(placement.promote_below),
+            "env calls %s move to the thread pool: one took %s on the event loop (%s; "
+            "threshold %s), blocking every other session meanwhile; back on the loop after "
+            "%d calls in a row under %s",
+            self.name, _duration(seconds),
+            f"{_duration(cpu)} of it CPU" if cpu >= 0 else "its CPU not measured",
+            _duration(placement.threshold), self.probation, _duration(placement.promote_below),
         )  # fmt: skip
 
     def ran_pooled(self, seconds: float, own: bool) -> None:

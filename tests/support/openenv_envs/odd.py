@@ -1,5 +1,7 @@
 """An OpenEnv env whose observation pydantic cannot always write: its ``text`` field's
-serializer raises for the text "unwritable" (the env has moved all the same)."""
+serializer raises for the text "unwritable", and the text "unrepresentable" puts an
+object whose ``repr`` raises in ``extra`` (the env has moved all the same). A text
+"twice:X" comes back as XX."""
 
 from typing import Any
 from uuid import uuid4
@@ -13,8 +15,14 @@ class OddAction(Action):
     text: str
 
 
+class Unrepresentable:
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
+
+
 class OddObservation(Observation):
     text: str = ""
+    extra: Any = None
 
     @field_serializer("text")
     def _text(self, value: str) -> str:
@@ -37,7 +45,11 @@ class OddEnvironment(Environment):
 
     def step(self, action: OddAction) -> OddObservation:  # type: ignore[override]
         self._state.step_count += 1
-        return OddObservation(text=action.text, reward=1.0)
+        text = action.text
+        if text.startswith("twice:"):
+            text = text.removeprefix("twice:") * 2
+        extra = Unrepresentable() if text == "unrepresentable" else None
+        return OddObservation(text=text, extra=extra, reward=1.0)
 
     @property
     def state(self) -> State:
