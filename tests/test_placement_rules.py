@@ -104,11 +104,24 @@ def test_one_stall_moves_the_group_back_at_once(group) -> None:
 def test_every_move_back_doubles_the_next_probation(group) -> None:
     for moves in range(1, 5):
         promoted(group)
-        group.ran_inline(THRESHOLD * STALL_FACTOR * 2, cpu=0.0, own=True)
+        for _ in range(2):  # two strikes within the window
+            group.ran_inline(SLOW, cpu=SLOW, own=True)
         assert group.probation == PROBATION << moves
     for _ in range(group.probation - 1):
         group.ran_pooled(CHEAP, own=True)
     assert not group.inline  # a near-threshold env spends ever longer on the pool
+
+
+def test_a_stall_multiplies_the_next_probation_by_the_stall_factor(group) -> None:
+    """A client whose action sets how long a step takes (a sleep) could stall every
+    session again after each doubling; a stall makes the way back STALL_FACTOR times
+    longer."""
+    promoted(group)
+    group.ran_inline(THRESHOLD * STALL_FACTOR * 2, cpu=0.0, own=True)
+    assert group.probation == PROBATION * STALL_FACTOR
+    promoted(group)
+    group.ran_inline(THRESHOLD * STALL_FACTOR * 2, cpu=0.0, own=True)
+    assert group.probation == PROBATION * STALL_FACTOR**2
 
 
 def test_groups_are_per_method_and_cost_class() -> None:

@@ -193,7 +193,8 @@ class ServerConfig:
         details="measured per method and per `cost_class()` (the gymnasium env's env id): "
         "32 calls in a row under half of it move a group to the loop, a second call over it "
         "within 64 (or one over 50 times it) moves it back, logged as a WARNING with how long the "
-        "loop was blocked; each move back doubles the next probation. With a step timeout "
+        "loop was blocked; each move back doubles the next probation (a stall multiplies it "
+        "by 50). With a step timeout "
         "such calls stay on the pool. Envs with `runs_inline = True`/`False` are not "
         "measured",
     )  # fmt: skip

@@ -3,7 +3,10 @@ they are cheap, on the thread pool when not, per group of method and ``cost_clas
 
 A group starts on the pool and moves to the loop after :data:`PROBATION` cheap calls in
 a row; it moves back at a second slow call within :data:`STRIKE_WINDOW` calls, or one over
-:data:`STALL_FACTOR` times the threshold; each move back doubles the probation. Only the
+:data:`STALL_FACTOR` times the threshold; each move back doubles the probation, a stall
+multiplies it by :data:`STALL_FACTOR` (a client whose actions choose how long a step
+takes would otherwise stall every session again after each doubling: 11 one-second
+stalls in 25 s, measured). Only the
 env's own cost counts: time the OS gave other processes (the call neither blocked nor
 used the CPU) is no strike. Group state is touched on the event loop only: no lock.
 
@@ -135,7 +138,7 @@ class CostGroup:
         self.inline = False
         self._streak = 0
         self._longest = 0.0
-        self.probation *= 2
+        self.probation *= STALL_FACTOR if seconds > placement.stall else 2
         log.warning(
             "env calls %s move to the thread pool: one took %s on the event loop (%s; "
             "threshold %s), blocking every other session meanwhile; back on the loop after "
