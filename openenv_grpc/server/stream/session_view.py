@@ -89,7 +89,7 @@ class SessionView:
         command = request.WhichOneof("command")
         entry = _COMMANDS[command]
         try:
-            if (waiting := self.replacing()) is not None:
+            if self._replacing is not None and (waiting := self._replacing()) is not None:
                 await waiting
             seconds = await entry.run(self, request, response)
         except RequestError as err:
@@ -146,9 +146,12 @@ class SessionView:
     # -- commands -------------------------------------------------------------------------
 
     async def _step(self, request: pb.SessionRequest, response: pb.SessionResponse) -> float:
-        self._may_step()  # before the action is read: a step before a reset says so first
+        driver = self._driver
+        why = driver.cannot_step(0)  # before the action is read: a step before a reset says so
+        if why is not None:
+            raise RequestError(_FAILED_PRECONDITION, why)
         action = _decode(request.step.action, self._action_class, "action")
-        outcome, _, seconds = await self._driver.step(StepArgs(_ROW, (action,), False))
+        outcome, _, seconds = await driver.step(StepArgs(_ROW, (action,), False))
         self._fill(outcome, response.result)  # raises row 0's error
         return seconds
 
