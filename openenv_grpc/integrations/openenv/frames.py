@@ -3,9 +3,9 @@ the door reaches a session of the core.
 
 An answer is a *program*: a generator that yields the session calls it needs
 (:data:`Call`: reset, step, state, or any other awaitable) and gets each call's result
-(or its exception, thrown in) back; it returns the answer. The wires of :mod:`.streams` run
-them inside the core's stream loop, each call a request of that stream: a ``/ws``
-socket's own task (:class:`~.streams.SocketWire`), or a stream of its own that takes
+(or its exception, thrown in) back; it returns the answer. A program is one request of a
+Session stream of the core, run by :class:`~.streams.DoorView` on the session's view; the
+stream is a ``/ws`` socket's own (:class:`~.streams.SocketWire`), or one that takes
 programs from any task (:class:`~.streams.ProgramStream`: held ``/mcp`` sessions and the
 sockets attached to them, the stateless HTTP routes, ``WS /mcp``).
 
