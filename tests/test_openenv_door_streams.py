@@ -460,3 +460,35 @@ def test_an_answer_over_the_message_limit_is_refused_on_a_held_session_too() -> 
             assert answers[5]["type"] == "observation"
     finally:
         server.stop()
+
+
+@pytest.mark.fresh_server  # a server of its own: make test
+def test_a_close_frame_whose_env_close_raises_ends_the_socket_and_frees_the_slot() -> None:
+    """The env's ``close`` raises on a socket's ``close`` frame: the socket still closes
+    normally (1000), the slot is free (capacity 1: a second socket then steps)."""
+    server = ServerProcess(
+        "support.envs:RaisingCloseEnv",
+        ["--openenv-port", "0", "--max-concurrent-envs", "1"],
+        pythonpath=[TESTS],
+    )
+
+    async def run(url: str) -> tuple[int | None, dict[str, Any]]:
+        async with websockets.connect(url) as ws:
+            await ws.send(json.dumps({"type": "reset", "data": {}}))
+            await ws.recv()
+            await ws.send(json.dumps({"type": "close"}))
+            with contextlib.suppress(websockets.ConnectionClosed):
+                await asyncio.wait_for(ws.recv(), 30)
+        code = ws.close_code
+        await asyncio.to_thread(server.wait_until, lambda: server.active() == 0, 30, "freed")
+        async with websockets.connect(url) as again:
+            await again.send(_step("after"))
+            return code, json.loads(await asyncio.wait_for(again.recv(), 30))
+
+    try:
+        code, answer = asyncio.run(run(gateway_url(server).replace("http://", "ws://") + "/ws"))
+    finally:
+        server.stop()
+    assert code == 1000
+    assert answer["type"] == "observation"
+    assert answer["data"]["observation"]["echoed_message"] == "after"

@@ -224,7 +224,7 @@ class DoorView:
         program = raw.program
         if program is None:  # the close: the stream ends after it, whatever close raised
             try:
-                if (waiting := view.replacing()) is not None:
+                if view.replacing is not None and (waiting := view.replacing()) is not None:
                     await waiting
                 await driver.close_command()
             except (RequestError, BatchRefused) as err:
@@ -254,7 +254,7 @@ class DoorView:
                     error = exc
                     continue
                 try:  # a SessionLostError goes on up: the stream ends
-                    if (waiting := view.replacing()) is not None:
+                    if view.replacing is not None and (waiting := view.replacing()) is not None:
                         await waiting
                     if kind == "step":
                         outcome, took = await view.step(call[1])
@@ -298,7 +298,7 @@ class DoorView:
     def _outcome(self, outcome: BatchOutcome, command: str) -> StepOutcome[Any]:
         """Row 0 of a reset or step as the client library reads it from its answer (one
         over the message limit refused as a gRPC answer would be)."""
-        driver = self._view.driver
+        driver = self._driver
         observation = outcome.observations[0]
         if type(observation) is bytes:  # else the env's own object (``objects``)
             self._fits(command, len(observation))

@@ -50,8 +50,8 @@ class SessionView:
     """The request handler of one Session (``backend.SessionBackend``)."""
 
     __slots__ = (
-        "_action_class", "_driver", "_info_json", "_obs_url", "_options_class", "_replacing",
-        "_state_url", "objects",
+        "_action_class", "_driver", "_info_json", "_obs_url", "_options_class", "_state_url",
+        "objects", "replacing",
     )  # fmt: skip
 
     def __init__(
@@ -70,8 +70,9 @@ class SessionView:
         self.objects = objects
         # The session checks the serialized answer against the message limit itself.
         self._driver = Driver(spec, 1, AutoresetMode.DISABLED, calls, SESSION_WORDS, snapshots)
-        #: The wait for an env replacing a hung one (``--isolated``), for the next request.
-        self._replacing = replacing
+        #: What to await before the next request, if anything: an env replacing a hung one
+        #: (``--isolated``); None: there never is.
+        self.replacing = replacing
         self._obs_url = spec.observation_url
         self._state_url = spec.state_url
         self._action_class = spec.types.action
@@ -89,7 +90,7 @@ class SessionView:
         command = request.WhichOneof("command")
         entry = _COMMANDS[command]
         try:
-            if self._replacing is not None and (waiting := self._replacing()) is not None:
+            if self.replacing is not None and (waiting := self.replacing()) is not None:
                 await waiting
             seconds = await entry.run(self, request, response)
         except RequestError as err:
@@ -105,22 +106,15 @@ class SessionView:
     # -- the commands a wire without envelopes calls (the OpenEnv door) --------------------
     # Each raises RequestError or BatchRefused (the caller books it: ``driver.refused``).
 
-    def replacing(self) -> Awaitable[None] | None:
-        """What to await before the next request: an env replacing a hung one
-        (``--isolated``); None when there is none."""
-        return None if self._replacing is None else self._replacing()
-
     async def step(self, action: Any) -> tuple[BatchOutcome, float]:
         """Step the env: its row 0, and the env call's seconds."""
-        self._may_step()
-        outcome, _, seconds = await self._driver.step(StepArgs(_ROW, (action,), False))
-        _raise(outcome.errors)
-        return outcome, seconds
-
-    def _may_step(self) -> None:
-        why = self._driver.cannot_step(0)
+        driver = self._driver
+        why = driver.cannot_step(0)
         if why is not None:
             raise RequestError(_FAILED_PRECONDITION, why)
+        outcome, _, seconds = await driver.step(StepArgs(_ROW, (action,), False))
+        _raise(outcome.errors)
+        return outcome, seconds
 
     async def reset(self, command: pb.ResetCommand) -> BatchOutcome:
         """Reset the env as ``command`` says: its row 0."""
