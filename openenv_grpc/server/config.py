@@ -6,8 +6,8 @@ are all made from these declarations. Precedence: argument, then variable, then 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import Field, dataclass, field, fields
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, TypeVar, cast
 
 __all__ = ["ENV_VARS", "STREAM_HEADROOM", "ServerConfig", "Setting", "settings", "settings_table"]
@@ -27,13 +27,15 @@ DEFAULT_REQUEST_BYTES = 4 * 1024 * 1024
 
 @dataclass(frozen=True, slots=True)
 class Setting:
-    """Everything about one setting but its name and type: ``flag`` None keeps a secret
-    off the command line; ``above`` is an exclusive minimum; ``shown_default`` is how the
-    docs show a computed default; ``details`` adds to ``help`` in the docs' table."""
+    """Everything about one setting but its name and type. ``variable`` and ``flag`` follow
+    the name (``max_held_bytes``: ``MAX_HELD_BYTES``, ``--max-held-bytes``) unless given; a
+    ``secret`` has no flag, so it stays off the command line; ``above`` is an exclusive
+    minimum; ``shown_default`` is how the docs show a computed default; ``details`` adds
+    to ``help`` in the docs' table."""
 
-    variable: str
-    flag: str | None
     help: str
+    variable: str = ""
+    flag: str | None = ""
     minimum: float | None = None
     above: float | None = None
     maximum: float | None = None
@@ -61,29 +63,24 @@ def _default_threads() -> int:
 class ServerConfig:
     """How a server listens, admits sessions and reclaims them (docs/settings.md)."""
 
-    host: str = setting(
-        "127.0.0.1", variable="HOST", flag="--host",
-        help="listen address (`0.0.0.0` / `[::]` in containers)",
-    )  # fmt: skip
+    host: str = setting("127.0.0.1", help="listen address (`0.0.0.0` / `[::]` in containers)")
     port: int = setting(
-        50051, variable="PORT", flag="--port", minimum=0, maximum=65535,
-        help="port; `0` picks a free one (printed at start)",
+        50051, minimum=0, maximum=65535, help="port; `0` picks a free one (printed at start)",
     )  # fmt: skip
     max_concurrent_envs: int = setting(
-        1024, variable="MAX_CONCURRENT_ENVS", flag="--max-concurrent-envs",
+        1024,
         help="sessions (= env instances) per server process; `0` or `-1` (any number "
         "below 1) = unlimited",
     )  # fmt: skip
     max_vector_envs: int = setting(
-        1024, variable="MAX_VECTOR_ENVS", flag="--max-vector-envs", minimum=1,
+        1024, minimum=1,
         help="most envs one VectorSession stream may hold (its `openenv-num-envs`)",
         details="a larger N is refused with `INVALID_ARGUMENT` before admission; each env "
         "of a vector stream also takes one of the `MAX_CONCURRENT_ENVS` slots, all or "
         "nothing (`RESOURCE_EXHAUSTED` names N and the free slots)",
     )  # fmt: skip
     max_vector_in_flight: int = setting(
-        4, variable="MAX_VECTOR_IN_FLIGHT", flag="--max-vector-in-flight", minimum=1,
-        maximum=1024,
+        4, minimum=1, maximum=1024,
         help="most requests one VectorSession stream may have in flight at once (each on "
         "envs of its own, answered as each completes)",
         details="a request past it is answered in-band `RESOURCE_EXHAUSTED` naming this "
@@ -92,12 +89,12 @@ class ServerConfig:
         "one request at a time",
     )  # fmt: skip
     idle_timeout: float = setting(
-        600.0, variable="IDLE_TIMEOUT", flag="--idle-timeout", minimum=0,
+        600.0, minimum=0,
         help="seconds a session may wait for its client before the server closes it; "
         "`0` = forever",
     )  # fmt: skip
     request_arrival_timeout: float = setting(
-        10.0, variable="REQUEST_ARRIVAL_TIMEOUT", flag="--request-arrival-timeout", above=0,
+        10.0, above=0,
         help="seconds the request of a unary call (Info, health Check and Watch) may take to "
         "arrive (at most 1 s for a caller without a valid token)",
         details="grpc.aio reads such a request whole before answering, so a client that "
@@ -107,21 +104,20 @@ class ServerConfig:
         "VectorSession streams have `--idle-timeout` instead",
     )  # fmt: skip
     grace_period: float = setting(
-        25.0, variable="GRACE_PERIOD", flag="--grace", minimum=0,
-        help="seconds running sessions get after SIGTERM/SIGINT",
+        25.0, flag="--grace", minimum=0, help="seconds running sessions get after SIGTERM/SIGINT",
         details="each is told at once (a `DRAINING` notice with the seconds left). Then the "
         "sessions still open end (`UNAVAILABLE`) and their envs get 2 s to close; an env "
         "stuck in a call or in `close()` after that is abandoned (logged; its thread cannot "
         "be stopped) and the process exits 0 anyway: at most grace + 3 s after the signal",
     )  # fmt: skip
     max_message_bytes: int = setting(
-        16 * 1024 * 1024, variable="MAX_MESSAGE_BYTES", flag="--max-message-bytes", minimum=1,
+        16 * 1024 * 1024, minimum=1,
         help="largest message out, and the ceiling of `--max-request-bytes`",
         details="a larger response (a huge observation, info or state) is replaced by an "
         "in-band `RESOURCE_EXHAUSTED` error naming the limit and the session goes on",
     )  # fmt: skip
     max_request_bytes: int = setting(
-        0, variable="MAX_REQUEST_BYTES", flag="--max-request-bytes", minimum=0,
+        0, minimum=0,
         shown_default="`0` (4 MiB, or the snapshot limit + 1 KiB if larger: 8 MiB + 1 KiB)",
         help="largest request a client may send; never above `--max-message-bytes`",
         details="a larger request ends its stream (`RESOURCE_EXHAUSTED`) as soon as its "
@@ -131,8 +127,7 @@ class ServerConfig:
         "1 KiB below it, so a restore always fits",
     )  # fmt: skip
     max_snapshot_bytes: int = setting(
-        8 * 1024 * 1024, variable="MAX_SNAPSHOT_BYTES", flag="--max-snapshot-bytes",
-        minimum=1024, shown_default="`8388608` (8 MiB)",
+        8 * 1024 * 1024, minimum=1024, shown_default="`8388608` (8 MiB)",
         help="largest snapshot the server makes or restores",
         details="envelope and signature included; a bigger one is refused in-band, the "
         "limit in the message (`RESOURCE_EXHAUSTED` for an env's snapshot, "
@@ -141,8 +136,7 @@ class ServerConfig:
         "reports the limit in force",
     )  # fmt: skip
     max_held_bytes: int = setting(
-        128 * 1024 * 1024, variable="MAX_HELD_BYTES", flag="--max-held-bytes",
-        minimum=1024 * 1024, shown_default="`134217728` (128 MiB)",
+        128 * 1024 * 1024, minimum=1024 * 1024, shown_default="`134217728` (128 MiB)",
         help="request and answer bytes the server process holds for all its clients at "
         "once (answers waiting for slow readers, isolated frames, states and snapshots "
         "being gathered)",
@@ -153,8 +147,7 @@ class ServerConfig:
         "what a request still arriving holds is bounded separately (docs/reliability.md)",
     )  # fmt: skip
     outsider_held_bytes: int = setting(
-        32 * 1024 * 1024, variable="OUTSIDER_HELD_BYTES", flag="--outsider-held-bytes",
-        minimum=64 * 1024, shown_default="`33554432` (32 MiB)",
+        32 * 1024 * 1024, minimum=64 * 1024, shown_default="`33554432` (32 MiB)",
         help="request bytes that callers without a valid token (health probes; everyone "
         "when `AUTH_TOKEN` is unset) may make the server buffer at once",
         details="each read of such a unary request (health, Info) reserves the request "
@@ -166,15 +159,14 @@ class ServerConfig:
         "Token-bearing calls never draw from it",
     )  # fmt: skip
     env_threads: int = setting(
-        factory=_default_threads, variable="ENV_THREADS", flag="--env-threads", minimum=1,
-        shown_default="cores + 4 (≤ 32)",
+        factory=_default_threads, minimum=1, shown_default="cores + 4 (≤ 32)",
         help="shared pool for blocking sync envs' reset/step/state",
         details="as many threads again build those envs and as many again close them, so "
         "a fresh env never waits behind blocked calls or hung closes (daemon threads, "
         "started on demand)",
     )  # fmt: skip
     lifecycle_timeout: float = setting(
-        60.0, variable="LIFECYCLE_TIMEOUT", flag="--lifecycle-timeout", minimum=0,
+        60.0, minimum=0,
         help="seconds a pooled env's factory or close(), or an async env's close(), may "
         "take; `0` = no limit",
         details="creates and closes run on pools of their own (`--env-threads` each), so a "
@@ -186,7 +178,7 @@ class ServerConfig:
         "answered `DEADLINE_EXCEEDED`",
     )  # fmt: skip
     inline_threshold_ms: float = setting(
-        1.0, variable="INLINE_THRESHOLD_MS", flag="--inline-threshold-ms", minimum=0,
+        1.0, minimum=0,
         help="milliseconds: a sync env that leaves `runs_inline` unset has its calls run on "
         "the event loop while they take less than this, on the thread pool otherwise; `0` = "
         "always the pool",
@@ -199,11 +191,10 @@ class ServerConfig:
         "measured",
     )  # fmt: skip
     retry_pushback_ms: int = setting(
-        500, variable="RETRY_PUSHBACK_MS", flag="--retry-pushback-ms", minimum=0,
-        help="retry hint sent with `RESOURCE_EXHAUSTED`",
+        500, minimum=0, help="retry hint sent with `RESOURCE_EXHAUSTED`",
     )  # fmt: skip
     workers: int = setting(
-        1, variable="WORKERS", flag="--workers", minimum=1,
+        1, minimum=1,
         help="server processes sharing the port (SO_REUSEPORT, forked before any gRPC "
         "object)",
         details="the kernel balances *connections*, so clients use "
@@ -212,8 +203,7 @@ class ServerConfig:
         "the worker count); a worker that dies is restarted",
     )  # fmt: skip
     isolated: int = setting(
-        0, variable="ISOLATED", flag="--isolated", minimum=0,
-        help="run env instances in this many worker processes (spawned); `0` = off",
+        0, minimum=0, help="run env instances in this many worker processes (spawned); `0` = off",
         details="a crash, `os._exit` or segfault in env code ends only that worker's "
         "sessions (`UNAVAILABLE` \"session lost\") and the worker is replaced; CPU-heavy "
         "envs use every core even over one connection. Env calls in a worker run one at a "
@@ -227,8 +217,7 @@ class ServerConfig:
         "hold the process. After a worker dies, the env's `reclaim_orphans()` runs",
     )  # fmt: skip
     max_env_bytes: int = setting(
-        1024 * 1024 * 1024, variable="MAX_ENV_BYTES", flag="--max-env-bytes", minimum=0,
-        shown_default="`1073741824` (1 GiB)",
+        1024 * 1024 * 1024, minimum=0, shown_default="`1073741824` (1 GiB)",
         help="with `--isolated`: most memory building one env instance may add to its env "
         "process; `0` = no ceiling",
         details="measured in the env process, its resident memory (`/proc/self/statm`) "
@@ -239,21 +228,17 @@ class ServerConfig:
         "24 GiB machine (1/24 of it per env); in-process envs are not measured",
     )  # fmt: skip
     reuse_port: int = setting(
-        0, variable="REUSE_PORT", flag="--reuse-port", choices=(0, 1),
+        0, choices=(0, 1),
         help="`1` lets separate server processes bind the same port (SO_REUSEPORT)",
         details="e.g. swarm replicas on one host network; the kernel balances connections "
         "among them. With `0` binding a taken port fails loudly",
     )  # fmt: skip
     keepalive_time: float = setting(
-        30.0, variable="KEEPALIVE_TIME", flag="--keepalive-time", above=0,
-        help="seconds between pings that detect dead clients",
+        30.0, above=0, help="seconds between pings that detect dead clients",
     )  # fmt: skip
-    keepalive_timeout: float = setting(
-        10.0, variable="KEEPALIVE_TIMEOUT", flag="--keepalive-timeout", above=0,
-        help="seconds to wait for a ping's answer",
-    )  # fmt: skip
+    keepalive_timeout: float = setting(10.0, above=0, help="seconds to wait for a ping's answer")
     handshake_timeout: float = setting(
-        3.0, variable="HANDSHAKE_TIMEOUT", flag="--handshake-timeout", above=0,
+        3.0, above=0,
         help="seconds a new connection to the gRPC port has to complete its handshake (TLS, "
         "then the HTTP/2 preface and SETTINGS) before the server closes it",
         details="a client sends these as soon as it connects; a connection that says "
@@ -261,8 +246,7 @@ class ServerConfig:
         "(docs/reliability.md, round three)",
     )  # fmt: skip
     max_connections: int = setting(
-        0, variable="MAX_CONNECTIONS", flag="--max-connections", minimum=0,
-        maximum=_INT32_MAX,
+        0, minimum=0, maximum=_INT32_MAX,
         shown_default="`0` (the open-file limit, raised to its hard limit at start, less "
         "an eighth of it and at least 256)",
         help="connections the gRPC port accepts at once; past it a new one is closed at once",
@@ -271,8 +255,7 @@ class ServerConfig:
         "new clients timed out",
     )  # fmt: skip
     step_timeout: float = setting(
-        0.0, variable="STEP_TIMEOUT", flag="--step-timeout", minimum=0,
-        shown_default="`0` (the env's own `step_timeout`, none by default)",
+        0.0, minimum=0, shown_default="`0` (the env's own `step_timeout`, none by default)",
         help="seconds an env's reset/step/state may take, counted from when the call starts "
         "(not while it waits for a pool thread)",
         details="past it the client gets `DEADLINE_EXCEEDED` and the session a fresh env "
@@ -285,26 +268,21 @@ class ServerConfig:
         "where the front kills the worker (see above)",
     )  # fmt: skip
     tls_cert: str = setting(
-        "", variable="TLS_CERT", flag="--tls-cert",
-        help="PEM certificate chain file; with `--tls-key`, the server speaks TLS",
+        "", help="PEM certificate chain file; with `--tls-key`, the server speaks TLS",
     )  # fmt: skip
-    tls_key: str = setting(
-        "", variable="TLS_KEY", flag="--tls-key", help="PEM private key file for `--tls-cert`"
-    )
+    tls_key: str = setting("", help="PEM private key file for `--tls-cert`")
     tls_client_ca: str = setting(
-        "", variable="TLS_CLIENT_CA", flag="--tls-client-ca",
-        help="PEM CA file: clients must present a certificate it signed (mutual TLS)",
+        "", help="PEM CA file: clients must present a certificate it signed (mutual TLS)",
     )  # fmt: skip
     auth_token: str = setting(
-        "", variable="AUTH_TOKEN", flag=None, secret=True,
+        "", secret=True,
         help="every call but health checks needs `authorization: Bearer <token>`; others "
         "get `UNAUTHENTICATED` before any env exists",
         details="compared in constant time; no option on purpose: a command line is "
         "visible to other users",
     )  # fmt: skip
     snapshot_keys: str = setting(
-        "", variable="SNAPSHOT_KEYS", flag=None, secret=True,
-        shown_default="unset (a random key per server)",
+        "", secret=True, shown_default="unset (a random key per server)",
         help="keys that sign and verify snapshots: comma-separated `id:secret` pairs; the "
         "first signs, all verify (rotate by putting the new key first)",
         details="HMAC-SHA256, compared in constant time; ids are 1-64 of `A-Z a-z 0-9 . _ "
@@ -316,30 +294,28 @@ class ServerConfig:
         "no option on purpose: a command line is visible to other users",
     )  # fmt: skip
     snapshot_keys_file: str = setting(
-        "", variable="SNAPSHOT_KEYS_FILE", flag="--snapshot-keys-file",
+        "",
         help="file holding the snapshot keys instead (same `id:secret` pairs, separated by "
         "commas or newlines; `#` starts a comment line)",
         details="read once at start; a file others may read is logged as a warning; set "
         "this or `SNAPSHOT_KEYS`, not both",
     )  # fmt: skip
     log_level: str = setting(
-        "INFO", variable="LOG_LEVEL", flag="--log-level",
-        choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+        "INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
         help="what the server logs (to stderr), in any case",
     )  # fmt: skip
     log_format: str = setting(
-        "text", variable="LOG_FORMAT", flag="--log-format", choices=("text", "json"),
-        help="log lines as text, or one JSON object per line",
+        "text", choices=("text", "json"), help="log lines as text, or one JSON object per line",
         details="every line about a session carries its id, which the client sees as "
         "`env.session_id`",
     )  # fmt: skip
     metrics_port: int = setting(
-        -1, variable="METRICS_PORT", flag="--metrics-port", minimum=-1, maximum=65535,
+        -1, minimum=-1, maximum=65535,
         help="Prometheus `/metrics` port (on `METRICS_HOST`); `-1` off, `0` a free port",
         details="with workers, worker i serves on `metrics_port + i`",
     )  # fmt: skip
     metrics_host: str = setting(
-        "127.0.0.1", variable="METRICS_HOST", flag="--metrics-host",
+        "127.0.0.1",
         help="address of the metrics endpoint: loopback unless told otherwise (`0.0.0.0` "
         "for a Prometheus outside the pod), whatever `HOST` is",
         details="the endpoint runs on the server's event loop: 64 connections served at once "
@@ -347,13 +323,12 @@ class ServerConfig:
         "to send a request head and 5 s to take the answer, `GET /metrics` only",
     )  # fmt: skip
     metrics_token: str = setting(
-        "", variable="METRICS_TOKEN", flag=None, secret=True,
+        "", secret=True,
         help="when set, a scrape needs `authorization: Bearer <token>`; when unset, "
         "`AUTH_TOKEN` (if set) guards the endpoint",
     )  # fmt: skip
     max_streams_per_connection: int = setting(
-        0, variable="MAX_STREAMS_PER_CONNECTION", flag="--max-streams-per-connection",
-        minimum=0, maximum=_INT32_MAX,
+        0, minimum=0, maximum=_INT32_MAX,
         shown_default="`0` (the pending-call limit, at least capacity + 32; no limit when "
         "capacity is unlimited)",
         help="HTTP/2 streams (sessions and other calls) one client connection may have open",
@@ -365,8 +340,7 @@ class ServerConfig:
         "connections together",
     )  # fmt: skip
     max_pending_calls: int = setting(
-        0, variable="MAX_PENDING_CALLS", flag="--max-pending-calls",
-        minimum=0, maximum=_INT32_MAX,
+        0, minimum=0, maximum=_INT32_MAX,
         shown_default="`0` (4 x capacity + 512 within `4608`..`32768`: `4608` at the "
         "default capacity; `32768` when capacity is unlimited)",
         help="calls gRPC holds for the server before its handlers pick them up",
@@ -378,8 +352,8 @@ class ServerConfig:
     )  # fmt: skip
 
     def __post_init__(self) -> None:
-        for spec, meta in _declared():
-            _check(meta, spec.name, getattr(self, spec.name))
+        for name, _, meta, _ in settings():
+            _check(meta, name, getattr(self, name))
 
     @property
     def capacity(self) -> int:
@@ -438,22 +412,25 @@ class ServerConfig:
         values ignored); ValueError if a value does not parse or is out of range."""
         environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}
-        for spec, meta in _declared():
+        for name, kind, meta, _ in settings():
             if raw := environ.get(meta.variable, "").strip():
-                values[spec.name] = _parse(meta.variable, raw, spec.type)
+                try:
+                    values[name] = kind(raw)
+                except ValueError:
+                    raise ValueError(
+                        f"{meta.variable}={raw!r} is not a valid {kind.__name__}"
+                    ) from None
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
-
-
-def _declared() -> Iterator[tuple[Field[Any], Setting]]:
-    for spec in fields(ServerConfig):
-        yield spec, spec.metadata["setting"]
 
 
 def settings() -> list[tuple[str, type, Setting, Any]]:
     """Every setting: (field name, type, its :class:`Setting`, its default value)."""
     result = []
-    for spec, meta in _declared():
+    for spec in fields(ServerConfig):
+        meta: Setting = spec.metadata["setting"]
+        flag = None if meta.secret else meta.flag or "--" + spec.name.replace("_", "-")
+        meta = replace(meta, variable=meta.variable or spec.name.upper(), flag=flag)
         default = spec.default_factory() if callable(spec.default_factory) else spec.default
         result.append((spec.name, _KINDS[str(spec.type)], meta, default))
     return result
@@ -503,11 +480,3 @@ def _check(meta: Setting, name: str, value: Any) -> None:
         raise ValueError(f"{name} must be >= {_number(meta.minimum)}, got {value}")
     if meta.maximum is not None and value > meta.maximum:
         raise ValueError(f"{name} must be <= {_number(meta.maximum)}, got {value}")
-
-
-def _parse(var: str, raw: str, annotation: Any) -> Any:
-    kind = _KINDS[str(annotation)]
-    try:
-        return kind(raw)
-    except ValueError:
-        raise ValueError(f"{var}={raw!r} is not a valid {kind.__name__}") from None
