@@ -136,28 +136,23 @@ def worker_main(
     """Entry point of a worker process: serve frames until the front goes away."""
     # Ctrl-C reaches the whole process group: the front drains, then ends its workers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    asyncio.run(_serve(sock, factory, call_timeout, side, max_env_bytes))
-
-
-async def _serve(
-    sock: socket.socket,
-    factory: Callable[[], Any],
-    call_timeout: float | None,
-    side: socket.socket | None = None,
-    max_env_bytes: int = 0,
-) -> None:
-    contain_tasks(asyncio.get_running_loop())  # env code's own tasks cannot stop it
     spec = EnvSpec.from_factory(factory)
     if max_env_bytes:
-        spec = dataclasses.replace(spec, factory=_Measured(spec, max_env_bytes))
+        spec = dataclasses.replace(spec, factory=_Measured(spec.factory, spec.name, max_env_bytes))
     # Pooled envs are thread-safe across instances: those may be closed on the side.
     threaded = spec.mode in (ExecutionMode.POOL, ExecutionMode.MEASURED)
     if threaded:  # the worker is the env's own process: calls run inline
         spec = dataclasses.replace(spec, mode=ExecutionMode.INLINE)
-    reader, writer = await asyncio.open_unix_connection(sock=sock, limit=READ_LIMIT)
     types = spec.types
     know_messages(types.action, types.observation, types.state, types.reset_options)
-    worker = _Worker(spec, call_timeout, max_env_bytes)
+    asyncio.run(_serve(sock, _Worker(spec, call_timeout, max_env_bytes), side, threaded))
+
+
+async def _serve(
+    sock: socket.socket, worker: _Worker, side: socket.socket | None, threaded: bool
+) -> None:
+    contain_tasks(asyncio.get_running_loop())  # env code's own tasks cannot stop it
+    reader, writer = await asyncio.open_unix_connection(sock=sock, limit=READ_LIMIT)
     blocks = worker.blocks
     if side is not None:
         threading.Thread(
@@ -216,11 +211,9 @@ class _Worker:
         except Exception as exc:
             log.exception("environment factory raised")
             return Status.FAILED, describe(exc).encode()
-        if ceiling and block.native:
-            grew = (_resident_bytes() - before) // size
-            if grew > ceiling:
-                await block.close()
-                return Status.REFUSED, _over_ceiling(spec.name, grew, ceiling, size).encode()
+        if ceiling and block.native and (over := _over_ceiling(spec.name, before, ceiling, size)):
+            await block.close()
+            return Status.REFUSED, over.encode()
         self.blocks[env_id] = block
         return Status.OK, b"native" if block.native else b"loop"
 
@@ -271,13 +264,9 @@ class _Worker:
         """Close a block; a strict close answers what its ``close`` raised (FAILED: the
         description and the exception's type on two lines)."""
         block = self.blocks.pop(env_id, None)
-        if block is None:
-            return Status.OK, b""
-        if payload != STRICT_CLOSE:
-            await block.close()
-            return Status.OK, b""
         try:
-            await block.close_strictly()
+            if block is not None:  # a quiet close never raises
+                await (block.close_strictly() if payload == STRICT_CLOSE else block.close())
         except Exception as exc:
             log.exception("environment close() raised")
             return Status.FAILED, f"{describe(exc)}\n{qualname(exc)}".encode()
@@ -347,7 +336,12 @@ def _resident_bytes() -> int:
         return 0
 
 
-def _over_ceiling(name: str, grew: int, ceiling: int, batch: int = 0) -> str:
+def _over_ceiling(name: str, before: int, ceiling: int, batch: int = 0) -> str:
+    """Why an env (or, ``batch``, each of a native batch's) made since this process had
+    ``before`` resident bytes is refused; empty if it stayed within ``ceiling``."""
+    grew = (_resident_bytes() - before) // max(batch, 1)
+    if grew <= ceiling:
+        return ""
     made = f"a native batch of {batch} grew" if batch else "grew"
     each = " per env" if batch else ""
     return (
@@ -357,22 +351,21 @@ def _over_ceiling(name: str, grew: int, ceiling: int, batch: int = 0) -> str:
     )
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
 class _Measured:
     """The env's factory, measured: an instance that grew this process past ``ceiling``
     bytes is closed and refused (InvalidAction), so the block's loop closes the others."""
 
-    def __init__(self, spec: EnvSpec, ceiling: int) -> None:
-        self._factory = spec.factory
-        self._name = spec.name
-        self._ceiling = ceiling
+    factory: Callable[[], Any]
+    name: str
+    ceiling: int
 
     def __call__(self) -> Any:
         before = _resident_bytes()
-        env = self._factory()
-        grew = _resident_bytes() - before
-        if grew > self._ceiling:
+        env = self.factory()
+        if over := _over_ceiling(self.name, before, self.ceiling):
             _close_now(env)
-            raise InvalidAction(_over_ceiling(self._name, grew, self._ceiling))
+            raise InvalidAction(over)
         return env
 
 
