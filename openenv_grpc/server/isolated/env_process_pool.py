@@ -104,7 +104,7 @@ class _Call:
     started: float = 0.0  # loop time at which the worker began it
 
 
-class _Worker:
+class Worker:
     """One worker process, its socket, and the calls it owes answers to, oldest first."""
 
     def __init__(self, process: Any, sock: socket.socket, side: socket.socket) -> None:
@@ -154,7 +154,7 @@ class EnvProcessPool:
         self._overflow = size
         # spawn: the front already runs gRPC, which must never be forked.
         self._context = multiprocessing.get_context("spawn")
-        self._workers: list[_Worker] = []
+        self._workers: list[Worker] = []
         self._next_env = 1
         self._reaper = OrphanReaper(spec.env_class)
         self._closing: set[asyncio.Task[None]] = set()
@@ -169,7 +169,7 @@ class EnvProcessPool:
         for _ in range(self._size):
             self._workers.append(self._spawn())
 
-    def _spawn(self) -> _Worker:
+    def _spawn(self) -> Worker:
         front, back = socket.socketpair()
         side_front, side_back = socket.socketpair()
         process = self._context.Process(
@@ -188,13 +188,13 @@ class EnvProcessPool:
             back.close()
             side_back.close()
         side_front.setblocking(False)
-        worker = _Worker(process, front, side_front)
+        worker = Worker(process, front, side_front)
         worker.task = asyncio.get_running_loop().create_task(
             self._run(worker), name=f"openenv-env-worker-{process.pid}"
         )
         return worker
 
-    async def _run(self, worker: _Worker) -> None:
+    async def _run(self, worker: Worker) -> None:
         """Connect to a worker and dispatch its answers until it is gone."""
         writing: asyncio.Task[None] | None = None
         try:
@@ -222,7 +222,7 @@ class EnvProcessPool:
             worker.side.close()
         self._lost(worker, "died", _DIED)
 
-    async def _write(self, worker: _Worker, writer: asyncio.StreamWriter) -> None:
+    async def _write(self, worker: Worker, writer: asyncio.StreamWriter) -> None:
         """Hand queued frames to the transport as the worker takes them."""
         with contextlib.suppress(ConnectionError):  # the reader sees the worker go
             while True:
@@ -232,7 +232,7 @@ class EnvProcessPool:
                 worker.wake.clear()
                 await worker.wake.wait()
 
-    def _send(self, worker: _Worker, header: bytes, payload: bytes) -> None:
+    def _send(self, worker: Worker, header: bytes, payload: bytes) -> None:
         writer = worker.writer
         if (
             writer is not None
@@ -244,7 +244,7 @@ class EnvProcessPool:
             worker.unsent.append((header, payload))
             worker.wake.set()
 
-    def _answered(self, worker: _Worker, status: int, payload: Payload) -> None:
+    def _answered(self, worker: Worker, status: int, payload: Payload) -> None:
         if status == Status.READY:
             worker.ready = True
             return
@@ -257,16 +257,15 @@ class EnvProcessPool:
             future.get_loop().call_soon(call.late, status, payload)
         if worker.owed:
             worker.owed[0].started = future.get_loop().time()
-            self._arm(worker)
-        elif worker.timer is not None:
-            worker.timer.cancel()
-            worker.timer = None
+        self._arm(worker)
 
-    def _arm(self, worker: _Worker) -> None:
-        """Set the watchdog for the call the worker is busy with."""
+    def _arm(self, worker: Worker) -> None:
+        """Set the watchdog for the call the worker is busy with (if any)."""
         if worker.timer is not None:
             worker.timer.cancel()
             worker.timer = None
+        if not worker.owed:
+            return
         call = worker.owed[0]
         deadline = None if call.limit is None else call.started + call.limit
         if self._grace_over_at is not None:
@@ -275,7 +274,7 @@ class EnvProcessPool:
         if deadline is not None:
             worker.timer = asyncio.get_running_loop().call_at(deadline, self._expired, worker, call)
 
-    def _expired(self, worker: _Worker, call: _Call) -> None:
+    def _expired(self, worker: Worker, call: _Call) -> None:
         worker.timer = None
         if not worker.alive or not worker.owed or worker.owed[0] is not call:
             return
@@ -301,7 +300,7 @@ class EnvProcessPool:
 
     def _lost(
         self,
-        worker: _Worker,
+        worker: Worker,
         how: str,
         message: str,
         culprit: _Call | None = None,
@@ -311,24 +310,30 @@ class EnvProcessPool:
         its leftovers, replace it."""
         if not worker.alive:
             return
-        self._disconnect(worker)
         worker.gone = message
-        for call in worker.owed:
-            error = CallTimedOut(culprit_message) if call is culprit else SessionLostError(message)
-            if not call.future.done():
-                call.future.set_exception(error)
-        worker.owed.clear()
+        self._disconnect(worker, message, culprit, culprit_message)
         lost = sum(worker.envs.values())
         log.error("env worker pid %s %s: %d envs lost", worker.process.pid, how, lost)
         self._reaper.reap(worker.process)
         if not self._stopped and self._grace_over_at is None:
             self._workers[self._workers.index(worker)] = self._spawn()
 
-    def _disconnect(self, worker: _Worker) -> None:
+    def _disconnect(
+        self,
+        worker: Worker,
+        message: str = _DIED,
+        culprit: _Call | None = None,
+        culprit_message: str = "",
+    ) -> None:
+        """Cut ``worker`` off; the calls it owed fail (``culprit``, the call that hung:
+        CallTimedOut)."""
         worker.alive = False
-        if worker.timer is not None:
-            worker.timer.cancel()
-            worker.timer = None
+        for call in worker.owed:
+            error = CallTimedOut(culprit_message) if call is culprit else SessionLostError(message)
+            if not call.future.done():
+                call.future.set_exception(error)
+        worker.owed.clear()
+        self._arm(worker)  # no call owed: the watchdog is off
         worker.unsent.clear()
         # Shut down, not closed (the transport owns the socket): the worker sees EOF now.
         with contextlib.suppress(OSError):
@@ -338,7 +343,7 @@ class EnvProcessPool:
 
     async def call(
         self,
-        worker: _Worker,
+        worker: Worker,
         env_id: int,
         op: int,
         payload: bytes = b"",
@@ -384,7 +389,7 @@ class EnvProcessPool:
 
     async def place_block(
         self, size: int, autoreset: AutoresetMode, *, kind: int, prefer_ready: bool
-    ) -> tuple[_Worker, int, bool]:
+    ) -> tuple[Worker, int, bool]:
         """:meth:`create_block` on the first worker of :meth:`for_new_envs`, or on
         another should that one die first; returns the worker too.
 
@@ -409,7 +414,7 @@ class EnvProcessPool:
 
     def for_new_envs(
         self, *, prefer_ready: bool = False, tried: AbstractSet[int] = frozenset()
-    ) -> list[_Worker]:
+    ) -> list[Worker]:
         """The workers new envs may go to without waiting behind another call: the idle
         ones, least loaded (and, ``prefer_ready``, up) first; if none, a new worker (up to
         twice the pool's size; it retires once empty); at that limit, every live one.
@@ -440,7 +445,7 @@ class EnvProcessPool:
             return [worker]
         return live
 
-    def _retire(self, worker: _Worker) -> None:
+    def _retire(self, worker: Worker) -> None:
         """Stop ``worker`` if it holds nothing and the pool is over its size."""
         if (
             worker.alive
@@ -454,7 +459,7 @@ class EnvProcessPool:
             log.info("env worker pid %s retired (%d now)", worker.process.pid, len(self._workers))
 
     async def create_block(
-        self, worker: _Worker, size: int, autoreset: AutoresetMode, *, kind: int = VECTOR_BLOCK
+        self, worker: Worker, size: int, autoreset: AutoresetMode, *, kind: int = VECTOR_BLOCK
     ) -> tuple[int, bool]:
         """Create a block of ``size`` envs (of ``kind``) on ``worker``; returns its env id
         and whether it is the env's native batch.
@@ -481,7 +486,7 @@ class EnvProcessPool:
             raise InvalidAction(text) if status == Status.REFUSED else EnvFactoryError(text)
         return env_id, answer == b"native"
 
-    def close_env(self, worker: _Worker, env_id: int) -> asyncio.Task[None]:
+    def close_env(self, worker: Worker, env_id: int) -> asyncio.Task[None]:
         """Close an env in its worker, in a task of its own (a cancelled session must not
         skip it); quietly if the worker is or becomes dead."""
         task = asyncio.get_running_loop().create_task(self._close_env(worker, env_id))
@@ -489,14 +494,14 @@ class EnvProcessPool:
         task.add_done_callback(self._closing.discard)
         return task
 
-    async def _close_env(self, worker: _Worker, env_id: int) -> None:
+    async def _close_env(self, worker: Worker, env_id: int) -> None:
         if await self._close_on_the_side(worker, env_id):
             return
         with contextlib.suppress(SessionLostError):  # it died with its process
             await self.call(worker, env_id, Op.CLOSE)
             self._retire(worker)
 
-    async def close_strictly(self, worker: _Worker, env_id: int) -> None:
+    async def close_strictly(self, worker: Worker, env_id: int) -> None:
         """Close a block for a close command, in its worker, and wait for it.
 
         Raises:
@@ -511,7 +516,7 @@ class EnvProcessPool:
             text, _, kind = payload.decode(errors="replace").partition("\n")
             raise CloseFailed(text, kind)
 
-    async def _close_on_the_side(self, worker: _Worker, env_id: int) -> bool:
+    async def _close_on_the_side(self, worker: Worker, env_id: int) -> bool:
         """In a drain, close an env whose worker is busy with another env's call (maybe
         hung, killed at the grace's end) on its side thread. True if closed so (or the
         worker is gone); False: send CLOSE."""
@@ -558,11 +563,7 @@ class EnvProcessPool:
             self._drain_timer.cancel()
         live = [worker for worker in self._workers if worker.alive]
         for worker in live:
-            self._disconnect(worker)
-            for call in worker.owed:
-                if not call.future.done():
-                    call.future.set_exception(SessionLostError("the server stopped"))
-            worker.owed.clear()
+            self._disconnect(worker, "the server stopped")
         deadline = time.monotonic() + _STOP_WAIT
         for worker in live:
             worker.process.join(max(0.0, deadline - time.monotonic()))
@@ -580,12 +581,10 @@ async def _read_charged(
 ) -> tuple[int, Payload]:
     """Read a charged call's answer if admitted (else UNKEPT, no bytes; no bytes either
     when nobody waits for it)."""
-    if call.future.done():  # its caller went away: nothing to hold
-        await _skip(reader, length)
-        return status, b""
-    if not charge.admit(status, length):
-        await _skip(reader, length)
-        return Status.UNKEPT, b""
+    gone = call.future.done()  # its caller went away: nothing to hold
+    if gone or not charge.admit(status, length):
+        await _read_whole(reader, length, keep=False)
+        return status if gone else Status.UNKEPT, b""
     try:
         payload = await _read_whole(reader, length)
     except BaseException:
@@ -597,26 +596,18 @@ async def _read_charged(
     return status, payload
 
 
-async def _read_whole(reader: asyncio.StreamReader, length: int) -> bytearray:
+async def _read_whole(reader: asyncio.StreamReader, length: int, *, keep: bool = True) -> bytearray:
     """``length`` bytes read into one buffer (in memory once, not twice as with
-    ``readexactly``); IncompleteReadError if the worker went away first."""
-    data = bytearray(length)
+    ``readexactly``), or skipped (not ``keep``); IncompleteReadError if the worker went
+    away first."""
+    data = bytearray(length if keep else 0)
     with memoryview(data) as view:
         done = 0
         while done < length:
             chunk = await reader.read(min(length - done, READ_LIMIT))
             if not chunk:
                 raise asyncio.IncompleteReadError(b"", length)
-            view[done : done + len(chunk)] = chunk
+            if keep:
+                view[done : done + len(chunk)] = chunk
             done += len(chunk)
     return data
-
-
-async def _skip(reader: asyncio.StreamReader, length: int) -> None:
-    while length:
-        chunk = min(length, READ_LIMIT)
-        await reader.readexactly(chunk)
-        length -= chunk
-
-
-Worker = _Worker
