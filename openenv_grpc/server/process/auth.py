@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import grpc
+
+from openenv_grpc.server.process.request_deadline import request_streaming
 
 __all__ = ["AUTHORIZATION_KEY", "TokenAuthInterceptor"]
 
 AUTHORIZATION_KEY = "authorization"
 _Req = TypeVar("_Req")
 _Res = TypeVar("_Res")
-if TYPE_CHECKING:  # generic only in the type stubs, not at run time
-    _Handler = grpc.RpcMethodHandler[Any, Any]
 #: Health checks are exempt, so load balancers and probes keep working.
 _EXEMPT_PREFIX = "/grpc.health.v1.Health/"
 
@@ -43,7 +43,7 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
             or self.allows(handler_call_details.invocation_metadata)
         ):
             return handler
-        return _refusing(handler)
+        return request_streaming(handler, _deny)  # refused without reading a byte
 
     def allows(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
         """Whether ``metadata`` carries the token (an insider's call)."""
@@ -57,20 +57,3 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
 
 async def _deny(requests: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
     await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
-
-
-def _refusing(handler: _Handler) -> _Handler:
-    """A handler that refuses every call to ``handler``'s method without reading a byte of
-    its request: request-streaming whatever the method, since grpc.aio reads a unary
-    request whole before calling the handler (a refused caller could make it buffer up to
-    the request limit)."""
-    make = (
-        grpc.stream_stream_rpc_method_handler
-        if handler.response_streaming
-        else grpc.stream_unary_rpc_method_handler
-    )
-    return make(
-        _deny,
-        request_deserializer=handler.request_deserializer,
-        response_serializer=handler.response_serializer,
-    )

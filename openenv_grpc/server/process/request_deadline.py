@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
 from openenv_grpc.metadata import SERVICE_NAME
 from openenv_grpc.server.process.outsiders import OUTSIDER_ARRIVAL_SECONDS, OutsiderBudget
 
-__all__ = ["UnaryRequestDeadline"]
+__all__ = ["UnaryRequestDeadline", "request_streaming"]
 
 _Req = TypeVar("_Req")
 _Res = TypeVar("_Res")
@@ -48,33 +48,9 @@ class UnaryRequestDeadline(grpc.aio.ServerInterceptor):
         if handler is None or handler_call_details.method in _SESSIONS:
             return handler
         outsiders = self._outsiders
-        if outsiders is None or not outsiders.is_outsider(handler_call_details):
-            reader = _Reader(self._seconds, None)
-        else:
-            reader = _Reader(min(self._seconds, OUTSIDER_ARRIVAL_SECONDS), outsiders)
-        return _wrapped(handler, reader)
-
-
-class _Reader(NamedTuple):
-    """Read within ``seconds``, inside ``outsiders``' budget for an outsider's call."""
-
-    seconds: float
-    outsiders: OutsiderBudget | None
-
-
-async def _requests(
-    context: grpc.aio.ServicerContext[Any, Any], reader: _Reader
-) -> AsyncIterator[Any]:
-    """The call's requests until the client half-closes, each read with ``reader``."""
-    while (request := await _next_request(context, reader)) is not grpc.aio.EOF:
-        yield request
-
-
-async def _next_request(context: grpc.aio.ServicerContext[Any, Any], reader: _Reader) -> Any:
-    if reader.outsiders is None:
-        return await _read(context, reader.seconds, None)
-    async with reader.outsiders.reading(context) as pushed_out:
-        return await _read(context, reader.seconds, pushed_out)
+        if outsiders is not None and outsiders.is_outsider(handler_call_details):
+            return _wrapped(handler, min(self._seconds, OUTSIDER_ARRIVAL_SECONDS), outsiders)
+        return _wrapped(handler, self._seconds, None)
 
 
 async def _read(
@@ -103,18 +79,29 @@ async def _read(
     return read.result()
 
 
-def _wrapped(handler: _Handler, reader: _Reader) -> _Handler:
-    """``handler`` as a request-streaming handler that reads its requests with ``reader``."""
+def _wrapped(handler: _Handler, seconds: float, outsiders: OutsiderBudget | None) -> _Handler:
+    """``handler`` reading each request within ``seconds``, inside ``outsiders``' budget
+    for an outsider's call."""
     # Exactly one is set. Any: the stubs type behaviours as sync callables; on grpc.aio
     # they are coroutines (or async generators).
     behaviour: Any = (
         handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
     )
 
+    async def next_request(context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        if outsiders is None:
+            return await _read(context, seconds, None)
+        async with outsiders.reading(context) as pushed_out:
+            return await _read(context, seconds, pushed_out)
+
+    async def requests(context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+        while (one := await next_request(context)) is not grpc.aio.EOF:
+            yield one  # until the client half-closes
+
     async def request(context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         if handler.request_streaming:
-            return _requests(context, reader)
-        one = await _next_request(context, reader)
+            return requests(context)
+        one = await next_request(context)
         if one is grpc.aio.EOF:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call carried no request")
         return one
@@ -130,13 +117,20 @@ def _wrapped(handler: _Handler, reader: _Reader) -> _Handler:
     async def answer(_: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         return await behaviour(await request(context), context)
 
+    return request_streaming(handler, answers if handler.response_streaming else answer)
+
+
+def request_streaming(handler: _Handler, behaviour: Any) -> _Handler:
+    """A handler for ``handler``'s method that runs ``behaviour``, taking the requests
+    itself: grpc.aio reads a unary request whole before calling the handler, so a caller
+    could make it buffer up to the request limit before a refusal or a deadline."""
     make = (
         grpc.stream_stream_rpc_method_handler
         if handler.response_streaming
         else grpc.stream_unary_rpc_method_handler
     )
     return make(
-        answers if handler.response_streaming else answer,
+        behaviour,
         request_deserializer=handler.request_deserializer,
         response_serializer=handler.response_serializer,
     )
