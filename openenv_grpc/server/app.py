@@ -221,14 +221,8 @@ class EnvServer:
         add_env_service(self._servicer, server)
         self._health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection(
-            [
-                SERVICE_NAME,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ],
-            server,
-        )
+        health = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+        reflection.enable_server_reflection([SERVICE_NAME, health, reflection.SERVICE_NAME], server)
         try:
             if credentials is None:
                 self.port = server.add_insecure_port(self.config.address)
@@ -239,8 +233,8 @@ class EnvServer:
         await server.start()
         start_heap_trimmer()
         self._server = server
-        await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
-        await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._sessions.start()
         for door in self._doors:
             await door.start(self)
