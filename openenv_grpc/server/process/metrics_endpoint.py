@@ -21,14 +21,7 @@ from http import HTTPStatus
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
-__all__ = [
-    "BACKLOG",
-    "EVICT_AFTER",
-    "MAX_CONNECTIONS",
-    "MAX_HEAD_BYTES",
-    "REQUEST_TIMEOUT",
-    "MetricsEndpoint",
-]
+__all__ = ["EVICT_AFTER", "MAX_CONNECTIONS", "REQUEST_TIMEOUT", "MetricsEndpoint"]
 
 log = logging.getLogger(__name__)
 
