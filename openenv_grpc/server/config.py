@@ -1,6 +1,7 @@
-"""Server settings, each declared once with :func:`setting`: its flag, variable, default,
-range and help. The ``serve`` options, :meth:`ServerConfig.from_env` and docs/settings.md
-are all made from these declarations. Precedence: argument, then variable, then default.
+"""Server settings, each declared once with :func:`setting`: its default, range and help
+(its variable and flag follow its name). The ``serve`` options, :meth:`ServerConfig.from_env`
+and docs/settings.md are all made from these declarations. Precedence: argument, then
+variable, then default.
 """
 
 from __future__ import annotations
