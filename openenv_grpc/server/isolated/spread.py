@@ -18,7 +18,7 @@ import bisect
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -118,7 +118,7 @@ class SpreadBatchCalls(Commands):
         self._autoreset = autoreset
         self._native = native
         self._policy = policy
-        self._losses: Losses = _UNBOOKED
+        self._losses: Losses | None = None  # no driver reads the books
 
     @classmethod
     async def open(
@@ -174,9 +174,8 @@ class SpreadBatchCalls(Commands):
     def replacing(self) -> Awaitable[None] | None:
         """The wait for lost blocks' fresh ones still being made (None: none is), raising
         what making one raised: for a Session's view, whose client learns of it next."""
-        for block in self._blocks:
-            if block.rebuilding is not None:
-                return self._replaced()
+        if any(block.rebuilding is not None for block in self._blocks):
+            return self._replaced()
         return None
 
     async def _replaced(self) -> None:
@@ -245,7 +244,7 @@ class SpreadBatchCalls(Commands):
         if error is None and gathered.short is not None:
             error = _unkept(name, gathered.budget, *gathered.short)
         if error is not None:
-            if lost:  # not told: the next call naming them is
+            if lost and self._losses is not None:  # not told: the next call naming them is
                 self._losses.book_lost(lost)
             raise error
         if gathered.over:
@@ -287,10 +286,10 @@ class SpreadBatchCalls(Commands):
                     _INTERNAL, f"close failed: {answer.message}", answer.exception_type,
                     ends=True,
                 )  # fmt: skip
-            if isinstance(answer, SessionLostError) and self._policy.lost_process_ends:
+            # A vector block that died is closed with its process.
+            lost = isinstance(answer, SessionLostError) and not self._policy.lost_process_ends
+            if isinstance(answer, BaseException) and not lost:
                 raise answer
-            if isinstance(answer, BaseException) and not isinstance(answer, SessionLostError):
-                raise answer  # a vector block that died is closed with its process
 
     async def _close_all(self) -> None:
         closing = []
@@ -322,20 +321,16 @@ class SpreadBatchCalls(Commands):
         """Send each block its ``frame``, together, and merge the answers into ``out`` in
         index order (handed to ``orphaned`` should this be cancelled)."""
         started = time.perf_counter()
-        if orphaned is None:
-            answers = await asyncio.gather(*(self._call(what, part, frame(part)) for part in parts))
-        else:
-            answers = await self._gather_or_hand_on(what, parts, frame, orphaned, started)
+        lates = [None if orphaned is None else _late(orphaned, started, part) for part in parts]
+        answers = await self._answers(what, parts, frame, lates)
         read = [None if status is None else _read(status, payload) for status, payload in answers]
         refused = [response for response in read if isinstance(response, BatchRefused)]
         if refused:
             ending = next((one for one in refused if one.ends), None)
             if ending is not None or len(parts) == 1:
-                if orphaned is not None:  # what stepped is booked and counted all the same
-                    seconds = time.perf_counter() - started
-                    for part, response in zip(parts, read, strict=True):
-                        if isinstance(response, pb.VectorSessionResponse):
-                            orphaned(read_answer(response, part[0].start), seconds)
+                for late, (status, payload) in zip(lates, answers, strict=True):
+                    if late is not None and status is not None:
+                        late(status, payload)  # what stepped is booked and counted all the same
                 raise ending or refused[0]
         errors = out if isinstance(out, dict) else out.errors
         for part, (_, payload), response in zip(parts, answers, read, strict=True):
@@ -344,33 +339,21 @@ class SpreadBatchCalls(Commands):
             elif isinstance(response, BatchRefused):
                 # Only a whole block failed (e.g. no env thread in time): its envs say so.
                 error = RowError(response.code, response.message, response.exception_type)
-                errors.update({indices[k]: error for k in part[1]})
+                errors.update(_rows(part, indices, error))
             else:
                 _merge(out, read_answer(response, part[0].start))
         return out
 
-    async def _gather_or_hand_on(
-        self, what: str, parts: list[_Part], frame: Any, orphaned: _Orphaned, started: float
+    async def _answers(
+        self, what: str, parts: list[_Part], frame: Any, lates: list[Late | None]
     ) -> list[tuple[int | None, Any]]:
-        """Each part's answer; should this be cancelled, every block's answer is handed
-        to ``orphaned`` exactly once: by the pool (``late``) when still to come, else
-        here."""
-
-        def late_of(part: _Part) -> Late:
-            def late(status: int, payload: Payload) -> None:
-                response = _read(status, payload)
-                if not isinstance(response, BatchRefused):  # a refusal stepped nothing
-                    seconds = time.perf_counter() - started
-                    orphaned(read_answer(response, part[0].start), seconds)
-
-            return late
-
+        """Each part's answer; should this be cancelled, each block's answer is handed to
+        its ``late`` exactly once: by the pool when still to come, else here."""
         if len(parts) == 1:  # no task to gather
-            part = parts[0]
-            return [await self._call(what, part, frame(part), late=late_of(part))]
+            return [await self._call(what, parts[0], frame(parts[0]), late=lates[0])]
         calls = [
-            asyncio.ensure_future(self._call(what, part, frame(part), late=late_of(part)))
-            for part in parts
+            asyncio.ensure_future(self._call(what, part, frame(part), late=late))
+            for part, late in zip(parts, lates, strict=True)
         ]
         try:
             return await asyncio.gather(*calls)
@@ -378,11 +361,12 @@ class SpreadBatchCalls(Commands):
             # A call that returned before the cancellation reached it: its answer is
             # here only (handed on in a callback, so it never replaces the cancellation).
             loop = asyncio.get_running_loop()
-            for part, call in zip(parts, calls, strict=True):
-                if call.done() and not call.cancelled() and call.exception() is None:
+            for late, call in zip(lates, calls, strict=True):
+                answered = call.done() and not call.cancelled() and call.exception() is None
+                if late is not None and answered:
                     status, payload = call.result()
                     if status is not None:  # None: its block was lost, nothing stepped
-                        loop.call_soon(late_of(part), status, payload)
+                        loop.call_soon(late, status, payload)
             raise
 
     def _split(self, indices: Sequence[int]) -> list[_Part]:
@@ -432,20 +416,21 @@ class SpreadBatchCalls(Commands):
                 raise
             code, why = _UNAVAILABLE, str(exc)
         message = f"{why}; a fresh environment took this one's place: reset it"
+        named = {block.start + local for local in part[2]}
         if block.rebuilding is not None or block.worker is not worker or block.env_id != env_id:
             # Another call saw the loss first (one rebuild); this call's envs are told here.
-            self._losses.book_told(block.start + local for local in part[2])
+            if self._losses is not None:
+                self._losses.book_told(named)
             return None, RowError(code, message)
         # Answered now, not once the fresh block is made (that may take seconds); its
         # other envs learn it when next named.
-        named = {block.start + local for local in part[2]}
         gone = RowError(
             _UNAVAILABLE,
             f"its env process was lost during a {what} of other envs ({why}); a fresh "
             "environment took this one's place: reset it",
         )
         unnamed = {i: gone for i in range(block.start, block.start + block.size) if i not in named}
-        if unnamed:
+        if unnamed and self._losses is not None:
             self._losses.book_lost(unnamed)
         block.worker.envs.pop(block.env_id, None)
         refused = code == _DEADLINE_EXCEEDED and policy.refuse_timed_out_call
@@ -466,7 +451,6 @@ class SpreadBatchCalls(Commands):
             SessionLostError: none could be made (``hung``, a call refused past the
                 timeout: BatchRefused, INTERNAL, and the stream ends).
         """
-        block.worker.envs.pop(block.env_id, None)
         try:
             worker, block.env_id, _ = await self._pool.place_block(
                 block.size, self._autoreset, kind=self._policy.kind, prefer_ready=True
@@ -522,19 +506,6 @@ class _Gathered:
             self.budget.give(length)
 
 
-class _Unbooked:
-    """The books of calls no driver reads."""
-
-    def book_lost(self, errors: Mapping[int, RowError]) -> None:
-        pass
-
-    def book_told(self, indices: Iterable[int]) -> None:
-        pass
-
-
-_UNBOOKED = _Unbooked()
-
-
 async def _rebuilt(block: _Block) -> None:
     """Wait for ``block``'s fresh sub-batch; raises what making it raised."""
     rebuilding = block.rebuilding
@@ -545,6 +516,17 @@ async def _rebuilt(block: _Block) -> None:
     finally:
         if block.rebuilding is rebuilding:
             block.rebuilding = None
+
+
+def _late(orphaned: _Orphaned, started: float, part: _Part) -> Late:
+    """Hands a block's answer, whose caller stopped waiting, to ``orphaned``."""
+
+    def late(status: int, payload: Payload) -> None:
+        response = _read(status, payload)
+        if not isinstance(response, BatchRefused):  # a refusal stepped nothing
+            orphaned(read_answer(response, part[0].start), time.perf_counter() - started)
+
+    return late
 
 
 def _rows(part: _Part, indices: Sequence[int], error: RowError) -> dict[int, RowError]:
@@ -585,16 +567,15 @@ def _unkept(name: str, budget: ByteBudget | None, held: int, part: int) -> Batch
 
 def _merge(out: Any, part: Any) -> None:
     """Append one block's answer (its rows follow those already in ``out``)."""
-    if not isinstance(out, BatchOutcome):
-        if isinstance(out, dict):  # per-env errors
-            out.update(part)
-        else:
-            out.rows.extend(part.rows)
-            out.states.extend(part.states)
-            out.errors.update(part.errors)
+    if isinstance(out, dict):  # per-env errors
+        out.update(part)
         return
     before = len(out.rows)
     out.rows.extend(part.rows)
+    out.errors.update(part.errors)
+    if not isinstance(out, BatchOutcome):  # a query's BatchStates
+        out.states.extend(part.states)
+        return
     if part.batch_observation is not None:  # one block only
         out.batch_observation = part.batch_observation
         out.batch_final_observation = part.batch_final_observation
@@ -611,4 +592,3 @@ def _merge(out: Any, part: Any) -> None:
     out.new_episode_ids.update(part.new_episode_ids)
     out.final_observations.extend(part.final_observations)
     out.final_infos.update(part.final_infos)
-    out.errors.update(part.errors)
