@@ -58,8 +58,7 @@ def start_heap_trimmer() -> bool:
 
 def _trim_forever(trim: Callable[[int], int]) -> None:
     wake = threading.Event()  # never set: a sleep that does not hold the GIL
-    while True:
-        wake.wait(TRIM_INTERVAL)
+    while not wake.wait(TRIM_INTERVAL):
         try:
             trim(0)
         except Exception:  # pragma: no cover - a libc that misbehaves must not kill us
