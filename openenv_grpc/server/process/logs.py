@@ -16,10 +16,9 @@ __all__ = ["SESSION_ID", "configure_logging"]
 SESSION_ID: ContextVar[str] = ContextVar("openenv_session_id", default="-")
 
 
-class _SessionFilter(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        record.session = SESSION_ID.get()
-        return True
+def _add_session(record: logging.LogRecord) -> bool:
+    record.session = SESSION_ID.get()
+    return True
 
 
 class JsonFormatter(logging.Formatter):
@@ -44,7 +43,7 @@ def configure_logging(level: str = "INFO", fmt: str = "text") -> None:
     if fmt not in ("text", "json"):
         raise ValueError(f"log format must be text or json, got {fmt!r}")
     handler = logging.StreamHandler()
-    handler.addFilter(_SessionFilter())
+    handler.addFilter(_add_session)
     text = logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(session)s] %(message)s")
     handler.setFormatter(JsonFormatter() if fmt == "json" else text)
     root = logging.getLogger()
