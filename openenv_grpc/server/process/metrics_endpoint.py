@@ -103,9 +103,8 @@ class MetricsEndpoint:
         while True:
             while len(self._open) >= self._max_connections:
                 self._slot_freed.clear()
+                # A closed connection is let go on a later loop turn: wait for it.
                 self._evict_slow_if_others_wait(sock, loop.time())
-                if len(self._open) < self._max_connections:
-                    break
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._slot_freed.wait(), _EVICT_CHECK)
             try:
