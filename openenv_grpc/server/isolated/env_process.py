@@ -56,7 +56,6 @@ __all__ = [
     "Op",
     "Status",
     "put",
-    "refusal_flags",
     "worker_main",
 ]
 
@@ -95,7 +94,7 @@ class Status:
     closed; FAILED: its factory or strict close raised (payload: what); REFUSED:
     ``make_batch`` refused, or the memory ceiling; BLOCK_GONE: the block was closed on the
     side meanwhile (plain text); READY: once, at start. ANSWER is a
-    ``VectorSessionResponse``, or ``CALL_REFUSED + flags`` (:func:`refusal_flags`) when the
+    ``VectorSessionResponse``, or ``CALL_REFUSED + flags`` (:data:`REFUSAL_FLAGS`) when the
     call failed as a whole; TOO_LARGE: a QUERY past its room (``frames.ROOM``). UNKEPT is
     the front's own: an answer its byte budget could not hold, read and dropped."""
 
@@ -103,13 +102,9 @@ class Status:
     CALL_REFUSED = 8
 
 
-#: ``CALL_REFUSED + flags`` for flags below this (:func:`refusal_flags`' four bits).
+#: ``CALL_REFUSED + flags`` for flags below this: four bits, ``BatchRefused``'s broken,
+#: replaced, saturated and ends.
 REFUSAL_FLAGS = 16
-
-
-def refusal_flags(refused: BatchRefused) -> int:
-    """The flags of a refused block call, added to ``Status.CALL_REFUSED``."""
-    return refused.broken | refused.replaced << 1 | refused.saturated << 2 | refused.ends << 3
 
 
 #: A side close (front -> worker): the env id. The answer adds a status byte.
@@ -302,7 +297,8 @@ def _refused(response: pb.VectorSessionResponse, refused: BatchRefused) -> tuple
     response.error.code = refused.code
     response.error.message = refused.message
     response.error.exception_type = refused.exception_type
-    return Status.CALL_REFUSED + refusal_flags(refused), response.SerializeToString()
+    flags = refused.broken | refused.replaced << 1 | refused.saturated << 2 | refused.ends << 3
+    return Status.CALL_REFUSED + flags, response.SerializeToString()
 
 
 def _serve_side(side: socket.socket, blocks: dict[int, LocalBatchCalls], threaded: bool) -> None:

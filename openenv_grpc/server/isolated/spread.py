@@ -183,23 +183,20 @@ class SpreadBatchCalls(Commands):
             await _rebuilt(block)
 
     async def command(self, name: str, args: Any) -> Any:
-        parts = self._split(args.indices)
-        # One block from index 0 (a Session's, a native batch's): the args as they are.
-        whole = len(parts) == 1 and parts[0][0].start == 0
-
         def frame(part: _Part) -> bytes:
+            # One block from index 0 (a Session's, a native batch's): the args as they are.
+            whole = part[0].start == 0 and len(part[1]) == len(args.indices)
             sub = batch_args(args) if whole else part_args(args, part[1], part[2])
             return command_frame(name, name, len(part[1]), sub)
 
         orphaned = getattr(args, "orphaned", None)
-        return await self._gather(name, args.indices, parts, frame, args.outcome(), orphaned)
+        return await self._gather(name, args.indices, frame, args.outcome(), orphaned)
 
     async def query(self, name: str, indices: Sequence[int]) -> BatchStates:
         def frame(part: _Part) -> bytes:
             return command_frame(name, "query", len(part[2]), (name, part[2]))
 
-        parts = self._split(indices)
-        return cast(BatchStates, await self._gather(name, indices, parts, frame, BatchStates()))
+        return cast(BatchStates, await self._gather(name, indices, frame, BatchStates()))
 
     async def query_within(self, name: str, indices: Sequence[int], room: int) -> BatchStates:
         """:meth:`query` within ``room`` bytes: each block is told the room, and each
@@ -313,7 +310,6 @@ class SpreadBatchCalls(Commands):
         self,
         what: str,
         indices: Sequence[int],
-        parts: list[_Part],
         frame: Callable[[_Part], bytes],
         out: Any,
         orphaned: _Orphaned | None = None,
@@ -321,6 +317,7 @@ class SpreadBatchCalls(Commands):
         """Send each block its ``frame``, together, and merge the answers into ``out`` in
         index order (handed to ``orphaned`` should this be cancelled)."""
         started = time.perf_counter()
+        parts = self._split(indices)
         lates = [None if orphaned is None else _late(orphaned, started, part) for part in parts]
         answers = await self._answers(what, parts, frame, lates)
         read = [None if status is None else _read(status, payload) for status, payload in answers]
