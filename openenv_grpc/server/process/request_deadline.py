@@ -1,10 +1,6 @@
-"""A deadline on the arrival of each request of every call but the session streams.
-
-grpc.aio reads a unary request whole before the handler runs, and nothing bounds how long
-that takes: a client that never sends its last bytes would hold up to
-``--max-request-bytes`` for as long as it kept the connection. So such methods (and the
-reflection streams, request by request) are served as request-streaming calls that take
-each request within ``--request-arrival-timeout`` s or end ``DEADLINE_EXCEEDED``. An
+"""A deadline on the arrival of each request of every call but the session streams
+(``--request-arrival-timeout``; docs/settings.md says why): such methods, and the
+reflection streams request by request, are served as request-streaming calls. An
 outsider's read also reserves its room in the outsiders' budget first (outsiders.py).
 """
 
