@@ -1,10 +1,7 @@
 """The Prometheus endpoint: ``GET /metrics`` over HTTP/1.1 on the server's event loop.
 
 Bounded, since anyone who reaches the port can connect, and every scrape answered, since a
-failed scrape marks the target down: no thread per connection, at most
-:data:`MAX_CONNECTIONS` at once (more wait in the kernel's listen queue), a connection
-still without a request head after :data:`EVICT_AFTER` s gives way to one waiting, and
-:data:`REQUEST_TIMEOUT` s each to send the head and to take the answer.
+failed scrape marks the target down: no thread per connection, and the limits below.
 """
 
 from __future__ import annotations
