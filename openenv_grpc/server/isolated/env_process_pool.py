@@ -26,6 +26,8 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import grpc
+
 from openenv_grpc.environment import AutoresetMode, InvalidAction
 from openenv_grpc.server.errors import EnvFactoryError, SessionLostError
 from openenv_grpc.server.isolated.env_process import (
@@ -42,16 +44,19 @@ from openenv_grpc.server.isolated.env_process import (
     put,
     worker_main,
 )
+from openenv_grpc.server.local.calls import BatchRefused
 from openenv_grpc.server.model.spec import EnvSpec, ExecutionMode
 from openenv_grpc.server.process.budget import ByteBudget
 from openenv_grpc.server.process.orphans import OrphanReaper
 
 __all__ = [
-    "CallTimedOut", "Charge", "CloseFailed", "EnvProcessPool", "Late", "Payload", "Worker",
+    "CallTimedOut", "Charge", "EnvProcessPool", "Late", "Payload", "Worker",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
+_DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+_INTERNAL = grpc.StatusCode.INTERNAL.value[0]
 #: Seconds an async env's worker gets past the timeout (it cancels the call itself).
 _ASYNC_MARGIN = 1.0
 #: Once a drain's grace is over, seconds a call may still keep its worker busy.
@@ -66,15 +71,6 @@ Payload = bytes | bytearray
 
 #: Takes the status and payload of an answer whose caller was cancelled meanwhile.
 Late = Callable[[int, Payload], None]
-
-
-class CloseFailed(Exception):
-    """A block's ``close`` raised in its worker: ``describe(exc)`` and the exception's type."""
-
-    def __init__(self, message: str, exception_type: str) -> None:
-        super().__init__(message)
-        self.message = message
-        self.exception_type = exception_type
 
 
 class CallTimedOut(SessionLostError):
@@ -505,16 +501,25 @@ class EnvProcessPool:
         """Close a block for a close command, in its worker, and wait for it.
 
         Raises:
-            CloseFailed: the env's ``close`` raised (it is closed all the same).
-            CallTimedOut: the close hung past the step timeout (its worker was stopped).
+            BatchRefused: the env's ``close`` raised (INTERNAL; it is closed all the same)
+                or hung past the step timeout (DEADLINE_EXCEEDED; its worker was stopped):
+                the stream ends.
             SessionLostError: the worker died meanwhile.
         """
         worker.envs.pop(env_id, None)
-        status, payload = await self.call(worker, env_id, Op.CLOSE, STRICT_CLOSE)
+        try:
+            status, payload = await self.call(worker, env_id, Op.CLOSE, STRICT_CLOSE)
+        except CallTimedOut:
+            raise BatchRefused(
+                _DEADLINE_EXCEEDED,
+                f"close did not finish within {self.call_timeout:g}s; the environment's "
+                "worker process was stopped",
+                ends=True,
+            ) from None
         self._retire(worker)
-        if status == Status.FAILED:
+        if status == Status.FAILED:  # the description and the exception's type
             text, _, kind = payload.decode(errors="replace").partition("\n")
-            raise CloseFailed(text, kind)
+            raise BatchRefused(_INTERNAL, f"close failed: {text}", kind, ends=True)
 
     async def _close_on_the_side(self, worker: Worker, env_id: int) -> bool:
         """In a drain, close an env whose worker is busy with another env's call (maybe

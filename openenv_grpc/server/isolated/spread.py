@@ -30,7 +30,6 @@ from openenv_grpc.server.isolated.env_process import REFUSAL_FLAGS, VECTOR_BLOCK
 from openenv_grpc.server.isolated.env_process_pool import (
     CallTimedOut,
     Charge,
-    CloseFailed,
     EnvProcessPool,
     Late,
     Payload,
@@ -271,18 +270,6 @@ class SpreadBatchCalls(Commands):
             return_exceptions=True,
         )
         for answer in answers:
-            if isinstance(answer, CallTimedOut):
-                raise BatchRefused(
-                    _DEADLINE_EXCEEDED,
-                    f"close did not finish within {self._pool.call_timeout:g}s; the "
-                    "environment's worker process was stopped",
-                    ends=True,
-                )
-            if isinstance(answer, CloseFailed):
-                raise BatchRefused(
-                    _INTERNAL, f"close failed: {answer.message}", answer.exception_type,
-                    ends=True,
-                )  # fmt: skip
             # A vector block that died is closed with its process.
             lost = isinstance(answer, SessionLostError) and not self._policy.lost_process_ends
             if isinstance(answer, BaseException) and not lost:
