@@ -146,18 +146,15 @@ class EnvProcessPool:
         self._worker_limit = None if call_timeout is None else call_timeout + margin
         self._factory = factory
         self._size = size
-        #: Workers the pool may start beyond ``size`` while every worker is busy.
-        self._overflow = size
         # spawn: the front already runs gRPC, which must never be forked.
         self._context = multiprocessing.get_context("spawn")
         self._workers: list[Worker] = []
         self._next_env = 1
         self._reaper = OrphanReaper(spec.env_class)
         self._closing: set[asyncio.Task[None]] = set()
+        #: Set once a drain began: closes no longer wait behind other envs' calls.
         self._drain_timer: asyncio.TimerHandle | None = None
         self._grace_over_at: float | None = None  # loop time a drain's grace ended
-        #: A drain began: closes no longer wait behind other envs' calls.
-        self._draining = False
         self._stopped = False
 
     def start(self) -> None:
@@ -430,7 +427,7 @@ class EnvProcessPool:
         if (
             self._grace_over_at is None
             and not self._stopped
-            and len(self._workers) < self._size + self._overflow
+            and len(self._workers) < 2 * self._size
         ):
             worker = self._spawn()
             self._workers.append(worker)
@@ -525,7 +522,7 @@ class EnvProcessPool:
         """In a drain, close an env whose worker is busy with another env's call (maybe
         hung, killed at the grace's end) on its side thread. True if closed so (or the
         worker is gone); False: send CLOSE."""
-        if not self._draining or not worker.alive or not worker.owed:
+        if self._drain_timer is None or not worker.alive or not worker.owed:
             return False
         if worker.owed[0].env_id == env_id:
             return False  # its own call runs: close after it, in order
@@ -547,9 +544,7 @@ class EnvProcessPool:
     def start_draining(self, grace: float) -> None:
         """The server drains: past ``grace`` seconds, a call that keeps its worker busy
         longer than ``_DRAIN_ALLOWANCE`` kills it; dead workers are not replaced."""
-        loop = asyncio.get_running_loop()
-        self._draining = True
-        self._drain_timer = loop.call_later(grace, self._end_grace)
+        self._drain_timer = asyncio.get_running_loop().call_later(grace, self._end_grace)
 
     def _end_grace(self) -> None:
         self._grace_over_at = asyncio.get_running_loop().time()
