@@ -306,7 +306,7 @@ class SpreadBatchCalls(Commands):
         started = time.perf_counter()
         parts = self._split(indices)
         lates = [None if orphaned is None else _late(orphaned, started, part) for part in parts]
-        answers = await self._answers(what, parts, frame, lates)
+        answers = await self._gather_or_hand_on(what, parts, frame, lates)
         read = [None if status is None else _read(status, payload) for status, payload in answers]
         refused = [response for response in read if isinstance(response, BatchRefused)]
         if refused:
@@ -328,7 +328,7 @@ class SpreadBatchCalls(Commands):
                 _merge(out, read_answer(response, part[0].start))
         return out
 
-    async def _answers(
+    async def _gather_or_hand_on(
         self, what: str, parts: list[_Part], frame: Any, lates: list[Late | None]
     ) -> list[tuple[int | None, Any]]:
         """Each part's answer; should this be cancelled, each block's answer is handed to
