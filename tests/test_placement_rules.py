@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from time import thread_time
 
 import pytest
 
@@ -20,7 +19,7 @@ from openenv_grpc.server.model.placement import (
     CostGroup,
     batch_threshold,
     own_cost,
-    switches,
+    thread_usage,
 )
 
 THRESHOLD = 0.001
@@ -152,25 +151,25 @@ def test_a_threshold_must_be_positive() -> None:
 
 
 def test_sleeping_counts_as_the_calls_own_time() -> None:
-    cpu, switched = thread_time(), switches()
+    before = thread_usage()
     time.sleep(0.02)
-    assert own_cost(cpu, switched, THRESHOLD)[1]
+    assert own_cost(before, THRESHOLD)[1]
 
 
 def test_computing_past_the_limit_counts_as_the_calls_own_time() -> None:
-    cpu, switched = thread_time(), switches()
+    before = thread_usage()
     deadline = time.perf_counter() + 0.02
     while time.perf_counter() < deadline:
         pass
-    spent, own = own_cost(cpu, switched, THRESHOLD)
+    spent, own = own_cost(before, THRESHOLD)
     assert own and spent > THRESHOLD
 
 
 def test_a_short_computation_is_not_the_calls_own_slowness() -> None:
     """What a preempted cheap call looks like from inside: no block, little CPU."""
-    cpu, switched = thread_time(), switches()
+    before = thread_usage()
     sum(range(100))
-    spent, own = own_cost(cpu, switched, 0.5)
+    spent, own = own_cost(before, 0.5)
     assert not own and spent < 0.5
 
 
@@ -272,13 +271,12 @@ def test_a_batch_that_computes_in_threads_gets_groups_judged_by_process_cpu() ->
 
 
 def test_a_cheap_call_on_the_loop_reads_no_thread_clock(group, monkeypatch) -> None:
-    """The thread's CPU time and switches are system calls (~2.4 µs a call): a cheap call
-    on the loop is timed by the wall clock alone."""
+    """The thread's CPU time and switches are a system call: a cheap call on the loop is
+    timed by the wall clock alone."""
     from openenv_grpc.server.model import placement
 
     reads = []
-    monkeypatch.setattr(placement, "thread_time", lambda: reads.append("cpu") or 0.0)
-    monkeypatch.setattr(placement, "switches", lambda: reads.append("switches") or 0)
+    monkeypatch.setattr(placement, "thread_usage", lambda: reads.append("usage") or (0.0, 0))
     promoted(group)
     for _ in range(100):
         assert group.call_inline(lambda: 7) == 7
@@ -299,8 +297,8 @@ def test_after_a_slow_call_the_next_ones_are_judged_by_what_they_cost(group, mon
     measured = []
     real_own_cost = placement.own_cost
 
-    def preempted(cpu: float, switched: int, limit: float) -> tuple[float, bool]:
-        measured.append(cpu)
+    def preempted(before: tuple[float, int], limit: float) -> tuple[float, bool]:
+        measured.append(before)
         return CHEAP, False  # as if the OS had run another process meanwhile
 
     group.call_inline(wait)  # unmeasured: a strike, tolerated
@@ -320,7 +318,7 @@ def test_measuring_stops_a_window_of_cheap_calls_after_a_slow_one(group, monkeyp
     promoted(group)
     group.call_inline(lambda: time.sleep(SLOW * 2))
     reads = []
-    monkeypatch.setattr(placement, "thread_time", lambda: reads.append(1) or 0.0)
+    monkeypatch.setattr(placement, "thread_usage", lambda: reads.append(1) or (0.0, 0))
     for _ in range(STRIKE_WINDOW + 10):
         group.call_inline(lambda: None)
     assert len(reads) == STRIKE_WINDOW  # each call of the window, then none

@@ -11,10 +11,9 @@ env's own cost counts: time the OS gave other processes (the call neither blocke
 used the CPU) is no strike. Group state is touched on the event loop only: no lock.
 
 A call on the loop is timed by the wall clock alone: the thread's CPU time and context
-switches are system calls (about 2.4 µs a call here; a tenth of py-spy's samples of a
-door at 64 sessions), so they are read only for the :data:`STRIKE_WINDOW` calls after a
-slow one. The first slow call is taken as the env's own (a strike, or a stall); those
-after it are judged by what they cost.
+switches are a system call (``getrusage``, read once for both), so they are read only
+for the :data:`STRIKE_WINDOW` calls after a slow one. The first slow call is taken as the
+env's own (a strike, or a stall); those after it are judged by what they cost.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ __all__ = [
     "PooledCall",
     "batch_threshold",
     "own_cost",
-    "switches",
+    "thread_usage",
 ]
 
 log = logging.getLogger(__name__)
@@ -59,18 +58,21 @@ def batch_threshold(threshold: float, size: int) -> float:
     return max(threshold, min(threshold * size, sys.getswitchinterval()))
 
 
-def switches() -> int:
-    """Voluntary context switches of this thread so far; -1 where not counted."""
+def thread_usage() -> tuple[float, int]:
+    """This thread's CPU seconds and voluntary context switches so far, in one system
+    call (switches -1 where not counted)."""
     if _RUSAGE_THREAD is None:
-        return -1
-    return resource.getrusage(_RUSAGE_THREAD).ru_nvcsw
+        return thread_time(), -1
+    usage = resource.getrusage(_RUSAGE_THREAD)
+    return usage.ru_utime + usage.ru_stime, usage.ru_nvcsw
 
 
-def own_cost(cpu_before: float, switches_before: int, limit: float) -> tuple[float, bool]:
-    """This thread's CPU seconds since ``cpu_before``, and whether the time was the
-    call's own (it blocked, or computed more than ``limit``)."""
-    cpu = thread_time() - cpu_before
-    blocked = switches_before < 0 or switches() != switches_before
+def own_cost(before: tuple[float, int], limit: float) -> tuple[float, bool]:
+    """This thread's CPU seconds since ``before`` (a :func:`thread_usage`), and whether
+    the time was the call's own (it blocked, or computed more than ``limit``)."""
+    cpu, switched = thread_usage()
+    cpu -= before[0]
+    blocked = before[1] < 0 or switched != before[1]
     return cpu, blocked or cpu > limit
 
 
@@ -98,7 +100,7 @@ class CostGroup:
         """Run ``method`` on the event loop, timed (also when it raises)."""
         careful = self._careful
         if careful:  # a slow call came lately: measure what this one costs the thread
-            cpu, switched = thread_time(), switches()
+            usage = thread_usage()
             process = process_time() if self.by_process else 0.0
         started = perf_counter()
         try:
@@ -117,7 +119,7 @@ class CostGroup:
                 used = process_time() - process
                 self.ran_inline(seconds, used, used > limit)
             else:
-                self.ran_inline(seconds, *own_cost(cpu, switched, limit))
+                self.ran_inline(seconds, *own_cost(usage, limit))
 
     def pooled(self, method: Callable[..., Any]) -> PooledCall:
         return PooledCall(self, method, self._placement.promote_below)
@@ -190,7 +192,7 @@ class PooledCall:
     def run(self, *args: Any, **kwargs: Any) -> Any:
         """Call the method, timed (also when it raises)."""
         by_process = self._group.by_process
-        cpu, switched, started = thread_time(), switches(), perf_counter()
+        usage, started = thread_usage(), perf_counter()
         process = process_time() if by_process else 0.0
         try:
             return self._method(*args, **kwargs)
@@ -201,7 +203,7 @@ class PooledCall:
                 if by_process:
                     self._own = process_time() - process > limit
                 else:
-                    self._own = own_cost(cpu, switched, limit)[1]
+                    self._own = own_cost(usage, limit)[1]
 
     def record(self) -> None:
         self._group.ran_pooled(self._seconds, self._own)
