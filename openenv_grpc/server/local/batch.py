@@ -115,6 +115,12 @@ class VectorBatch:
         """Its calls wait only on compute threads of its own."""
         return False
 
+    def by_method_alone(self) -> bool:
+        """Its calls' cost groups depend on the method alone: no ``cost_class``, no
+        compute threads of its own (a runner may keep them)."""
+        threads = type(self).computes_in_threads  # an override may answer per call
+        return self._cost_class is None and threads is VectorBatch.computes_in_threads
+
 
 class _Instances(VectorBatch):
     """N plain instances of one env class. ``objects``: observations stay the objects the
@@ -265,9 +271,8 @@ class LoopBatch(_Instances):
                     add(out, index, checked(first), episode_id)
                     continue
                 transition = env.step(action)
-                if (
-                    type(transition) is not Transition
-                    or type(transition.observation) is not observation_class
+                if type(transition) is not Transition or (
+                    type(transition.observation) is not observation_class and not objects
                 ):
                     transition = checked(transition)  # raises unless a subclass
                 ended = transition.terminated or transition.truncated

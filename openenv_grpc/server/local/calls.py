@@ -19,7 +19,7 @@ import grpc
 from google.protobuf.message import Message
 
 from openenv_grpc.environment import AutoresetMode, InvalidAction
-from openenv_grpc.server.errors import RowError, describe, qualname
+from openenv_grpc.server.errors import EnvExit, RowError, describe, qualname
 from openenv_grpc.server.local.batch import (
     NO_AUTORESETS,
     Autoresets,
@@ -337,7 +337,12 @@ class LocalBatchCalls(Commands):
                 direct = None
             if direct is not None:
                 try:
-                    return runner.call_inline(direct, *args)
+                    try:
+                        return direct(*args)
+                    except (Exception, asyncio.CancelledError):
+                        raise
+                    except BaseException as exc:  # runner.call_inline's, a call less
+                        raise EnvExit(exc) from exc
                 except Exception as exc:
                     async with self._lock:  # a hung call's replacement holds it
                         await self._refuse(what, self._call_timeout(envs), exc)

@@ -92,8 +92,8 @@ def contain_tasks(loop: asyncio.AbstractEventLoop) -> None:
 class EnvRunner:
     """One live environment instance and the way to call it."""
 
-    __slots__ = ("_closed", "_cost_class", "_inflight", "_lifecycle", "_loop", "_mode",
-                 "_placement", "_pool", "_release", "env", "inline")  # fmt: skip
+    __slots__ = ("_closed", "_cost_class", "_groups", "_inflight", "_lifecycle", "_loop",
+                 "_mode", "_placement", "_pool", "_release", "env", "inline")  # fmt: skip
 
     def __init__(
         self,
@@ -115,6 +115,12 @@ class EnvRunner:
         measured: Any = env  # a VectorBatch: it answers for its envs
         self._cost_class: Callable[[], str] | None = (
             measured.cost_class if mode is ExecutionMode.MEASURED else None
+        )
+        #: A measured batch grouped by method alone keeps its groups here, by method name
+        #: (one lookup per call); None: the group is asked for on each call.
+        alone = getattr(measured, "by_method_alone", None)
+        self._groups: dict[str, CostGroup] | None = (
+            {} if mode is ExecutionMode.MEASURED and alone is not None and alone() else None
         )
         self._pool = pool
         self._lifecycle = lifecycle if lifecycle is not None else pool
@@ -214,11 +220,17 @@ class EnvRunner:
     call = _contained(_call)
 
     def _group(self, method: Callable[..., Any]) -> CostGroup:
+        name = getattr(method, "__name__", "call")
+        groups = self._groups
+        if groups is not None and (group := groups.get(name)) is not None:
+            return group
         assert self._placement is not None  # MEASURED implies a placement (see __init__)
         cost_class = self._cost_class() if self._cost_class is not None else ""
-        name = getattr(method, "__name__", "call")
         threads = getattr(self.env, "computes_in_threads", None)  # a VectorBatch's
-        return self._placement.group(cost_class, name, threads is not None and threads())
+        group = self._placement.group(cost_class, name, threads is not None and threads())
+        if groups is not None:
+            groups[name] = group
+        return group
 
     def group_on_loop(self, method: Callable[..., Any]) -> CostGroup | None:
         """The measured group of ``method`` while it runs on the event loop (None: the env

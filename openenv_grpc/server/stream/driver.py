@@ -147,6 +147,8 @@ class Driver:
     def cannot_step(self, index: int) -> str | None:
         """Why env ``index`` may not step now (None: it may; a LOST env is told by the
         step)."""
+        if self.phases[index] in self._steppable:  # LOST is not: the common case first
+            return None
         phase = self.known_phase(index)
         return None if phase in self._steppable else self._words.needs_reset[phase]
 
@@ -571,8 +573,21 @@ class Driver:
 
     def _book_step(self, outcome: BatchOutcome) -> int:
         """Advance each env's episode from a step's rows; returns the env steps taken."""
-        if outcome.autoreset is None and len(outcome.rows) == self.size:
-            stepped = self._book_all(outcome)  # rows 0 .. size - 1: whole columns at once
+        size = self.size
+        if outcome.autoreset is None and len(outcome.rows) == size:
+            # Rows 0 .. size - 1: whole columns at once (a Session's without a call).
+            terminated, truncated = outcome.terminated, outcome.truncated
+            counts = self.step_counts
+            self.step_counts = [counts[0] + 1] if size == 1 else [count + 1 for count in counts]
+            if True in terminated or True in truncated:
+                ended, cut, running = Phase.TERMINATED, Phase.TRUNCATED, Phase.RUNNING
+                self.phases = [
+                    ended if term else cut if trunc else running
+                    for term, trunc in zip(terminated, truncated, strict=True)
+                ]
+            else:
+                self.phases = [Phase.RUNNING] * size
+            stepped = size
         else:
             stepped = self._book_rows(outcome)
         if outcome.errors:
@@ -580,19 +595,6 @@ class Driver:
         if self._lost:
             self._still_lost({})
         return stepped
-
-    def _book_all(self, outcome: BatchOutcome) -> int:
-        terminated, truncated = outcome.terminated, outcome.truncated
-        self.step_counts = [count + 1 for count in self.step_counts]
-        if True in terminated or True in truncated:
-            ended, cut, running = Phase.TERMINATED, Phase.TRUNCATED, Phase.RUNNING
-            self.phases = [
-                ended if term else cut if trunc else running
-                for term, trunc in zip(terminated, truncated, strict=True)
-            ]
-        else:
-            self.phases = [Phase.RUNNING] * self.size
-        return self.size
 
     def _book_rows(self, outcome: BatchOutcome) -> int:
         phases, ids, counts = self.phases, self.episode_ids, self.step_counts

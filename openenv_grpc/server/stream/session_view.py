@@ -113,7 +113,8 @@ class SessionView:
         if why is not None:
             raise RequestError(_FAILED_PRECONDITION, why)
         outcome, _, seconds = await driver.step(StepArgs(_ROW, (action,), False))
-        _raise(outcome.errors)
+        if outcome.errors:
+            _raise(outcome.errors)
         return outcome, seconds
 
     async def reset(self, command: pb.ResetCommand) -> BatchOutcome:
