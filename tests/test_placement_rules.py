@@ -3,13 +3,17 @@ the test that tells an env's own time from time the OS gave other processes."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from openenv_grpc import AutoresetMode
+from openenv_grpc.server.local.batch import VectorBatch
+from openenv_grpc.server.local.runner import EnvRunner
 from openenv_grpc.server.model.placement import (
     MAX_GROUPS,
     PROBATION,
@@ -21,6 +25,7 @@ from openenv_grpc.server.model.placement import (
     own_cost,
     thread_usage,
 )
+from openenv_grpc.server.model.spec import ExecutionMode
 
 THRESHOLD = 0.001
 CHEAP = THRESHOLD / 4
@@ -322,3 +327,41 @@ def test_measuring_stops_a_window_of_cheap_calls_after_a_slow_one(group, monkeyp
     for _ in range(STRIKE_WINDOW + 10):
         group.call_inline(lambda: None)
     assert len(reads) == STRIKE_WINDOW  # each call of the window, then none
+
+
+class _Batch(VectorBatch):
+    def step(self) -> int:
+        return 1
+
+
+class _Classed(_Batch):
+    def __init__(self) -> None:
+        super().__init__(1, AutoresetMode.DISABLED)
+        self.classes = iter(["small", "large", "small"])
+        self._cost_class = lambda: next(self.classes)
+
+
+def test_a_runner_asks_for_the_group_once_only_when_the_method_alone_decides_it() -> None:
+    """A batch with no ``cost_class`` (and no compute threads of its own) is grouped by
+    method alone: its runner keeps the group (a step's hot path). One whose cost class may
+    change between calls is grouped anew on each."""
+
+    async def main() -> None:
+        placement = CallPlacement(THRESHOLD, "env")
+        asked: list[tuple[str, ...]] = []
+        real = placement.group
+        placement.group = lambda *key: asked.append(key) or real(*key)  # type: ignore[method-assign]
+        with ThreadPoolExecutor(1) as pool:
+            plain = EnvRunner(_Batch(1, AutoresetMode.DISABLED), ExecutionMode.MEASURED, pool,
+                              placement=placement)  # fmt: skip
+            for _ in range(3):
+                plain.group_on_loop(plain.env.step)
+            assert asked == [("", "step", False)]
+            asked.clear()
+            classed = EnvRunner(_Classed(), ExecutionMode.MEASURED, pool, placement=placement)
+            for _ in range(3):
+                classed.group_on_loop(classed.env.step)
+            small, large = ("small", "step", False), ("large", "step", False)
+            assert asked == [small, large, small]
+
+    asyncio.run(main())
