@@ -52,7 +52,6 @@ __all__ = [
     "READ_LIMIT",
     "REFUSAL_FLAGS",
     "SIDE_CLOSE",
-    "SIDE_CLOSED",
     "Op",
     "Status",
     "put",
@@ -107,9 +106,8 @@ class Status:
 REFUSAL_FLAGS = 16
 
 
-#: A side close (front -> worker): the env id. The answer adds a status byte.
+#: A side close (front -> worker): the env id. The answer is one byte (``_serve_side``).
 SIDE_CLOSE = struct.Struct("<Q")
-SIDE_CLOSED = struct.Struct("<QB")
 
 
 def put(writer: asyncio.StreamWriter, header: bytes, payload: bytes) -> None:
@@ -316,7 +314,7 @@ def _serve_side(side: socket.socket, blocks: dict[int, LocalBatchCalls], threade
                 closing = blocks.pop(env_id, None)
             if closing is not None:
                 asyncio.run(closing.close())  # an inline env's close, on this thread
-            side.sendall(SIDE_CLOSED.pack(env_id, closing is not None))
+            side.sendall(b"\x01" if closing is not None else b"\x00")
 
 
 #: Bytes per page of resident memory (``/proc/self/statm`` counts pages).

@@ -36,7 +36,6 @@ from openenv_grpc.server.isolated.env_process import (
     HEADER,
     READ_LIMIT,
     SIDE_CLOSE,
-    SIDE_CLOSED,
     STRICT_CLOSE,
     VECTOR_BLOCK,
     Op,
@@ -530,16 +529,10 @@ class EnvProcessPool:
         try:
             async with worker.side_lock:
                 await loop.sock_sendall(worker.side, SIDE_CLOSE.pack(env_id))
-                answer = b""
-                while len(answer) < SIDE_CLOSED.size:
-                    chunk = await loop.sock_recv(worker.side, SIDE_CLOSED.size - len(answer))
-                    if not chunk:
-                        return True  # the worker is gone, and its envs with it
-                    answer += chunk
+                answer = await loop.sock_recv(worker.side, 1)
         except OSError:
             return True
-        _, closed = SIDE_CLOSED.unpack(answer)
-        return bool(closed)
+        return answer != b"\x00"  # (none: the worker is gone, and its envs with it)
 
     def start_draining(self, grace: float) -> None:
         """The server drains: past ``grace`` seconds, a call that keeps its worker busy
