@@ -174,17 +174,15 @@ async def _serve(
             await blocks.popitem()[1].close()
 
 
+@dataclasses.dataclass(slots=True, eq=False)
 class _Worker:
     """One env process's blocks, and a handler per op (env id, payload -> status, answer)."""
 
-    __slots__ = ("blocks", "call_timeout", "max_env_bytes", "spec")
-
-    def __init__(self, spec: EnvSpec, call_timeout: float | None, max_env_bytes: int) -> None:
-        self.spec = spec
-        self.call_timeout = call_timeout
-        self.max_env_bytes = max_env_bytes
-        #: The blocks by env id (the side thread may pop a thread-safe env's).
-        self.blocks: dict[int, LocalBatchCalls] = {}
+    spec: EnvSpec
+    call_timeout: float | None
+    max_env_bytes: int
+    #: The blocks by env id (the side thread may pop a thread-safe env's).
+    blocks: dict[int, LocalBatchCalls] = dataclasses.field(default_factory=dict)
 
     async def create(self, env_id: int, payload: bytes) -> tuple[int, bytes]:
         """Build a block; a native batch, made in one piece, is measured as a whole."""

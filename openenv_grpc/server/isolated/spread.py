@@ -455,19 +455,17 @@ class SpreadBatchCalls(Commands):
         )  # fmt: skip
 
 
+@dataclass(slots=True, eq=False)
 class _Gathered:
     """The charge of a query's parts: each is read only while the parts stay within the
     room and the byte budget takes its bytes, held until they are one answer."""
 
-    __slots__ = ("budget", "held", "room", "seen", "short")
-
-    def __init__(self, room: int, budget: ByteBudget | None) -> None:
-        self.room = room
-        self.budget = budget
-        self.seen = 0  # bytes the parts answered, read or not
-        self.held = 0  # bytes taken from the budget
-        #: The budget could not take a part: the bytes it held then, and the part's.
-        self.short: tuple[int, int] | None = None
+    room: int
+    budget: ByteBudget | None
+    seen: int = 0  # bytes the parts answered, read or not
+    held: int = 0  # bytes taken from the budget
+    #: The budget could not take a part: the bytes it held then, and the part's.
+    short: tuple[int, int] | None = None
 
     @property
     def over(self) -> bool:
