@@ -467,15 +467,14 @@ class EnvProcessPool:
         worker.envs[env_id] = size  # counted at once, so opens at the same time spread out
         try:
             status, answer = await self.call(worker, env_id, Op.CREATE, payload)
+            if status in (Status.FAILED, Status.REFUSED):
+                text = answer.decode(errors="replace")
+                raise InvalidAction(text) if status == Status.REFUSED else EnvFactoryError(text)
         except BaseException as exc:
             worker.envs.pop(env_id, None)
             if isinstance(exc, asyncio.CancelledError):
                 self.close_env(worker, env_id)  # the worker builds it all the same
             raise
-        if status in (Status.FAILED, Status.REFUSED):
-            worker.envs.pop(env_id, None)
-            text = answer.decode(errors="replace")
-            raise InvalidAction(text) if status == Status.REFUSED else EnvFactoryError(text)
         return env_id, answer == b"native"
 
     def close_env(self, worker: Worker, env_id: int) -> asyncio.Task[None]:
