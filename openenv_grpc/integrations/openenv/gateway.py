@@ -75,6 +75,7 @@ from openenv_grpc.integrations.openenv.gateway_limits import GatewayLimits
 from openenv_grpc.integrations.openenv.published import openenv_metadata, openenv_schemas
 from openenv_grpc.integrations.openenv.streams import (
     DoorSessions,
+    DoorSocket,
     OpenView,
     ProgramStream,
     Refused,
@@ -218,9 +219,19 @@ class OpenEnvGateway:
         (every message would otherwise pass FastAPI's middleware both ways), the rest
         to :attr:`app`."""
         if scope["type"] == "websocket" and scope["path"] in ("/ws", "/mcp"):
-            websocket = WebSocket(scope, receive, send)
+            # Served here, not in a coroutine of its own: each frame in a socket task's
+            # chain of awaits is resumed at every message.
+            websocket = DoorSocket(scope, receive, send)
             try:
-                await self._serve_socket(websocket, jsonrpc=scope["path"] == "/mcp")
+                await websocket.accept()
+                self._sockets.add(websocket)
+                try:
+                    if scope["path"] == "/mcp":
+                        await self._serve_jsonrpc(websocket)
+                    else:
+                        await self._serve_accepted(websocket)
+                finally:
+                    self._sockets.discard(websocket)
             except Exception:  # a bug here ends its socket, never the door
                 log.exception("the OpenEnv door failed serving a WebSocket")
                 await _close(websocket, 1011)
@@ -482,17 +493,6 @@ class OpenEnvGateway:
 
     # -- the WebSocket session ------------------------------------------------------------
 
-    async def _serve_socket(self, websocket: WebSocket, jsonrpc: bool = False) -> None:
-        await websocket.accept()
-        self._sockets.add(websocket)
-        try:
-            if jsonrpc:
-                await self._serve_jsonrpc(websocket)
-            else:
-                await self._serve_accepted(websocket)
-        finally:
-            self._sockets.discard(websocket)
-
     async def _serve_jsonrpc(self, websocket: WebSocket) -> None:
         """OpenEnv's ``WS /mcp``: plain JSON-RPC 2.0 messages on a session of the socket's
         own (the same auth, limiter, message cap and idle timeout as ``/ws``)."""
@@ -547,7 +547,7 @@ class OpenEnvGateway:
             log.exception("the OpenEnv gateway failed to answer a WS /mcp message")
             return rpc_error(call.get("id"), -32603, f"{type(exc).__name__}: {exc}")
 
-    async def _serve_accepted(self, websocket: WebSocket) -> None:
+    async def _serve_accepted(self, websocket: DoorSocket) -> None:
         token = _bearer(websocket.headers.get("authorization"))
         if not self._authorized(websocket.headers.get("authorization")):
             await _send(websocket, error_frame("SESSION_ERROR", "UNAUTHENTICATED: missing or wrong "

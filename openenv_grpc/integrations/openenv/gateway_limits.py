@@ -346,11 +346,15 @@ class _BoundedWebSocket(_CountsUnsent, WebSocketsSansIOProtocol):
         if self._taken >= _BURST:  # let the other connections have the loop
             self._taken = 0
             await asyncio.sleep(0)
-        if self.queue.empty():
+        queue = self.queue
+        if queue.empty():
             self._taken = 0
         else:
             self._taken += 1
-        event = await super().receive()
+        event = await queue.get()  # uvicorn's receive, inline (a coroutine less a message)
+        if self.read_paused and queue.empty():
+            self.read_paused = False
+            self.transport.resume_reading()
         if self._backlog is not None:
             self._resume()  # parse on to the next message
         if self._arriving:
@@ -457,4 +461,7 @@ def uvicorn_settings(limits: GatewayLimits) -> dict[str, Any]:
         "timeout_keep_alive": max(1, min(5, int(limits.arrival_timeout))),
         "backlog": LISTEN_BACKLOG,
         "h11_max_incomplete_event_size": 16 * 1024,
+        # The door reads no client address; the middleware would be one more frame
+        # resumed at every message of every socket.
+        "proxy_headers": False,
     }

@@ -25,7 +25,8 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 from google.protobuf import struct_pb2
 from google.protobuf.message import Message
-from starlette.websockets import WebSocket, WebSocketDisconnect
+from starlette.types import Receive, Scope, Send
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from openenv_grpc.client import EnvError, StepOutcome
 from openenv_grpc.client.protocol import SessionTypes, fill_reset, status_code
@@ -70,8 +71,6 @@ RunStream = Callable[[Wire, StreamOpening], Awaitable[None]]
 OpenView = Callable[[Held, bool], Awaitable[SessionView]]
 _EOF: Any = grpc.aio.EOF
 _RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
-#: A socket's client went.
-_GONE: Any = object()
 
 
 class StreamEnded(Exception):
@@ -112,8 +111,8 @@ class DoorRequest:
         self.future = future  # a ProgramStream's caller waits on it
 
 
-def _encoded(text: str) -> bytes:
-    return text.encode()
+#: A frame's text as the answer's bytes (``str.encode`` itself: no call of ours a frame).
+_encoded: Callable[[str], bytes] = str.encode
 
 
 def _reraise(exc: BaseException) -> bytes:
@@ -394,6 +393,17 @@ class _DoorWire:
         return ()
 
 
+class DoorSocket(WebSocket):
+    """starlette's WebSocket, whose ASGI calls a :class:`SocketWire` makes itself for each
+    frame (starlette's ``receive`` and ``send_text`` are two more coroutines a message);
+    the wire keeps starlette's state as they would."""
+
+    def __init__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        super().__init__(scope, receive, send)
+        self.asgi_receive = receive
+        self.asgi_send = send
+
+
 class SocketWire(_DoorWire):
     """The server's end of one ``/ws`` socket's stream, run by the socket's own task.
 
@@ -407,7 +417,7 @@ class SocketWire(_DoorWire):
     __slots__ = ("_answers", "_ended", "_in_flight", "_own_id", "_token", "_ws")
 
     def __init__(
-        self, websocket: WebSocket, answers: FrameAnswers, own_id: str, token: str | None
+        self, websocket: DoorSocket, answers: FrameAnswers, own_id: str, token: str | None
     ) -> None:
         super().__init__()
         self._ws = websocket
@@ -427,12 +437,16 @@ class SocketWire(_DoorWire):
     async def read(self) -> Any:
         """The stream's next request: the socket's next frame; ``grpc.aio.EOF`` once the
         client went or asked to close."""
-        if not self.admitted or self._ended:
+        ws = self._ws
+        if not self.admitted or self._ended or ws.client_state is not WebSocketState.CONNECTED:
             return _EOF  # only a refusal reads before admission
-        raw = await self._next_frame()
-        if raw is _GONE:
+        event = await ws.asgi_receive()
+        if event["type"] == "websocket.disconnect":
+            ws.client_state = WebSocketState.DISCONNECTED
+            self._ended = True
             return _EOF
-        frame = parse_frame(raw)
+        raw: Any = event.get("text")
+        frame = parse_frame(raw if isinstance(raw, str) else None)
         if isinstance(frame, str):  # not a frame: its error frame is the answer
             self._in_flight = True
             return DoorRequest("error", _answered(frame), _encoded, _reraise)
@@ -448,25 +462,18 @@ class SocketWire(_DoorWire):
     async def write(self, message: bytes) -> None:
         """Send the answer to the frame (nothing for the close)."""
         if message:
-            await self._ws.send_text(message.decode())
+            ws = self._ws
+            if ws.application_state is not WebSocketState.CONNECTED:  # closed meanwhile
+                raise WebSocketDisconnect(1006)
+            try:
+                await ws.asgi_send({"type": "websocket.send", "text": message.decode()})
+            except OSError:  # uvicorn's ClientDisconnected: as starlette's send says it
+                ws.application_state = WebSocketState.DISCONNECTED
+                raise WebSocketDisconnect(1006) from None
         self._in_flight = False
 
     def cancelled(self) -> bool:
         return self._ended
-
-    async def _next_frame(self) -> Any:
-        """The socket's next frame's text (None for a binary one); ``_GONE`` once the
-        client went."""
-        try:
-            event = await self._ws.receive()
-        except (RuntimeError, WebSocketDisconnect):  # already closed
-            self._ended = True
-            return _GONE
-        if event["type"] == "websocket.disconnect":
-            self._ended = True
-            return _GONE
-        raw = event.get("text")
-        return raw if isinstance(raw, str) else None
 
 
 def _answered(text: str) -> Program[str]:
