@@ -259,3 +259,47 @@ def test_a_reclaim_hook_that_raises_it_is_called_after_every_death(tmp_path: Pat
         _serving(server)
     finally:
         server.stop()
+
+
+def test_only_tasks_env_code_may_have_started_are_wrapped() -> None:
+    """The loop's task factory wraps a task in ``contained`` unless its coroutine is the
+    server's own (its modules, asyncio's, grpc.aio's RPC handlers, uvicorn's WebSocket
+    protocol): those call env code only through a runner, and the wrapper is a frame
+    resumed at every wake-up. An env's own module -- the catalogue's
+    ``openenv_grpc_envs`` too -- is wrapped, and so is the rest of a library (uvicorn's
+    ``Server.serve`` calls ``sys.exit`` when it cannot bind)."""
+    import asyncio
+    import types
+
+    from openenv_grpc.server.local import runner
+
+    def coroutine_of(module: str) -> types.CoroutineType:  # type: ignore[type-arg]
+        space: dict[str, object] = {"__name__": module}
+        exec("async def work():\n    return 1\n", space)
+        return space["work"]()  # type: ignore[operator,no-any-return]
+
+    async def main() -> dict[str, bool]:
+        loop = asyncio.get_running_loop()
+        runner.contain_tasks(loop)
+        wrapped = {}
+        for module in (
+            "openenv_grpc.server.stream.session",
+            "asyncio.base_events",
+            "uvicorn.server",
+            "openenv_grpc_envs.echo",
+            "support.exiting_envs",
+            "my_env",
+        ):
+            task = loop.create_task(coroutine_of(module))
+            wrapped[module] = task.get_coro().__qualname__ == "contained"  # type: ignore[union-attr]
+            await task
+        return wrapped
+
+    assert asyncio.run(main()) == {
+        "openenv_grpc.server.stream.session": False,
+        "asyncio.base_events": False,
+        "uvicorn.server": True,
+        "openenv_grpc_envs.echo": True,
+        "support.exiting_envs": True,
+        "my_env": True,
+    }

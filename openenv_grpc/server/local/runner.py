@@ -79,14 +79,36 @@ def _contained(method: Callable[_P, Awaitable[_T]]) -> Callable[_P, Coroutine[An
     return run
 
 
+#: Modules whose tasks call env code only through a runner, which contains it.
+_SERVERS_OWN = ("openenv_grpc.", "asyncio.")
+#: The coroutines of the server's libraries that run its handlers: grpc.aio's RPCs (which
+#: call env code only through a runner) and uvicorn's WebSocket protocol (which catches
+#: any BaseException its app raises). A name a library changes is wrapped: the safe side.
+_LIBRARIES_OWN = frozenset(
+    {"_handle_exceptions", "_schedule_rpc_coro", "WebSocketsSansIOProtocol.run_asgi"}
+)
+
+
 def contain_tasks(loop: asyncio.AbstractEventLoop) -> None:
-    """Run every task on ``loop`` under ``errors.contained``, so a task an async env starts
-    itself cannot stop the loop with ``SystemExit`` (it is logged as an ``EnvExit``)."""
+    """Run the tasks env code may have started on ``loop`` under ``errors.contained``, so
+    that a task an async env starts itself cannot stop the loop with ``SystemExit`` (it
+    is logged as an ``EnvExit``). The server's own tasks (its streams, its sockets) go
+    unwrapped: the wrapper is one more frame resumed at every wake-up."""
 
     def factory(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> asyncio.Task[Any]:
-        return asyncio.Task(contained(coro), loop=loop, **kwargs)
+        if not _servers_own(coro):
+            coro = contained(coro)
+        return asyncio.Task(coro, loop=loop, **kwargs)
 
     loop.set_task_factory(factory)
+
+
+def _servers_own(coro: Any) -> bool:
+    if getattr(coro, "__qualname__", None) in _LIBRARIES_OWN:
+        return True
+    frame = getattr(coro, "cr_frame", None)  # None: compiled, or done
+    module = None if frame is None else frame.f_globals.get("__name__")
+    return isinstance(module, str) and module.startswith(_SERVERS_OWN)
 
 
 class EnvRunner:
