@@ -170,6 +170,19 @@ def test_computing_past_the_limit_counts_as_the_calls_own_time() -> None:
     assert own and spent > THRESHOLD
 
 
+def test_a_calls_cpu_is_measured_to_the_microsecond_not_the_tick() -> None:
+    """``getrusage``'s thread CPU time is the scheduler's last account (up to a tick old):
+    a 2 ms call read as 3 ms of CPU, its own, and moved a cheap env to the pool. Half a
+    millisecond of computing (or what of it the OS let it run) reads as some CPU, under
+    the threshold: not as none, nor as a tick's worth."""
+    before = thread_usage()
+    deadline = time.perf_counter() + 0.0005
+    while time.perf_counter() < deadline:
+        pass
+    spent, _ = own_cost(before, THRESHOLD)
+    assert 0 < spent < THRESHOLD
+
+
 def test_a_short_computation_is_not_the_calls_own_slowness() -> None:
     """What a preempted cheap call looks like from inside: no block, little CPU."""
     before = thread_usage()
