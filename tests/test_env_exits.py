@@ -237,6 +237,57 @@ def test_an_async_envs_own_task_that_raises_it_does_not_stop_the_server(
 
 
 @pytest.mark.fresh_server
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_an_async_envs_thread_task_that_raises_it_does_not_stop_the_server(
+    tmp_path: Path, kind: str
+) -> None:
+    """A task of ``asyncio.to_thread`` an env started: asyncio's coroutine, env code's."""
+    server = LedgerServer("support.exiting_envs:TaskExitEnv", [], {}, tmp_path)
+    try:
+        with EchoEnv(server.target) as env:
+            env.reset()
+            spawned = env.step(EchoAction(message=f"thread:{kind}"))
+            assert spawned.observation.echoed_message == "spawned"
+            message = KINDS[kind][0]
+            server.wait_until(lambda: f"EnvExit: {message}" in server.stderr(), 15, "the task")
+            assert env.step(EchoAction(message="after")).observation.echoed_message == "after"
+        _serving(server)
+        _settled(server)
+    finally:
+        server.stop()
+
+
+@pytest.mark.fresh_server
+@pytest.mark.parametrize("kind", [*KINDS, "invalid"])
+def test_a_cost_class_that_raises_fails_that_call_only(tmp_path: Path, kind: str) -> None:
+    """``cost_class()`` is env code the server calls before a measured env's call: what it
+    raises fails that call (INTERNAL; InvalidAction refuses it), the session goes on."""
+    server = LedgerServer("support.exiting_envs:CostClassExitEnv", [], {}, tmp_path)
+    try:
+        with EchoEnv(server.target) as env:
+            env.reset()
+            for _ in range(40):  # the env's step group moves onto the event loop
+                env.step(EchoAction(message="warm"))
+            assert env.step(EchoAction(message=f"cost:{kind}")).observation.echoed_message == (
+                "armed"
+            )
+            with pytest.raises(EnvError) as failed:
+                env.step(EchoAction(message="next"))
+            if kind == "invalid":
+                assert failed.value.code is grpc.StatusCode.INVALID_ARGUMENT
+                assert "refused on purpose" in failed.value.message
+            else:
+                assert failed.value.code is grpc.StatusCode.INTERNAL
+                assert KINDS[kind][0] in failed.value.message
+                env.reset()  # an INTERNAL step breaks the env: a reset starts it over
+            assert env.step(EchoAction(message="after")).observation.echoed_message == "after"
+        _serving(server)
+        _settled(server)
+    finally:
+        server.stop()
+
+
+@pytest.mark.fresh_server
 def test_a_reclaim_hook_that_raises_it_is_called_after_every_death(tmp_path: Path) -> None:
     ledger = tmp_path / "ledger"
     ledger.mkdir()
@@ -263,11 +314,11 @@ def test_a_reclaim_hook_that_raises_it_is_called_after_every_death(tmp_path: Pat
 
 def test_only_tasks_env_code_may_have_started_are_wrapped() -> None:
     """The loop's task factory wraps a task in ``contained`` unless its coroutine is the
-    server's own (its modules, asyncio's, grpc.aio's RPC handlers, uvicorn's WebSocket
-    protocol): those call env code only through a runner, and the wrapper is a frame
-    resumed at every wake-up. An env's own module -- the catalogue's
-    ``openenv_grpc_envs`` too -- is wrapped, and so is the rest of a library (uvicorn's
-    ``Server.serve`` calls ``sys.exit`` when it cannot bind)."""
+    server's own (its modules, grpc.aio's RPC handlers, uvicorn's WebSocket protocol):
+    those call env code only through a runner, and the wrapper is a frame resumed at
+    every wake-up. An env's own module -- the catalogue's ``openenv_grpc_envs`` too -- is
+    wrapped, and so is the rest of a library: asyncio's (``asyncio.to_thread`` awaits env
+    code), uvicorn's ``Server.serve`` (it calls ``sys.exit`` when it cannot bind)."""
     import asyncio
     import types
 
@@ -297,7 +348,7 @@ def test_only_tasks_env_code_may_have_started_are_wrapped() -> None:
 
     assert asyncio.run(main()) == {
         "openenv_grpc.server.stream.session": False,
-        "asyncio.base_events": False,
+        "asyncio.base_events": True,
         "uvicorn.server": True,
         "openenv_grpc_envs.echo": True,
         "support.exiting_envs": True,

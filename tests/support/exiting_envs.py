@@ -154,10 +154,16 @@ class _ExitingBatch(EchoBatch):
 
 class TaskExitEnv(AsyncExitEnv):
     """An asyncio env whose step ``task:<kind>`` starts a task of its own that raises
-    ``kind`` a moment later, after the step has answered."""
+    ``kind`` a moment later, after the step has answered; ``thread:<kind>``, a task of
+    ``asyncio.to_thread`` whose thread raises it (asyncio's own coroutine, env code's)."""
 
     async def step(self, action: EchoAction) -> Transition[EchoObservation]:
         message = action.message
+        if message.startswith("thread:"):
+            thread = asyncio.get_running_loop().create_task(asyncio.to_thread(_raise, message[7:]))
+            _TASKS.add(thread)
+            thread.add_done_callback(_TASKS.discard)
+            return Transition(EchoObservation(echoed_message="spawned"))
         if message.startswith("task:"):
             kind = message[5:]
 
@@ -174,6 +180,25 @@ class TaskExitEnv(AsyncExitEnv):
 
 #: The tasks TaskExitEnv started (kept so that they are not collected early).
 _TASKS: set[asyncio.Task[None]] = set()
+
+
+class CostClassExitEnv(InlineExitEnv):
+    """Measured (``runs_inline`` unset): a step ``cost:<kind>`` makes the next
+    ``cost_class()`` -- env code the server calls before each call -- raise ``kind``."""
+
+    runs_inline = None
+    _cost = ""
+
+    def cost_class(self) -> str:
+        kind, self._cost = self._cost, ""
+        _raise(kind)
+        return "one"
+
+    def step(self, action: EchoAction) -> Transition[EchoObservation]:
+        if action.message.startswith("cost:"):
+            self._cost = action.message[5:]
+            return Transition(EchoObservation(echoed_message="armed"))
+        return super().step(action)
 
 
 class HangingCloseAsyncEnv(AsyncExitEnv):

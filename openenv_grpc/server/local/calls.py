@@ -329,23 +329,25 @@ class LocalBatchCalls(Commands):
             # Nothing holds or waits for the lock and a call on the loop never yields: an
             # inline env's, or a measured one's while its group is on the loop (and no
             # timeout applies: one that does sends a measured call to the pool).
-            if runner.inline:
-                direct: Any = call
-            elif self._timeout is None and (group := runner.group_on_loop(call)) is not None:
-                direct, args = group.call_inline, (call, *args)
-            else:
-                direct = None
-            if direct is not None:
-                try:
-                    try:
+            try:
+                try:  # the group is env code's too (its cost_class())
+                    if runner.inline:
+                        direct: Any = call
+                    elif (
+                        self._timeout is None and (group := runner.group_on_loop(call)) is not None
+                    ):
+                        direct, args = group.call_inline, (call, *args)
+                    else:
+                        direct = None
+                    if direct is not None:
                         return direct(*args)
-                    except (Exception, asyncio.CancelledError):
-                        raise
-                    except BaseException as exc:  # runner.call_inline's, a call less
-                        raise EnvExit(exc) from exc
-                except Exception as exc:
-                    async with self._lock:  # a hung call's replacement holds it
-                        await self._refuse(what, self._call_timeout(envs), exc)
+                except (Exception, asyncio.CancelledError):
+                    raise
+                except BaseException as exc:  # runner.call_inline's, a call less
+                    raise EnvExit(exc) from exc
+            except Exception as exc:
+                async with self._lock:  # a hung call's replacement holds it
+                    await self._refuse(what, self._call_timeout(envs), exc)
         timeout = self._call_timeout(envs)
         generation = self._generation
         self._queued += 1

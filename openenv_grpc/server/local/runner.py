@@ -79,21 +79,19 @@ def _contained(method: Callable[_P, Awaitable[_T]]) -> Callable[_P, Coroutine[An
     return run
 
 
-#: Modules whose tasks call env code only through a runner, which contains it.
-_SERVERS_OWN = ("openenv_grpc.", "asyncio.")
-#: The coroutines of the server's libraries that run its handlers: grpc.aio's RPCs (which
-#: call env code only through a runner) and uvicorn's WebSocket protocol (which catches
-#: any BaseException its app raises). A name a library changes is wrapped: the safe side.
-_LIBRARIES_OWN = frozenset(
-    {"_handle_exceptions", "_schedule_rpc_coro", "WebSocketsSansIOProtocol.run_asgi"}
-)
+#: grpc.aio's compiled coroutines that run an RPC's handler, which calls env code only
+#: through a runner (a name grpc changes is wrapped: the safe side).
+_GRPC_OWN = frozenset({"_handle_exceptions", "_schedule_rpc_coro"})
+#: uvicorn's coroutine of a WebSocket, which catches any BaseException its app raises.
+_UVICORN_OWN = "WebSocketsSansIOProtocol.run_asgi"
 
 
 def contain_tasks(loop: asyncio.AbstractEventLoop) -> None:
     """Run the tasks env code may have started on ``loop`` under ``errors.contained``, so
     that a task an async env starts itself cannot stop the loop with ``SystemExit`` (it
     is logged as an ``EnvExit``). The server's own tasks (its streams, its sockets) go
-    unwrapped: the wrapper is one more frame resumed at every wake-up."""
+    unwrapped: the wrapper is one more frame resumed at every wake-up, and they call env
+    code only through a runner (its calls, ``cost_class`` too, contain what it raises)."""
 
     def factory(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> asyncio.Task[Any]:
         if not _servers_own(coro):
@@ -104,11 +102,18 @@ def contain_tasks(loop: asyncio.AbstractEventLoop) -> None:
 
 
 def _servers_own(coro: Any) -> bool:
-    if getattr(coro, "__qualname__", None) in _LIBRARIES_OWN:
-        return True
-    frame = getattr(coro, "cr_frame", None)  # None: compiled, or done
-    module = None if frame is None else frame.f_globals.get("__name__")
-    return isinstance(module, str) and module.startswith(_SERVERS_OWN)
+    """The server's own code (this package's, the grpc.aio and uvicorn coroutines that run
+    its handlers); never asyncio's as such: ``asyncio.to_thread`` awaits env code."""
+    frame = getattr(coro, "cr_frame", None)
+    name = getattr(coro, "__qualname__", None)
+    if frame is None:  # compiled (or done)
+        return name in _GRPC_OWN
+    module = frame.f_globals.get("__name__")
+    if not isinstance(module, str):
+        return False
+    return module.startswith("openenv_grpc.") or (
+        module.startswith("uvicorn.") and name == _UVICORN_OWN
+    )
 
 
 class EnvRunner:
