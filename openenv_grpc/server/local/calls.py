@@ -332,15 +332,9 @@ class LocalBatchCalls(Commands):
             try:
                 try:  # the group is env code's too (its cost_class())
                     if runner.inline:
-                        direct: Any = call
-                    elif (
-                        self._timeout is None and (group := runner.group_on_loop(call)) is not None
-                    ):
-                        direct, args = group.call_inline, (call, *args)
-                    else:
-                        direct = None
-                    if direct is not None:
-                        return direct(*args)
+                        return call(*args)
+                    if self._timeout is None and (group := runner.group_on_loop(call)) is not None:
+                        return group.call_inline(call, *args)
                 except (Exception, asyncio.CancelledError):
                     raise
                 except BaseException as exc:  # runner.call_inline's, a call less
