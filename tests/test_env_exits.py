@@ -217,36 +217,17 @@ def test_a_native_batch_call_that_raises_it_is_answered(
 
 @pytest.mark.fresh_server
 @pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("started", ["task", "thread"])
 def test_an_async_envs_own_task_that_raises_it_does_not_stop_the_server(
-    tmp_path: Path, kind: str
+    tmp_path: Path, kind: str, started: str
 ) -> None:
+    """A task the env started with ``create_task`` (``task``), or one of
+    ``asyncio.to_thread`` (``thread``: asyncio's coroutine awaiting env code)."""
     server = LedgerServer("support.exiting_envs:TaskExitEnv", [], {}, tmp_path)
     try:
         with EchoEnv(server.target) as env:
             env.reset()
-            assert env.step(EchoAction(message=f"task:{kind}")).observation.echoed_message == (
-                "spawned"
-            )
-            message = KINDS[kind][0]
-            server.wait_until(lambda: f"EnvExit: {message}" in server.stderr(), 15, "the task")
-            assert env.step(EchoAction(message="after")).observation.echoed_message == "after"
-        _serving(server)
-        _settled(server)
-    finally:
-        server.stop()
-
-
-@pytest.mark.fresh_server
-@pytest.mark.parametrize("kind", list(KINDS))
-def test_an_async_envs_thread_task_that_raises_it_does_not_stop_the_server(
-    tmp_path: Path, kind: str
-) -> None:
-    """A task of ``asyncio.to_thread`` an env started: asyncio's coroutine, env code's."""
-    server = LedgerServer("support.exiting_envs:TaskExitEnv", [], {}, tmp_path)
-    try:
-        with EchoEnv(server.target) as env:
-            env.reset()
-            spawned = env.step(EchoAction(message=f"thread:{kind}"))
+            spawned = env.step(EchoAction(message=f"{started}:{kind}"))
             assert spawned.observation.echoed_message == "spawned"
             message = KINDS[kind][0]
             server.wait_until(lambda: f"EnvExit: {message}" in server.stderr(), 15, "the task")
