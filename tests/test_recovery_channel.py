@@ -23,7 +23,7 @@ from openenv_grpc.client.recovery import RecoveringCalls
 from openenv_grpc.testing import ServerProcess
 from openenv_grpc_envs.echo import AsyncEchoEnv, EchoAction, EchoEnv, EchoResetOptions
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(240)
 
 TESTS = Path(__file__).resolve().parent
 SNAP = "support.envs:SnapshotEchoEnv"
@@ -36,6 +36,10 @@ CONNECTS = 6
 #: The recovery's window: a channel that reconnects within a second or so of its
 #: server's return makes it; one that waits out a backoff of many seconds does not.
 WITHIN = 3.0
+#: Seconds to wait for those connects: six take about 16 s, but a connect made between
+#: the kill and the listener's bind is refused unseen, and each one missed moves the
+#: sixth seen out by another backoff (26 s, then 43 s; +-20 %, more on a loaded machine).
+CONNECT_WAIT = 140.0
 
 Trajectory = list[tuple[float, int, bool]]
 
@@ -61,6 +65,8 @@ class RefusingListener:
         self._socket = socket.create_server(("127.0.0.1", port))
         self._socket.settimeout(0.05)
         self.connects = 0
+        self.opened = time.monotonic()
+        self.times: list[float] = []  # seconds after opening, one per connect
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
@@ -72,6 +78,7 @@ class RefusingListener:
             except TimeoutError:
                 continue
             conn.close()
+            self.times.append(round(time.monotonic() - self.opened, 2))
             self.connects += 1
 
     def close(self) -> None:
@@ -80,10 +87,10 @@ class RefusingListener:
         self._socket.close()
 
 
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+def wait_for(condition: Callable[[], bool], what: Callable[[], str], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what()}"
         time.sleep(0.01)
 
 
@@ -116,7 +123,11 @@ def test_a_session_on_a_given_channel_recovers_once_its_server_is_back(
         # The channel keeps trying to connect, as it does while a session waits on it.
         trying = grpc.channel_ready_future(channel)
         try:
-            wait_for(lambda: listener.connects >= CONNECTS, f"{CONNECTS} failed connects")
+            wait_for(
+                lambda: listener.connects >= CONNECTS,
+                lambda: f"{CONNECTS} failed connects (seen at {listener.times} s)",
+                CONNECT_WAIT,
+            )
         finally:
             listener.close()
         servers.append(serve("--port", str(port)))
@@ -150,7 +161,10 @@ def test_an_async_session_on_a_pool_channel_recovers_once_its_server_is_back(
                 trying = asyncio.ensure_future(channel.channel_ready())  # keeps it trying
                 try:
                     await asyncio.to_thread(
-                        wait_for, lambda: listener.connects >= CONNECTS, "failed connects"
+                        wait_for,
+                        lambda: listener.connects >= CONNECTS,
+                        lambda: f"{CONNECTS} failed connects (seen at {listener.times} s)",
+                        CONNECT_WAIT,
                     )
                 finally:
                     listener.close()

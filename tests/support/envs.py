@@ -289,19 +289,20 @@ class OneShotFactoryEnv(FaultyEnv):
 
 class OrphanReclaimingEnv(FaultyEnv):
     """A FaultyEnv whose ``reclaim_orphans`` renames the ledger entries of processes that
-    no longer exist to ``.reclaimed`` and logs each call (the calling pid, one line) in
-    ``<ledger>.reclaims``."""
+    no longer exist to ``.reclaimed`` and then logs the call (the calling pid, one line)
+    in ``<ledger>.reclaims``."""
 
     @classmethod
     def reclaim_orphans(cls) -> None:
         root = os.environ.get("OPENENV_TEST_LEDGER")
         if not root:
             return
-        with open(f"{root}.reclaims", "a") as calls:
-            calls.write(f"{os.getpid()}\n")
         for entry in Path(root).glob("*.open"):
             if not _process_exists(int(entry.name.split("-", 1)[0])):
                 entry.rename(entry.with_suffix(".reclaimed"))
+        # Logged after the renames: a test that sees the call sees what it reclaimed.
+        with open(f"{root}.reclaims", "a") as calls:
+            calls.write(f"{os.getpid()}\n")
 
 
 def _process_exists(pid: int) -> bool:
