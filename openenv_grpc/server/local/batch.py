@@ -568,7 +568,7 @@ def _states(
     out = BatchStates()
     for index, answer in zip(indices, answers, strict=True):
         try:
-            out.states.append(QUERIES[name].encode(_result(answer), types))
+            out.states.append(QUERIES[name](_result(answer), types))
         except BaseException as exc:
             out.errors[index] = row_error(exc, name)
             continue

@@ -15,15 +15,7 @@ from openenv_grpc.environment import EnvironmentTypes
 from openenv_grpc.server.errors import BadTransition, RowError
 from openenv_grpc.v1.session_pb2 import Frame
 
-__all__ = ["QUERIES", "AnswerTooLarge", "BatchStates", "Query", "ReadsWithin", "wrong_type"]
-
-
-@dataclass(frozen=True, slots=True)
-class Query:
-    """One per-env query: its name and its encoder (raises BadTransition)."""
-
-    name: str
-    encode: Callable[[Any, EnvironmentTypes], bytes]
+__all__ = ["QUERIES", "AnswerTooLarge", "BatchStates", "ReadsWithin", "wrong_type"]
 
 
 class AnswerTooLarge(Exception):
@@ -135,9 +127,11 @@ def _side(side: object) -> bool:
     return 0 < int(side) < _MAX_SIDE
 
 
-QUERIES: dict[str, Query] = {
-    query.name: query
-    for query in (Query("state", _state), Query("snapshot", _snapshot), Query("render", _frame))
+#: Query name -> the encoder of an env's answer (raises BadTransition).
+QUERIES: dict[str, Callable[[Any, EnvironmentTypes], bytes]] = {
+    "state": _state,
+    "snapshot": _snapshot,
+    "render": _frame,
 }
 
 
