@@ -503,31 +503,19 @@ def _close_orphan_later(
     loop: asyncio.AbstractEventLoop,
     release: Callable[[], None],
 ) -> None:
-    """Close the env of a cancelled open once its factory returns, then free its slot."""
+    """Close the env of a cancelled open once its factory returns (on the close pool: a
+    create thread is free, and never on the event loop), then free its slot."""
 
     def done(finished: concurrent.futures.Future[Any]) -> None:
         if finished.cancelled() or finished.exception() is not None:
             _release_from_thread(loop, release)
             return
-        if isinstance(lifecycle, Lifecycle):  # on the close pool: a create thread is free
-            try:
-                lifecycle.close(loop, _close_then_release, finished.result(), loop, release)
-            except RuntimeError:  # shut down: the process is exiting
-                _release_from_thread(loop, release)
-            return
-        _close_then_release(finished.result(), loop, release)
-
-    if future.done():
-        # Done already (the cancel raced the result): close off the event loop.
-        if isinstance(lifecycle, Lifecycle):
-            done(future)
-            return
         try:
-            lifecycle.submit(done, future)
-        except RuntimeError:
-            release()
-        return
-    future.add_done_callback(done)  # runs on the factory's thread, or here if cancelled
+            _submit_close(lifecycle, loop, _close_then_release, finished.result(), loop, release)
+        except RuntimeError:  # shut down: the process is exiting
+            _release_from_thread(loop, release)
+
+    future.add_done_callback(done)  # on the factory's thread; here, at once, if done
 
 
 def _give_up_create(
