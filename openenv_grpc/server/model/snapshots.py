@@ -12,6 +12,7 @@ all verify. Without keys, one random key per server, inherited by forked workers
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import logging
@@ -179,21 +180,16 @@ class KeyRing:
         return ephemeral_ring()
 
 
-_ephemeral: KeyRing | None = None
-
-
+@functools.cache
 def ephemeral_ring() -> KeyRing:
     """This server's random key ring, made on first use (before ``--workers`` fork)."""
-    global _ephemeral
-    if _ephemeral is None:
-        key = SnapshotKey(f"ephemeral-{secrets.token_hex(4)}", secrets.token_bytes(32))
-        _ephemeral = KeyRing([key], ephemeral=True)
-        log.info(
-            "no SNAPSHOT_KEYS: snapshots are signed with a random key (%s) and restore on "
-            "this server only, until it exits",
-            key.id,
-        )
-    return _ephemeral
+    key = SnapshotKey(f"ephemeral-{secrets.token_hex(4)}", secrets.token_bytes(32))
+    log.info(
+        "no SNAPSHOT_KEYS: snapshots are signed with a random key (%s) and restore on "
+        "this server only, until it exits",
+        key.id,
+    )
+    return KeyRing([key], ephemeral=True)
 
 
 @dataclass(frozen=True, slots=True)
