@@ -50,10 +50,11 @@ ROOM = struct.Struct("<Q")
 
 #: The classes of records a frame may carry, by name: nothing else is rebuilt from one.
 _RECORDS: dict[str, type] = {"Autoresets": Autoresets}
-#: A record class's field names and its default instance (a record sent without fields).
-_FIELDS: dict[type, tuple[tuple[str, ...], Any]] = {}
-#: A record class's default instance, as read back.
-_DEFAULTS: dict[type, Any] = {}
+#: A record class's field names and its default instance (sent without fields, and read
+#: back as this one instance).
+_FIELDS: dict[type, tuple[tuple[str, ...], Any]] = {
+    kind: (tuple(f.name for f in dataclasses.fields(kind)), kind()) for kind in _RECORDS.values()
+}
 #: What JSON writes and reads back as it is (a list of only these is sent as it is).
 _PLAIN = frozenset({int, str, bool, float, type(None)})
 #: A frame's head: the length of its JSON part (the blobs follow it).
@@ -103,9 +104,7 @@ class _Writer:
             return {"m": _name(kind), "b": self.blob(value.SerializeToString())}
         known = _FIELDS.get(kind)
         if known is None:
-            if _RECORDS.get(kind.__name__) is not kind:
-                raise TypeError(f"a frame cannot carry a {kind.__qualname__}")
-            known = _FIELDS[kind] = (tuple(f.name for f in dataclasses.fields(kind)), kind())
+            raise TypeError(f"a frame cannot carry a {kind.__qualname__}")
         names, default = known
         if value == default:  # the common case (a step without autoresets): no fields
             return {"r": kind.__name__, "f": {}}
@@ -134,7 +133,7 @@ def _read(value: Any, blobs: memoryview) -> Any:
     record = _RECORDS[value["r"]]
     fields = value["f"]
     if not fields:  # its default: the one instance, as NO_AUTORESETS is shared
-        return _DEFAULTS.get(record) or _DEFAULTS.setdefault(record, record())
+        return _FIELDS[record][1]
     return record(**{name: _read(one, blobs) for name, one in fields.items()})
 
 
