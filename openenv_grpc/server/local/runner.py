@@ -208,44 +208,6 @@ class EnvRunner:
             env, spec.mode, pool, lifecycle=lifecycle, release=release, placement=spec.placement
         )
 
-    async def _call(
-        self,
-        method: Callable[..., Any],
-        *args: Any,
-        orphaned: Orphaned | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        """Call one of the env's methods where its mode says. A pooled call whose caller is
-        cancelled hands its result to ``orphaned`` once it returns."""
-        mode = self._mode
-        if mode is ExecutionMode.INLINE:
-            return method(*args, **kwargs)
-        if mode is ExecutionMode.ASYNC:
-            return await method(*args, **kwargs)  # cancelled with its caller: nothing runs on
-        timed: PooledCall | None = None
-        run = method
-        if mode is ExecutionMode.MEASURED:
-            group = self._group(method)
-            if group.inline:
-                return group.call_inline(method, *args, **kwargs)
-            timed = group.pooled(method)
-            run = timed.run
-        submitted = time.perf_counter()
-        self._inflight = future = self._pool.submit(_here().run, run, *args, **kwargs)
-        try:
-            return await asyncio.wrap_future(future)
-        except asyncio.CancelledError:
-            if orphaned is not None:
-                _hand_on(future, self._loop, orphaned, submitted)
-            raise
-        finally:
-            # A call that raised counts too; one the session stopped waiting for, not.
-            if timed is not None and future.done() and not future.cancelled():
-                timed.record()
-
-    #: :meth:`_call` with env code's SystemExit and kin contained.
-    call = _contained(_call)
-
     def _group(self, method: Callable[..., Any]) -> CostGroup:
         name = getattr(method, "__name__", "call")
         groups = self._groups
@@ -268,7 +230,7 @@ class EnvRunner:
         return group if group.inline else None
 
     def call_inline(self, method: Callable[..., Any], *args: Any) -> Any:
-        """:meth:`call_within` of an :attr:`inline` runner without its three coroutines (a
+        """:meth:`call_within` of an :attr:`inline` runner without its two coroutines (a
         step's hot path)."""
         try:
             return method(*args)
@@ -277,8 +239,7 @@ class EnvRunner:
         except BaseException as exc:
             raise EnvExit(exc) from exc
 
-    @_contained
-    async def call_within(
+    async def _call_within(
         self,
         timeout: float | None,
         method: Callable[..., Any],
@@ -286,7 +247,9 @@ class EnvRunner:
         orphaned: Orphaned | None = None,
         **kwargs: Any,
     ) -> Any:
-        """:meth:`call`, given up ``timeout`` seconds after the call started (None: never).
+        """Call one of the env's methods where its mode says, given up ``timeout`` seconds
+        after the call started (None: never). A pooled call whose caller is cancelled
+        hands its result to ``orphaned`` once it returns.
 
         Inline calls cannot be interrupted: no timeout applies. A measured env's calls run
         on the pool when a timeout applies. After a timeout, see :meth:`abandon`.
@@ -295,18 +258,31 @@ class EnvRunner:
             TimeoutError: the call ran longer than ``timeout`` (it may still be running).
             PoolSaturated: the call was still queued for a thread after ``timeout``.
         """
-        if timeout is None or self._mode is ExecutionMode.INLINE:
-            return await self._call(method, *args, orphaned=orphaned, **kwargs)
-        if self._mode is ExecutionMode.ASYNC:
+        mode = self._mode
+        if mode is ExecutionMode.INLINE:
+            return method(*args, **kwargs)
+        if mode is ExecutionMode.ASYNC:
+            if timeout is None:
+                return await method(*args, **kwargs)  # cancelled with its caller
             try:
                 return await asyncio.wait_for(method(*args, **kwargs), timeout)  # cancelled
             except asyncio.TimeoutError:
                 raise TimeoutError(f"no answer within {timeout:g}s") from None
-        submitted = time.monotonic()
+        timed: PooledCall | None = None
+        run = method
+        if mode is ExecutionMode.MEASURED and timeout is None:
+            group = self._group(method)
+            if group.inline:
+                return group.call_inline(method, *args, **kwargs)
+            timed = group.pooled(method)
+            run = timed.run
         began = time.perf_counter()
-        self._inflight = future = self._pool.submit(_here().run, method, *args, **kwargs)
+        self._inflight = future = self._pool.submit(_here().run, run, *args, **kwargs)
         waiter = asyncio.wrap_future(future)
         try:
+            if timeout is None:
+                return await waiter
+            submitted = time.monotonic()
             # Not wait_for: it would cancel the waiter, and a call that started late
             # gets more time below.
             done, _ = await asyncio.wait((waiter,), timeout=timeout)
@@ -324,9 +300,19 @@ class EnvRunner:
                 _hand_on(future, self._loop, orphaned, began)
             raise
         finally:
+            # A call that raised counts too; one the session stopped waiting for, not.
+            if timed is not None and future.done() and not future.cancelled():
+                timed.record()
             # Given up: a call still queued is dropped; a running one goes on unobserved.
             if not waiter.done():
                 waiter.cancel()
+
+    #: :meth:`_call_within` with env code's SystemExit and kin contained.
+    call_within = _contained(_call_within)
+
+    def call(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Awaitable[Any]:
+        """:meth:`call_within` without a timeout."""
+        return self.call_within(None, method, *args, **kwargs)
 
     def _saturation(self) -> str:
         pool = self._pool
@@ -409,7 +395,7 @@ class EnvRunner:
                         "it was cancelled"
                     ) from None
             else:  # an inline env's close runs on the loop: it cannot be interrupted
-                await self._call(self.env.close)
+                await self._call_within(None, self.env.close)
         finally:
             self._release()
 
