@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import itertools
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -206,13 +207,15 @@ class _Instances(VectorBatch):
         if ended.info:
             out.final_infos[index] = ended.info
 
+    def _reset(self, index: int, seed: int | None, episode_id: str, options: Any) -> Any:
+        """What env ``index``'s ``reset`` returned (a coroutine, for an asyncio env)."""
+        return self._envs[index].reset(seed=seed, episode_id=episode_id, options=options)
+
     def _restart(self, index: int, autoresets: Autoresets) -> tuple[Any, str]:
-        """Autoreset env ``index`` (the one place one is made): what its ``reset``
-        returned (a coroutine, for an asyncio env) and the new episode's id."""
+        """Autoreset env ``index`` (the one place one is made): its :meth:`_reset` and the
+        new episode's id."""
         episode_id = autoresets.episode_ids.get(index) or new_episode_id()
-        options = autoresets.options.get(index)
-        first = self._envs[index].reset(seed=None, episode_id=episode_id, options=options)
-        return first, episode_id
+        return self._reset(index, None, episode_id, autoresets.options.get(index)), episode_id
 
     def _reset_rows(self, indices: Sequence[int], answers: Iterable[Any]) -> BatchOutcome:
         """Each env's row, or its error (``answers``: what each reset returned or raised)."""
@@ -238,12 +241,8 @@ class LoopBatch(_Instances):
         options: Sequence[Message | None],
         batch_form: bool = False,
     ) -> BatchOutcome:
-        envs = self._envs
-
-        def reset(index: int, seed: int | None, episode_id: str, option: Any) -> Any:
-            return envs[index].reset(seed=seed, episode_id=episode_id, options=option)
-
-        return self._reset_rows(indices, _called(reset, indices, seeds, episode_ids, options))
+        answers = _called(self._reset, indices, seeds, episode_ids, options)
+        return self._reset_rows(indices, answers)
 
     def step(
         self,
@@ -324,13 +323,8 @@ class AsyncLoopBatch(_Instances):
         options: Sequence[Message | None],
         batch_form: bool = False,
     ) -> BatchOutcome:
-        envs = self._envs
-        calls = [
-            envs[index].reset(seed=seed, episode_id=episode_id, options=option)
-            for index, seed, episode_id, option in zip(
-                indices, seeds, episode_ids, options, strict=True
-            )
-        ]
+        rows = zip(indices, seeds, episode_ids, options, strict=True)
+        calls = itertools.starmap(self._reset, rows)
         return self._reset_rows(indices, await _gather(calls))
 
     async def step(
