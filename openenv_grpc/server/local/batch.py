@@ -455,20 +455,31 @@ class NativeBatch(VectorBatch):
         out.rewards = _as_list(_column(transition.rewards, count, "rewards"), float, "f")
         out.terminated = _as_list(_column(transition.terminated, count, "terminated"), bool, "b")
         out.truncated = _as_list(_column(transition.truncated, count, "truncated"), bool, "b")
-        out.infos = _infos(transition.infos, rows, "infos")
-        out.batch_observation, out.observations = self._observations(
-            transition.observation, count, "observation", batch_form
-        )
+        if transition.infos is not None:
+            for index, info in zip(rows, _column(transition.infos, count, "infos"), strict=True):
+                if info:
+                    out.infos[index] = info
+        observation = self._observed(transition.observation, "observation")
+        if batch_form:
+            out.batch_observation = observation.SerializeToString()
+        else:
+            out.observations = self._split(observation, count, "observation")
         marks = transition.reset if resets else None
         if marks is not None and any(_as_list(_column(marks, count, "reset"), bool, "b")):
             out.autoreset = _as_list(marks, bool, "b")
             ended = [index for index, mark in zip(rows, out.autoreset, strict=True) if mark]
             final = transition.final_observation
             if final is not None:
-                out.batch_final_observation, out.final_observations = self._observations(
-                    final, len(ended), "final observation", batch_form
-                )
-            out.final_infos = _infos(transition.final_infos, ended, "final_infos")
+                final = self._observed(final, "final observation")
+                if batch_form:
+                    out.batch_final_observation = final.SerializeToString()
+                else:
+                    out.final_observations = self._split(final, len(ended), "final observation")
+            if transition.final_infos is not None:
+                infos = _column(transition.final_infos, len(ended), "final_infos")
+                for index, info in zip(ended, infos, strict=True):
+                    if info:
+                        out.final_infos[index] = info
         for index, exc in failed.items():
             out.errors[index] = row_error(exc, "step" if resets else "reset")
         return out
@@ -478,17 +489,11 @@ class NativeBatch(VectorBatch):
             raise BadTransition(wrong_type(what, observation, self._observation))
         return observation
 
-    def _observations(
-        self, observation: Any, count: int, what: str, batch_form: bool
-    ) -> tuple[bytes | None, list[bytes]]:
-        """The observation of ``count`` rows: whole (``batch_form``), or split per row."""
-        observation = self._observed(observation, what)
-        if batch_form:
-            return observation.SerializeToString(), []
+    def _split(self, observation: Message, count: int, what: str) -> list[bytes]:
         parts = self._batch.split_observation(observation, count)
         if len(parts) != count:
             raise BadTransition(f"split_observation gave {len(parts)} {what}s for {count} rows")
-        return None, [self._observed(part, what).SerializeToString() for part in parts]
+        return [self._observed(part, what).SerializeToString() for part in parts]
 
 
 def natively_batched(env_class: type[Any]) -> bool:
@@ -602,14 +607,6 @@ def _column(values: Any, count: int, what: str) -> Sequence[Any]:
         got = "none" if values is None else len(values)
         raise BadTransition(f"batch returned {got} {what} for {count} rows")
     return cast(Sequence[Any], values)
-
-
-def _infos(infos: Any, rows: list[int], what: str) -> dict[int, Any]:
-    """A batch's infos by env index, empty ones left out (``infos`` None: none)."""
-    if infos is None:
-        return {}
-    column = _column(infos, len(rows), what)
-    return {index: info for index, info in zip(rows, column, strict=True) if info}
 
 
 def _as_list(values: Sequence[Any], kind: type, dtype_kind: str) -> list[Any]:
