@@ -71,10 +71,6 @@ _INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 _FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION.value[0]
 _RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 
-#: The phases a snapshot may hold: those the driver can restore (a new proto phase is
-#: refused until ``phases.CAPTURED_PHASE`` maps it).
-_PHASES = frozenset(RESTORED_PHASE)
-
 
 class SnapshotRefused(Exception):
     """A snapshot was not made or not accepted: ``code`` (a gRPC code number) and
@@ -294,7 +290,8 @@ class SnapshotSeal:
             raise _invalid("snapshot body does not parse") from None
         if (body.env_name, body.env_version) != (self._env_name, self._env_version):
             raise SnapshotRefused(_FAILED_PRECONDITION, self._foreign(body))
-        if body.phase not in _PHASES:
+        # Only a phase the driver can restore: a new proto phase waits for CAPTURED_PHASE.
+        if body.phase not in RESTORED_PHASE:
             raise _invalid(f"snapshot has no valid episode phase ({body.phase})")
         return Captured(body.episode_id, body.step_count, body.phase, body.env_state)
 
