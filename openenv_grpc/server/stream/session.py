@@ -247,6 +247,7 @@ class SessionManager:
                 held.backend = await opening.open(held)
             except Exception as exc:
                 held.reason = "refused" if isinstance(exc, InvalidAction) else "factory_error"
+                await self._release(held)  # before the status: a retry finds the slot free
                 await context.abort(*_open_failed(exc))
             await context.send_initial_metadata(
                 ((ADMITTED_KEY, self.spec.name), (SESSION_ID_KEY, session_id), *opening.headers())
@@ -752,6 +753,9 @@ class _StreamLoop:
             live.writing = True
             try:
                 await write(notice)
+            except Exception as exc:  # as above: the call is over
+                log.debug("write failed, the call is over: %r", exc)
+                self._end("eof")
             finally:
                 live.writing = False
 
