@@ -176,6 +176,30 @@ def test_capacity_guard_holds_for_an_adapter_served_without_serve_config() -> No
         server.stop()
 
 
+@pytest.mark.fresh_server  # its own OpenEnv-bridged server (seconds of imports): make test
+def test_an_async_env_raising_system_exit_keeps_its_loop() -> None:
+    """step_async raises SystemExit on the env's own loop, then a task it started does:
+    the step fails (INTERNAL, named), and the loop lives on for the next reset, step and
+    close (a SystemExit left bare stopped that loop for good)."""
+    server = bridged("support.openenv_envs.blocking:BlockingEnvironment")
+    try:
+        Ping = described_session(server.target)
+        with Ping(server.target) as env:
+            env.reset()
+            with pytest.raises(EnvError) as failed:
+                env.step(Ping.Action(text="exit"))
+            assert failed.value.code is grpc.StatusCode.INTERNAL
+            assert failed.value.message == "step failed: SystemExit: 3"
+            env.reset()
+            assert env.step(Ping.Action(text="task-exit")).observation.text == "task-exit"
+            assert env.step(Ping.Action(text="alive")).observation.text == "alive"
+        assert server.health() == SERVING
+        server.wait_until(lambda: "SystemExit" in server.stderr(), 10, "the task's exit logged")
+        assert "Event loop is closed" not in server.stderr()
+    finally:
+        server.stop()
+
+
 @pytest.mark.fresh_server  # a server of its own: make test
 @pytest.mark.parametrize(("env", "goes_on"), [("ForgivingEchoEnv", True), ("StrictEchoEnv", False)])
 def test_a_native_env_opts_into_openenvs_step_error_rule(env: str, goes_on: bool) -> None:

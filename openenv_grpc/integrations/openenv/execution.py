@@ -24,6 +24,8 @@ from pydantic import BaseModel
 
 from openenv_grpc.integrations.openenv.bridge import Bridge
 from openenv_grpc.integrations.openenv.signatures import has_mcp, overrides
+from openenv_grpc.server.errors import contained
+from openenv_grpc.server.local.runner import contain_tasks
 
 __all__ = ["OwnLoop", "async_methods", "sync_methods"]
 
@@ -126,8 +128,9 @@ class OwnLoop:
 
     async def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """``coroutine``'s result, run on this loop; cancelling the caller cancels it
-        there (when that loop is free to notice)."""
-        future = asyncio.run_coroutine_threadsafe(coroutine, self._started())
+        there (when that loop is free to notice). Its ``SystemExit`` comes back as an
+        ``EnvExit``: left bare, it would stop this loop for good."""
+        future = asyncio.run_coroutine_threadsafe(contained(coroutine), self._started())
         return await asyncio.wrap_future(future)
 
     def stop(self) -> None:
@@ -141,6 +144,7 @@ class OwnLoop:
         with self._lock:
             if self._loop is None:
                 loop = asyncio.new_event_loop()
+                contain_tasks(loop)  # the tasks the env starts there, too
                 threading.Thread(
                     target=_run_forever, args=(loop,), name=self._name, daemon=True
                 ).start()

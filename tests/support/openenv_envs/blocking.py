@@ -1,7 +1,8 @@
 """An async OpenEnv env whose ``reset_async`` blocks the event loop it runs on
 (``time.sleep`` instead of ``await asyncio.sleep``): the bridge must keep the server's
 own loop (health, other sessions, the drain) free of it. ``mark=PATH`` (a reset option)
-creates ``PATH`` just before the call blocks."""
+creates ``PATH`` just before the call blocks. A step of ``exit`` raises ``SystemExit(3)``
+on the env's loop; ``task-exit`` starts a task there that does."""
 
 import asyncio
 import os
@@ -10,6 +11,10 @@ from typing import Any
 
 from openenv.core.env_server.interfaces import Environment
 from openenv.core.env_server.types import Action, Observation, State
+
+
+async def _exit() -> None:
+    raise SystemExit(3)
 
 
 class PingAction(Action):
@@ -43,6 +48,10 @@ class BlockingEnvironment(Environment):
         return PingObservation(text=action.text)
 
     async def step_async(self, action: PingAction) -> PingObservation:  # type: ignore[override]
+        if action.text == "exit":
+            raise SystemExit(3)
+        if action.text == "task-exit":
+            asyncio.get_running_loop().create_task(_exit())
         return PingObservation(text=action.text)
 
     @property
