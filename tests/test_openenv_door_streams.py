@@ -492,3 +492,23 @@ def test_a_close_frame_whose_env_close_raises_ends_the_socket_and_frees_the_slot
     assert code == 1000
     assert answer["type"] == "observation"
     assert answer["data"]["observation"]["echoed_message"] == "after"
+
+
+def test_the_doors_receive_still_copies_uvicorns() -> None:
+    """The door's bounded WebSocket protocol does uvicorn's ``receive`` inline (its
+    queue get, then resume reading once the queue is empty) rather than awaiting it: a
+    uvicorn release that changes that method must be copied again, not diverge unseen."""
+    import inspect
+    import textwrap
+
+    from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+
+    theirs = textwrap.dedent(inspect.getsource(WebSocketsSansIOProtocol.receive)).split("\n")
+    assert [line.strip() for line in theirs if line.strip()] == [
+        "async def receive(self) -> ASGIReceiveEvent:",
+        "message = await self.queue.get()",
+        "if self.read_paused and self.queue.empty():",
+        "self.read_paused = False",
+        "self.transport.resume_reading()",
+        "return message",
+    ], "uvicorn's receive changed: update _BoundedWebSocket.receive in gateway_limits.py"

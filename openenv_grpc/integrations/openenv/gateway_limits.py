@@ -351,7 +351,8 @@ class _BoundedWebSocket(_CountsUnsent, WebSocketsSansIOProtocol):
             self._taken = 0
         else:
             self._taken += 1
-        event = await queue.get()  # uvicorn's receive, inline (a coroutine less a message)
+        # uvicorn's receive, inline (a coroutine less a message; a test pins its source)
+        event = await queue.get()
         if self.read_paused and queue.empty():
             self.read_paused = False
             self.transport.resume_reading()
