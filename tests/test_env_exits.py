@@ -327,6 +327,37 @@ def test_only_tasks_env_code_may_have_started_are_wrapped() -> None:
             await task
         return wrapped
 
+    async def grpc_handler_task() -> str:
+        """The coroutine of the task grpc.aio runs a real call's handler in."""
+        import grpc
+
+        loop = asyncio.get_running_loop()
+        runner.contain_tasks(loop)
+        seen: list[str] = []
+
+        async def handler(request: bytes, context: object) -> bytes:
+            seen.append(asyncio.current_task().get_coro().__qualname__)  # type: ignore[union-attr]
+            return request
+
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers(
+            (
+                grpc.method_handlers_generic_handler(
+                    "t.T", {"M": grpc.unary_unary_rpc_method_handler(handler)}
+                ),
+            )
+        )
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                assert await channel.unary_unary("/t.T/M")(b"x") == b"x"
+        finally:
+            await server.stop(None)
+        return seen[0]
+
+    # grpc.aio's own (compiled) coroutine, unwrapped: its frame names no module.
+    assert asyncio.run(grpc_handler_task()) == "_handle_exceptions"
     assert asyncio.run(main()) == {
         "openenv_grpc.server.stream.session": False,
         "asyncio.base_events": True,

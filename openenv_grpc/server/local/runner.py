@@ -106,11 +106,9 @@ def _servers_own(coro: Any) -> bool:
     its handlers); never asyncio's as such: ``asyncio.to_thread`` awaits env code."""
     frame = getattr(coro, "cr_frame", None)
     name = getattr(coro, "__qualname__", None)
-    if frame is None:  # compiled (or done)
+    module = None if frame is None else frame.f_globals.get("__name__")
+    if not isinstance(module, str):  # compiled: Cython's frames name no module (or done)
         return name in _GRPC_OWN
-    module = frame.f_globals.get("__name__")
-    if not isinstance(module, str):
-        return False
     return module.startswith("openenv_grpc.") or (
         module.startswith("uvicorn.") and name == _UVICORN_OWN
     )
