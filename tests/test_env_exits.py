@@ -172,7 +172,7 @@ def test_a_factory_that_raises_it_refuses_the_open_and_frees_the_slot(
         first.open()
         first.close()
         _settled(server)  # the slot is given back once the stream has ended, just after
-        for _ in range(5):  # the slot is given back before each refusal: the next is refused too
+        for _ in range(5):  # the slot is given back each time: every later open is refused too
             with pytest.raises(SessionRefused) as failed, EchoEnv(server.target):
                 pass
             assert failed.value.code is grpc.StatusCode.INTERNAL

@@ -247,7 +247,6 @@ class SessionManager:
                 held.backend = await opening.open(held)
             except Exception as exc:
                 held.reason = "refused" if isinstance(exc, InvalidAction) else "factory_error"
-                await self._release(held)  # before the status: a retry finds the slot free
                 await context.abort(*_open_failed(exc))
             await context.send_initial_metadata(
                 ((ADMITTED_KEY, self.spec.name), (SESSION_ID_KEY, session_id), *opening.headers())
