@@ -19,12 +19,11 @@ to the first server (OpenEnv's best configuration, ``--system openenv-on-loop`` 
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 from bench.door_calls import _server
-from bench.paired import COUNTER_LOOP, Server, measure_together
+from bench.paired import COUNTER_LOOP, Server, measure_together, options
 
 _CLIENT = (
     """
@@ -55,15 +54,7 @@ def _door(name: str, system: str, source: str | None) -> Server:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--windows", type=int, default=4)
-    parser.add_argument("--seconds", type=float, default=8.0, help="one window")
-    parser.add_argument("--sessions", type=int, default=32, help="per server")
-    parser.add_argument(
-        "--source", action="append", default=[], metavar="DIR",
-        help="also ours as DIR's openenv_grpc package (repeatable)",
-    )  # fmt: skip
-    args = parser.parse_args()
+    args = options(__doc__.split("\n\n")[0], sessions=32)
     servers = [_door("openenv-on-loop", "openenv-on-loop", None),
                _door("openenv-grpc", "openenv-grpc", None)]  # fmt: skip
     servers += [_door(f"openenv-grpc:{source}", "openenv-grpc", source) for source in args.source]

@@ -14,12 +14,11 @@ the ratios), steps, and its ratio to the first server (bare grpc.aio).
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 from pathlib import Path
 
-from bench.paired import COUNTER_LOOP, Server, measure_together
+from bench.paired import COUNTER_LOOP, Server, measure_together, options
 
 ROOT = Path(__file__).resolve().parent.parent
 _SERVING = re.compile(r"serving \S+ on (\S+:\d+)")
@@ -58,15 +57,7 @@ def _ours(name: str, source: str | None) -> Server:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--windows", type=int, default=4)
-    parser.add_argument("--seconds", type=float, default=8.0, help="one window")
-    parser.add_argument("--sessions", type=int, default=64, help="per server")
-    parser.add_argument(
-        "--source", action="append", default=[], metavar="DIR",
-        help="also ours as DIR's openenv_grpc package (repeatable)",
-    )  # fmt: skip
-    args = parser.parse_args()
+    args = options(__doc__.split("\n\n")[0], sessions=64)
     bare = [sys.executable, "-m", "bench.bare_echo", "0"]
     servers = [Server("bare", bare, [str(ROOT)], _SERVING, _CLIENT), _ours("openenv-grpc", None)]
     servers += [_ours(f"openenv-grpc:{source}", source) for source in args.source]

@@ -12,6 +12,7 @@ steps forever and keeps the file ``counter`` holding its steps so far (see
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -24,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["COUNTER_LOOP", "Server", "measure_together"]
+__all__ = ["COUNTER_LOOP", "Server", "measure_together", "options"]
 
 #: Client code's reporter: ``asyncio.gather(report(), ...)`` with a list ``steps``.
 COUNTER_LOOP = """
@@ -35,6 +36,20 @@ async def report():
         os.replace(counter + ".tmp", counter)
         await asyncio.sleep(0.05)
 """
+
+
+def options(description: str, sessions: int) -> argparse.Namespace:
+    """The command line both benches take: ``--windows``, ``--seconds``, ``--sessions``
+    (``sessions`` by default) and ``--source DIR`` (repeatable)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--windows", type=int, default=4)
+    parser.add_argument("--seconds", type=float, default=8.0, help="one window")
+    parser.add_argument("--sessions", type=int, default=sessions, help="per server")
+    parser.add_argument(
+        "--source", action="append", default=[], metavar="DIR",
+        help="also ours as DIR's openenv_grpc package (repeatable)",
+    )  # fmt: skip
+    return parser.parse_args()
 
 
 @dataclass
