@@ -32,7 +32,7 @@ if ! command -v dockerd >/dev/null 2>&1 || ! command -v docker >/dev/null 2>&1; 
     exit 1
   fi
   apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o APT::Keep-Downloaded-Packages=false docker.io >/dev/null
 fi
 
 if answers; then

@@ -32,7 +32,7 @@ fi
 if ! command -v debootstrap >/dev/null 2>&1; then
   say "installing debootstrap with apt-get"
   apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o APT::Keep-Downloaded-Packages=false debootstrap >/dev/null
 fi
 
 WORK="$(mktemp -d /tmp/openenv-base.XXXXXX)"
