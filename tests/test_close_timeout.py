@@ -102,6 +102,25 @@ def test_an_async_envs_hung_close_is_cancelled_and_deadline_exceeded(start_serve
         again.reset()
 
 
+def test_an_abandoned_async_envs_hung_close_is_cancelled_and_frees_its_slot(start_server) -> None:
+    """A step past its timeout abandons the env; its close, in the background, is
+    cancelled at the lifecycle timeout like an awaited one (it held the slot for ever)."""
+    server = start_server(
+        "support.exiting_envs:HangingCloseAsyncEnv", "--lifecycle-timeout", "1",
+        "--step-timeout", "0.5",
+    )  # fmt: skip
+    env = EchoEnv(server.target)
+    env.open()
+    env.reset()
+    with pytest.raises(EnvError) as failed:
+        env.step(EchoAction(message="hang-step"))
+    assert failed.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
+    env.close()
+    server.wait_until(lambda: Path(f"{server.ledger}.cancelled").exists(), 10, "the cancel")
+    server.wait_until(lambda: server.active() == 0, 10, "the slot freed")
+    assert "closing an abandoned environment raised" in server.stderr()
+
+
 def test_a_vector_of_async_envs_whose_close_hangs_is_deadline_exceeded(start_server) -> None:
     server = start_server("support.exiting_envs:HangingCloseAsyncEnv", "--lifecycle-timeout", "1")
     envs = VectorSession(server.target, 2)

@@ -203,11 +203,14 @@ class CostClassExitEnv(InlineExitEnv):
 
 class HangingCloseAsyncEnv(AsyncExitEnv):
     """An asyncio env whose close awaits ``CLOSE_SECONDS`` (60) after a ``hang-close``
-    step; a cancelled close records ``<ledger>.cancelled``."""
+    step; a cancelled close records ``<ledger>.cancelled``. A ``hang-step`` step arms
+    the same and awaits 60 s itself."""
 
     async def step(self, action: EchoAction) -> Transition[EchoObservation]:
-        if action.message == "hang-close":
+        if action.message in ("hang-close", "hang-step"):
             self._hang = True
+            if action.message == "hang-step":
+                await asyncio.sleep(60)
             return Transition(EchoObservation(echoed_message="armed"))
         return await super().step(action)
 

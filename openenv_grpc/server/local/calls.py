@@ -27,7 +27,8 @@ from openenv_grpc.server.local.batch import (
     VectorBatch,
     batch_spec,
 )
-from openenv_grpc.server.local.runner import CloseAbandoned, EnvRunner, Orphaned, PoolSaturated
+from openenv_grpc.server.local.env_threads import CloseAbandoned, Lifecycle
+from openenv_grpc.server.local.runner import EnvRunner, Orphaned, PoolSaturated
 from openenv_grpc.server.model.phases import VECTOR_WORDS, Words
 from openenv_grpc.server.model.placement import CallPlacement
 from openenv_grpc.server.model.queries import BatchStates
@@ -433,7 +434,7 @@ async def local_calls(
     placement: CallPlacement | None = None,
     native: bool = True,
     objects: bool = False,
-    lifecycle: Executor | None = None,
+    lifecycle: Lifecycle | None = None,
     release: Callable[[int], None] = _nothing,
     reserve: Callable[[int], None] = _nothing,
 ) -> LocalBatchCalls:

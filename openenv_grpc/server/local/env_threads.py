@@ -1,7 +1,8 @@
-"""The threads blocking env code runs on, and :class:`Lifecycle`, the create and close
-pools. Not ``ThreadPoolExecutor``: a call records when it started (a timeout counts from
-there), the pool counts busy threads (to report saturation), and its threads are daemons
-(``ThreadPoolExecutor``'s are joined at exit: one hung call would block it for ever).
+"""The threads blocking env code runs on, and :class:`Lifecycle`, the one path by which an
+env is made and closed with a timeout and its slot freed once. Not ``ThreadPoolExecutor``:
+a call records when it started (a timeout counts from there), the pool counts busy
+threads (to report saturation), and its threads are daemons (``ThreadPoolExecutor``'s
+are joined at exit: one hung call would block it for ever).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import queue
 import threading
@@ -18,7 +20,7 @@ from typing import Any
 
 from openenv_grpc.server.errors import EnvExit
 
-__all__ = ["EnvCall", "EnvThreadPool", "Lifecycle"]
+__all__ = ["CloseAbandoned", "CreateTimeout", "EnvCall", "EnvThreadPool", "Lifecycle", "untimed"]
 
 log = logging.getLogger(__name__)
 
@@ -145,10 +147,21 @@ class EnvThreadPool(concurrent.futures.Executor):
                 thread.join()
 
 
-class Lifecycle(concurrent.futures.Executor):
-    """Where envs are made (``submit``) and closed: two pools, so a hung close never
-    delays an open, and one ``timeout`` (None: none). A close past it is abandoned:
-    logged, counted, its thread let go; its env keeps its slot until it returns."""
+class CreateTimeout(Exception):
+    """The factory ran past the lifecycle timeout: the open fails; the env, if ever born,
+    is closed then (its slot is held until then)."""
+
+
+class CloseAbandoned(Exception):
+    """The close ran past the lifecycle timeout: the env keeps its slot until it returns."""
+
+
+class Lifecycle:
+    """The one place envs run off the loop are made and closed, and a hung make or close
+    is given up on: two pools, so a hung close never delays an open, and one ``timeout``
+    (None: none). Whatever happens to a make or a close, the env's slot is freed exactly
+    once, when nothing of it runs any more: a close past the timeout is abandoned (logged,
+    counted, its thread let go) and frees the slot when it returns."""
 
     def __init__(self, creates: EnvThreadPool, closes: EnvThreadPool, timeout: float | None):
         self.creates = creates
@@ -163,19 +176,112 @@ class Lifecycle(concurrent.futures.Executor):
         """Abandoned closes that have not returned yet (``openenv_env_closes_hung``)."""
         return len(self._hung)
 
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> EnvCall:
-        return self.creates.submit(fn, *args, **kwargs)
+    async def make(self, factory: Callable[[], Any], release: Callable[[], None]) -> Any:
+        """``factory()`` on a create thread. If this call is cancelled or times out, it
+        owns ``release``: a factory still queued never runs (freed now); a running one
+        is left on its thread, and the env it makes, if any, is closed (freed then).
 
-    def close(
-        self, loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], /, *args: Any
-    ) -> EnvCall:
-        """Run the close ``fn(*args)`` on ``closes``, watched by ``loop`` for the timeout;
-        from any thread.
+        Raises:
+            CreateTimeout: the factory ran past the timeout (counted from its submission).
+            Exception: what the factory raised (``release`` is the caller's then).
+        """
+        loop = asyncio.get_running_loop()
+        call = self.creates.submit(factory)
+        waiter = asyncio.wrap_future(call)
+        try:
+            done, _ = await asyncio.wait((waiter,), timeout=self.timeout)
+        except asyncio.CancelledError:
+            self._close_when_made(loop, call, release)
+            raise
+        if done:
+            return waiter.result()
+        if call.cancel():  # still queued: it never runs
+            release()
+        else:
+            self.creates.abandon(call)
+            log.error(
+                "an environment's factory did not return within %gs: the open failed; the "
+                "env is closed if it is ever made, and holds its slot until then", self.timeout,
+            )  # fmt: skip
+            self._close_when_made(loop, call, release)
+        raise CreateTimeout(
+            f"the environment was not made within {self.timeout:g}s (--lifecycle-timeout): "
+            "nothing was kept, open again"
+        )
+
+    def _close_when_made(
+        self, loop: asyncio.AbstractEventLoop, call: EnvCall, release: Callable[[], None]
+    ) -> None:
+        """Close the env ``call`` makes once it is made (on a close thread: a create thread
+        is free, and never on the event loop); free its slot then, or at once if none."""
+
+        def made(finished: concurrent.futures.Future[Any]) -> None:
+            if finished.cancelled() or finished.exception() is not None:
+                _on_loop(loop, release)
+                return
+            try:
+                self.close_later(loop, finished.result().close, release)
+            except RuntimeError:  # shut down: the process is exiting
+                _on_loop(loop, release)
+
+        call.add_done_callback(made)  # on the factory's thread; here, at once, if done
+
+    async def close(self, close: Callable[[], Any], release: Callable[[], None]) -> None:
+        """``close()`` on a close thread, awaited; ``release()`` runs on the loop once it
+        returns, whenever that is (past the timeout, or after this call was cancelled).
+
+        Raises:
+            CloseAbandoned: the close ran past the timeout (it is abandoned).
+            Exception: what ``close`` raised.
+            RuntimeError: the pool was shut down (nothing ran, nothing is freed).
+        """
+        call = self._submit_close(asyncio.get_running_loop(), close, release)
+        waiter = asyncio.wrap_future(call)
+        done, _ = await asyncio.wait((waiter,), timeout=self.timeout)
+        if not done:
+            # Not waiter.cancel(): a close still queued would never run.
+            self.abandon_close(call)
+            raise CloseAbandoned(
+                f"close did not finish within {self.timeout:g}s (--lifecycle-timeout); the "
+                "environment was abandoned and its slot is freed when its close returns"
+            )
+        waiter.result()
+
+    async def close_async(self, close: Callable[[], Any], release: Callable[[], None]) -> None:
+        """An async env's ``close()``, on the loop, then ``release()`` (always). Past the
+        timeout it is cancelled: nothing of it keeps running.
+
+        Raises:
+            CloseAbandoned: the close ran past the timeout (it was cancelled).
+            Exception: what ``close`` raised.
+        """
+        try:
+            await asyncio.wait_for(close(), self.timeout)
+        except asyncio.TimeoutError:
+            raise CloseAbandoned(
+                f"close did not finish within {self.timeout:g}s (--lifecycle-timeout); it "
+                "was cancelled"
+            ) from None
+        finally:
+            release()
+
+    def close_later(
+        self, loop: asyncio.AbstractEventLoop, close: Callable[[], Any], release: Callable[[], None]
+    ) -> None:
+        """:meth:`close` with nobody waiting, from any thread: what it raises is logged.
 
         Raises:
             RuntimeError: the pool was shut down.
         """
-        call = self.closes.submit(fn, *args)
+        self._submit_close(loop, close, release).add_done_callback(_log_failure)
+
+    def _submit_close(
+        self, loop: asyncio.AbstractEventLoop, close: Callable[[], Any], release: Callable[[], None]
+    ) -> EnvCall:
+        """Run ``close`` on ``closes``, ``release`` on ``loop`` after it, and watch it for
+        the timeout from ``loop``."""
+        call = self.closes.submit(close)
+        call.add_done_callback(lambda _: _on_loop(loop, release))
         if self.timeout is not None:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(self._expire, loop, call)
@@ -223,3 +329,21 @@ class Lifecycle(concurrent.futures.Executor):
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         self.creates.shutdown(wait, cancel_futures=cancel_futures)
         self.closes.shutdown(wait, cancel_futures=cancel_futures)
+
+
+@functools.cache
+def untimed() -> Lifecycle:
+    """The lifecycle of runners made without one (tests, benches, an env process, whose
+    envs run on its loop): no timeout; threads only once something is made off the loop."""
+    return Lifecycle(EnvThreadPool(4, "env-create"), EnvThreadPool(4, "env-close"), None)
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop, release: Callable[[], None]) -> None:
+    """Run ``release`` on ``loop``; nothing if the loop is closed (the server stopped)."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(release)
+
+
+def _log_failure(call: concurrent.futures.Future[Any]) -> None:
+    if not call.cancelled() and (exc := call.exception()) is not None:
+        log.error("closing an abandoned environment raised", exc_info=exc)

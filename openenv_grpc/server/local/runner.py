@@ -23,13 +23,17 @@ from typing import Any, ParamSpec, TypeVar
 
 from openenv_grpc.environment import AnyEnvironment
 from openenv_grpc.server.errors import EnvExit, contained
-from openenv_grpc.server.local.env_threads import EnvCall, EnvThreadPool, Lifecycle
+from openenv_grpc.server.local.env_threads import (
+    CloseAbandoned,
+    CreateTimeout,
+    EnvThreadPool,
+    Lifecycle,
+    untimed,
+)
 from openenv_grpc.server.model.placement import CallPlacement, CostGroup, PooledCall
 from openenv_grpc.server.model.spec import EnvSpec, ExecutionMode
 
 __all__ = [
-    "CloseAbandoned",
-    "CreateTimeout",
     "EnvRunner",
     "Orphaned",
     "PoolSaturated",
@@ -44,15 +48,6 @@ Orphaned = Callable[[Any, float], None]
 
 class PoolSaturated(Exception):
     """A pooled call waited for a free thread until its timeout: it never ran."""
-
-
-class CreateTimeout(Exception):
-    """The factory ran past the lifecycle timeout: the open fails; the env, if ever born,
-    is closed then (its slot is held until then)."""
-
-
-class CloseAbandoned(Exception):
-    """The close ran past the lifecycle timeout: the env keeps its slot until it returns."""
 
 
 def _nothing() -> None:
@@ -126,7 +121,7 @@ class EnvRunner:
         mode: ExecutionMode,
         pool: Executor,
         *,
-        lifecycle: Executor | None = None,
+        lifecycle: Lifecycle | None = None,
         release: Callable[[], None] = _nothing,
         placement: CallPlacement | None = None,
     ) -> None:
@@ -148,7 +143,7 @@ class EnvRunner:
             {} if mode is ExecutionMode.MEASURED and alone is not None and alone() else None
         )
         self._pool = pool
-        self._lifecycle = lifecycle if lifecycle is not None else pool
+        self._lifecycle = lifecycle if lifecycle is not None else untimed()
         self._release = release
         self._loop = asyncio.get_running_loop()
         self._closed = False
@@ -162,38 +157,21 @@ class EnvRunner:
         spec: EnvSpec,
         pool: Executor,
         *,
-        lifecycle: Executor | None = None,
+        lifecycle: Lifecycle | None = None,
         release: Callable[[], None] = _nothing,
     ) -> EnvRunner:
-        """A runner of a fresh instance from the spec's factory (run on ``lifecycle``,
-        default ``pool``, for pooled and measured envs). It owns ``release`` from here on,
-        also when this call is cancelled or fails (raising what the factory raised, or
-        TypeError for an instance of another class than the spec's)."""
-        loop = asyncio.get_running_loop()
-        lifecycle = lifecycle if lifecycle is not None else pool
+        """A runner of a fresh instance from the spec's factory (made by ``lifecycle``,
+        default :func:`untimed`, for pooled and measured envs). It owns ``release`` from
+        here on, also when this call is cancelled or fails (raising what the factory
+        raised, or TypeError for an instance of another class than the spec's)."""
+        lifecycle = lifecycle if lifecycle is not None else untimed()
         try:
             if spec.mode in _OFF_LOOP:
-                future = lifecycle.submit(spec.factory)
-                timeout = lifecycle.timeout if isinstance(lifecycle, Lifecycle) else None
-                waiter = asyncio.wrap_future(future)
-                try:
-                    done, _ = await asyncio.wait((waiter,), timeout=timeout)
-                except asyncio.CancelledError:
-                    # The env may still be born: it keeps its slot until then, and is closed.
-                    _close_orphan_later(future, lifecycle, loop, release)
-                    raise
-                if not done:
-                    assert isinstance(lifecycle, Lifecycle) and timeout is not None
-                    _give_up_create(lifecycle, future, loop, release)
-                    raise CreateTimeout(
-                        f"the environment was not made within {timeout:g}s "
-                        "(--lifecycle-timeout): nothing was kept, open again"
-                    )
-                env = waiter.result()
+                env = await lifecycle.make(spec.factory, release)
             else:
                 env = spec.factory()
         except (asyncio.CancelledError, CreateTimeout):
-            raise
+            raise  # the lifecycle frees the slot when the factory returns
         except BaseException:
             release()
             raise
@@ -337,7 +315,7 @@ class EnvRunner:
             inflight.add_done_callback(lambda _: self._submit_close())
             return
         if self._mode is ExecutionMode.ASYNC:
-            task = self._loop.create_task(self._aclose_then_release())
+            task = self._loop.create_task(self._aclose_unobserved())
             _background.add(task)
             task.add_done_callback(_background.discard)
             return
@@ -346,20 +324,17 @@ class EnvRunner:
     def _submit_close(self) -> None:
         """Close the env on a lifecycle thread (never on the event loop), then free its slot."""
         try:
-            close = functools.partial(_close_then_release, self.env, self._loop, self._release)
-            _submit_close(self._lifecycle, self._loop, close)
+            self._lifecycle.close_later(self._loop, self.env.close, self._release)
         except RuntimeError:  # the pool is shut down: the process is exiting
             log.warning("environment not closed: the server is stopping")
 
-    async def _aclose_then_release(self) -> None:
+    async def _aclose_unobserved(self) -> None:
         try:
-            await self.env.close()  # type: ignore[misc]
+            await self._lifecycle.close_async(self.env.close, self._release)
         except asyncio.CancelledError:
             raise
         except BaseException:  # env code's SystemExit too: it is not the server's
             log.exception("closing an abandoned environment raised")
-        finally:
-            self._release()
 
     @_contained
     async def close(self) -> None:
@@ -368,7 +343,8 @@ class EnvRunner:
         it returns.
 
         Raises:
-            CloseAbandoned: the close ran past the lifecycle timeout (pooled envs).
+            CloseAbandoned: the close ran past the lifecycle timeout (envs off the loop and
+                async envs: see :class:`Lifecycle`).
         """
         if self._closed:
             return
@@ -378,50 +354,14 @@ class EnvRunner:
             self._close_later()
             return
         if self._mode in _OFF_LOOP:
-            await self._close_off_loop()
-            return
-        lifecycle = self._lifecycle
-        timeout = lifecycle.timeout if isinstance(lifecycle, Lifecycle) else None
-        try:
-            if self._mode is ExecutionMode.ASYNC and timeout is not None:
-                # An async close can be given up on: it is cancelled, nothing keeps running.
-                try:
-                    await asyncio.wait_for(self.env.close(), timeout)  # type: ignore[arg-type]
-                except asyncio.TimeoutError:
-                    raise CloseAbandoned(
-                        f"close did not finish within {timeout:g}s (--lifecycle-timeout); "
-                        "it was cancelled"
-                    ) from None
-            else:  # an inline env's close runs on the loop: it cannot be interrupted
-                await self._call_within(None, self.env.close)
-        finally:
-            self._release()
-
-    async def _close_off_loop(self) -> None:
-        """Close on a lifecycle thread; past the timeout the close is abandoned and the
-        slot freed only once it returns."""
-        lifecycle = self._lifecycle
-        future = _submit_close(lifecycle, self._loop, self.env.close)
-        timeout = lifecycle.timeout if isinstance(lifecycle, Lifecycle) else None
-        waiter = asyncio.wrap_future(future)
-        try:
-            done, _ = await asyncio.wait((waiter,), timeout=timeout)
-        except asyncio.CancelledError:
-            future.add_done_callback(lambda _: _release_from_thread(self._loop, self._release))
-            raise
-        if not done:
-            # Not waiter.cancel(): a close still queued would never run.
-            assert isinstance(lifecycle, Lifecycle) and isinstance(future, EnvCall)
-            lifecycle.abandon_close(future)
-            future.add_done_callback(lambda _: _release_from_thread(self._loop, self._release))
-            raise CloseAbandoned(
-                f"close did not finish within {timeout:g}s (--lifecycle-timeout); the "
-                "environment was abandoned and its slot is freed when its close returns"
-            )
-        try:
-            waiter.result()
-        finally:
-            self._release()
+            await self._lifecycle.close(self.env.close, self._release)
+        elif self._mode is ExecutionMode.ASYNC:
+            await self._lifecycle.close_async(self.env.close, self._release)
+        else:  # an inline env's close runs on the loop: it cannot be interrupted
+            try:
+                self.env.close()
+            finally:
+                self._release()
 
     async def close_quietly(self) -> None:
         """:meth:`close`, shielded from a second cancellation, logging what it raised."""
@@ -462,74 +402,3 @@ _background: set[asyncio.Task[Any]] = set()
 
 #: A pooled call runs in its task's context: its logs carry the session's id.
 _here = contextvars.copy_context
-
-
-def _release_from_thread(loop: asyncio.AbstractEventLoop, release: Callable[[], None]) -> None:
-    """Run ``release`` on ``loop``; nothing if the loop is closed (the server stopped)."""
-    with contextlib.suppress(RuntimeError):
-        loop.call_soon_threadsafe(release)
-
-
-def _close_then_release(
-    env: Any, loop: asyncio.AbstractEventLoop, release: Callable[[], None]
-) -> None:
-    """Close a sync env on this (pool) thread, logging what it raised; then free its slot."""
-    try:
-        env.close()
-    except BaseException:  # env code's SystemExit included
-        log.exception("closing an abandoned environment raised")
-    _release_from_thread(loop, release)
-
-
-def _close_orphan_later(
-    future: concurrent.futures.Future[Any],
-    lifecycle: Executor,
-    loop: asyncio.AbstractEventLoop,
-    release: Callable[[], None],
-) -> None:
-    """Close the env of a cancelled open once its factory returns (on the close pool: a
-    create thread is free, and never on the event loop), then free its slot."""
-
-    def done(finished: concurrent.futures.Future[Any]) -> None:
-        if finished.cancelled() or finished.exception() is not None:
-            _release_from_thread(loop, release)
-            return
-        try:
-            _submit_close(lifecycle, loop, _close_then_release, finished.result(), loop, release)
-        except RuntimeError:  # shut down: the process is exiting
-            _release_from_thread(loop, release)
-
-    future.add_done_callback(done)  # on the factory's thread; here, at once, if done
-
-
-def _give_up_create(
-    lifecycle: Lifecycle,
-    future: concurrent.futures.Future[Any],
-    loop: asyncio.AbstractEventLoop,
-    release: Callable[[], None],
-) -> None:
-    """An open stops waiting for its factory: one still queued never runs (its slot is
-    freed now); a running one is abandoned on its thread, its env closed when born."""
-    if future.cancel():
-        release()
-        return
-    if isinstance(future, EnvCall):
-        lifecycle.creates.abandon(future)
-    log.error(
-        "an environment's factory did not return within %gs: the open failed; the env is "
-        "closed if it is ever made, and holds its slot until then", lifecycle.timeout,
-    )  # fmt: skip
-    _close_orphan_later(future, lifecycle, loop, release)
-
-
-def _submit_close(
-    lifecycle: Executor, loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any
-) -> concurrent.futures.Future[Any]:
-    """``fn(*args)`` on the close pool of a :class:`Lifecycle`, or on a plain executor.
-
-    Raises:
-        RuntimeError: the pool is shut down.
-    """
-    if isinstance(lifecycle, Lifecycle):
-        return lifecycle.close(loop, fn, *args)
-    return lifecycle.submit(fn, *args)

@@ -25,7 +25,7 @@ from openenv_grpc.metadata import ADMITTED_KEY, RETRY_PUSHBACK_KEY, SESSION_ID_K
 from openenv_grpc.server.config import ServerConfig
 from openenv_grpc.server.errors import EnvFactoryError, SessionLostError, describe
 from openenv_grpc.server.local.calls import LocalBatchCalls, local_calls
-from openenv_grpc.server.local.runner import CreateTimeout
+from openenv_grpc.server.local.env_threads import CreateTimeout, Lifecycle
 from openenv_grpc.server.model.phases import Words
 from openenv_grpc.server.model.placement import CallPlacement
 from openenv_grpc.server.model.snapshots import SnapshotSeal
@@ -172,7 +172,7 @@ class SessionManager:
         *,
         activity: Activity | None = None,
         prometheus: Metrics | None = None,
-        lifecycle: Executor | None = None,
+        lifecycle: Lifecycle | None = None,
         snapshots: SnapshotSeal | None = None,
         budget: ByteBudget | None = None,
     ) -> None:
@@ -189,7 +189,7 @@ class SessionManager:
         )
         self._pool = pool
         #: Where factories and closes of pooled envs run: never behind hung env calls.
-        self._lifecycle = lifecycle if lifecycle is not None else pool
+        self._lifecycle = lifecycle
         self._live: set[Held] = set()  # every admitted session, until its release
         self._no_sessions = asyncio.Event()
         self._no_sessions.set()
