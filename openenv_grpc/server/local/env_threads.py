@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from openenv_grpc.server.errors import EnvExit
@@ -191,10 +191,12 @@ class Lifecycle:
         try:
             done, _ = await asyncio.wait((waiter,), timeout=self.timeout)
         except asyncio.CancelledError:
+            _let_go(waiter)
             self._close_when_made(loop, call, release)
             raise
         if done:
             return waiter.result()
+        _let_go(waiter)
         if call.cancel():  # still queued: it never runs
             release()
         else:
@@ -217,11 +219,16 @@ class Lifecycle:
 
         def made(finished: concurrent.futures.Future[Any]) -> None:
             if finished.cancelled() or finished.exception() is not None:
+                if not finished.cancelled():
+                    log.error(
+                        "an abandoned environment's factory raised", exc_info=_cause(finished)
+                    )
                 _on_loop(loop, release)
                 return
             try:
                 self.close_later(loop, finished.result().close, release)
-            except RuntimeError:  # shut down: the process is exiting
+            except BaseException:  # shut down (the process is exiting), or no close at all
+                log.exception("an abandoned environment could not be closed")
                 _on_loop(loop, release)
 
         call.add_done_callback(made)  # on the factory's thread; here, at once, if done
@@ -237,9 +244,16 @@ class Lifecycle:
         """
         call = self._submit_close(asyncio.get_running_loop(), close, release)
         waiter = asyncio.wrap_future(call)
-        done, _ = await asyncio.wait((waiter,), timeout=self.timeout)
+        try:
+            done, _ = await asyncio.wait((waiter,), timeout=self.timeout)
+        except asyncio.CancelledError:
+            _let_go(waiter)
+            call.add_done_callback(_log_failure)
+            raise
         if not done:
             # Not waiter.cancel(): a close still queued would never run.
+            _let_go(waiter)
+            call.add_done_callback(_log_failure)
             self.abandon_close(call)
             raise CloseAbandoned(
                 f"close did not finish within {self.timeout:g}s (--lifecycle-timeout); the "
@@ -247,7 +261,9 @@ class Lifecycle:
             )
         waiter.result()
 
-    async def close_async(self, close: Callable[[], Any], release: Callable[[], None]) -> None:
+    async def close_async(
+        self, close: Callable[[], Awaitable[Any]], release: Callable[[], None]
+    ) -> None:
         """An async env's ``close()``, on the loop, then ``release()`` (always). Past the
         timeout it is cancelled: nothing of it keeps running.
 
@@ -258,6 +274,8 @@ class Lifecycle:
         try:
             await asyncio.wait_for(close(), self.timeout)
         except asyncio.TimeoutError:
+            log.error("an environment's async close() did not return within %gs: cancelled",
+                      self.timeout)  # fmt: skip
             raise CloseAbandoned(
                 f"close did not finish within {self.timeout:g}s (--lifecycle-timeout); it "
                 "was cancelled"
@@ -281,6 +299,8 @@ class Lifecycle:
         """Run ``close`` on ``closes``, ``release`` on ``loop`` after it, and watch it for
         the timeout from ``loop``."""
         call = self.closes.submit(close)
+        # Added before any waiter's (``wrap_future``): the slot is freed on the loop before
+        # the close's awaiter resumes, so a client that closes and opens again finds it.
         call.add_done_callback(lambda _: _on_loop(loop, release))
         if self.timeout is not None:
             with contextlib.suppress(RuntimeError):
@@ -345,5 +365,17 @@ def _on_loop(loop: asyncio.AbstractEventLoop, release: Callable[[], None]) -> No
 
 
 def _log_failure(call: concurrent.futures.Future[Any]) -> None:
-    if not call.cancelled() and (exc := call.exception()) is not None:
-        log.error("closing an abandoned environment raised", exc_info=exc)
+    if not call.cancelled() and call.exception() is not None:
+        log.error("closing an abandoned environment raised", exc_info=_cause(call))
+
+
+def _cause(call: concurrent.futures.Future[Any]) -> BaseException | None:
+    """What env code raised in ``call`` (an ``EnvExit``'s original, with its traceback)."""
+    exc = call.exception()
+    return exc.original if isinstance(exc, EnvExit) else exc
+
+
+def _let_go(waiter: asyncio.Future[Any]) -> None:
+    """Nobody awaits ``waiter`` any more: its exception, if any, is logged elsewhere (not
+    by asyncio as "never retrieved")."""
+    waiter.add_done_callback(lambda done: done.cancelled() or done.exception())

@@ -330,9 +330,11 @@ class EnvRunner:
 
     async def _aclose_unobserved(self) -> None:
         try:
-            await self._lifecycle.close_async(self.env.close, self._release)
+            await self._lifecycle.close_async(self.env.close, self._release)  # type: ignore[arg-type]
         except asyncio.CancelledError:
             raise
+        except CloseAbandoned:  # cancelled at the timeout (the lifecycle logged it)
+            pass
         except BaseException:  # env code's SystemExit too: it is not the server's
             log.exception("closing an abandoned environment raised")
 
@@ -356,7 +358,7 @@ class EnvRunner:
         if self._mode in _OFF_LOOP:
             await self._lifecycle.close(self.env.close, self._release)
         elif self._mode is ExecutionMode.ASYNC:
-            await self._lifecycle.close_async(self.env.close, self._release)
+            await self._lifecycle.close_async(self.env.close, self._release)  # type: ignore[arg-type]
         else:  # an inline env's close runs on the loop: it cannot be interrupted
             try:
                 self.env.close()
