@@ -291,14 +291,21 @@ class Lifecycle:
         Raises:
             RuntimeError: the pool was shut down.
         """
-        self._submit_close(loop, close, release).add_done_callback(_log_failure)
+        self._submit_close(loop, close, release, unobserved=True)
 
     def _submit_close(
-        self, loop: asyncio.AbstractEventLoop, close: Callable[[], Any], release: Callable[[], None]
+        self,
+        loop: asyncio.AbstractEventLoop,
+        close: Callable[[], Any],
+        release: Callable[[], None],
+        *,
+        unobserved: bool = False,
     ) -> EnvCall:
         """Run ``close`` on ``closes``, ``release`` on ``loop`` after it, and watch it for
-        the timeout from ``loop``."""
+        the timeout from ``loop``; ``unobserved``: log what it raises first."""
         call = self.closes.submit(close)
+        if unobserved:  # logged before its slot can be taken again
+            call.add_done_callback(_log_failure)
         # Added before any waiter's (``wrap_future``): the slot is freed on the loop before
         # the close's awaiter resumes, so a client that closes and opens again finds it.
         call.add_done_callback(lambda _: _on_loop(loop, release))
