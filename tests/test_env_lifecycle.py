@@ -90,6 +90,38 @@ def test_an_abandoned_close_that_raises_later_is_logged_with_the_envs_traceback(
     assert "never retrieved" not in caplog.text
 
 
+def test_a_close_whose_awaiter_is_cancelled_frees_its_slot_and_logs_what_it_raised_later(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    started = threading.Event()
+    gate = threading.Event()
+
+    def env_close() -> None:
+        started.set()
+        gate.wait(5)
+        raise ValueError("raised after the session went")
+
+    async def main() -> int:
+        frees = _Frees()
+        closing = asyncio.ensure_future(_lifecycle(5).close(env_close, frees))
+        await asyncio.get_running_loop().run_in_executor(None, started.wait, 5)
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+        assert frees.count == 0  # the close still runs: its slot is held
+        gate.set()
+        await asyncio.wait_for(frees.freed.wait(), 5)
+        await asyncio.sleep(0.05)
+        gc.collect()
+        return frees.count
+
+    with caplog.at_level(logging.ERROR):
+        assert asyncio.run(main()) == 1
+        raised = _logged(caplog, "closing an abandoned environment raised")
+    assert len(raised) == 1 and "raised after the session went" in caplog.text
+    assert "never retrieved" not in caplog.text
+
+
 def test_a_background_close_raising_system_exit_logs_where_env_code_raised(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

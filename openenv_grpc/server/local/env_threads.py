@@ -247,13 +247,11 @@ class Lifecycle:
         try:
             done, _ = await asyncio.wait((waiter,), timeout=self.timeout)
         except asyncio.CancelledError:
-            _let_go(waiter)
-            call.add_done_callback(_log_failure)
+            _unobserved(waiter, call)
             raise
         if not done:
             # Not waiter.cancel(): a close still queued would never run.
-            _let_go(waiter)
-            call.add_done_callback(_log_failure)
+            _unobserved(waiter, call)
             self.abandon_close(call)
             raise CloseAbandoned(
                 f"close did not finish within {self.timeout:g}s (--lifecycle-timeout); the "
@@ -380,6 +378,12 @@ def _cause(call: concurrent.futures.Future[Any]) -> BaseException | None:
     """What env code raised in ``call`` (an ``EnvExit``'s original, with its traceback)."""
     exc = call.exception()
     return exc.original if isinstance(exc, EnvExit) else exc
+
+
+def _unobserved(waiter: asyncio.Future[Any], call: concurrent.futures.Future[Any]) -> None:
+    """A close nobody awaits any more: what it raises is logged by us, once."""
+    _let_go(waiter)
+    call.add_done_callback(_log_failure)
 
 
 def _let_go(waiter: asyncio.Future[Any]) -> None:
